@@ -1,0 +1,32 @@
+# Two commands on a fresh Linux machine with Python >= 3.10 and pip:
+#   make demo   # the main job: treeattn generate on the embedded model and a shipped document
+#   make test   # the test suite (CPU; gloo ranks; Triton under its interpreter)
+# Both create (or reuse) a virtual environment in $(VENV) and install what they need.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.treeattn-installed
+# torch==2.13.0 resolves to the CPU wheel on CPU-only machines here and to the CUDA build on PyPI.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test,demo]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/treeattn --help
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q tests
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

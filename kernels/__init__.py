@@ -1,0 +1,44 @@
+"""treeattn's attention kernels (installed as ``treeattn_kernels``, never as ``kernels``).
+
+One entry point, :func:`partial_attention`: a rank's attention of its queries to its own KV
+shard, returning the un-merged partial ``(o, lse)``. On CUDA it runs the Triton split-KV
+kernel; elsewhere the pure-torch reference (which never imports triton).
+"""
+
+from __future__ import annotations
+
+from .partial_ref import partial_attention_ref
+
+__all__ = ["partial_attention", "partial_attention_ref", "triton_available"]
+
+
+def triton_available() -> bool:
+    """True when the Triton kernel can be imported (triton installed, Linux)."""
+    try:
+        from . import partial_triton  # noqa: F401
+    except Exception:  # ImportError, or a broken triton install
+        return False
+    return True
+
+
+def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
+                      window=None, softcap=None, out=None, lse_out=None, impl: str = "auto"):
+    """Partial attention of ``q [B, H, Q, d]`` to one KV shard ``k, v [B, H_kv, N, d]``.
+
+    Returns ``(o [B, H, Q, d] in q.dtype, lse [B, H, Q] fp32, natural log)``; rows with no
+    visible key give ``o = 0, lse = -inf``. See :func:`partial_attention_ref` for the
+    arguments. ``impl``: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
+    """
+    if impl == "auto":
+        impl = "triton" if q.is_cuda and triton_available() else "torch"
+    if impl == "torch":
+        return partial_attention_ref(q, k, v, scale=scale, q_pos=q_pos, k_pos=k_pos,
+                                     kv_len=kv_len, window=window, softcap=softcap,
+                                     out=out, lse_out=lse_out)
+    if impl == "triton":
+        from .partial_triton import partial_attention_triton
+
+        return partial_attention_triton(q, k, v, scale=scale, q_pos=q_pos, k_pos=k_pos,
+                                        kv_len=kv_len, window=window, softcap=softcap,
+                                     out=out, lse_out=lse_out)
+    raise ValueError(f"unknown kernel impl {impl!r} (expected auto, triton or torch)")

@@ -1,0 +1,43 @@
+"""Shared test helpers: tolerances, oracles, random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Named tolerances (DESIGN.md §7): relative to the output scale.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float64: 1e-12}
+
+
+def attention_f64(q, k, v, *, scale=None, mask=None, softcap=None):
+    """Float64 softmax attention oracle with an explicit repeat of KV heads.
+
+    q [B, H, Q, d], k/v [B, H_kv, N, d], mask [B, Q, N] bool or None.
+    Returns (o [B, H, Q, d] f64, lse [B, H, Q] f64), o = 0 / lse = -inf for rows with no key.
+    """
+    B, H, Q, d = q.shape
+    G = H // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    kk = k.double().repeat_interleave(G, dim=1)
+    vv = v.double().repeat_interleave(G, dim=1)
+    s = q.double() @ kk.transpose(-1, -2) * scale  # (B, H, Q, N)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ vv, lse
+
+
+def assert_close(actual, expected, dtype, what=""):
+    """|actual - expected| <= tol * max(1, max|expected|) elementwise, NaN-free, same -inf."""
+    a, e = actual.double(), expected.double()
+    assert not torch.isnan(a).any(), f"{what}: NaN in output"
+    inf_a, inf_e = torch.isinf(a), torch.isinf(e)
+    assert torch.equal(inf_a, inf_e), f"{what}: -inf pattern differs"
+    a, e = a.masked_fill(inf_a, 0), e.masked_fill(inf_e, 0)
+    scale = max(1.0, e.abs().max().item()) if e.numel() else 1.0
+    err = (a - e).abs().max().item() if e.numel() else 0.0
+    assert err <= TOL[dtype] * scale, f"{what}: max error {err:.3g} > {TOL[dtype]} x {scale:.3g}"

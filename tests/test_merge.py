@@ -1,0 +1,111 @@
+"""merge.py: exactness of the N-way and pairwise LSE merges, empty shards included."""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import assert_close
+from treeattn_cli.merge import merge_pair, merge_partials, unweigh, weigh
+from treeattn_kernels import partial_attention_ref
+
+
+def random_split(N, S):
+    """Uneven cut points of N keys into S shards, some possibly empty."""
+    cuts = sorted(random.randint(0, N) for _ in range(S - 1))
+    return [0, *cuts, N]
+
+
+def shard_partials(q, k, v, bounds):
+    parts = [partial_attention_ref(q, k[:, :, a:b], v[:, :, a:b]) for a, b in zip(bounds, bounds[1:])]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+@pytest.mark.parametrize("S", range(1, 9))
+def test_nway_merge_equals_unsplit(S):
+    B, H, H_kv, Q, N, d = 3, 8, 2, 2, 97, 64
+    q, k, v = torch.randn(B, H, Q, d), torch.randn(B, H_kv, N, d), torch.randn(B, H_kv, N, d)
+    bounds = random_split(N, S)
+    if S > 2:
+        bounds[1] = bounds[0]  # force an empty shard
+    o_s, lse_s = shard_partials(q, k, v, bounds)  # (S, B, H, Q, d), (S, B, H, Q)
+    o, lse = merge_partials(o_s, lse_s)
+    o_ref, lse_ref = partial_attention_ref(q, k, v)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+
+
+def test_tree_order_equals_sequential_equals_nway():
+    B, H, Q, d, S = 2, 4, 1, 32, 7
+    o_s = torch.randn(S, B, H, Q, d)
+    lse_s = torch.randn(S, B, H, Q) * 5
+    lse_s[2] = -math.inf  # an empty shard
+    nway = merge_partials(o_s, lse_s)
+    seq = functools.reduce(lambda a, b: merge_pair(*a, *b), zip(o_s, lse_s))
+
+    def tree(items):
+        while len(items) > 1:
+            items = [merge_pair(*items[i], *items[i + 1]) if i + 1 < len(items) else items[i]
+                     for i in range(0, len(items), 2)]
+        return items[0]
+
+    tr = tree(list(zip(o_s, lse_s)))
+    for got in (seq, tr):
+        assert_close(got[0], nway[0], torch.float32, "o")
+        assert_close(got[1], nway[1], torch.float32, "lse")
+
+
+def test_all_empty_gives_defined_result():
+    o_s = torch.randn(4, 2, 3, 1, 8)
+    lse_s = torch.full((4, 2, 3, 1), -math.inf)
+    o, lse = merge_partials(o_s, lse_s)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    o, lse = merge_pair(o_s[0], lse_s[0], o_s[1], lse_s[1])
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+
+
+def test_one_side_empty_is_identity():
+    o_a, lse_a = torch.randn(5, 8), torch.randn(5)
+    o, lse = merge_pair(o_a, lse_a, torch.full((5, 8), 7.0), torch.full((5,), -math.inf))
+    assert torch.allclose(o, o_a, rtol=0, atol=0) and torch.equal(lse, lse_a)
+    o, lse = merge_pair(torch.full((5, 8), 7.0), torch.full((5,), -math.inf), o_a, lse_a)
+    assert torch.allclose(o, o_a, rtol=0, atol=0) and torch.equal(lse, lse_a)
+
+
+def test_weigh_unweigh_is_the_nway_merge():
+    """The all-reduce form: SUM of [o·w, w] after a MAX of lse equals merge_partials."""
+    o_s, lse_s = torch.randn(5, 2, 4, 3, 16), torch.randn(5, 2, 4, 3) * 30
+    lse_s[1, 0] = -math.inf
+    m = lse_s.amax(0)
+    packed = sum(weigh(o_s[i], lse_s[i], m) for i in range(5))  # what all_reduce SUM returns
+    o, lse = unweigh(packed, m)
+    o_ref, lse_ref = merge_partials(o_s, lse_s)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+
+
+def test_large_magnitude_bf16_stays_finite():
+    o_s = (torch.randn(4, 2, 8, 1, 64) * 1e3).bfloat16()
+    lse_s = torch.randn(4, 2, 8, 1) * 1e4  # huge spread of logits
+    o, lse = merge_partials(o_s, lse_s)
+    o32, lse32 = merge_partials(o_s.float(), lse_s)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    assert_close(o, o32, torch.bfloat16, "o")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.just(-math.inf), st.floats(-50, 50)), min_size=3, max_size=3),
+       st.integers(0, 2**31 - 1))
+def test_merge_pair_associative(lses, seed):
+    g = torch.Generator().manual_seed(seed)
+    o = [torch.randn(2, 8, generator=g) for _ in range(3)]
+    lse = [torch.full((2,), x) for x in lses]
+    left = merge_pair(*merge_pair(o[0], lse[0], o[1], lse[1]), o[2], lse[2])
+    right = merge_pair(o[0], lse[0], *merge_pair(o[1], lse[1], o[2], lse[2]))
+    assert_close(left[0], right[0], torch.float32, "o")
+    assert_close(left[1], right[1], torch.float32, "lse")

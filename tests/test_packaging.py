@@ -1,0 +1,59 @@
+"""Packaging: kernels/ installs as treeattn_kernels, never as a top-level `kernels` (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_transformers_does_not_import_our_kernels(tmp_path):
+    """With the project installed, `from transformers import LlamaConfig` (which probes for a
+    `kernels` package) must not find or import ours, from any working directory."""
+    probe = (
+        "import importlib.util, sys\n"
+        "from transformers import LlamaConfig\n"
+        "import transformers.integrations.hub_kernels\n"
+        "bad = [m for m in sys.modules if m == 'kernels' or m.startswith(('kernels.', 'treeattn_kernels'))]\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "ours = spec is not None and spec.origin is not None and 'treeattn' in spec.origin\n"
+        f"ours = ours or (spec is not None and {str(REPO)!r} in str(spec.origin))\n"
+        "print(bad, ours)\n"
+        "sys.exit(1 if bad or ours else 0)\n"
+    )
+    for cwd in (tmp_path, REPO / "tests"):
+        r = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    import treeattn_kernels
+
+    assert Path(treeattn_kernels.__file__).parent == REPO / "kernels"
+
+
+def test_wheel_has_no_top_level_kernels(tmp_path):
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("treeattn_cli", "kernels"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path / "dist"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (wheel,) = (tmp_path / "dist").glob("treeattn-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert "kernels" not in tops, sorted(tops)
+    assert "treeattn_kernels/__init__.py" in names
+    assert "treeattn_kernels/partial_triton.py" in names
+    assert "treeattn_cli/main.py" in names
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "treeattn = treeattn_cli.main:app" in zipfile.ZipFile(wheel).read(entry).decode()

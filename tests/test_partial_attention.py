@@ -1,0 +1,181 @@
+"""partial_attention: torch reference and Triton kernel against a float64 oracle."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from helpers import TOL, assert_close, attention_f64
+from treeattn_kernels import partial_attention, partial_attention_ref
+from treeattn_kernels.partial_ref import key_mask
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make(B, H, H_kv, Q, N, d, dtype):
+    q = torch.randn(B, H, Q, d, dtype=dtype)
+    k = torch.randn(B, H_kv, N, d, dtype=dtype)
+    v = torch.randn(B, H_kv, N, d, dtype=dtype)
+    return q, k, v
+
+
+def poisoned(B, H, Q, d, dtype):
+    """Output buffers filled with NaN: any element the kernel forgets to write shows up."""
+    return (torch.full((B, H, Q, d), math.nan, dtype=dtype),
+            torch.full((B, H, Q), math.nan, dtype=torch.float32))
+
+
+def run_case(impl, B, G, H_kv, Q, N, d, dtype, causal, ragged, **kw):
+    H = G * H_kv
+    q, k, v = make(B, H, H_kv, Q, N, d, dtype)
+    q_pos = k_pos = kv_len = None
+    if causal:  # queries are the last Q positions of a sequence of N + offset tokens
+        offset = 3
+        q_pos = torch.arange(N + offset - Q, N + offset).expand(B, Q)  # some rows see no key
+        k_pos = torch.arange(N)[torch.randperm(N)]  # key order within a shard is arbitrary
+    if ragged:
+        kv_len = torch.randint(0, N + 1, (B,))
+        kv_len[0] = N
+    out, lse_out = poisoned(B, H, Q, d, dtype)
+    o, lse = partial_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len,
+                               out=out, lse_out=lse_out, impl=impl, **kw)
+    assert o.data_ptr() == out.data_ptr() and lse.data_ptr() == lse_out.data_ptr()
+    mask = key_mask(B, Q, N, q.device, q_pos, k_pos, kv_len, kw.get("window"))
+    o_ref, lse_ref = attention_f64(q, k, v, mask=mask, softcap=kw.get("softcap"))
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, torch.float32 if dtype == torch.float32 else dtype, "lse")
+    return o, lse
+
+
+# The full grid of the issue for the (fast) torch reference.
+REF_GRID = list(itertools.product(
+    [1, 2, 127, 128, 129, 1000],  # N
+    [64, 128],  # d
+    [1, 3, 4, 8],  # G = H / H_kv
+    [1, 3],  # B
+    [1, 5],  # Q
+))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N,d,G,B,Q", REF_GRID)
+def test_reference_grid(N, d, G, B, Q, dtype):
+    causal = (N + d + G + B + Q) % 2 == 0  # half the grid causal, half ragged
+    run_case("torch", B, G, 2 if G < 8 else 1, Q, N, d, dtype, causal=causal, ragged=not causal)
+
+
+# The interpreted Triton kernel: small shapes that still break kernels (each launch ~0.1-1 s).
+TRITON_CASES = [
+    # B, G, H_kv, Q, N, d, dtype, causal, ragged, extra
+    (1, 1, 2, 1, 1, 64, torch.float32, False, False, {}),
+    (1, 4, 2, 1, 2, 64, torch.bfloat16, False, False, {}),
+    (3, 3, 1, 1, 127, 64, torch.float16, False, True, {}),
+    (1, 8, 1, 1, 129, 128, torch.bfloat16, True, False, {}),
+    (3, 1, 2, 5, 128, 64, torch.float32, True, True, {}),
+    (1, 4, 2, 5, 300, 128, torch.float32, True, False, {"num_splits": 3}),
+    (2, 3, 1, 1, 257, 64, torch.float32, False, True, {"num_splits": 5}),
+    (1, 4, 1, 5, 200, 64, torch.float32, True, False, {"window": 40}),
+    (1, 2, 2, 1, 150, 64, torch.float32, False, False, {"softcap": 5.0}),
+]
+
+
+@pytest.mark.parametrize("B,G,H_kv,Q,N,d,dtype,causal,ragged,extra", TRITON_CASES)
+def test_triton_kernel(B, G, H_kv, Q, N, d, dtype, causal, ragged, extra):
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+
+    if "num_splits" in extra:  # split count forced: empty and partial splits both happen
+        q, k, v = make(B, G * H_kv, H_kv, Q, N, d, dtype)
+        kv_len = torch.randint(0, N + 1, (B,)) if ragged else None
+        o, lse = pt.partial_attention_triton(q, k, v, kv_len=kv_len, num_splits=extra["num_splits"])
+        o_ref, lse_ref = partial_attention_ref(q, k, v, kv_len=kv_len)
+        assert_close(o, o_ref, dtype, "o")
+        assert_close(lse, lse_ref, torch.float32, "lse")
+        return
+    run_case("triton", B, G, H_kv, Q, N, d, dtype, causal, ragged, **extra)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_window_and_softcap_reference(impl):
+    if impl == "triton":
+        pytest.importorskip("triton")
+    run_case(impl, 2, 2, 2, 3, 90, 64, torch.float32, causal=True, ragged=True,
+             window=17, softcap=3.0)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_empty_shard_and_no_visible_key(impl):
+    """N = 0, and every key in the future: o = 0 and lse = -inf, never NaN."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+    q, k, v = make(2, 4, 2, 1, 0, 64, torch.float32)
+    o, lse = partial_attention(q, k, v, impl=impl)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    q, k, v = make(2, 4, 2, 1, 10, 64, torch.float32)
+    o, lse = partial_attention(q, k, v, q_pos=torch.tensor([5]), k_pos=torch.arange(10, 20),
+                               impl=impl)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+
+
+def test_gqa_never_repeats_kv(monkeypatch):
+    """The reference must not expand K/V to H heads (memory and bytes x group size)."""
+    calls = []
+    orig = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    q, k, v = make(1, 8, 2, 1, 16, 64, torch.float32)
+    partial_attention_ref(q, k, v)
+    assert not calls
+
+
+def test_reference_slices_long_query_blocks(monkeypatch):
+    """Query rows are processed in slices under the score-size bound, with the same result."""
+    import treeattn_kernels.partial_ref as pr
+
+    q, k, v = make(2, 4, 2, 37, 50, 64, torch.float32)
+    qp, kp = torch.arange(13, 50), torch.arange(50)
+    full = pr.partial_attention_ref(q, k, v, q_pos=qp, k_pos=kp)
+    monkeypatch.setattr(pr, "_MAX_SCORE_ELEMS", 2 * 4 * 50 * 5)  # 5 rows per slice
+    sliced = pr.partial_attention_ref(q, k, v, q_pos=qp, k_pos=kp)
+    assert torch.equal(full[0], sliced[0]) and torch.equal(full[1], sliced[1])
+
+
+@pytest.mark.parametrize("bad", ["heads", "batch", "pos", "len"])
+def test_bad_shapes_raise_clearly(bad):
+    q, k, v = make(2, 6, 3, 1, 8, 64, torch.float32)
+    kw = {}
+    if bad == "heads":
+        k, v = torch.randn(2, 4, 8, 64), torch.randn(2, 4, 8, 64)  # 6 query heads, 4 KV heads
+    elif bad == "batch":
+        q = q[:1]
+    elif bad == "pos":
+        kw = {"q_pos": torch.arange(2), "k_pos": torch.arange(8)}
+    elif bad == "len":
+        kw = {"kv_len": torch.tensor([1, 2, 3])}
+    with pytest.raises(ValueError):
+        partial_attention_ref(q, k, v, **kw)
+
+
+def test_choose_splits_fills_the_machine():
+    pytest.importorskip("triton")
+    from treeattn_kernels.partial_triton import choose_splits
+
+    assert choose_splits(1, 8, 1 << 20, 132, 64) == 33  # 8 heads x 33 splits ~ 2 waves of 132 SMs
+    assert choose_splits(1, 8, 100, 132, 64) == 1  # too short to split
+    assert choose_splits(64, 8, 1 << 20, 132, 64) == 1  # batch already fills the machine
+    assert TOL[torch.float32] == 1e-5
+
+
+# A wider sample of the grid through the interpreted kernel: every N/d/G, dtypes rotating.
+TRITON_GRID = [(N, d, G, 3 if i % 2 else 1, 5 if i % 3 == 0 else 1, DTYPES[i % 3])
+               for i, (N, d, G) in enumerate(itertools.product([1, 129, 1000], [64, 128], [1, 3, 4, 8]))]
+
+
+@pytest.mark.parametrize("N,d,G,B,Q,dtype", TRITON_GRID)
+def test_triton_grid(N, d, G, B, Q, dtype):
+    pytest.importorskip("triton")
+    causal = (N + G) % 2 == 0
+    run_case("triton", B, G, 8 // G if G < 8 else 1, Q, N, d, dtype, causal=causal, ragged=not causal)
