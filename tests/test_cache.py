@@ -1,0 +1,87 @@
+"""ShardedKVCache: placement, geometric growth, and exact decode over p simulated ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import assert_close
+from treeattn_cli.cache import ShardedKVCache
+from treeattn_cli.merge import merge_partials
+from treeattn_cli.ring import chunk_bounds
+from treeattn_kernels import partial_attention, partial_attention_ref
+
+
+def test_placement_balances_within_one_token():
+    p = 3
+    caches = [ShardedKVCache(1, 2, 1, 8, rank=r, world=p) for r in range(p)]
+    b = chunk_bounds(14, p)  # 5, 5, 4
+    for c in caches:
+        c.set_counts([b[i + 1] - b[i] for i in range(p)])
+    for step in range(100):
+        owners = [c.place() for c in caches]
+        assert all(torch.equal(owners[0], o) for o in owners), "ranks disagree on placement"
+        counts = caches[0].counts
+        assert (counts.max(1).values - counts.min(1).values).max() <= 1, (step, counts)
+    assert caches[0].counts.sum(1).tolist() == [114, 114]
+    # ties go to the lowest rank: from [5, 5, 4] the next owners are 2, 0, 1, 2, 0, 1 ...
+    c = ShardedKVCache(1, 1, 1, 8, rank=0, world=3)
+    c.set_counts([5, 5, 4])
+    assert [c.place().item() for _ in range(6)] == [2, 0, 1, 2, 0, 1]
+
+
+def test_capacity_grows_geometrically_and_keeps_data():
+    c = ShardedKVCache(2, 1, 1, 4, rank=0, world=1)
+    caps = set()
+    ref = []
+    for t in range(300):
+        c.begin_step(torch.tensor([t]))
+        kv = torch.full((1, 1, 1, 4), float(t))
+        for layer in range(2):
+            c.update(layer, kv, -kv)
+        c.end_step()
+        ref.append(t)
+        caps.add(c.capacity)
+    assert caps == {64, 128, 256, 512}  # doublings only: O(log n) copies, not one per token
+    k, v, kv_len, pos = c.view(1)
+    assert kv_len.tolist() == [300] and pos[0].tolist() == ref
+    assert torch.equal(k[0, 0, :, 0], torch.arange(300.0)) and torch.equal(v, -k)
+
+
+def test_decode_over_simulated_ranks_is_exact():
+    """p caches fed the same prompt chunks and decode tokens (batch 3): the
+    merge of their partials equals attention over the whole sequence, every step."""
+    p, L, B, H_kv, G, d = 3, 2, 3, 2, 2, 16
+    n_prompt = 10
+    caches = [ShardedKVCache(L, B, H_kv, d, rank=r, world=p) for r in range(p)]
+    keys = {layer: torch.randn(B, H_kv, n_prompt, d) for layer in range(L)}
+    vals = {layer: torch.randn(B, H_kv, n_prompt, d) for layer in range(L)}
+    b = chunk_bounds(n_prompt, p)
+    for r, c in enumerate(caches):
+        for layer in range(L):
+            c.write_prefill(layer, keys[layer][:, :, b[r]:b[r + 1]], vals[layer][:, :, b[r]:b[r + 1]],
+                            torch.arange(b[r], b[r + 1]))
+        c.set_counts([b[i + 1] - b[i] for i in range(p)])
+    for step in range(7):
+        pos = torch.full((B,), n_prompt + step)
+        stores = [c.begin_step(pos) for c in caches]
+        assert (sum(s.long() for s in stores) == 1).all(), "each token stored exactly once"
+        for layer in range(L):
+            k_new, v_new = torch.randn(B, H_kv, 1, d), torch.randn(B, H_kv, 1, d)
+            keys[layer] = torch.cat([keys[layer], k_new], 2)
+            vals[layer] = torch.cat([vals[layer], v_new], 2)
+            q = torch.randn(B, G * H_kv, 1, d)
+            parts = []
+            for c in caches:
+                k_shard, v_shard, kv_len = c.update(layer, k_new, v_new)
+                parts.append(partial_attention(q, k_shard, v_shard, kv_len=kv_len))
+            o, lse = merge_partials(torch.stack([x[0] for x in parts]), torch.stack([x[1] for x in parts]))
+            o_ref, lse_ref = partial_attention_ref(q, keys[layer], vals[layer])
+            assert_close(o, o_ref, torch.float32, f"step {step} layer {layer}")
+            assert_close(lse, lse_ref, torch.float32, "lse")
+        for c in caches:
+            c.end_step()
+    sizes = [c.length.tolist() for c in caches]
+    assert [sum(s[i] for s in sizes) for i in range(B)] == [n_prompt + 7] * B
+    # positions recorded: the union over ranks is every position exactly once
+    allpos = sorted(x for c in caches for x in c.view(0)[3][0][: c.length[0]].tolist())
+    assert allpos == list(range(n_prompt + 7))

@@ -1,0 +1,87 @@
+"""Distributed engine on CPU gloo ranks: schemes, ring decode and prefill vs one-rank oracles."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import dist_cases
+from treeattn_cli.launch import LaunchError, run_local
+
+TOL_REL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def _seed():
+    import os
+
+    return int.from_bytes(os.urandom(3), "little")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_scheme_and_ring_decode_equal_one_rank(world):
+    groups = [[0, 1], [2, 3]] if world == 4 else ([[0], [1, 2]] if world == 3 else None)
+    per_rank = run_local(dist_cases.decode_schemes, world, _seed(), groups, timeout_s=60)
+    methods = set()
+    for rows in per_rank:
+        for case, method, o_err, lse_err, same in rows:
+            methods.add(method)
+            tol = TOL_REL[case.split("-")[-1]]
+            assert o_err <= tol, (world, case, method, o_err)
+            assert lse_err <= 1e-5 if "float32" in case else lse_err <= 1e-2, (case, method, lse_err)
+            assert same, f"{method} {case}: ranks disagree"
+    assert {"allreduce", "allgather", "tree", "ring"} <= methods
+    if groups:
+        assert any(m.startswith("hier-") for m in methods)
+
+
+def test_allreduce_counts_two_collectives_and_formula_bytes():
+    B, H, d = 3, 8, 64
+    for snap in run_local(dist_cases.allreduce_accounting, 2, B, H, d, timeout_s=60):
+        assert snap["collectives"] == 2
+        assert snap["by_op"] == {"all_reduce_max": 1, "all_reduce_sum": 1}
+        assert snap["bytes_sent"] == 4 * B * H * (d + 2)
+
+
+def test_ring_bytes_grow_with_shard_and_move_kv_heads_only():
+    B, H_kv, N, d, p = 1, 2, 40, 32, 3
+    for snap in run_local(dist_cases.ring_accounting, p, B, H_kv, N, d, timeout_s=60):
+        block = 2 * B * H_kv * N * d * 4 + B * 8  # K and V (fp32, H_kv heads) and the lengths
+        assert snap["bytes_sent"] == (p - 1) * block
+        assert snap["peak_mem_bytes"] == 2 * block  # double buffer
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_prefill_equals_single_device_causal(world):
+    lengths = [1, world - 1, world, 2 * world + 1, 37]
+    for rows in run_local(dist_cases.prefill_cases, world, _seed(), lengths, timeout_s=60):
+        for n, window, o_err, lse_err in rows:
+            assert o_err <= 1e-5 and lse_err <= 1e-5, (world, n, window, o_err, lse_err)
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_failing_rank_is_named_on_every_rank_within_timeout(how):
+    timeout = 8.0
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as ei:
+        run_local(dist_cases.fail_mid_step, 3, 1, how, timeout_s=timeout)
+    elapsed = time.monotonic() - t0
+    assert elapsed < timeout + 10, elapsed
+    msg = str(ei.value)
+    if how == "raise":
+        assert "rank 1 failed: ValueError: boom in layer 3" in msg
+    else:
+        assert "rank 1 killed by SIGKILL" in msg
+    victims = {r: v for r, v in ei.value.outcomes.items() if r != 1}
+    for r, (kind, val) in victims.items():
+        assert kind == "lost", (r, kind, val)
+        assert "rank 1" in val[0], val[0]
+
+
+def test_only_comm_touches_torch_distributed():
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[1] / "treeattn_cli"
+    offenders = [p.name for p in pkg.glob("*.py") if p.name != "comm.py"
+                 and ("torch.distributed" in p.read_text() or "import distributed" in p.read_text())]
+    assert not offenders, offenders

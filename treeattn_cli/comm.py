@@ -1,0 +1,405 @@
+"""Every torch.distributed call of treeattn lives here (DESIGN.md §3).
+
+* process-group set-up with a timeout, failure reporting through the rendezvous store, and a
+  :class:`RankFailure` that names the lost rank instead of a bare gloo/NCCL error;
+* :class:`Comm`: the merge schemes over a group — ``allreduce`` (MAX, then one SUM of the
+  packed ``[o·w, w]``), ``allgather`` (one all_gather, local merge), ``tree`` (explicit binary
+  tree of point-to-point sends, then back down) and ``hierarchical`` (a scheme inside each group,
+  one across group leaders, a broadcast back inside groups) — plus the point-to-point shift that
+  the ring paths (``ring.py``) use, and token/object broadcasts;
+* :class:`Stats`: collectives, bytes handed to them and peak extra memory, per step.
+
+Every scheme returns the bit-identical merged ``(o, lse)`` (fp32) on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .merge import merge_pair, merge_partials, unweigh, weigh
+
+SCHEMES = ("allreduce", "allgather", "tree", "hierarchical")
+FLAT_SCHEMES = ("allreduce", "allgather", "tree")
+_KEY = "treeattn"
+_HEARTBEAT_S = 1.0
+
+
+class RankFailure(RuntimeError):
+    """Another rank of the group failed or was lost; the message names it."""
+
+
+@dataclass
+class Stats:
+    """Counters read by ``bench``. Off by default; when off every hook is one attribute test.
+
+    ``bytes_sent`` counts the payload this rank hands to each collective or send (the size of
+    the all_reduce input, the all_gather contribution, the sent tensor), not wire bytes, which
+    depend on the backend's algorithm.
+    """
+
+    enabled: bool = False
+    collectives: int = 0
+    bytes_sent: int = 0
+    peak_mem_bytes: int = 0
+    by_op: dict = field(default_factory=dict)
+    _live: int = 0
+
+    def count(self, op: str, nbytes: int) -> None:
+        self.collectives += 1
+        self.bytes_sent += nbytes
+        self.by_op[op] = self.by_op.get(op, 0) + 1
+
+    def hold(self, nbytes: int) -> None:
+        """Note ``nbytes`` of temporary buffers alive (negative: released)."""
+        self._live += nbytes
+        self.peak_mem_bytes = max(self.peak_mem_bytes, self._live)
+
+    def reset(self) -> None:
+        self.collectives = self.bytes_sent = self.peak_mem_bytes = self._live = 0
+        self.by_op = {}
+
+    def snapshot(self) -> dict:
+        return {"collectives": self.collectives, "bytes_sent": self.bytes_sent,
+                "peak_mem_bytes": self.peak_mem_bytes, "by_op": dict(self.by_op)}
+
+
+# ---------------------------------------------------------------- process group and failures
+
+def make_store(port: int, world: int, *, host: str = "127.0.0.1", is_master: bool,
+               timeout_s: float):
+    """The rendezvous key-value store. The master (the launcher) listens on ``host`` only,
+    on ``port`` (0: a free port the OS picks; read it back from ``.port``)."""
+    kw = {"wait_for_workers": False} if is_master else {}
+    return dist.TCPStore(host, port, world, is_master=is_master,
+                         timeout=datetime.timedelta(seconds=timeout_s), **kw)
+
+
+_state = {"store": None, "rank": 0, "world": 1, "timeout_s": 300.0, "hb": None}
+
+
+def init_process_group(backend: str, rank: int, world: int, store, timeout_s: float,
+                       device=None, heartbeat: bool = True) -> None:
+    """Join the default group through ``store`` (a c10d Store shared by all ranks).
+
+    Every collective of the group fails after ``timeout_s``; a heartbeat thread lets the
+    survivors name a rank that vanished (SIGKILL, OOM kill) rather than only time out.
+    """
+    kw = {}
+    if device is not None and getattr(device, "type", None) == "cuda":
+        kw["device_id"] = device
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    _state.update(store=store, rank=rank, world=world, timeout_s=timeout_s)
+    if heartbeat and world > 1:
+        stop = threading.Event()
+        t = threading.Thread(target=_beat, args=(store, rank, stop), daemon=True,
+                             name="treeattn-heartbeat")
+        t.start()
+        _state["hb"] = stop
+
+
+def _beat(store, rank, stop):
+    while not stop.is_set():
+        try:
+            store.set(f"{_KEY}/hb/{rank}", repr(time.time()))
+        except Exception:  # the store is gone: the run is ending
+            return
+        stop.wait(_HEARTBEAT_S)
+
+
+def destroy_process_group() -> None:
+    """Leave the group (idempotent)."""
+    if _state["hb"] is not None:
+        _state["hb"].set()
+        _state["hb"] = None
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def report_failure(exc: BaseException) -> None:
+    """Tell the other ranks through the store why this rank is failing (best effort)."""
+    store = _state["store"]
+    if store is None or isinstance(exc, RankFailure):
+        return
+    try:
+        store.set(f"{_KEY}/failed/{_state['rank']}", f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+    except Exception:
+        pass
+
+
+def _scan(store, me, world):
+    """(failed messages, ranks whose heartbeat is stale) as seen in the store now."""
+    failed, lost = [], []
+    now = time.time()
+    for r in range(world):
+        if r == me:
+            continue
+        if store.check([f"{_KEY}/failed/{r}"]):
+            failed.append(f"rank {r} failed: {store.get(f'{_KEY}/failed/{r}').decode()}")
+        elif store.check([f"{_KEY}/hb/{r}"]):
+            if now - float(store.get(f"{_KEY}/hb/{r}").decode()) > 2.5 * _HEARTBEAT_S:
+                lost.append(r)
+    return failed, lost
+
+
+def _explain(op: str, exc: BaseException) -> RankFailure:
+    """Turn a backend error into a message naming the failed or lost rank(s).
+
+    A rank that raised wrote why to the store before exiting. One that vanished (SIGKILL)
+    stops beating: the survivors watch the heartbeats for a few seconds to name it.
+    """
+    store, me, world = _state["store"], _state["rank"], _state["world"]
+    failed, lost = [], []
+    if store is not None:
+        deadline = time.monotonic() + 3.5 * _HEARTBEAT_S
+        try:
+            while True:
+                failed, lost = _scan(store, me, world)
+                if failed or lost or time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+        except Exception:  # the store itself is gone (the launcher died): say what we know
+            pass
+    detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    if failed:
+        return RankFailure("; ".join(failed))
+    if lost:
+        who = ", ".join(str(r) for r in lost)
+        return RankFailure(f"lost rank {who} (process gone) during {op}: {detail}")
+    return RankFailure(f"rank {me}: {op} failed or timed out after {_state['timeout_s']:g}s "
+                       f"waiting for the other ranks: {detail}")
+
+
+def _guarded(what: str, fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except RankFailure:
+        raise
+    except Exception as e:  # gloo/NCCL errors: timeouts, closed connections
+        raise _explain(what, e) from e
+
+
+# ---------------------------------------------------------------- the communicator
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """A process group and the merge scheme used on it.
+
+    ``Comm(scheme=...)`` on the default group; :func:`make_comm` builds the sub-groups of a
+    hierarchical plan. ``Comm.single()`` is the one-rank oracle (no torch.distributed at all).
+    """
+
+    def __init__(self, group=None, scheme: str = "allreduce", stats: Stats | None = None,
+                 inner: "Comm | None" = None, leaders: "Comm | None" = None,
+                 inner_scheme: str = "allreduce", outer_scheme: str = "tree", _single=False):
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+        self.group = group
+        self.scheme = scheme
+        self.stats = stats or Stats()
+        self.inner, self.leaders = inner, leaders
+        self.inner_scheme, self.outer_scheme = inner_scheme, outer_scheme
+        if _single:
+            self.rank, self.world, self._ranks = 0, 1, [0]
+        else:
+            self.rank = dist.get_rank(group)
+            self.world = dist.get_world_size(group)
+            self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+
+    @classmethod
+    def single(cls, scheme="allreduce", stats=None) -> "Comm":
+        return cls(scheme=scheme, stats=stats, _single=True)
+
+    # -- primitives (each counts itself) ------------------------------------------------
+    def _count(self, op, t):
+        if self.stats.enabled:
+            self.stats.count(op, _nbytes(t))
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.world == 1:
+            return t
+        self._count(f"all_reduce_{op}", t)
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        _guarded(f"all_reduce({op})", dist.all_reduce, t, op=rop, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``[world, *t.shape]`` of every rank's ``t``."""
+        if self.world == 1:
+            return t[None]
+        self._count("all_gather", t)
+        out = t.new_empty(self.world * t.numel())  # flat: the form every backend accepts
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        _guarded("all_gather", gather, out, t.contiguous().view(-1), group=self.group)
+        return out.view(self.world, *t.shape)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place from group rank ``src``."""
+        if self.world == 1:
+            return t
+        if self.rank == src:
+            self._count("broadcast", t)
+        _guarded("broadcast", dist.broadcast, t, src=self._ranks[src], group=self.group)
+        return t
+
+    def broadcast_object(self, obj, src: int = 0):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        _guarded("broadcast_object", dist.broadcast_object_list, box, src=self._ranks[src],
+                 group=self.group)
+        return box[0]
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self._count("send", t)
+        _guarded(f"send to rank {self._ranks[dst]}", dist.send, t.contiguous(), dst=self._ranks[dst],
+                 group=self.group)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        _guarded(f"recv from rank {self._ranks[src]}", dist.recv, t, src=self._ranks[src],
+                 group=self.group)
+        return t
+
+    def shift(self, send: list, recv: list, dst: int | None, src: int | None) -> "Pending":
+        """Start sending ``send`` tensors to ``dst`` and receiving into ``recv`` from ``src``
+        (either may be None); returns a handle whose ``wait()`` completes both."""
+        ops = []
+        if dst is not None:
+            for t in send:
+                self._count("isend", t)
+                ops.append(dist.P2POp(dist.isend, t, self._ranks[dst], self.group))
+        if src is not None:
+            ops += [dist.P2POp(dist.irecv, t, self._ranks[src], self.group) for t in recv]
+        works = _guarded("batch_isend_irecv", dist.batch_isend_irecv, ops) if ops else []
+        return Pending(works)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            _guarded("barrier", dist.barrier, group=self.group)
+
+    # -- the merge schemes --------------------------------------------------------------
+    def merge(self, o: torch.Tensor, lse: torch.Tensor):
+        """Merge this rank's partial ``(o [..., d], lse [...])`` with every other rank's.
+
+        Returns ``(o [..., d] fp32, lse [...] fp32)``, bit-identical on every rank.
+        """
+        if self.world == 1:
+            return o.float(), lse.float()
+        if self.scheme == "hierarchical":
+            return self._merge_hierarchical(o, lse)
+        return self._merge_flat(self.scheme, o, lse)
+
+    def _merge_flat(self, scheme, o, lse, to_all=True):
+        if scheme == "allreduce":
+            return self._merge_allreduce(o, lse)
+        if scheme == "allgather":
+            return self._merge_allgather(o, lse)
+        return self._merge_tree(o, lse, to_all=to_all)
+
+    def _merge_allreduce(self, o, lse):
+        m = self.all_reduce(lse.float().clone(), "max")  # [...]
+        packed = self.all_reduce(weigh(o, lse, m), "sum")  # [..., d + 1] = [Σ o·w, Σ w]
+        return unweigh(packed, m)
+
+    def _merge_allgather(self, o, lse):
+        packed = torch.cat([o.float(), lse.float()[..., None]], dim=-1)  # [..., d + 1]
+        every = self.all_gather(packed)  # [world, ..., d + 1]
+        if self.stats.enabled:
+            self.stats.hold(_nbytes(every))
+            self.stats.hold(-_nbytes(every))
+        return merge_partials(every[..., :-1], every[..., -1])
+
+    def _merge_tree(self, o, lse, to_all=True):
+        """Binary tree: at level s, rank r (r % 2s == 0) merges rank r + s's partial, left to
+        right; the result of group rank 0 then travels back down the same edges."""
+        p, r = self.world, self.rank
+        acc = torch.cat([o.float(), lse.float()[..., None]], dim=-1)  # [..., d + 1]
+        buf = torch.empty_like(acc)
+        levels = [1 << i for i in range(math.ceil(math.log2(p)))]
+        for s in levels:
+            if r % (2 * s) == s:
+                self.send(acc, r - s)
+                break
+            if r + s < p:
+                self.recv(buf, r + s)
+                mo, ml = merge_pair(acc[..., :-1], acc[..., -1], buf[..., :-1], buf[..., -1])
+                acc = torch.cat([mo, ml[..., None]], dim=-1)
+        if to_all:
+            for s in reversed(levels):
+                if r % (2 * s) == 0 and r + s < p:
+                    self.send(acc, r + s)
+                elif r % (2 * s) == s:
+                    self.recv(acc, r - s)
+        return acc[..., :-1], acc[..., -1]
+
+    def _merge_hierarchical(self, o, lse):
+        inner, leaders = self.inner, self.leaders
+        if inner.world > 1:  # 1. inside my group; the leader (group rank 0) holds the result
+            o, lse = inner._merge_flat(self.inner_scheme, o, lse, to_all=False)
+        if leaders is not None and leaders.world > 1:  # 2. across group leaders
+            o, lse = leaders._merge_flat(self.outer_scheme, o, lse)
+        if inner.world == 1:
+            return o.float(), lse.float()
+        packed = torch.cat([o.float(), lse.float()[..., None]], dim=-1)  # 3. back inside the group
+        inner.broadcast(packed, src=0)
+        return packed[..., :-1], packed[..., -1]
+
+
+class Pending:
+    """Handle of started point-to-point transfers."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self) -> None:
+        for w in self._works:
+            _guarded("point-to-point transfer", w.wait)
+        self._works = []
+
+
+def make_comm(scheme: str = "allreduce", groups: list[list[int]] | None = None,
+              inner_scheme: str = "allreduce", outer_scheme: str = "tree",
+              stats: Stats | None = None, timeout_s: float | None = None) -> Comm:
+    """The communicator of a plan on the default group (call on every rank, same arguments).
+
+    ``groups`` (hierarchical only): a partition of the ranks, e.g. ``[[0, 1], [2, 3]]``; the
+    first rank of each group is its leader.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return Comm.single(scheme if scheme != "hierarchical" else "allreduce", stats)
+    stats = stats or Stats()
+    if scheme != "hierarchical":
+        return Comm(None, scheme, stats)
+    world, me = dist.get_world_size(), dist.get_rank()
+    groups = [list(g) for g in (groups or [list(range(world))])]
+    flat = sorted(r for g in groups for r in g)
+    if flat != list(range(world)) or any(not g for g in groups):
+        raise ValueError(f"hierarchical groups {groups} must partition ranks 0..{world - 1}")
+    for s in (inner_scheme, outer_scheme):
+        if s not in FLAT_SCHEMES:
+            raise ValueError(f"inner/outer scheme must be one of {', '.join(FLAT_SCHEMES)}, not {s!r}")
+    timeout = datetime.timedelta(seconds=timeout_s or _state["timeout_s"])
+    inner = leaders = None
+    for g in groups:  # every rank creates every group, in the same order
+        pg = dist.new_group(g, timeout=timeout)
+        if me in g:
+            inner = Comm(pg, inner_scheme, stats)
+    lead = [g[0] for g in groups]
+    pg = dist.new_group(lead, timeout=timeout)
+    if me in lead:
+        leaders = Comm(pg, outer_scheme, stats)
+    return Comm(None, "hierarchical", stats, inner=inner, leaders=leaders,
+                inner_scheme=inner_scheme, outer_scheme=outer_scheme)

@@ -1,0 +1,133 @@
+"""Start N local ranks (or join torchrun's group) and tear them down.
+
+Local runs: the launching process hosts the rendezvous store on 127.0.0.1 (a port the OS picks,
+so a busy port is never a problem) and spawns one process per rank. Each rank joins the group
+through :func:`comm.init_process_group` with the collective timeout, runs ``fn(ctx, *args)`` and
+sends its result back. The launcher outlives the ranks: it sees a rank that dies (even by
+SIGKILL), names it, and stops the others.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+
+from . import comm
+
+LOCALHOST = "127.0.0.1"
+
+
+class LaunchError(RuntimeError):
+    """A rank failed; the message names it and says why. ``outcomes[r]`` is rank r's
+    ``(kind, value)``: ``("ok", result)``, ``("error", (message, traceback))`` for the rank
+    that failed first-hand, ``("lost", ...)`` for ranks that failed because of it."""
+
+    def __init__(self, message, outcomes=None):
+        super().__init__(message)
+        self.outcomes = outcomes or {}
+
+
+@dataclass
+class RankContext:
+    """What a rank's function receives: who it is and where it runs."""
+
+    rank: int
+    world: int
+    local_rank: int
+    backend: str
+    device: str  # "cpu" or "cuda:N"
+    timeout_s: float
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world)) if device == "cpu" else None
+    ctx = RankContext(rank, world, rank, backend, device, timeout_s)
+    try:
+        store = comm.make_store(port, world + 1, host=LOCALHOST, is_master=False, timeout_s=timeout_s)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        comm.init_process_group(backend, rank, world, store, timeout_s, device=dev)
+        out = fn(ctx, *args)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        comm.report_failure(e)
+        kind = "lost" if isinstance(e, comm.RankFailure) else "error"
+        results.put((rank, kind, (f"{type(e).__name__}: {e}", traceback.format_exc())))
+    finally:
+        comm.destroy_process_group()
+
+
+def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeout_s: float = 300.0,
+              grace_s: float = 5.0):
+    """Run ``fn(ctx, *args)`` on ``nproc`` fresh local ranks; returns the per-rank results.
+
+    ``devices``: one device string per rank (default all "cpu"). Raises :class:`LaunchError`
+    naming the first rank that failed (its own error, not the others' reaction to it).
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    devices = devices or ["cpu"] * nproc
+    store = comm.make_store(0, nproc + 1, host=LOCALHOST, is_master=True, timeout_s=timeout_s)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, name=f"treeattn-rank{r}", daemon=True,
+                         args=(fn, r, nproc, store.port, backend, devices[r], timeout_s, args, results))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple] = {}
+    first_error = None
+    dead_since = None
+    try:
+        while len(got) < nproc:
+            try:
+                rank, kind, val = results.get(timeout=0.2)
+                got[rank] = (kind, val)
+                if kind == "error" and first_error is None:
+                    first_error = f"rank {rank} failed: {val[0]}"
+                continue
+            except queue_mod.Empty:
+                pass
+            for r, p in enumerate(procs):  # a rank that died without reporting (SIGKILL, OOM)
+                if r not in got and not p.is_alive() and p.exitcode is not None:
+                    if p.exitcode < 0:
+                        why = f"killed by {signal.Signals(-p.exitcode).name}"
+                    else:
+                        why = f"exited with code {p.exitcode}"
+                    got[r] = ("error", (f"rank {r} {why}", ""))
+                    first_error = first_error or f"rank {r} {why}"
+            if first_error and dead_since is None:
+                dead_since = time.monotonic()
+            if dead_since is not None and time.monotonic() - dead_since > timeout_s + grace_s:
+                break  # survivors did not notice within the collective timeout: stop them
+    finally:
+        for p in procs:
+            p.join(timeout=grace_s if first_error is None else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+        results.close()
+        del store
+    if first_error is None:
+        first_error = next((f"rank {r}: {got[r][1][0]}" for r in sorted(got) if got[r][0] != "ok"), None)
+    if first_error is None and len(got) < nproc:
+        first_error = f"ranks {sorted(set(range(nproc)) - set(got))} did not finish"
+    if first_error is not None:
+        raise LaunchError(first_error, got)
+    return [got[r][1] for r in range(nproc)]
