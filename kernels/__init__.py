@@ -2,7 +2,8 @@
 
 One entry point, :func:`partial_attention`: a rank's attention of its queries to its own KV
 shard, returning the un-merged partial ``(o, lse)``. On CUDA it runs the Triton split-KV
-kernel; elsewhere the pure-torch reference (which never imports triton).
+kernel; elsewhere ATen's fused CPU flash kernel (``partial_cpu``) where it applies and the
+pure-torch reference otherwise (neither imports triton).
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
 
     Returns ``(o [B, H, Q, d] in q.dtype, lse [B, H, Q] fp32, natural log)``; rows with no
     visible key give ``o = 0, lse = -inf``. See :func:`partial_attention_ref` for the
-    arguments. ``impl``: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
+    arguments. ``impl``: ``"auto"`` (Triton on CUDA, the CPU fast path elsewhere), ``"triton"``,
+    ``"cpu"``, ``"torch"`` (the reference).
     """
     if impl == "auto":
-        impl = "triton" if q.is_cuda and triton_available() else "torch"
+        impl = "triton" if q.is_cuda and triton_available() else "cpu" if q.device.type == "cpu" else "torch"
+    if impl == "cpu":
+        from .partial_cpu import partial_attention_cpu
+
+        return partial_attention_cpu(q, k, v, scale=scale, q_pos=q_pos, k_pos=k_pos,
+                                     kv_len=kv_len, window=window, softcap=softcap,
+                                     out=out, lse_out=lse_out)
     if impl == "torch":
         return partial_attention_ref(q, k, v, scale=scale, q_pos=q_pos, k_pos=k_pos,
                                      kv_len=kv_len, window=window, softcap=softcap,
@@ -41,4 +49,4 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
         return partial_attention_triton(q, k, v, scale=scale, q_pos=q_pos, k_pos=k_pos,
                                         kv_len=kv_len, window=window, softcap=softcap,
                                      out=out, lse_out=lse_out)
-    raise ValueError(f"unknown kernel impl {impl!r} (expected auto, triton or torch)")
+    raise ValueError(f"unknown kernel impl {impl!r} (expected auto, triton, cpu or torch)")

@@ -58,7 +58,7 @@ def test_decode_over_simulated_ranks_is_exact():
     b = chunk_bounds(n_prompt, p)
     for r, c in enumerate(caches):
         for layer in range(L):
-            c.write_prefill(layer, keys[layer][:, :, b[r]:b[r + 1]], vals[layer][:, :, b[r]:b[r + 1]],
+            c.append_chunk(layer, keys[layer][:, :, b[r]:b[r + 1]], vals[layer][:, :, b[r]:b[r + 1]],
                             torch.arange(b[r], b[r + 1]))
         c.set_counts([b[i + 1] - b[i] for i in range(p)])
     for step in range(7):

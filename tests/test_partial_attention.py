@@ -61,11 +61,35 @@ REF_GRID = list(itertools.product(
 ))
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N,d,G,B,Q", REF_GRID)
-def test_reference_grid(N, d, G, B, Q, dtype):
+def test_reference_and_cpu_grid(N, d, G, B, Q, dtype, impl):
     causal = (N + d + G + B + Q) % 2 == 0  # half the grid causal, half ragged
-    run_case("torch", B, G, 2 if G < 8 else 1, Q, N, d, dtype, causal=causal, ragged=not causal)
+    run_case(impl, B, G, 2 if G < 8 else 1, Q, N, d, dtype, causal=causal, ragged=not causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Q,N,q0,k0,ragged", [
+    (5, 5, 0, 0, False), (7, 7, 100, 100, True), (1, 9, 8, 8, True), (3, 40, 37, 37, False),
+    (6, 40, 0, 0, False),  # causal diagonal blocks
+    (4, 30, 29, 0, True), (2, 30, 90, 10, False),  # every key in the past
+    (4, 30, 10, 0, False), (4, 30, 0, 2, False),  # offset masks: the reference path
+])
+def test_cpu_fast_path_shapes(Q, N, q0, k0, ragged, dtype):
+    """The fused path's own cases: the causal diagonal block (one call per group head), keys
+    all in the past, ragged lengths; and a non-contiguous/offset mask (falls back)."""
+    B, G, H_kv, d = 3, 4, 2, 64
+    q, k, v = make(B, G * H_kv, H_kv, Q, N, d, dtype)
+    q_pos, k_pos = torch.arange(q0, q0 + Q), torch.arange(k0, k0 + N)
+    kv_len = torch.tensor([N, max(Q, N - 1), N]) if ragged else None
+    out, lse_out = poisoned(B, G * H_kv, Q, d, dtype)
+    o, lse = partial_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, impl="cpu",
+                               out=out, lse_out=lse_out)
+    mask = key_mask(B, Q, N, q.device, q_pos, k_pos, kv_len)
+    o_ref, lse_ref = attention_f64(q, k, v, mask=mask)
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, torch.float32 if dtype == torch.float32 else dtype, "lse")
 
 
 # The interpreted Triton kernel: small shapes that still break kernels (each launch ~0.1-1 s).
@@ -99,15 +123,15 @@ def test_triton_kernel(B, G, H_kv, Q, N, d, dtype, causal, ragged, extra):
     run_case("triton", B, G, H_kv, Q, N, d, dtype, causal, ragged, **extra)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_window_and_softcap_reference(impl):
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+def test_window_and_softcap(impl):
     if impl == "triton":
         pytest.importorskip("triton")
     run_case(impl, 2, 2, 2, 3, 90, 64, torch.float32, causal=True, ragged=True,
              window=17, softcap=3.0)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
 def test_empty_shard_and_no_visible_key(impl):
     """N = 0, and every key in the future: o = 0 and lse = -inf, never NaN."""
     if impl == "triton":

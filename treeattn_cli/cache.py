@@ -40,7 +40,7 @@ class ShardedKVCache:
         self.counts = torch.zeros(batch, world, dtype=torch.int64)  # host: tokens per (seq, rank)
         self._store = None  # [B] bool: this rank stores the current step's token
         self._slot = None  # [B] int64: where
-        self._new_pos = None
+        self.step_positions = None  # [B] global positions of the current decode step's tokens
         self.reserve(capacity)
 
     # -- capacity -----------------------------------------------------------------------
@@ -79,16 +79,18 @@ class ShardedKVCache:
         c = torch.as_tensor(counts, dtype=torch.int64)
         self.counts = (c.expand(self.batch, self.world) if c.dim() == 1 else c).clone()
 
-    def write_prefill(self, layer: int, k, v, positions) -> None:
-        """Store this rank's prefill chunk in an empty cache: ``k, v [B, H_kv, C, d]``,
-        ``positions [C]`` or ``[B, C]``. Lengths advance after the last layer."""
+    def append_chunk(self, layer: int, k, v, positions) -> None:
+        """Append a prefill piece of ``C`` tokens to every sequence: ``k, v [B, H_kv, C, d]``,
+        ``positions [C]`` or ``[B, C]`` (global). Called once per layer, in layer order; the
+        lengths advance after the last layer."""
         C = k.shape[2]
-        self.reserve(C)
-        self.k[layer][:, :, :C] = k
-        self.v[layer][:, :, :C] = v
+        start = int(self.length[0].item()) if self.batch else 0
+        self.reserve(start + C)
+        self.k[layer][:, :, start:start + C] = k
+        self.v[layer][:, :, start:start + C] = v
         if layer == self.num_layers - 1:
-            self.pos[:, :C] = torch.as_tensor(positions, device=self.device).expand(self.batch, C)
-            self.length[:] = C
+            self.pos[:, start:start + C] = torch.as_tensor(positions, device=self.device).expand(self.batch, C)
+            self.length += C
 
     # -- decode -------------------------------------------------------------------------
     def place(self) -> torch.Tensor:
@@ -106,7 +108,10 @@ class ShardedKVCache:
         self.reserve(self.max_len + 1)
         self._store = store
         self._slot = self.length.clone()
-        self._new_pos = torch.as_tensor(positions, dtype=torch.int64, device=self.device).expand(self.batch)
+        self.step_positions = torch.as_tensor(positions, dtype=torch.int64, device=self.device).expand(self.batch)
+        idx = torch.nonzero(store).flatten()
+        if idx.numel():  # positions first: sliding-window masks of this step already need them
+            self.pos[idx, self._slot[idx]] = self.step_positions[idx]
         return store
 
     def update(self, layer: int, k_new, v_new):
@@ -122,10 +127,7 @@ class ShardedKVCache:
         return self.k[layer][:, :, :L], self.v[layer][:, :, :L], kv_len
 
     def end_step(self) -> None:
-        """Advance lengths and positions after the last layer of the step."""
-        idx = torch.nonzero(self._store).flatten()
-        if idx.numel():
-            self.pos[idx, self._slot[idx]] = self._new_pos[idx]
+        """Advance lengths after the last layer of the step."""
         self.length += self._store.to(torch.int64)
         self._store = None
 

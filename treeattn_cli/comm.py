@@ -86,7 +86,8 @@ _state = {"store": None, "rank": 0, "world": 1, "timeout_s": 300.0, "hb": None}
 
 def init_process_group(backend: str, rank: int, world: int, store, timeout_s: float,
                        device=None, heartbeat: bool = True) -> None:
-    """Join the default group through ``store`` (a c10d Store shared by all ranks).
+    """Join the default group through ``store`` (a c10d Store shared by all ranks; None: the
+    ``env://`` rendezvous of torchrun).
 
     Every collective of the group fails after ``timeout_s``; a heartbeat thread lets the
     survivors name a rank that vanished (SIGKILL, OOM kill) rather than only time out.
@@ -94,8 +95,13 @@ def init_process_group(backend: str, rank: int, world: int, store, timeout_s: fl
     kw = {}
     if device is not None and getattr(device, "type", None) == "cuda":
         kw["device_id"] = device
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timeout, **kw)
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     _state.update(store=store, rank=rank, world=world, timeout_s=timeout_s)
     if heartbeat and world > 1:
         stop = threading.Event()

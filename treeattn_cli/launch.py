@@ -42,6 +42,11 @@ class RankContext:
     backend: str
     device: str  # "cpu" or "cuda:N"
     timeout_s: float
+    emit: object = None  # emit(kind, payload): an event for the launcher's presentation
+
+    def send(self, kind: str, payload=None) -> None:
+        if self.emit is not None:
+            self.emit(kind, payload)
 
 
 def under_torchrun() -> bool:
@@ -52,7 +57,8 @@ def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results)
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world)) if device == "cpu" else None
-    ctx = RankContext(rank, world, rank, backend, device, timeout_s)
+    ctx = RankContext(rank, world, rank, backend, device, timeout_s,
+                      emit=lambda kind, payload: results.put((rank, "event", (kind, payload))))
     try:
         store = comm.make_store(port, world + 1, host=LOCALHOST, is_master=False, timeout_s=timeout_s)
         dev = torch.device(device)
@@ -70,11 +76,13 @@ def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results)
 
 
 def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeout_s: float = 300.0,
-              grace_s: float = 5.0):
+              grace_s: float = 5.0, on_event=None):
     """Run ``fn(ctx, *args)`` on ``nproc`` fresh local ranks; returns the per-rank results.
 
-    ``devices``: one device string per rank (default all "cpu"). Raises :class:`LaunchError`
-    naming the first rank that failed (its own error, not the others' reaction to it).
+    ``devices``: one device string per rank (default all "cpu"). ``on_event(rank, kind,
+    payload)`` receives what ranks ``ctx.send``, in the launching process, as it comes.
+    Raises :class:`LaunchError` naming the first rank that failed (its own error, not the
+    others' reaction to it).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -94,6 +102,10 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
         while len(got) < nproc:
             try:
                 rank, kind, val = results.get(timeout=0.2)
+                if kind == "event":
+                    if on_event is not None:
+                        on_event(rank, *val)
+                    continue
                 got[rank] = (kind, val)
                 if kind == "error" and first_error is None:
                     first_error = f"rank {rank} failed: {val[0]}"
@@ -131,3 +143,26 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
     if first_error is not None:
         raise LaunchError(first_error, got)
     return [got[r][1] for r in range(nproc)]
+
+
+def run_torchrun(fn, *args, backend: str = "gloo", device: str = "cpu", timeout_s: float = 300.0,
+                 on_event=None):
+    """Run ``fn(ctx, *args)`` as this process's rank of a torchrun job (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT set by torchrun). Rank 0's events go to ``on_event`` here."""
+    import torch
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    emit = (lambda kind, payload: on_event(rank, kind, payload)) if on_event else None
+    ctx = RankContext(rank, world, local, backend, device, timeout_s, emit=emit)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    try:
+        comm.init_process_group(backend, rank, world, None, timeout_s, device=dev)
+        return fn(ctx, *args)
+    except BaseException as e:
+        comm.report_failure(e)
+        raise
+    finally:
+        comm.destroy_process_group()

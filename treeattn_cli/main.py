@@ -1,8 +1,14 @@
-"""Command line: ``treeattn generate | topo | bench``. Parses, validates, calls one function."""
+"""Command line: ``treeattn generate | topo | bench``. Parses, validates, calls one function.
+
+Errors a user can fix print one line on stderr and exit 2 (usage) or 1 (the run failed);
+``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import List, Optional
 
 import typer
 
@@ -13,7 +19,19 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Exact long-context decoding across GPUs with Tree Attention.",
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
+
+SCHEME_CHOICES = ("auto", "allreduce", "allgather", "tree", "hierarchical")
+
+
+class UsageError(ValueError):
+    """Bad flags or input: exit 2."""
+
+
+def fail(msg: str, code: int = 2):
+    typer.echo(f"treeattn: error: {msg}", err=True)
+    raise typer.Exit(code)
 
 
 def _not_yet(what: str) -> None:
@@ -33,10 +51,74 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Exact long-context decoding across GPUs with Tree Attention."""
 
 
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+
+
 @app.command()
-def generate():
+def generate(
+    model: Optional[str] = typer.Option(None, help="Local directory, .gguf file or hub id (default: the embedded demo model)."),
+    prompt: Optional[str] = typer.Option(None, help="The prompt text."),
+    prompt_file: Optional[str] = typer.Option(None, help="Read the prompt from a file ('-': standard input)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: on for the demo)."),
+    system: Optional[str] = typer.Option(None, help="System message for --chat."),
+    max_new_tokens: int = typer.Option(256, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 = greedy."),
+    top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
+    seed: int = typer.Option(0, help="Random seed for sampling."),
+    stop: List[str] = typer.Option([], help="Stop when this text appears (repeatable)."),
+    prefill_chunk: Optional[int] = typer.Option(None, help="Tokens per rank per prefill segment (bounds activation memory)."),
+    nproc: Optional[int] = typer.Option(None, help="Local ranks (default: visible GPUs, 2 on a CPU-only machine)."),
+    backend: str = typer.Option("auto", help="auto | nccl | gloo."),
+    device: str = typer.Option("auto", help="auto | cuda | cpu."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+    scheme: str = typer.Option("auto", help="Merge scheme: auto | allreduce | allgather | tree | hierarchical."),
+    output: Optional[str] = typer.Option(None, help="Also write the generated text to this file (atomically)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON record at the end instead of streaming."),
+    timeout: float = typer.Option(300.0, help="Collective timeout in seconds (a lost rank is reported after it)."),
+    allow_pickle: bool = typer.Option(False, help="Allow pickled .bin weights (they can run code)."),
+    trust_remote_code: bool = typer.Option(False, help="Allow a model's own Python code from its repository."),
+    debug: bool = typer.Option(False, help="Show full tracebacks."),
+):
     """Load a model, shard a long prompt's KV cache across ranks, stream tokens."""
-    _not_yet("generate")
+    from . import runner
+
+    _quiet_libraries()
+    try:
+        opts = runner.GenerateOptions(
+            model=model, prompt=prompt, prompt_file=prompt_file, chat=chat, system=system,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend,
+            device=device, dtype=dtype, scheme=scheme, output=output, json=json_out,
+            timeout=timeout, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+        code = runner.generate_command(opts)
+    except typer.Exit:
+        raise
+    except Exception as e:
+        if debug:
+            raise
+        code = _report(e)
+    raise typer.Exit(code)
+
+
+def _report(e: BaseException) -> int:
+    """One line for the user; 2 for bad input, 1 for a failed run."""
+    from .launch import LaunchError
+
+    usage = isinstance(e, ValueError) and not isinstance(e, LaunchError)
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    typer.echo(f"treeattn: error: {msg}", err=True)
+    return 2 if usage else 1
 
 
 @app.command()

@@ -30,3 +30,101 @@ def print_kernel_records(records, as_json=False, file=None):
     if records and "device" in records[0]:
         t.caption = f"{records[0]['device']}; copy bandwidth {records[0]['copy_gbps']:.0f} GB/s"
     Console(file=file).print(t)
+
+
+class GenerateView:
+    """Rank 0's events rendered for a person: prefill progress on stderr, tokens streamed to
+    stdout as text, and the JSON summary. Keeps every token id it was sent, so nothing
+    generated is lost whatever happens to the ranks."""
+
+    def __init__(self, tokenizer, *, stream: bool = True, progress: bool = True,
+                 out=None, err=None):
+        self.tok = tokenizer
+        self.stream, self.want_progress = stream, progress
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.ids: list[int] = []
+        self.summary: dict = {}
+        self._shown = ""  # text already written to stdout
+        self._bar = None
+
+    # -- events from rank 0 -----------------------------------------------------------
+    def on_event(self, rank, kind, payload):
+        if kind == "prefill":
+            self._progress(*payload)
+        elif kind == "token":
+            self._close_bar()
+            self.ids.append(int(payload))
+            if self.stream:
+                self._flush_text()
+        elif kind == "done":
+            self.summary = dict(payload)
+
+    def _progress(self, done, total):
+        if not self.want_progress:
+            return
+        if self._bar is None:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn)
+
+            self._bar = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("tokens  {task.fields[rate]}"), TimeElapsedColumn(),
+                                 console=Console(file=self.err), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("prefill", total=total, rate="")
+            self._t0 = __import__("time").perf_counter()
+        dt = __import__("time").perf_counter() - self._t0
+        self._bar.update(self._task, completed=done, rate=f"{done / dt:,.0f} tok/s" if dt > 0 else "")
+
+    def _close_bar(self):
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    @property
+    def text(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=True)
+
+    def _flush_text(self):
+        text = self.text
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        if text.startswith(self._shown):
+            self.out.write(text[len(self._shown):])
+            self.out.flush()
+        self._shown = text
+
+    # -- the end ---------------------------------------------------------------------------
+    def finish(self, stop_reason: str | None = None, as_json: bool = False) -> dict:
+        """Close the stream; returns (and with ``as_json`` prints) the run's record."""
+        self._close_bar()
+        if self.stream:
+            self._flush_text()
+            if self._shown and not self._shown.endswith("\n"):
+                self.out.write("\n")
+            self.out.flush()
+        record = {"text": self.text, "token_ids": list(self.ids), **self.summary}
+        record["new_tokens"] = len(self.ids)
+        if stop_reason is not None:
+            record["stop_reason"] = stop_reason
+        if as_json:
+            print(json.dumps(record), file=self.out, flush=True)
+        return record
+
+
+def write_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+    import os
+    import tempfile
+
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".treeattn-", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -117,3 +117,52 @@ def ring_prefill(comm: Comm, q, k, v, bounds, *, scale=None, window=None, softca
         if recv:
             cur = nxt
     return o, lse
+
+
+def ring_pass_q(comm: Comm, q, k, v, kv_len, bounds, *, k_pos=None, scale=None, window=None,
+                softcap=None):
+    """Attention of every rank's queries to every rank's *cached* shard: queries travel, KV stays.
+
+    Used by chunked prefill, where the earlier segments' K/V is spread over all ranks: each
+    query block (with its running ``(o, lse)``) visits every rank once and comes home, so
+    p transfers of ``q + o`` per layer instead of rotating the whole cache.
+
+    Args:
+        q: ``[B, H, S_r, d]`` this rank's queries, global positions ``bounds[r]..bounds[r+1]``.
+        k, v: ``[B, H_kv, N_r, d]`` this rank's cache, ``kv_len [B]`` valid lengths,
+            ``k_pos [B, N_r]`` positions (needed with a sliding window).
+    Returns:
+        ``(o [B, H, S_r, d] fp32, lse [B, H, S_r] fp32)`` over all ranks' caches.
+    """
+    p, r = comm.world, comm.rank
+    lens = [bounds[i + 1] - bounds[i] for i in range(p)]
+
+    def local(qb, src):
+        qpos = torch.arange(bounds[src], bounds[src + 1], device=qb.device) if window else None
+        return partial_attention(qb, k, v, scale=scale, kv_len=kv_len, softcap=softcap,
+                                 window=window, q_pos=qpos, k_pos=k_pos if window else None)
+
+    o, lse = local(q, r)
+    held = [q.contiguous(), o.float().contiguous(), lse.contiguous()]
+    if p == 1:
+        return held[1], held[2]
+    B, H, _, d = q.shape
+    for t in range(p):  # round t: pass the block of rank r - t on; receive that of r - t - 1
+        src_in = (r - t - 1) % p
+        last = t == p - 1  # the last hop brings each block home: its queries are no longer needed
+        send = held[1:] if last else held
+        n_in = lens[src_in]
+        recv = [q.new_empty(B, H, n_in, d), q.new_empty(B, H, n_in, d, dtype=torch.float32),
+                q.new_empty(B, H, n_in, dtype=torch.float32)]
+        recv = recv[1:] if last else recv
+        pending = comm.shift(send if lens[(r - t) % p] else [], recv if n_in else [],
+                             dst=(r + 1) % p, src=(r - 1) % p)
+        pending.wait()
+        if last:
+            return tuple(recv) if n_in else (held[1][:, :, :0], held[2][:, :, :0])
+        if n_in:
+            bo, bl = local(recv[0], src_in)
+            mo, ml = merge_pair(recv[1], recv[2], bo, bl)
+            held = [recv[0], mo.contiguous(), ml.contiguous()]
+        else:
+            held = [x[:, :, :0] for x in held]

@@ -1,0 +1,61 @@
+"""Tiny random Hugging Face models saved to disk (no hub): the end-to-end oracles' inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 256
+
+
+def _tokenizer(out: Path):
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + specials), built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(c) if False else pre_tokenizers.ByteLevel.alphabet()[i]: i
+             for i, c in enumerate(range(256))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=None)
+    fast.save_pretrained(out)
+
+
+def make_model(kind: str, out: Path, seed: int = 0, **over) -> Path:
+    """Save a tiny random ``kind`` (llama, mistral, qwen2, qwen3, gemma2) model to ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if kind == "mistral":
+        base.update(sliding_window=None)
+    if kind == "qwen3":
+        base.update(head_dim=16)
+    if kind == "gemma2":
+        base.update(head_dim=16, sliding_window=6, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=None, query_pre_attn_scalar=16)
+    base.update(over)
+    cfg = AutoConfig.for_model(kind, **base)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the init: peaked logits, no near-ties
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else None
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    _tokenizer(out)
+    return out
+
+
+def hf_greedy(model_dir: Path, prompt_ids, max_new_tokens: int):
+    """transformers' own greedy generate (SDPA/eager attention): the end-to-end oracle."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.tensor([prompt_ids])
+    out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                     do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

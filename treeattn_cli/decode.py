@@ -1,0 +1,167 @@
+"""Prefill, then the token loop. Yields tokens; knows nothing of the terminal.
+
+Every rank runs the same model on the same tokens: during prefill each on its piece of each
+segment (ring attention across pieces, pass-Q attention to earlier segments), during decode
+each on the new token (tree-merged attention over the sharded cache). Rank 0 samples and
+broadcasts the token with the stop decision, so all ranks stay in lock step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import AttentionContext
+from .ring import chunk_bounds
+
+STOP_CODES = {0: None, 1: "eos", 2: "stop", 3: "length"}
+STOP_IDS = {v: k for k, v in STOP_CODES.items()}
+
+
+@dataclass
+class Sampling:
+    """``temperature`` 0 = greedy. ``top_k`` 0 = off, ``top_p`` 1 = off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Timings:
+    start: float = field(default_factory=time.perf_counter)
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+    """``logits [B, V]`` -> token ids ``[B]`` (greedy, or temperature / top-k / top-p)."""
+    logits = logits.float()
+    if s.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / s.temperature
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        srt, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(srt, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(srt, dim=-1) >= s.top_p  # keep the smallest set reaching top_p
+        srt = srt.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, srt)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+
+
+def segments(n: int, p: int, piece: int | None) -> list[tuple[int, int]]:
+    """Prefill segments of ``p * piece`` tokens (one piece per rank); the tail is merged into
+    the previous segment when shorter than p, so only a prompt shorter than p leaves a rank
+    without tokens."""
+    if not piece or n <= p * piece:
+        return [(0, n)]
+    cuts = list(range(0, n, p * piece)) + [n]
+    if cuts[-1] - cuts[-2] < p:
+        del cuts[-2]
+    return list(zip(cuts, cuts[1:]))
+
+
+class Decoder:
+    """One rank's model, cache and communicator, driven through prefill and decode."""
+
+    def __init__(self, model, actx: AttentionContext, *, vocab_size: int):
+        self.model = model
+        self.base = getattr(model, model.base_model_prefix)  # the decoder without the LM head
+        self.actx = actx
+        self.comm = actx.comm
+        self.cache = actx.cache
+        self.vocab = vocab_size
+        self.device = actx.cache.device
+
+    def _forward(self, ids, positions, want_logits: bool):
+        kw = dict(input_ids=ids, position_ids=positions, use_cache=False, treeattn_ctx=self.actx)
+        if want_logits:
+            return self.model(**kw, logits_to_keep=1).logits[:, -1].float()  # [B, V]
+        self.base(**kw)
+        return None
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, piece: int | None = None, on_progress=None):
+        """Run the prompt ``ids [B, n]``; returns the last position's logits ``[B, V]`` on rank 0
+        (None elsewhere). ``on_progress(tokens_done, n)`` is called per layer on rank 0."""
+        B, n = ids.shape
+        p, r = self.comm.world, self.comm.rank
+        counts = [0] * p
+        last_owner = 0
+        logits = None
+        L = self.cache.num_layers
+        for s0, s1 in segments(n, p, piece):
+            b = [s0 + x for x in chunk_bounds(s1 - s0, p)]
+            for i in range(p):
+                counts[i] += b[i + 1] - b[i]
+            owner = max(i for i in range(p) if b[i + 1] > b[i])  # holds the segment's last token
+            last_owner = owner
+            self.actx.phase, self.actx.bounds = "prefill", b
+            if on_progress is not None:
+                seg = s1 - s0
+                self.actx.on_layer = lambda layer, s0=s0, seg=seg: on_progress(s0 + seg * (layer + 1) // L, n)
+            if b[r + 1] == b[r]:
+                continue  # no tokens here (prompt shorter than p): nothing to attend or send
+            pos = torch.arange(b[r], b[r + 1], device=self.device)[None].expand(B, -1)
+            out = self._forward(ids[:, b[r]:b[r + 1]].to(self.device), pos, want_logits=(s1 == n and r == owner))
+            if out is not None:
+                logits = out
+        self.actx.on_layer = None
+        self.actx.phase = "decode"
+        self.cache.set_counts(counts)
+        if p > 1:
+            buf = logits if r == last_owner else torch.empty(B, self.vocab, device=self.device)
+            logits = self.comm.broadcast(buf.contiguous(), src=last_owner)
+        return logits if r == 0 else None
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, position: int):
+        """One decode step for ``tokens [B]`` at global ``position``; logits ``[B, V]`` on rank 0."""
+        B = tokens.shape[0]
+        self.cache.begin_step(torch.full((B,), position, dtype=torch.int64))
+        pos = torch.full((B, 1), position, dtype=torch.int64, device=self.device)
+        logits = self._forward(tokens[:, None].to(self.device), pos, want_logits=self.comm.rank == 0)
+        self.cache.end_step()
+        return logits
+
+    def generate(self, ids: torch.Tensor, *, max_new_tokens: int, sampling: Sampling,
+                 stop_check=None, piece: int | None = None, on_progress=None, timings=None):
+        """Yield ``(token_id, stop_reason)`` pairs (batch 1); the last pair's reason is not None.
+
+        ``stop_check(ids_so_far) -> reason | None`` runs on rank 0 only (EOS, stop strings).
+        """
+        t = timings or Timings()
+        r = self.comm.rank
+        gen = torch.Generator().manual_seed(sampling.seed) if r == 0 else None
+        logits = self.prefill(ids, piece, on_progress)
+        t.prefill_s = time.perf_counter() - t.start
+        n = ids.shape[1]
+        out: list[int] = []
+        msg = torch.zeros(2, dtype=torch.int64, device=self.device)
+        t_first = None
+        for i in range(max_new_tokens):
+            if r == 0:
+                tok = int(sample(logits, sampling, gen)[0])
+                out.append(tok)
+                reason = stop_check(out) if stop_check else None
+                if reason is None and len(out) == max_new_tokens:
+                    reason = "length"
+                msg[0], msg[1] = tok, STOP_IDS[reason]
+            self.comm.broadcast(msg, src=0)
+            tok, reason = int(msg[0]), STOP_CODES[int(msg[1])]
+            if t_first is None:
+                t_first = time.perf_counter()
+                t.ttft_s = t_first - t.start
+            yield tok, reason
+            if reason is not None:
+                break
+            logits = self.step(torch.tensor([tok]), n + i)
+        t.decode_s = time.perf_counter() - (t_first or time.perf_counter())
