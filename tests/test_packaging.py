@@ -42,7 +42,7 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("treeattn_cli", "kernels"):
+    for name in ("treeattn_cli", "kernels", "profiles"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                         "-q", "-w", str(tmp_path / "dist"), str(src)],
@@ -55,5 +55,6 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
     assert "treeattn_kernels/__init__.py" in names
     assert "treeattn_kernels/partial_triton.py" in names
     assert "treeattn_cli/main.py" in names
+    assert "treeattn_cli/profiles/dgx-h100.yaml" in names and "treeattn_cli/data/demo_document.txt" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "treeattn = treeattn_cli.main:app" in zipfile.ZipFile(wheel).read(entry).decode()

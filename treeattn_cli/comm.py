@@ -376,6 +376,15 @@ class Pending:
         self._works = []
 
 
+def subgroup(ranks: list[int], scheme: str = "allreduce", stats: Stats | None = None,
+             timeout_s: float | None = None) -> "Comm | None":
+    """A communicator on ``ranks`` of the default group (every rank must call this, with the
+    same ranks); None on ranks outside it."""
+    timeout = datetime.timedelta(seconds=timeout_s or _state["timeout_s"])
+    pg = dist.new_group(sorted(ranks), timeout=timeout)
+    return Comm(pg, scheme, stats) if dist.get_rank() in ranks else None
+
+
 def make_comm(scheme: str = "allreduce", groups: list[list[int]] | None = None,
               inner_scheme: str = "allreduce", outer_scheme: str = "tree",
               stats: Stats | None = None, timeout_s: float | None = None) -> Comm:

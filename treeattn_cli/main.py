@@ -82,7 +82,8 @@ def generate(
     backend: str = typer.Option("auto", help="auto | nccl | gloo."),
     device: str = typer.Option("auto", help="auto | cuda | cpu."),
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
-    scheme: str = typer.Option("auto", help="Merge scheme: auto | allreduce | allgather | tree | hierarchical."),
+    scheme: str = typer.Option("auto", help="Merge scheme: auto (the layout `treeattn topo` chooses) | allreduce | allgather | tree | hierarchical."),
+    layout: Optional[str] = typer.Option(None, help="Interconnect profile for the layout choice: a built-in name or a YAML path (e.g. from `topo --measure --save`)."),
     output: Optional[str] = typer.Option(None, help="Also write the generated text to this file (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON record at the end instead of streaming."),
     timeout: float = typer.Option(300.0, help="Collective timeout in seconds (a lost rank is reported after it)."),
@@ -100,7 +101,8 @@ def generate(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend,
             device=device, dtype=dtype, scheme=scheme, output=output, json=json_out,
-            timeout=timeout, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+            timeout=timeout, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+            layout=layout)
         code = runner.generate_command(opts)
     except typer.Exit:
         raise

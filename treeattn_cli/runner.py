@@ -34,6 +34,8 @@ class GenerateJob:
     dtype: str = "auto"
     scheme: str = "allreduce"
     groups: list | None = None
+    inner: str = "allreduce"
+    outer: str = "tree"
     prefill_chunk: int | None = None
     trust_remote_code: bool = False
     allow_pickle: bool = False
@@ -62,7 +64,7 @@ def rank_generate(ctx, job: GenerateJob):
                        allow_pickle=job.allow_pickle)
     sh = shapes(model.config)
     n = len(job.prompt_ids)
-    comm = make_comm(job.scheme, job.groups)
+    comm = make_comm(job.scheme, job.groups, job.inner, job.outer)
     cap = math.ceil(n / ctx.world) + math.ceil(job.max_new_tokens / ctx.world) + 2
     cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"], sh["head_dim"], dtype=dtype,
                            device=device, rank=ctx.rank, world=ctx.world, capacity=cap)
@@ -122,6 +124,7 @@ class GenerateOptions:
     timeout: float = 300.0
     allow_pickle: bool = False
     trust_remote_code: bool = False
+    layout: str | None = None  # a profile (name or YAML path) for the layout choice
 
 
 def _check_flags(o: GenerateOptions) -> None:
@@ -181,6 +184,24 @@ def _eos_ids(model_dir, config, tokenizer) -> list[int]:
     return sorted({int(x) for x in flat if x is not None})
 
 
+def _merge_plan(o: GenerateOptions, kind: str, n: int, config):
+    """(scheme, groups, inner, outer): the layout ``treeattn topo`` would choose for this run
+    (``--scheme auto``), or the scheme asked for (hierarchical then takes the layout's groups)."""
+    from .layout import plan_for_run
+    from .model import shapes
+
+    if o.scheme not in ("auto", "hierarchical") and o.layout is None:
+        return o.scheme, None, None, None
+    sh = shapes(config)
+    lay = plan_for_run(kind, n, heads=sh["heads"], head_dim=sh["head_dim"], layers=sh["num_layers"],
+                       profile=o.layout)
+    if o.scheme == "auto" or o.scheme == "hierarchical":
+        if lay.scheme == "hierarchical" or o.scheme == "auto":
+            return lay.scheme, lay.groups, lay.inner, lay.outer
+        return "hierarchical", [list(range(n))], "allreduce", "tree"
+    return o.scheme, None, None, None
+
+
 def prepare(o: GenerateOptions):
     """Everything checkable before a rank starts: (job, tokenizer, devices plan)."""
     from . import model as M
@@ -206,10 +227,11 @@ def prepare(o: GenerateOptions):
     if ctx_len and len(ids) + o.max_new_tokens > ctx_len:
         raise ValueError(f"the prompt is {len(ids)} tokens; with --max-new-tokens {o.max_new_tokens} "
                          f"that exceeds the model's context of {ctx_len} tokens")
-    scheme = "allreduce" if o.scheme == "auto" else o.scheme
+    scheme, groups, inner, outer = _merge_plan(o, kind, n, config)
     job = GenerateJob(model_dir=str(model_dir), prompt_ids=ids, max_new_tokens=o.max_new_tokens,
                       sampling=Sampling(o.temperature, o.top_k, o.top_p, o.seed), stop=list(o.stop),
                       eos_ids=_eos_ids(model_dir, config, tok), dtype=o.dtype, scheme=scheme,
+                      groups=groups, inner=inner or "allreduce", outer=outer or "tree",
                       prefill_chunk=o.prefill_chunk, trust_remote_code=o.trust_remote_code,
                       allow_pickle=o.allow_pickle)
     return job, tok, (kind, be, n, devices)
