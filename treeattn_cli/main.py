@@ -124,9 +124,36 @@ def _report(e: BaseException) -> int:
 
 
 @app.command()
-def topo():
+def topo(
+    from_file: Optional[str] = typer.Option(None, help="Parse a saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output instead of probing."),
+    profile: Optional[str] = typer.Option(None, help="Link figures for the cost model: a built-in name (dgx-h100, mi300x, rtx4090-pcie, cpu-gloo) or a YAML path."),
+    measure: bool = typer.Option(False, help="Measure per-pair latency/bandwidth and group all_reduce latency on this machine's ranks."),
+    save: Optional[str] = typer.Option(None, help="With --measure: write the measured profile here (for generate --layout / bench)."),
+    nproc: Optional[int] = typer.Option(None, help="Ranks to plan (and measure) for (default: all GPUs; 2 CPU ranks)."),
+    batch: int = typer.Option(1, help="Batch size of the merges the layout is priced for."),
+    heads: int = typer.Option(32, help="Query heads (default: Llama-3.1-8B)."),
+    head_dim: int = typer.Option(128, help="Head dimension."),
+    layers: int = typer.Option(32, help="Layers per decode step."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    debug: bool = typer.Option(False, help="Show full tracebacks."),
+):
     """Probe the interconnect (NVLink, PCIe, Infinity Fabric) and choose the reduction layout."""
-    _not_yet("topo")
+    from .report import print_topology
+    from .topo_command import TopoOptions, topo_command
+
+    try:
+        for flag, v in (("--nproc", nproc if nproc is not None else 1), ("--batch", batch),
+                        ("--heads", heads), ("--head-dim", head_dim), ("--layers", layers)):
+            if v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        rec = topo_command(TopoOptions(from_file=from_file, profile=profile, measure=measure, save=save,
+                                       nproc=nproc, batch=batch, heads=heads, head_dim=head_dim,
+                                       layers=layers))
+    except Exception as e:
+        if debug:
+            raise
+        raise typer.Exit(_report(e))
+    print_topology(rec, as_json=json_out)
 
 
 @app.command()

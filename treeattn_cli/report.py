@@ -128,3 +128,50 @@ def write_atomic(path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def print_topology(rec: dict, as_json: bool = False, file=None) -> None:
+    """``treeattn topo``: the link matrix and the chosen layout (or the record as JSON)."""
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps(rec), file=file)
+        return
+    con = Console(file=file)
+    gpus = rec["gpus"]
+    if gpus:
+        t = Table(title=f"interconnect ({rec['source']})")
+        t.add_column("")
+        for g in gpus:
+            t.add_column(f"GPU{g['index']}", justify="center")
+        t.add_column("NUMA", justify="right")
+        t.add_column("name / bus")
+        for g, row in zip(gpus, rec["links"]):
+            cells = []
+            for j, c in enumerate(row):
+                nv = rec["nvlinks"][g["index"]][j] if rec.get("nvlinks") else 0
+                p2p = rec["p2p"][g["index"]][j] if rec.get("p2p") else None
+                cells.append(c + (f"×{nv}" if nv and c.startswith("NV") else "") + (" (no P2P)" if p2p is False else ""))
+            t.add_row(f"GPU{g['index']}", *cells, "" if g["numa"] is None else str(g["numa"]),
+                      " ".join(x for x in (g["name"], g["bus_id"]) if x))
+        con.print(t)
+    else:
+        con.print(f"no GPU found: {rec['cpu_ranks']} CPU ranks over gloo on loopback (one flat level)")
+    for n in rec["notes"]:
+        con.print(f"  note: {n}", style="dim")
+    lay = rec["layout"]
+    how = rec["scheme"] if rec["scheme"] != "hierarchical" else f"hierarchical (inside groups: {lay['inner']}, across leaders: {lay['outer']})"
+    con.print(f"layout: groups {rec['groups']}  scheme {how}")
+    s = rec["shape"]
+    con.print(f"predicted merge time per decode step: {lay['predicted_step_us']:.1f} µs "
+              f"({s['layers']} layers × {lay['predicted_layer_us']:.2f} µs; B={s['batch']}, H={s['heads']}, "
+              f"d={s['head_dim']}; profile {rec['profile']})")
+    cands = sorted(lay["candidates_us"].items(), key=lambda kv: kv[1])[:6]
+    con.print("  per layer: " + ", ".join(f"{k} {v:.2f} µs" for k, v in cands), style="dim")
+    if "measured" in rec:
+        m = rec["measured"]
+        con.print("measured all_reduce of one merge: " + ", ".join(
+            f"[{k}] {v:.1f} µs" for k, v in m["allreduce_us"].items() if v is not None))
+        for k, v in sorted(m["pairs"].items()):
+            con.print(f"  pair {k}: α {v['alpha_us']:.1f} µs, {v['bandwidth_gbps']:.2f} GB/s", style="dim")
+        if "saved" in rec:
+            con.print(f"profile saved to {rec['saved']} (use: generate --layout {rec['saved']})")
