@@ -18,7 +18,7 @@ from treeattn_kernels import partial_attention
 from .cache import ShardedKVCache
 from .comm import Comm
 from .merge import merge_pair
-from .ring import ring_pass_q, ring_prefill
+from .ring import ring_decode, ring_pass_q, ring_prefill
 
 ATTN_NAME = "treeattn"
 
@@ -36,6 +36,7 @@ class AttentionContext:
     phase: str = "decode"
     bounds: list = field(default_factory=list)  # prefill: global cut points of the segment
     on_layer: object = None  # prefill progress callback(layer_index)
+    decode_method: str = "tree"  # "ring": the KV-rotating baseline (bench)
 
 
 def treeattn_attention(module, query, key, value, attention_mask=None, *, scaling=None,
@@ -63,6 +64,11 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
             ctx.on_layer(layer)
     else:
         k, v, kv_len = cache.update(layer, key, value)
+        if ctx.decode_method == "ring":
+            if window is not None:
+                raise ValueError("the ring decode baseline does not support sliding-window layers")
+            o, _ = ring_decode(comm, query, k, v, kv_len, scale=scaling, softcap=softcap)
+            return o.to(query.dtype).transpose(1, 2).contiguous(), None
         q_pos = k_pos = None
         if window is not None:
             q_pos, k_pos = cache.step_positions[:, None], cache.pos[:, : k.shape[2]]

@@ -157,9 +157,70 @@ def topo(
 
 
 @app.command()
-def bench():
+def bench(
+    methods: str = typer.Option("tree,ring,single", help="Comma list of tree, ring, single."),
+    scheme: str = typer.Option("auto", help="Tree merge scheme(s): auto (the layout's), all, or a comma list."),
+    seq_len: str = typer.Option("16384", help="Comma list of total KV lengths (16K, 1M allowed)."),
+    batch: int = typer.Option(1, help="Batch size."),
+    heads: int = typer.Option(32, help="Query heads (default: Llama-3.1-8B)."),
+    kv_heads: int = typer.Option(8, help="KV heads."),
+    head_dim: int = typer.Option(128, help="Head dimension."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on GPUs, float32 on CPU) | float32 | bfloat16 | float16."),
+    nproc: Optional[str] = typer.Option(None, help="Ranks, or a comma list of rank counts (default: visible GPUs, 2 on a CPU-only machine)."),
+    backend: str = typer.Option("auto", help="auto | nccl | gloo."),
+    device: str = typer.Option("auto", help="auto | cuda | cpu."),
+    layers: int = typer.Option(1, help="Layers per timed decode step."),
+    iters: int = typer.Option(10, help="Timed iterations per case."),
+    warmup: int = typer.Option(3, help="Untimed iterations per case."),
+    layout: Optional[str] = typer.Option(None, help="Profile for the layout choice (name or YAML path)."),
+    simulate: Optional[str] = typer.Option(None, help="Project with the α–β model for a profile (e.g. dgx-h100) instead of running."),
+    gpus: str = typer.Option("8,64,128,1024", help="With --simulate: cluster sizes."),
+    kernel: bool = typer.Option(False, help="Time the local partial-attention kernel against SDPA and flex_attention."),
+    model: Optional[str] = typer.Option(None, help="Model-level mode: decode ms/token of generate per method on this model."),
+    new_tokens: int = typer.Option(16, help="Model-level mode: tokens decoded per run."),
+    json_out: bool = typer.Option(False, "--json", help="Print the records as a JSON list."),
+    csv: Optional[str] = typer.Option(None, help="Also write the records as CSV."),
+    plot: Optional[str] = typer.Option(None, help="Also write a PNG: step time vs sequence length per method."),
+    debug: bool = typer.Option(False, help="Show full tracebacks."),
+):
     """Compare tree vs ring vs one device on the same attention work."""
-    _not_yet("bench")
+    from . import report
+    from .bench import BenchOptions, bench_command
+
+    _quiet_libraries()
+    bar = None
+    try:
+        if sys.stderr.isatty() and not (simulate or kernel or model):
+            from rich.progress import Progress
+
+            bar = Progress(console=__import__("rich.console").console.Console(file=sys.stderr), transient=True)
+            bar.start()
+            task = bar.add_task("bench", total=None)
+        progress = (lambda done, total: bar.update(task, completed=done, total=total)) if bar else None
+        recs = bench_command(BenchOptions(
+            methods=methods, scheme=scheme, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads,
+            head_dim=head_dim, dtype=dtype, nproc=nproc, backend=backend, device=device, layers=layers,
+            iters=iters, warmup=warmup, simulate=simulate, gpus=gpus, kernel=kernel, model=model,
+            new_tokens=new_tokens, layout=layout), on_progress=progress)
+        if bar:
+            bar.stop()
+            bar = None
+        if kernel:
+            report.print_kernel_records(recs, as_json=json_out)
+        elif model:
+            report.print_model_records(recs, as_json=json_out)
+        else:
+            report.print_bench(recs, as_json=json_out)
+        if csv:
+            report.write_csv(recs, csv)
+        if plot:
+            report.write_plot(recs, plot)
+    except Exception as e:
+        if bar:
+            bar.stop()
+        if debug:
+            raise
+        raise typer.Exit(_report(e))
 
 
 if __name__ == "__main__":  # pragma: no cover

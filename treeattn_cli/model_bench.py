@@ -28,14 +28,17 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return (doc * reps)[:n]
 
 
-def time_treeattn(model_dir, ids, new_tokens, nproc, dtype="float32", scheme="allreduce"):
+def time_treeattn(model_dir, ids, new_tokens, nproc, dtype="float32", scheme="allreduce",
+                  decode_method="tree"):
     job = GenerateJob(model_dir=str(model_dir), prompt_ids=ids, max_new_tokens=new_tokens,
-                      sampling=Sampling(), dtype=dtype, scheme=scheme)
+                      sampling=Sampling(), dtype=dtype, scheme=scheme, decode_method=decode_method)
     toks = []
     res = run_local(rank_generate, nproc, job, on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
     s = res[0]
     decode_ms = 1e3 / s["decode_tokens_per_s"] if s["decode_tokens_per_s"] else None
-    return {"method": f"treeattn nproc={nproc}", "prefill_s": s["prefill_s"], "decode_ms_per_token": decode_ms,
+    return {"method": f"treeattn nproc={nproc}" if decode_method == "tree" else f"ring nproc={nproc}",
+            "scheme": scheme if decode_method == "tree" else "ring", "nproc": nproc,
+            "prefill_s": s["prefill_s"], "decode_ms_per_token": decode_ms,
             "token_ids": toks}
 
 

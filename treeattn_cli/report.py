@@ -29,7 +29,7 @@ def print_kernel_records(records, as_json=False, file=None):
                   f"{100 * r['frac_copy_bw']:.0f}", ratio)
     if records and "device" in records[0]:
         t.caption = f"{records[0]['device']}; copy bandwidth {records[0]['copy_gbps']:.0f} GB/s"
-    Console(file=file).print(t)
+    _console(file).print(t)
 
 
 class GenerateView:
@@ -175,3 +175,118 @@ def print_topology(rec: dict, as_json: bool = False, file=None) -> None:
             con.print(f"  pair {k}: α {v['alpha_us']:.1f} µs, {v['bandwidth_gbps']:.2f} GB/s", style="dim")
         if "saved" in rec:
             con.print(f"profile saved to {rec['saved']} (use: generate --layout {rec['saved']})")
+
+
+BENCH_FIELDS = ["method", "scheme", "nproc", "seq_len", "batch", "heads", "kv_heads", "head_dim",
+                "dtype", "layers", "step_ms_median", "step_ms_p10", "step_ms_p90", "bytes_per_step",
+                "collectives_per_step", "peak_mem_bytes", "simulated", "device"]
+
+
+def _fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def print_bench(records, as_json=False, file=None) -> None:
+    """Bench records as a table with the ring/tree ratio per (N, p), or as JSON."""
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps(records), file=file)
+        return
+    sim = bool(records and records[0].get("simulated"))
+    t = Table(title="decode step: tree vs ring vs single" + (" (simulated)" if sim else ""))
+    for c in ("N", "p", "method", "scheme", "ms", "p10–p90", "bytes", "coll", "mem", "ring ÷"):
+        t.add_column(c, justify="right")
+    ring = {(r["seq_len"], r["nproc"]): r["step_ms_median"] for r in records if r["method"] == "ring"}
+    for r in records:
+        spread = f"{r['step_ms_p10']:.2f}–{r['step_ms_p90']:.2f}" if "step_ms_p10" in r else ""
+        base = ring.get((r["seq_len"], r["nproc"]))
+        ratio = f"×{base / r['step_ms_median']:.1f}" if base and r["method"] != "ring" and r["step_ms_median"] > 0 else ""
+        t.add_row(_fmt_tokens(r["seq_len"]), str(r["nproc"]), r["method"], str(r.get("scheme", "")),
+                  f"{r['step_ms_median']:.3f}", spread, _fmt_bytes(r.get("bytes_per_step", 0)),
+                  str(r.get("collectives_per_step", "")), _fmt_bytes(r.get("peak_mem_bytes", 0)), ratio)
+    if records:
+        t.caption = records[0].get("device", "") + ("; mem = KV per rank" if sim else "; ring ÷ = ring's step time / this row's")
+    _console(file).print(t)
+
+
+def _fmt_tokens(n: int) -> str:
+    for unit, div in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % (div // 1024 if div > 1024 else 1) == 0:
+            v = n / div
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.2f}{unit}"
+    return str(n)
+
+
+def _console(file):
+    """A console for ``file``: a terminal's own width, 140 columns when redirected."""
+    return Console(file=file, width=None if getattr(file, "isatty", lambda: False)() else 140)
+
+
+def write_csv(records, path) -> None:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    keys = BENCH_FIELDS + sorted({k for r in records for k in r} - set(BENCH_FIELDS))
+    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+    w.writeheader()
+    for r in records:
+        w.writerow(r)
+    write_atomic(path, buf.getvalue())
+
+
+def write_plot(records, path) -> None:
+    """Step time vs sequence length, one line per (method, scheme, p). Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'treeattn[plot]'") from None
+    import os
+    import tempfile
+
+    lines: dict = {}
+    for r in records:
+        key = f"{r['method']}" + (f" {r['scheme']}" if r["method"] == "tree" else "") + f" p={r['nproc']}"
+        lines.setdefault(key, []).append((r["seq_len"], r["step_ms_median"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("decode step (ms)")
+    ax.set_title("treeattn bench" + (f" — {records[0].get('device', '')}" if records else ""), fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".treeattn-", suffix=".png", dir=d)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def print_model_records(records, as_json=False, file=None) -> None:
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps(records), file=file)
+        return
+    t = Table(title="generate: decode per token by method")
+    for c in ("prompt", "method", "p", "prefill s", "decode ms/token"):
+        t.add_column(c, justify="right")
+    for r in records:
+        t.add_row(str(r["seq_len"]), r["method"], str(r.get("nproc", "")), f"{r['prefill_s']:.2f}",
+                  f"{r['decode_ms_per_token']:.1f}" if r.get("decode_ms_per_token") else "-")
+    _console(file).print(t)

@@ -39,6 +39,7 @@ class GenerateJob:
     prefill_chunk: int | None = None
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    decode_method: str = "tree"  # "ring": the baseline, for bench
 
 
 def make_stop_check(job: GenerateJob, tokenizer):
@@ -68,7 +69,7 @@ def rank_generate(ctx, job: GenerateJob):
     cap = math.ceil(n / ctx.world) + math.ceil(job.max_new_tokens / ctx.world) + 2
     cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"], sh["head_dim"], dtype=dtype,
                            device=device, rank=ctx.rank, world=ctx.world, capacity=cap)
-    dec = Decoder(model, AttentionContext(comm, cache),
+    dec = Decoder(model, AttentionContext(comm, cache, decode_method=job.decode_method),
                   vocab_size=model.get_output_embeddings().weight.shape[0])
     lead = ctx.rank == 0
     stop_check = make_stop_check(job, load_tokenizer(job.model_dir)) if lead else None

@@ -1,0 +1,132 @@
+"""bench: small sweeps on CPU ranks, counters vs formulas, the α–β projection."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from treeattn_cli import layout as L
+from treeattn_cli.bench import BenchSpec, expected_bytes, simulate
+
+TREEATTN = str(Path(sys.executable).with_name("treeattn"))
+SHAPE = ["--heads", "8", "--kv-heads", "2", "--head-dim", "32", "--iters", "2", "--warmup", "1"]
+
+
+def run(*args, timeout=300):
+    r = subprocess.run([TREEATTN, "bench", *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_sweep_json_csv_png_and_formulas(tmp_path):
+    out_csv, out_png = tmp_path / "b.csv", tmp_path / "b.png"
+    r = run("--nproc", "2", "--seq-len", "300,1000", "--scheme", "all", "--layers", "2", *SHAPE,
+            "--json", "--csv", str(out_csv), "--plot", str(out_png))
+    recs = json.loads(r.stdout)
+    need = {"method", "scheme", "nproc", "seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype",
+            "step_ms_median", "bytes_per_step", "collectives_per_step", "peak_mem_bytes"}
+    assert all(need <= set(x) for x in recs)
+    got = {(x["method"], x["scheme"], x["seq_len"]) for x in recs}
+    for n in (300, 1000):
+        assert {("tree", "allreduce", n), ("tree", "allgather", n), ("tree", "tree", n),
+                ("ring", "ring", n), ("single", "none", n)} <= got
+    spec = BenchSpec(heads=8, kv_heads=2, head_dim=32, layers=2)
+    for x in recs:
+        assert x["step_ms_median"] > 0 and x["step_ms_p10"] <= x["step_ms_median"] <= x["step_ms_p90"]
+        if x["method"] == "tree" and x["scheme"] in ("allreduce", "allgather"):
+            assert x["bytes_per_step"] == expected_bytes("tree", x["scheme"], 2, spec, x["seq_len"])
+            assert x["collectives_per_step"] == (4 if x["scheme"] == "allreduce" else 2)  # 2 layers
+        if x["method"] == "ring":
+            assert x["bytes_per_step"] == expected_bytes("ring", "ring", 2, spec, x["seq_len"])
+            assert x["collectives_per_step"] == 2 * 3  # 1 step x (K, V, lengths) x 2 layers
+        if x["method"] == "single":
+            assert x["nproc"] == 1 and x["bytes_per_step"] == 0
+    tree_b = {x["seq_len"]: x["bytes_per_step"] for x in recs if x["scheme"] == "allreduce"}
+    ring_b = {x["seq_len"]: x["bytes_per_step"] for x in recs if x["method"] == "ring"}
+    assert tree_b[300] == tree_b[1000] and ring_b[1000] > 3 * ring_b[300]  # N-free vs growing with N
+    rows = list(csv.DictReader(out_csv.open()))
+    assert len(rows) == len(recs) and rows[0]["method"] == recs[0]["method"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_output_has_speedup_column():
+    r = run("--nproc", "2", "--seq-len", "512", *SHAPE)
+    assert "ring ÷" in r.stdout and "×" in r.stdout
+
+
+def test_simulator_matches_hand_computed_alpha_beta(tmp_path):
+    prof = tmp_path / "toy.yaml"
+    prof.write_text("name: toy\ngpus_per_node: 4\nmemory_bandwidth_gbps: 1000\nlinks:\n"
+                    "  NVSWITCH: {alpha_us: 2, bandwidth_gbps: 100}\n  NET: {alpha_us: 10, bandwidth_gbps: 10}\n")
+    spec = BenchSpec(seq_lens=[4096], batch=1, heads=8, kv_heads=2, head_dim=64, dtype="bfloat16", layers=1)
+    recs = simulate(str(prof), [4], spec)
+    tree, ring = recs[0], recs[1]
+    shard = 2 * 1 * 2 * 1024 * 64 * 2  # K+V bytes per GPU (N/p = 1024 tokens, bf16)
+    t_attn = shard / 1000e9
+    m = 4 * 8 * 65  # packed partial
+    # one node of 4: allgather (3 hops) beats the binary tree (2 rounds each way) in this model
+    tree_merge = 3 * (2e-6 + m / 100e9)
+    assert tree["scheme"] == "allgather"
+    assert L.scheme_cost_s("tree", 4, L.message_bytes(1, 8, 64), L.Link(2e-6, 1 / 100e9)) == \
+        pytest.approx(2 * 2 * (2e-6 + m / 100e9))
+    assert tree["step_ms_median"] == pytest.approx((t_attn + tree_merge) * 1e3)
+    xfer = 2e-6 + shard / 100e9
+    assert ring["step_ms_median"] == pytest.approx((t_attn + 3 * max(t_attn, xfer)) * 1e3)
+
+
+def test_simulation_tree_pulls_ahead_of_ring_as_p_grows():
+    """Weak scaling as in the paper's Fig. 3 (40K tokens per GPU): ring's step grows with p,
+    tree's barely moves, so tree's lead grows; a fixed N shows tree ahead at every p."""
+    ratio = {}
+    for p in (8, 64, 128, 1024):
+        spec = BenchSpec(seq_lens=[40960 * p], heads=16, kv_heads=16, head_dim=128, dtype="bfloat16", layers=1)
+        tree, ring = simulate("dgx-h100", [p], spec)
+        assert tree["method"] == "tree" and ring["method"] == "ring" and tree["simulated"]
+        ratio[p] = ring["step_ms_median"] / tree["step_ms_median"]
+    assert 1 < ratio[8] < ratio[64] < ratio[128] < ratio[1024]
+    spec = BenchSpec(seq_lens=[1 << 20], heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", layers=32)
+    recs = simulate("dgx-h100", [8, 64, 128, 1024], spec)
+    for p in (8, 64, 128, 1024):
+        t = next(r for r in recs if r["nproc"] == p and r["method"] == "tree")
+        g = next(r for r in recs if r["nproc"] == p and r["method"] == "ring")
+        assert g["step_ms_median"] > t["step_ms_median"]
+    multi = next(r for r in recs if r["nproc"] == 64 and r["method"] == "tree")
+    assert multi["scheme"] == "hierarchical"  # NVSwitch inside nodes, NET across
+
+
+def test_simulate_cli_json():
+    r = run("--simulate", "mi300x", "--gpus", "8,16", "--seq-len", "128K", "--json")
+    recs = json.loads(r.stdout)
+    assert len(recs) == 4 and all(x["simulated"] for x in recs)
+
+
+def test_model_mode_on_tiny_model(tmp_path):
+    import tiny_models
+
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    r = run("--model", str(d), "--seq-len", "40", "--nproc", "2", "--new-tokens", "4", "--json")
+    recs = json.loads(r.stdout)
+    assert {x["method"] for x in recs} == {"tree", "ring", "single"}
+    assert all(x["decode_ms_per_token"] > 0 for x in recs)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--heads", "6", "--kv-heads", "4"], "multiple"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--seq-len", "abc"], "--seq-len"),
+    (["--methods", "tree,warp"], "--methods"),
+    (["--scheme", "bogus"], "--scheme"),
+    (["--nproc", "0"], "--nproc"),
+    (["--layers", "0"], "--layers"),
+    (["--simulate", "no-such-profile"], "profile not found"),
+    (["--dtype", "int8"], "--dtype"),
+])
+def test_bench_bad_input(args, needle):
+    r = subprocess.run([TREEATTN, "bench", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
