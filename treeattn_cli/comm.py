@@ -72,13 +72,38 @@ class Stats:
 
 # ---------------------------------------------------------------- process group and failures
 
+_listeners: dict = {}  # store port -> the socket its server listens on
+
+
 def make_store(port: int, world: int, *, host: str = "127.0.0.1", is_master: bool,
                timeout_s: float):
-    """The rendezvous key-value store. The master (the launcher) listens on ``host`` only,
-    on ``port`` (0: a free port the OS picks; read it back from ``.port``)."""
-    kw = {"wait_for_workers": False} if is_master else {}
-    return dist.TCPStore(host, port, world, is_master=is_master,
-                         timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    """The rendezvous key-value store. The master (the launcher) listens on ``host`` only, on
+    ``port`` (0: a free port the OS picks; read it back from ``.port``). TCPStore's own server
+    binds every interface, so the master's socket is bound here and handed over."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    try:
+        store = dist.TCPStore(host, sock.getsockname()[1], world, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except Exception:
+        sock.close()
+        raise
+    _listeners[store.port] = sock
+    return store
+
+
+def close_store(store) -> None:
+    """Release the master's listening socket (after every rank has gone)."""
+    sock = _listeners.pop(getattr(store, "port", None), None)
+    if sock is not None:
+        sock.close()
 
 
 _state = {"store": None, "rank": 0, "world": 1, "timeout_s": 300.0, "hb": None}

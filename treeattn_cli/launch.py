@@ -56,6 +56,11 @@ def under_torchrun() -> bool:
 def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results):
     import torch
 
+    # Ctrl-C goes to the whole terminal process group: the launcher alone handles it and stops
+    # the ranks. Local ranks talk over loopback only.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world)) if device == "cpu" else None
     ctx = RankContext(rank, world, rank, backend, device, timeout_s,
                       emit=lambda kind, payload: results.put((rank, "event", (kind, payload))))
@@ -108,6 +113,7 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
     got: dict[int, tuple] = {}
     first_error = None
     dead_since = None
+    interrupted = False
     try:
         while len(got) < nproc:
             try:
@@ -134,9 +140,12 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
                 dead_since = time.monotonic()
             if dead_since is not None and time.monotonic() - dead_since > timeout_s + grace_s:
                 break  # survivors did not notice within the collective timeout: stop them
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         for p in procs:
-            p.join(timeout=grace_s if first_error is None else 0.5)
+            p.join(timeout=0 if interrupted else grace_s if first_error is None else 0.5)
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -145,7 +154,7 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
                 p.kill()
                 p.join(2)
         results.close()
-        del store
+        comm.close_store(store)
     if first_error is None:
         first_error = next((f"rank {r}: {got[r][1][0]}" for r in sorted(got) if got[r][0] != "ok"), None)
     if first_error is None and len(got) < nproc:

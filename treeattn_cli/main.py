@@ -106,6 +106,9 @@ def generate(
         code = runner.generate_command(opts)
     except typer.Exit:
         raise
+    except KeyboardInterrupt:  # before any rank started (loading, converting): nothing to keep
+        typer.echo("treeattn: interrupted", err=True)
+        code = 130
     except Exception as e:
         if debug:
             raise

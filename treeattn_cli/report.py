@@ -84,9 +84,9 @@ class GenerateView:
     def text(self) -> str:
         return self.tok.decode(self.ids, skip_special_tokens=True)
 
-    def _flush_text(self):
+    def _flush_text(self, final: bool = False):
         text = self.text
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        if text.endswith("\ufffd") and not final:  # maybe an incomplete UTF-8 sequence: wait
             return
         if text.startswith(self._shown):
             self.out.write(text[len(self._shown):])
@@ -98,7 +98,7 @@ class GenerateView:
         """Close the stream; returns (and with ``as_json`` prints) the run's record."""
         self._close_bar()
         if self.stream:
-            self._flush_text()
+            self._flush_text(final=True)
             if self._shown and not self._shown.endswith("\n"):
                 self.out.write("\n")
             self.out.flush()

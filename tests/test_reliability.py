@@ -1,0 +1,257 @@
+"""Reliability and security: lost ranks, Ctrl-C, leftovers, loopback-only sockets, bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+
+TREEATTN = str(Path(sys.executable).with_name("treeattn"))
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    """A tiny model made slow enough per token that a run lasts seconds (more layers, wider)."""
+    d = tmp_path_factory.mktemp("rel") / "llama"
+    return tiny_models.make_model("llama", d, hidden_size=256, intermediate_size=1024,
+                                  num_hidden_layers=8, max_position_embeddings=4096)
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            kids = []
+        out += [int(k) for k in kids]
+        todo += [int(k) for k in kids]
+    return out
+
+
+def _cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _ranks(launcher_pid: int) -> list[int]:
+    """Rank processes: the children of the launcher's fork server, in rank order (pid order)."""
+    server = [p for p in _descendants(launcher_pid) if "forkserver" in _cmdline(p)]
+    kids = []
+    for s in server:
+        kids += [int(k) for k in Path(f"/proc/{s}/task/{s}/children").read_text().split()]
+    return sorted(kids)
+
+
+def _start(model, *extra, nproc=2, tokens=400):
+    return subprocess.Popen([TREEATTN, "generate", "--model", str(model), "--prompt", "hello world " * 20,
+                             "--no-chat", "--nproc", str(nproc), "--max-new-tokens", str(tokens),
+                             "--temperature", "0", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+
+
+def _wait_for_output(proc, nbytes=20, timeout=60):
+    """Read stdout until some generated text has streamed; returns it."""
+    os.set_blocking(proc.stdout.fileno(), False)
+    got, t0 = b"", time.monotonic()
+    while len(got) < nbytes and time.monotonic() - t0 < timeout:
+        chunk = proc.stdout.read() or b""
+        got += chunk
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    return got
+
+
+def _listening_sockets_of(pids):
+    """(address, port) of TCP sockets in LISTEN state owned by ``pids``."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    out = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            f = ln.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A = LISTEN
+                addr, port = f[1].split(":")
+                out.append((addr, int(port, 16), v6))
+    return out
+
+
+def _is_loopback(addr_hex: str, v6: bool) -> bool:
+    if not v6:
+        return addr_hex == "0100007F"  # 127.0.0.1, little endian
+    return addr_hex in ("00000000000000000000000001000000",)  # ::1
+
+
+def test_sockets_listen_on_loopback_only(slow_model):
+    proc = _start(slow_model, nproc=2)
+    try:
+        assert _wait_for_output(proc, 5)
+        pids = [proc.pid] + _descendants(proc.pid)
+        socks = _listening_sockets_of(pids)
+        assert socks, "expected the rendezvous and gloo listeners"
+        bad = [s for s in socks if not _is_loopback(s[0], s[2])]
+        assert not bad, bad
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_killed_rank_is_named_and_tokens_are_kept(slow_model, tmp_path):
+    out = tmp_path / "out.txt"
+    proc = _start(slow_model, "--timeout", "5", "--output", str(out), nproc=2)
+    early = _wait_for_output(proc, 10)
+    assert early, proc.stderr.read()
+    ranks = _ranks(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    rest, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 5 + 15
+    assert proc.returncode == 1
+    assert "rank 1" in err.decode() and "SIGKILL" in err.decode(), err
+    assert "Traceback" not in err.decode()
+    text = (early + rest).decode()
+    assert text.strip() and out.read_text().strip() == text.strip()
+    assert not [p for p in _descendants(proc.pid)]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_stops_everything_and_keeps_text(slow_model, as_json):
+    proc = _start(slow_model, *(["--json"] if as_json else []), nproc=2)
+    if as_json:
+        time.sleep(0)  # nothing streams with --json: wait for ranks to exist and decode a bit
+        t0 = time.monotonic()
+        while len(_ranks(proc.pid)) < 2 and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        time.sleep(4)
+    else:
+        assert _wait_for_output(proc, 10)
+    ranks = _ranks(proc.pid)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 5, time.monotonic() - t0
+    assert proc.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode()
+    for r in ranks:
+        assert not Path(f"/proc/{r}").exists() or "zombie" in Path(f"/proc/{r}/status").read_text().lower()
+    if as_json:
+        rec = json.loads(out.decode().strip().splitlines()[-1])
+        assert rec["stop_reason"] == "interrupted" and isinstance(rec["token_ids"], list)
+
+
+def test_twenty_runs_leave_nothing_behind(tmp_path):
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    env["MASTER_PORT"] = str(busy.getsockname()[1])  # a busy port must not matter
+    for i in range(20):
+        r = subprocess.run([TREEATTN, "generate", "--model", str(d), "--prompt", f"run {i}", "--no-chat",
+                            "--nproc", "2", "--max-new-tokens", "2", "--json"],
+                           capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr
+    busy.close()
+    time.sleep(0.5)
+    mine = [p for p in os.listdir("/proc") if p.isdigit() and str(d) in _cmdline(int(p))]
+    assert not mine, mine
+    left = [p for p in _descendants(os.getpid()) if "forkserver" in _cmdline(p) and str(tmp) in _cmdline(p)]
+    assert not left
+    assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert shm_after <= shm_before, shm_after - shm_before
+
+
+# ---------------------------------------------------------------- bad model files
+
+def _gen(*args):
+    return subprocess.run([TREEATTN, "generate", "--prompt", "hi", "--no-chat", "--max-new-tokens", "2",
+                           *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_truncated_safetensors(tmp_path):
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    f = next(d.glob("*.safetensors"))
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    r = _gen("--model", str(d))
+    assert r.returncode == 2 and "corrupt safetensors" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_garbage_safetensors(tmp_path):
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    next(d.glob("*.safetensors")).write_bytes(b"\xff" * 100)
+    r = _gen("--model", str(d))
+    assert r.returncode == 2 and "corrupt safetensors" in r.stderr
+
+
+def test_pickled_weights_need_opt_in(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    m = AutoModelForCausalLM.from_pretrained(d)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    torch.save(m.state_dict(), d / "pytorch_model.bin")
+    r = _gen("--model", str(d))
+    assert r.returncode == 2 and "--allow-pickle" in r.stderr and "Traceback" not in r.stderr
+    r = _gen("--model", str(d), "--allow-pickle", "--nproc", "1")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("content,needle", [(b"", "empty"), (b"\xff\xfe\x00bad", "not"), (b"caf\xe9", "UTF-8")])
+def test_bad_prompt_files(tmp_path, content, needle):
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    f = tmp_path / "p.txt"
+    f.write_bytes(content)
+    r = subprocess.run([TREEATTN, "generate", "--model", str(d), "--prompt-file", str(f)],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_prompt_longer_than_context(tmp_path):
+    d = tiny_models.make_model("llama", tmp_path / "m", max_position_embeddings=64)
+    r = subprocess.run([TREEATTN, "generate", "--model", str(d), "--prompt", "x" * 100, "--no-chat"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "context of 64 tokens" in r.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = subprocess.run([TREEATTN, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x", "--debug"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_nccl_without_gpus():
+    r = subprocess.run([TREEATTN, "generate", "--prompt", "x", "--backend", "nccl", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "nccl" in r.stderr
