@@ -109,3 +109,26 @@ def test_merge_pair_associative(lses, seed):
     right = merge_pair(o[0], lse[0], *merge_pair(o[1], lse[1], o[2], lse[2]))
     assert_close(left[0], right[0], torch.float32, "o")
     assert_close(left[1], right[1], torch.float32, "lse")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=8), st.integers(0, 2**31 - 1),
+       st.sampled_from(["float32", "bfloat16"]))
+def test_any_shard_split_merges_to_the_unsplit_attention(sizes, seed, dtype):
+    """Property: however the keys are cut (empty pieces included), the merge is the whole."""
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    N = sum(sizes)
+    B, H, H_kv, d = 2, 4, 2, 16
+    q = (torch.randn(B, H, 1, d, generator=g) * 4).to(dt)  # large logits
+    k = (torch.randn(B, H_kv, N, d, generator=g) * 4).to(dt)
+    v = torch.randn(B, H_kv, N, d, generator=g).to(dt)
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    o_s, lse_s = shard_partials(q, k, v, bounds)
+    o, lse = merge_partials(o_s, lse_s)
+    o_ref, lse_ref = partial_attention_ref(q, k, v)
+    assert torch.isfinite(lse).all() == (N > 0)
+    assert_close(o.to(dt), o_ref, dt, "o")
+    assert_close(lse, lse_ref, torch.float32 if dt == torch.float32 else dt, "lse")

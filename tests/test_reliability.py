@@ -164,30 +164,52 @@ def test_ctrl_c_stops_everything_and_keeps_text(slow_model, as_json):
         assert rec["stop_reason"] == "interrupted" and isinstance(rec["token_ids"], list)
 
 
-def test_twenty_runs_leave_nothing_behind(tmp_path):
+def _listening(pid):
+    return set(_listening_sockets_of([pid]))
+
+
+def test_twenty_runs_leave_nothing_behind(tmp_path, monkeypatch):
+    """20 runs in a row (in this process: the launcher stays warm) leave no rank process, no
+    listening socket, no temporary file and no shared-memory segment; two runs of the console
+    script leave no process at all. A busy MASTER_PORT does not matter (the OS picks the port)."""
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    from treeattn_cli.main import app
+
     d = tiny_models.make_model("llama", tmp_path / "m")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    env = dict(os.environ, TMPDIR=str(tmp))
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
-    env["MASTER_PORT"] = str(busy.getsockname()[1])  # a busy port must not matter
+    monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    args = ["generate", "--model", str(d), "--no-chat", "--nproc", "2", "--max-new-tokens", "2", "--json"]
+    CliRunner().invoke(app, [*args, "--prompt", "warm up"])  # starts the fork server
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    socks_before = _listening(os.getpid())
+    before = set(_descendants(os.getpid()))
     for i in range(20):
-        r = subprocess.run([TREEATTN, "generate", "--model", str(d), "--prompt", f"run {i}", "--no-chat",
-                            "--nproc", "2", "--max-new-tokens", "2", "--json"],
-                           capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
-        assert r.returncode == 0, r.stderr
+        r = CliRunner().invoke(app, [*args, "--prompt", f"run {i}", "--output", str(tmp_path / "o.txt")])
+        assert r.exit_code == 0, r.output
     busy.close()
-    time.sleep(0.5)
-    mine = [p for p in os.listdir("/proc") if p.isdigit() and str(d) in _cmdline(int(p))]
-    assert not mine, mine
-    left = [p for p in _descendants(os.getpid()) if "forkserver" in _cmdline(p) and str(tmp) in _cmdline(p)]
-    assert not left
-    assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+    time.sleep(0.3)
+    assert set(_descendants(os.getpid())) <= before, "rank processes left behind"
+    assert _listening(os.getpid()) <= socks_before, "listening sockets left behind"
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("pymp-")] == []
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert shm_after <= shm_before, shm_after - shm_before
+    for i in range(2):  # the console script: its whole process tree goes away
+        p = subprocess.Popen([TREEATTN, *args, "--prompt", f"cli {i}"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=dict(os.environ))
+        p.communicate(timeout=120)
+        assert p.returncode == 0
+    time.sleep(0.3)
+    leftover = [q for q in os.listdir("/proc") if q.isdigit() and str(d) in _cmdline(int(q))]
+    assert not leftover, leftover
 
 
 # ---------------------------------------------------------------- bad model files
@@ -255,3 +277,37 @@ def test_nccl_without_gpus():
     r = subprocess.run([TREEATTN, "generate", "--prompt", "x", "--backend", "nccl", "--device", "cpu"],
                        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and "nccl" in r.stderr
+
+
+def test_full_context_generation_is_exact(tmp_path):
+    """A prompt that fills the context up to the last new token: still transformers' tokens."""
+    from typer.testing import CliRunner
+
+    from treeattn_cli.main import app
+    from treeattn_cli.model import load_tokenizer
+
+    d = tiny_models.make_model("qwen2", tmp_path / "m", max_position_embeddings=96)
+    prompt = "".join(chr(97 + (i * 7) % 26) for i in range(90))
+    ids = load_tokenizer(d)(prompt)["input_ids"]
+    ref = tiny_models.hf_greedy(d, ids, 6)
+    r = CliRunner().invoke(app, ["generate", "--model", str(d), "--prompt", prompt, "--no-chat",
+                                 "--nproc", "3", "--max-new-tokens", "6", "--json", "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == ref
+    r = CliRunner().invoke(app, ["generate", "--model", str(d), "--prompt", prompt, "--no-chat",
+                                 "--max-new-tokens", "7"])
+    assert r.exit_code == 2
+
+
+def test_dtype_the_device_cannot_run(monkeypatch):
+    import torch
+
+    from treeattn_cli.model import ModelError, pick_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    with pytest.raises(ModelError, match="cannot run bfloat16"):
+        pick_dtype("bfloat16", torch.device("cuda", 0))
+    assert pick_dtype("auto", torch.device("cuda", 0)) == torch.float32
+    with pytest.raises(ModelError, match="unknown dtype"):
+        pick_dtype("int4", torch.device("cpu"))
