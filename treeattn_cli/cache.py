@@ -1,14 +1,17 @@
 """The sharded KV cache: what this rank holds, and where each new token goes (DESIGN.md §4).
 
-Per layer this rank keeps ``k, v [B, H_kv, capacity, d]``; per sequence the global positions
-of its tokens ``pos [B, capacity]`` and their number ``length [B]``. Positions and lengths are
-shared by all layers (every layer stores the same tokens). Capacity grows geometrically, so an
-append costs O(1) amortised, never a copy of the shard per token.
+Per layer this rank keeps ``k, v [B, H_kv, capacity + 1, d]`` (the extra slot is a write-off
+target for sequences whose token goes elsewhere, so every step writes the same shapes); per
+sequence the global positions of its tokens ``pos [B, capacity + 1]`` and their number
+``length [B]`` on the device, mirrored on the host. Positions and lengths are shared by all
+layers. Capacity grows geometrically (an append is O(1) amortised) and can be reserved up front
+so a decode step never reallocates.
 
 Placement of decode tokens is deterministic and needs no communication: every rank keeps the
-token counts of all ranks, ``counts [B, world]``, and a new token of sequence b goes to the rank
-holding the fewest tokens of b (ties: the lowest rank), so shard sizes never differ by more
-than one token once decoding has started from balanced prefill chunks.
+token counts of all ranks, ``counts [B, world]`` (host), and a new token of sequence b goes to
+the rank holding the fewest tokens of b (ties: the lowest rank), so shard sizes never differ by
+more than one token once decoding has started from balanced prefill chunks. Nothing in a decode
+step reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -23,24 +26,30 @@ class ShardedKVCache:
 
     Life of a decode step: :meth:`begin_step` (placement of the new token of each sequence),
     then per layer :meth:`update` (writes this rank's new K/V, returns the shard to attend
-    to), then :meth:`end_step` (lengths advance).
+    to), then :meth:`end_step` (lengths advance). With ``static=True`` :meth:`update` returns
+    capacity-long views (fixed shapes, for CUDA graphs); the valid length is ``kv_len``.
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, *,
                  dtype=torch.float32, device="cpu", rank: int = 0, world: int = 1,
-                 capacity: int = 0):
+                 capacity: int = 0, static: bool = False):
         self.num_layers, self.batch, self.kv_heads, self.head_dim = num_layers, batch, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.static = rank, world, static
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.pos = torch.empty(batch, 0, dtype=torch.int64, device=self.device)
+        self.pos = torch.full((batch, 1), -1, dtype=torch.int64, device=self.device)
         self.length = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.host_length = torch.zeros(batch, dtype=torch.int64)  # the same, on the host
         self.counts = torch.zeros(batch, world, dtype=torch.int64)  # host: tokens per (seq, rank)
-        self._store = None  # [B] bool: this rank stores the current step's token
-        self._slot = None  # [B] int64: where
-        self.step_positions = None  # [B] global positions of the current decode step's tokens
+        self._rows = torch.arange(batch, device=self.device)
+        # per-step buffers, written in place so a captured step reads the same storage
+        self.step_positions = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self._store = torch.zeros(batch, dtype=torch.int64, device=self.device)  # 1: kept here
+        self._slot = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self._kv_len = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self._view_len = 0
         self.reserve(capacity)
 
     # -- capacity -----------------------------------------------------------------------
@@ -49,25 +58,25 @@ class ShardedKVCache:
         if capacity <= self.capacity:
             return
         new = max(capacity, 2 * self.capacity, _MIN_CAPACITY)
-        shape = (self.batch, self.kv_heads, new, self.head_dim)
+        shape = (self.batch, self.kv_heads, new + 1, self.head_dim)  # + the write-off slot
         n = self.capacity
-        if not self.k:
-            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        else:
-            for store in (self.k, self.v):
-                for i, t in enumerate(store):
-                    grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                    grown[:, :, :n] = t[:, :, :n]
-                    store[i] = grown
-        pos = torch.full((self.batch, new), -1, dtype=torch.int64, device=self.device)
+        for store in (self.k, self.v):
+            if not store:
+                store.extend(torch.zeros(shape, dtype=self.dtype, device=self.device)
+                             for _ in range(self.num_layers))
+                continue
+            for i, t in enumerate(store):
+                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                grown[:, :, :n] = t[:, :, :n]
+                store[i] = grown
+        pos = torch.full((self.batch, new + 1), -1, dtype=torch.int64, device=self.device)
         pos[:, :n] = self.pos[:, :n]
         self.pos = pos
         self.capacity = new
 
     @property
     def max_len(self) -> int:
-        return int(self.length.max().item()) if self.batch else 0
+        return int(self.host_length.max()) if self.batch else 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -84,13 +93,14 @@ class ShardedKVCache:
         ``positions [C]`` or ``[B, C]`` (global). Called once per layer, in layer order; the
         lengths advance after the last layer."""
         C = k.shape[2]
-        start = int(self.length[0].item()) if self.batch else 0
+        start = self.max_len
         self.reserve(start + C)
         self.k[layer][:, :, start:start + C] = k
         self.v[layer][:, :, start:start + C] = v
         if layer == self.num_layers - 1:
             self.pos[:, start:start + C] = torch.as_tensor(positions, device=self.device).expand(self.batch, C)
             self.length += C
+            self.host_length += C
 
     # -- decode -------------------------------------------------------------------------
     def place(self) -> torch.Tensor:
@@ -102,34 +112,34 @@ class ShardedKVCache:
 
     def begin_step(self, positions) -> torch.Tensor:
         """Start a decode step whose new tokens have global ``positions [B]``; returns
-        ``store [B] bool``, whether this rank keeps each sequence's new token."""
-        owner = self.place()
-        store = (owner == self.rank).to(self.device)
+        ``store [B] bool`` (host), whether this rank keeps each sequence's new token."""
+        store = self.place() == self.rank  # host
         self.reserve(self.max_len + 1)
-        self._store = store
-        self._slot = self.length.clone()
-        self.step_positions = torch.as_tensor(positions, dtype=torch.int64, device=self.device).expand(self.batch)
-        idx = torch.nonzero(store).flatten()
-        if idx.numel():  # positions first: sliding-window masks of this step already need them
-            self.pos[idx, self._slot[idx]] = self.step_positions[idx]
+        self._view_len = self.max_len + int(store.any())
+        st = store.to(torch.int64)
+        self._store.copy_(st, non_blocking=True)
+        self.step_positions.copy_(torch.as_tensor(positions, dtype=torch.int64).expand(self.batch),
+                                  non_blocking=True)
+        # where each sequence's K/V goes: its next slot here, or the write-off slot
+        torch.where(self._store.bool(), self.length, torch.full_like(self.length, self.capacity),
+                    out=self._slot)
+        torch.add(self.length, self._store, out=self._kv_len)
+        self.pos[self._rows, self._slot] = self.step_positions  # masks of this step need them
+        self._store_host = store
         return store
 
     def update(self, layer: int, k_new, v_new):
         """Write this rank's share of the step's K/V (``k_new, v_new [B, H_kv, 1, d]``) and
         return ``(k, v [B, H_kv, L, d], kv_len [B])``, the shard this step attends to."""
-        idx = torch.nonzero(self._store).flatten()
-        if idx.numel():
-            slots = self._slot[idx]
-            self.k[layer][idx, :, slots] = k_new[idx, :, 0].to(self.dtype)
-            self.v[layer][idx, :, slots] = v_new[idx, :, 0].to(self.dtype)
-        kv_len = self.length + self._store.to(torch.int64)
-        L = int(kv_len.max().item()) if self.batch else 0
-        return self.k[layer][:, :, :L], self.v[layer][:, :, :L], kv_len
+        self.k[layer][self._rows, :, self._slot] = k_new[:, :, 0].to(self.dtype)
+        self.v[layer][self._rows, :, self._slot] = v_new[:, :, 0].to(self.dtype)
+        L = self.capacity if self.static else self._view_len
+        return self.k[layer][:, :, :L], self.v[layer][:, :, :L], self._kv_len
 
     def end_step(self) -> None:
         """Advance lengths after the last layer of the step."""
-        self.length += self._store.to(torch.int64)
-        self._store = None
+        self.length += self._store
+        self.host_length += self._store_host.to(torch.int64)
 
     def view(self, layer: int):
         """``(k, v [B, H_kv, L, d], kv_len [B], pos [B, L])`` of this rank without a new token."""

@@ -322,16 +322,30 @@ class Comm:
             _guarded("barrier", dist.barrier, group=self.group)
 
     # -- the merge schemes --------------------------------------------------------------
-    def merge(self, o: torch.Tensor, lse: torch.Tensor):
+    def merge(self, o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor | None = None):
         """Merge this rank's partial ``(o [..., d], lse [...])`` with every other rank's.
 
-        Returns ``(o [..., d] fp32, lse [...] fp32)``, bit-identical on every rank.
+        Returns ``(o [..., d] fp32, lse [...] fp32)``, bit-identical on every rank; with
+        ``out`` (any strides and dtype, e.g. the layer's ``[B, T, H, d]`` output seen as
+        ``[B, H, T, d]``) the merged ``o`` is written there and ``out`` is returned instead.
+        On CUDA the ``allreduce`` scheme packs and finishes with two fused kernels.
         """
+        if self.world > 1 and self.scheme == "allreduce" and o.is_cuda and o.dim() == 4 and _fused():
+            from treeattn_kernels.merge_triton import unweigh_fused, weigh_fused
+
+            m = self.all_reduce(lse.float().clone(), "max")
+            packed = self.all_reduce(weigh_fused(o, lse, m), "sum")  # [..., d + 1]
+            return unweigh_fused(packed, m, out=out, dtype=out.dtype if out is not None else torch.float32)
         if self.world == 1:
-            return o.float(), lse.float()
-        if self.scheme == "hierarchical":
-            return self._merge_hierarchical(o, lse)
-        return self._merge_flat(self.scheme, o, lse)
+            o, lse = o.float(), lse.float()
+        elif self.scheme == "hierarchical":
+            o, lse = self._merge_hierarchical(o, lse)
+        else:
+            o, lse = self._merge_flat(self.scheme, o, lse)
+        if out is not None:
+            out.copy_(o)
+            return out, lse
+        return o, lse
 
     def _merge_flat(self, scheme, o, lse, to_all=True):
         if scheme == "allreduce":
@@ -387,6 +401,18 @@ class Comm:
         packed = torch.cat([o.float(), lse.float()[..., None]], dim=-1)  # 3. back inside the group
         inner.broadcast(packed, src=0)
         return packed[..., :-1], packed[..., -1]
+
+
+def _fused() -> bool:
+    """The Triton merge kernels can run (checked once)."""
+    if "fused" not in _state:
+        try:
+            from treeattn_kernels import merge_triton  # noqa: F401
+
+            _state["fused"] = True
+        except Exception:
+            _state["fused"] = False
+    return _state["fused"]
 
 
 class Pending:

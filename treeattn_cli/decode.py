@@ -72,7 +72,7 @@ def segments(n: int, p: int, piece: int | None) -> list[tuple[int, int]]:
 class Decoder:
     """One rank's model, cache and communicator, driven through prefill and decode."""
 
-    def __init__(self, model, actx: AttentionContext, *, vocab_size: int):
+    def __init__(self, model, actx: AttentionContext, *, vocab_size: int, cuda_graph: bool = False):
         self.model = model
         self.base = getattr(model, model.base_model_prefix)  # the decoder without the LM head
         self.actx = actx
@@ -80,6 +80,12 @@ class Decoder:
         self.cache = actx.cache
         self.vocab = vocab_size
         self.device = actx.cache.device
+        # CUDA graph of the decode step: needs a static cache (fixed shapes) and NCCL
+        self.use_graph = cuda_graph and self.device.type == "cuda" and self.cache.static
+        self.graph = None
+        self._graph_cap = None
+        self._tok = self._pos = self._graph_out = None
+        self.graph_note = None
 
     def _forward(self, ids, positions, want_logits: bool):
         kw = dict(input_ids=ids, position_ids=positions, use_cache=False, treeattn_ctx=self.actx)
@@ -127,10 +133,42 @@ class Decoder:
         """One decode step for ``tokens [B]`` at global ``position``; logits ``[B, V]`` on rank 0."""
         B = tokens.shape[0]
         self.cache.begin_step(torch.full((B,), position, dtype=torch.int64))
-        pos = torch.full((B, 1), position, dtype=torch.int64, device=self.device)
-        logits = self._forward(tokens[:, None].to(self.device), pos, want_logits=self.comm.rank == 0)
+        if self._tok is None:  # static inputs: the same storage every step (a graph reads them)
+            self._tok = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
+            self._pos = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
+        self._tok.copy_(tokens[:, None], non_blocking=True)
+        self._pos.fill_(position)
+        want = self.comm.rank == 0
+        if self.use_graph:
+            logits = self._graph_step(want)
+        else:
+            logits = self._forward(self._tok, self._pos, want_logits=want)
         self.cache.end_step()
         return logits
+
+    def _graph_step(self, want: bool):
+        """Replay the captured step (capture on first use, and again if the cache grew).
+
+        Capture runs the step once for warm-up on a side stream (every rank does, so their
+        collectives match; the step's writes are idempotent: same slot, same values), records
+        it, then replays it. A capture failure falls back to the eager step with a note."""
+        if self.graph is None or self._graph_cap != self.cache.capacity:
+            try:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    self._forward(self._tok, self._pos, want_logits=want)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self._graph_out = self._forward(self._tok, self._pos, want_logits=want)
+                self.graph, self._graph_cap = g, self.cache.capacity
+            except Exception as e:  # noqa: BLE001 - any capture problem: stay eager, say why
+                self.use_graph, self.graph = False, None
+                self.graph_note = f"CUDA graph capture failed, decoding eagerly: {type(e).__name__}: {e}"[:300]
+                return self._forward(self._tok, self._pos, want_logits=want)
+        self.graph.replay()
+        return self._graph_out
 
     def generate(self, ids: torch.Tensor, *, max_new_tokens: int, sampling: Sampling,
                  stop_check=None, piece: int | None = None, on_progress=None, timings=None):

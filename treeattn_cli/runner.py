@@ -40,6 +40,8 @@ class GenerateJob:
     trust_remote_code: bool = False
     allow_pickle: bool = False
     decode_method: str = "tree"  # "ring": the baseline, for bench
+    static: bool | None = None  # fixed-shape decode step (default: on CUDA)
+    cuda_graph: bool = True  # capture the static step in a CUDA graph (CUDA + NCCL)
 
 
 def make_stop_check(job: GenerateJob, tokenizer):
@@ -67,10 +69,12 @@ def rank_generate(ctx, job: GenerateJob):
     n = len(job.prompt_ids)
     comm = make_comm(job.scheme, job.groups, job.inner, job.outer)
     cap = math.ceil(n / ctx.world) + math.ceil(job.max_new_tokens / ctx.world) + 2
+    static = job.static if job.static is not None else device.type == "cuda"
     cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"], sh["head_dim"], dtype=dtype,
-                           device=device, rank=ctx.rank, world=ctx.world, capacity=cap)
+                           device=device, rank=ctx.rank, world=ctx.world, capacity=cap, static=static)
     dec = Decoder(model, AttentionContext(comm, cache, decode_method=job.decode_method),
-                  vocab_size=model.get_output_embeddings().weight.shape[0])
+                  vocab_size=model.get_output_embeddings().weight.shape[0],
+                  cuda_graph=job.cuda_graph and ctx.backend == "nccl" and job.decode_method == "tree")
     lead = ctx.rank == 0
     stop_check = make_stop_check(job, load_tokenizer(job.model_dir)) if lead else None
     timings = Timings()
@@ -92,7 +96,10 @@ def rank_generate(ctx, job: GenerateJob):
         "decode_tokens_per_s": (count - 1) / timings.decode_s if count > 1 and timings.decode_s else None,
         "nproc": ctx.world, "shard_tokens": cache.counts[0].tolist(), "scheme": job.scheme,
         "stop_reason": reason, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "cuda_graph": dec.graph is not None,
     }
+    if dec.graph_note:
+        summary["note"] = dec.graph_note
     ctx.send("done", summary)
     return summary
 

@@ -1,0 +1,70 @@
+"""Fused kernels around the ``allreduce`` merge (the device side of ``treeattn_cli.merge``).
+
+Per layer the allreduce scheme needs: the partial's lse (already written by the partial
+kernel's epilogue) for the MAX; then ``packed = [o·w, w]`` with ``w = exp(lse - m)`` for the SUM;
+then ``o = Σo·w / Σw`` in the model's dtype, written straight into the layer's output layout.
+Two launches replace the chain of elementwise ops (exp, mul, cat, div, cast, transpose).
+Oracles with the same meaning: ``merge.weigh`` and ``merge.unweigh``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _weigh_kernel(O, LSE, M, P, so_r, so_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)  # one (b, h, q) row
+    dd = tl.arange(0, BLOCK_D)
+    ok = dd < D
+    m = tl.load(M + r)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(tl.load(LSE + r) - m)  # 0 for an empty partial
+    o = tl.load(O + r * so_r + dd * so_d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(P + r * (D + 1) + dd, o * w, mask=ok)
+    tl.store(P + r * (D + 1) + D, w)
+
+
+@triton.jit
+def _unweigh_kernel(P, M, OUT, LSE_OUT, sb, sh, sq, sd, H, NQ, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    WRITE_LSE: tl.constexpr):
+    r = tl.program_id(0)
+    b = r // (H * NQ)
+    h = (r // NQ) % H
+    q = r % NQ
+    dd = tl.arange(0, BLOCK_D)
+    ok = dd < D
+    den = tl.load(P + r * (D + 1) + D)
+    num = tl.load(P + r * (D + 1) + dd, mask=ok, other=0.0)
+    o = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(OUT + b * sb + h * sh + q * sq + dd * sd, o.to(OUT.dtype.element_ty), mask=ok)
+    if WRITE_LSE:
+        m = tl.load(M + r)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(LSE_OUT + r, tl.where(den > 0.0, m + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")))
+
+
+def weigh_fused(o, lse, m):
+    """``o [B, H, Q, d]``, ``lse, m [B, H, Q]`` -> ``packed [B, H, Q, d + 1]`` fp32 (see merge.weigh)."""
+    B, H, Q, d = o.shape
+    rows = o.reshape(B * H * Q, d)
+    packed = torch.empty(B, H, Q, d + 1, dtype=torch.float32, device=o.device)
+    _weigh_kernel[(B * H * Q,)](rows, lse.contiguous().float(), m.contiguous().float(), packed,
+                                rows.stride(0), rows.stride(1), D=d,
+                                BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+    return packed
+
+
+def unweigh_fused(packed, m, *, out=None, dtype=torch.float32, want_lse=True):
+    """Finish a SUM-reduced ``packed [B, H, Q, d + 1]``: ``o`` into ``out`` (any strides, e.g. a
+    ``[B, Q, H, d]`` buffer viewed as ``[B, H, Q, d]``) in ``dtype``, and the lse (see merge.unweigh)."""
+    B, H, Q, d1 = packed.shape
+    d = d1 - 1
+    out = torch.empty(B, H, Q, d, dtype=dtype, device=packed.device) if out is None else out
+    lse = torch.empty(B, H, Q, dtype=torch.float32, device=packed.device) if want_lse else packed
+    _unweigh_kernel[(B * H * Q,)](packed.contiguous(), m.contiguous().float(), out, lse, *out.stride(),
+                                  H, Q, D=d, BLOCK_D=triton.next_power_of_2(d), WRITE_LSE=want_lse,
+                                  num_warps=1)
+    return out, (lse if want_lse else None)

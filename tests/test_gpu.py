@@ -1,0 +1,47 @@
+"""Device tests (`pytest -m gpu` on a CUDA machine; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_close, attention_f64
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("N", [1, 129, 4096, 65536])
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_kernel_on_gpu(N, G, dtype):
+    from treeattn_kernels import partial_attention
+
+    H_kv, d = 2, 128
+    q = torch.randn(2, G * H_kv, 1, d, device="cuda", dtype=dtype)
+    k = torch.randn(2, H_kv, N, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    kv_len = torch.tensor([N, max(0, N - 7)], device="cuda")
+    o, lse = partial_attention(q, k, v, kv_len=kv_len)
+    mask = (torch.arange(N, device="cuda")[None, :] < kv_len[:, None])[:, None, :]
+    o_ref, lse_ref = attention_f64(q, k, v, mask=mask)
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, torch.float32 if dtype == torch.float32 else dtype, "lse")
+
+
+def test_cuda_graph_decode_equals_eager(tmp_path):
+    import tiny_models
+    from treeattn_cli.launch import run_local
+    from treeattn_cli.runner import GenerateJob, rank_generate
+
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    ids = list(range(40, 90))
+    runs = {}
+    for graph in (False, True):
+        toks = []
+        res = run_local(rank_generate, 1, GenerateJob(str(d), ids, max_new_tokens=12, dtype="float32",
+                                                      cuda_graph=graph),
+                        backend="nccl", devices=["cuda:0"],
+                        on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
+        runs[graph] = toks
+        assert res[0]["cuda_graph"] == graph, res[0].get("note")
+    assert runs[True] == runs[False]
