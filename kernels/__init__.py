@@ -2,8 +2,9 @@
 
 One entry point, :func:`partial_attention`: a rank's attention of its queries to its own KV
 shard, returning the un-merged partial ``(o, lse)``. On CUDA it runs the Triton split-KV
-kernel; elsewhere ATen's fused CPU flash kernel (``partial_cpu``) where it applies and the
-pure-torch reference otherwise (neither imports triton).
+kernel for decode and ATen's fused flash kernel for long query blocks (prefill); on CPU ATen's
+fused CPU flash kernel (``partial_aten``) where it applies and the pure-torch reference
+otherwise (neither imports triton).
 """
 
 from __future__ import annotations
@@ -28,25 +29,31 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
 
     Returns ``(o [B, H, Q, d] in q.dtype, lse [B, H, Q] fp32, natural log)``; rows with no
     visible key give ``o = 0, lse = -inf``. See :func:`partial_attention_ref` for the
-    arguments. ``impl``: ``"auto"`` (Triton on CUDA, the CPU fast path elsewhere), ``"triton"``,
-    ``"cpu"``, ``"torch"`` (the reference).
+    arguments. ``impl``: ``"auto"`` (on CUDA Triton for decode, ATen's flash kernel for long
+    query blocks; on CPU the fused CPU path), ``"triton"``,
+    ``"aten"`` (alias ``"cpu"``: the fused ATen path), ``"torch"`` (the reference).
     """
+    kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
+              softcap=softcap, out=out, lse_out=lse_out)
     if impl == "auto":
-        impl = "triton" if q.is_cuda and triton_available() else "cpu" if q.device.type == "cpu" else "torch"
-    if impl == "cpu":
-        from .partial_cpu import partial_attention_cpu
+        if q.is_cuda and triton_available():
+            from .partial_triton import MAX_ROWS
 
-        return partial_attention_cpu(q, k, v, scale=scale, q_pos=q_pos, k_pos=k_pos,
-                                     kv_len=kv_len, window=window, softcap=softcap,
-                                     out=out, lse_out=lse_out)
+            G = q.shape[1] // max(1, k.shape[1])
+            impl = "aten" if G * q.shape[2] > MAX_ROWS else "triton"
+        else:
+            impl = "aten" if q.device.type == "cpu" else "torch"
+    if impl in ("aten", "cpu"):
+        from .partial_aten import partial_attention_aten
+
+        slow = None
+        if q.is_cuda and triton_available():
+            from .partial_triton import partial_attention_triton as slow
+        return partial_attention_aten(q, k, v, fallback=slow, **kw)
     if impl == "torch":
-        return partial_attention_ref(q, k, v, scale=scale, q_pos=q_pos, k_pos=k_pos,
-                                     kv_len=kv_len, window=window, softcap=softcap,
-                                     out=out, lse_out=lse_out)
+        return partial_attention_ref(q, k, v, **kw)
     if impl == "triton":
         from .partial_triton import partial_attention_triton
 
-        return partial_attention_triton(q, k, v, scale=scale, q_pos=q_pos, k_pos=k_pos,
-                                        kv_len=kv_len, window=window, softcap=softcap,
-                                     out=out, lse_out=lse_out)
-    raise ValueError(f"unknown kernel impl {impl!r} (expected auto, triton, cpu or torch)")
+        return partial_attention_triton(q, k, v, **kw)
+    raise ValueError(f"unknown kernel impl {impl!r} (expected auto, triton, aten, cpu or torch)")

@@ -24,6 +24,8 @@ from .partial_ref import check_inputs
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
+MAX_ROWS = 128  # query rows (G * Q) per program tile
+
 # The CPU interpreter returns garbage from tl.dot on bf16 (an open upstream bug): upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -162,10 +164,12 @@ def choose_splits(B: int, H_kv: int, N: int, n_sms: int, block_n: int, min_block
 
 def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                              window=None, softcap=None, out=None, lse_out=None,
-                             num_splits=None, block_n=None):
+                             num_splits=None, block_n=None, num_warps=4, num_stages=2):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
-    ``num_splits`` and ``block_n`` override the automatic choice (tests, tuning).
+    The kernel is built for decode (a group's ``G·Q`` query rows in one tile); more rows than
+    ``MAX_ROWS`` are processed in query slices. ``num_splits``, ``block_n``, ``num_warps`` and
+    ``num_stages`` override the automatic choice (tests, tuning).
     """
     B, H, Q, d, H_kv, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     if window is not None and q_pos is None:
@@ -182,6 +186,15 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     if N == 0:
         o.zero_()
         lse.fill_(-math.inf)
+        return o, lse
+    if G * Q > MAX_ROWS:  # long query blocks (prefill): slices of rows the tile can hold
+        step = max(1, MAX_ROWS // G)
+        kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap,
+                  num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        for a in range(0, Q, step):
+            b = min(Q, a + step)
+            partial_attention_triton(q[:, :, a:b], k, v, q_pos=None if q_pos is None else q_pos[..., a:b],
+                                     out=o[:, :, a:b], lse_out=lse[:, :, a:b], **kw)
         return o, lse
 
     block_n = block_n or 64
@@ -215,7 +228,7 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_POS=has_pos, HAS_LEN=kv_len is not None, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, UPCAST=_INTERPRET or q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _reduce_kernel[(B * H * Q,)](
         op, lp, o, lse, *o.stride(), *lse.stride(), H, Q, NSPLIT=splits, HEAD_D=d,

@@ -45,3 +45,24 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
         runs[graph] = toks
         assert res[0]["cuda_graph"] == graph, res[0].get("note")
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Q,N,causal", [(300, 300, True), (300, 700, False), (513, 513, True)])
+def test_long_query_blocks_on_gpu(dtype, Q, N, causal):
+    """Prefill-sized query blocks go to ATen's CUDA flash kernel (its LSE must be natural-log,
+    unpadded); the Triton path in query slices must agree with it and with float64."""
+    from treeattn_kernels import partial_attention
+    from treeattn_kernels.partial_ref import key_mask
+
+    H_kv, G, d = 2, 4, 128
+    q = torch.randn(1, G * H_kv, Q, d, device="cuda", dtype=dtype)
+    k = torch.randn(1, H_kv, N, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    pos = dict(q_pos=torch.arange(Q, device="cuda"), k_pos=torch.arange(N, device="cuda")) if causal else {}
+    mask = key_mask(1, Q, N, "cuda", **pos) if causal else None
+    o_ref, lse_ref = attention_f64(q, k, v, mask=mask)
+    for impl in ("aten", "triton"):
+        o, lse = partial_attention(q, k, v, impl=impl, **pos)
+        assert_close(o, o_ref, dtype, f"{impl} o")
+        assert_close(lse, lse_ref, dtype, f"{impl} lse")

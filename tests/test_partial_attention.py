@@ -104,6 +104,7 @@ TRITON_CASES = [
     (2, 3, 1, 1, 257, 64, torch.float32, False, True, {"num_splits": 5}),
     (1, 4, 1, 5, 200, 64, torch.float32, True, False, {"window": 40}),
     (1, 2, 2, 1, 150, 64, torch.float32, False, False, {"softcap": 5.0}),
+    (2, 4, 1, 70, 90, 64, torch.float32, True, True, {}),  # G*Q = 280 rows: sliced queries
 ]
 
 

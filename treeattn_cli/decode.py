@@ -54,7 +54,7 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> to
         srt = srt.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, srt)
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # on the logits' device
 
 
 def segments(n: int, p: int, piece: int | None) -> list[tuple[int, int]]:
@@ -178,7 +178,7 @@ class Decoder:
         """
         t = timings or Timings()
         r = self.comm.rank
-        gen = torch.Generator().manual_seed(sampling.seed) if r == 0 else None
+        gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if r == 0 else None
         logits = self.prefill(ids, piece, on_progress)
         t.prefill_s = time.perf_counter() - t.start
         n = ids.shape[1]
