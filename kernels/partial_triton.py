@@ -25,6 +25,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 MAX_ROWS = 128  # query rows (G * Q) per program tile
+LAST_LAUNCH: dict = {}  # the last compiled split kernel (its resource report, for tuning)
 
 # The CPU interpreter returns garbage from tl.dot on bf16 (an open upstream bug): upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -217,7 +218,7 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
         sqpb = sqpq = skpb = skpn = 0
     kvl = kv_len.to(device=dev, dtype=torch.int64) if kv_len is not None else lp
 
-    _split_kernel[(B * H_kv, splits)](
+    LAST_LAUNCH["split"] = _split_kernel[(B * H_kv, splits)](
         q, k, v, qp, kp, kvl, op, lp,
         *q.stride(), *k.stride(), *v.stride(),
         sqpb, sqpq, skpb, skpn,

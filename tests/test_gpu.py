@@ -66,3 +66,11 @@ def test_long_query_blocks_on_gpu(dtype, Q, N, causal):
         o, lse = partial_attention(q, k, v, impl=impl, **pos)
         assert_close(o, o_ref, dtype, f"{impl} o")
         assert_close(lse, lse_ref, dtype, f"{impl} lse")
+
+
+def test_tune_sweep_reports_resources():
+    from treeattn_cli.kernel_bench import tune
+
+    recs = tune([4096], iters=2, warmup=1, copy_bw=1e12)
+    best = [r for r in recs if r.get("best")]
+    assert len(best) == 1 and best[0]["n_regs"] is not None

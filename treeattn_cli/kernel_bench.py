@@ -105,6 +105,49 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
     return records
 
 
+def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", device=None,
+         iters=20, warmup=5, copy_bw=None):
+    """Sweep the Triton kernel's launch parameters per N: block size, warps, stages and split
+    count (×½, ×1, ×2 the automatic choice). Each record carries the compiler's resource report
+    (registers, spills, shared memory) of the configuration, and ``best`` marks the fastest."""
+    import itertools
+
+    from treeattn_kernels import partial_triton as pt
+
+    device = torch.device(device or "cuda")
+    dt = DTYPES[dtype]
+    copy_bw = copy_bw or copy_bandwidth(device)
+    sms = pt._num_sms(device)
+    out = []
+    for N in seq_lens:
+        q = torch.randn(batch, heads, 1, head_dim, dtype=dt, device=device)
+        k = torch.randn(batch, kv_heads, N, head_dim, dtype=dt, device=device)
+        v = torch.randn_like(k)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        recs = []
+        for bn, warps, stages, mult in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (0.5, 1, 2)):
+            splits = max(1, int(pt.choose_splits(batch, kv_heads, N, sms, bn) * mult))
+            fn = lambda: pt.partial_attention_triton(q, k, v, num_splits=splits, block_n=bn,  # noqa: E731
+                                                     num_warps=warps, num_stages=stages)
+            try:
+                med = statistics.median(time_fn(fn, device, iters=iters, warmup=warmup))
+            except Exception as e:  # out of resources: a result of the sweep
+                recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                             "splits": splits, "error": f"{type(e).__name__}"})
+                continue
+            ck = pt.LAST_LAUNCH.get("split")
+            recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                         "splits": splits, "time_us": med * 1e6, "frac_copy_bw": kv_bytes / med / copy_bw,
+                         "n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None),
+                         "shared_bytes": getattr(getattr(ck, "metadata", None), "shared", None)})
+        ok = [r for r in recs if "time_us" in r]
+        if ok:
+            min(ok, key=lambda r: r["time_us"])["best"] = True
+        out += recs
+        del q, k, v
+    return out
+
+
 def _device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -122,7 +165,17 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--tune", action="store_true", help="sweep the Triton launch parameters (GPU)")
     a = p.parse_args(argv)
+    if a.tune:
+        import json
+
+        recs = tune([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
+                    kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, iters=a.iters, warmup=a.warmup)
+        for r in recs:
+            if r.get("best") or a.json:
+                print(json.dumps(r))
+        return
     recs = kernel_bench([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
                         kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
                         iters=a.iters, warmup=a.warmup)
