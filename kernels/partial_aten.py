@@ -56,7 +56,7 @@ def _contiguous_range(pos, n):
 def _one(op, q, k, v, scale, causal):
     """q [B, H, Q, d], k/v [B, H_kv, N, d] (no ragged lengths) -> (o [B,H,Q,d], lse [B,H,Q])."""
     B, H, Q, d = q.shape
-    H_kv, N = k.shape[1], k.shape[2]
+    H_kv = k.shape[1]
     G = H // H_kv
     if not causal:
         qf = q.reshape(B, H_kv, G * Q, d)  # (B, H_kv, G*Q, d): query heads folded into rows
@@ -73,7 +73,7 @@ def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_le
                            window=None, softcap=None, out=None, lse_out=None, fallback=None):
     """Fused-kernel version of :func:`partial_attention_ref` (same arguments and outputs).
     ``fallback``: what runs the cases the fused kernel cannot (default: the reference)."""
-    B, H, Q, d, H_kv, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
+    B, H, Q, _, _, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
               softcap=softcap, out=out, lse_out=lse_out)
     slow = fallback or partial_attention_ref

@@ -11,7 +11,7 @@ import signal
 
 import torch
 
-from treeattn_cli.comm import SCHEMES, Stats, make_comm
+from treeattn_cli.comm import Stats, make_comm
 from treeattn_cli.ring import chunk_bounds, ring_decode, ring_prefill
 from treeattn_kernels import partial_attention, partial_attention_ref
 
@@ -119,5 +119,3 @@ def fail_mid_step(ctx, bad_rank, how):
     c.merge(o, lse)
     return "survived"
 
-
-SCHEMES_TESTED = SCHEMES

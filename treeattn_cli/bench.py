@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -212,10 +212,6 @@ def simulate(profile_name: str, gpus: list[int], spec: BenchSpec, attn_s_per_byt
             out.append({**base, "method": "ring", "scheme": "ring", "step_ms_median": ring * 1e3,
                         "bytes_per_step": int(L * (p - 1) * shard), "collectives_per_step": L * (p - 1)})
     return out
-
-
-def spec_dict(spec: BenchSpec) -> dict:
-    return asdict(spec)
 
 
 # ---------------------------------------------------------------- the command

@@ -22,22 +22,6 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-SCHEME_CHOICES = ("auto", "allreduce", "allgather", "tree", "hierarchical")
-
-
-class UsageError(ValueError):
-    """Bad flags or input: exit 2."""
-
-
-def fail(msg: str, code: int = 2):
-    typer.echo(f"treeattn: error: {msg}", err=True)
-    raise typer.Exit(code)
-
-
-def _not_yet(what: str) -> None:
-    typer.echo(f"treeattn {what}: not implemented yet", err=True)
-    raise typer.Exit(1)
-
 
 def _version(value: bool):
     if value:

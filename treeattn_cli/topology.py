@@ -8,7 +8,6 @@ imported by the decode path: ``layout.py`` turns a Topology into a plan.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -418,6 +417,3 @@ def cpu_topology(nranks: int) -> Topology:
     """CPU ranks as a uniform fabric (shared memory, loopback gloo): one flat level."""
     return Topology(source="cpu", cpu_ranks=nranks, notes=["CPU ranks over gloo (loopback)"])
 
-
-def default_cpu_ranks() -> int:
-    return 2 if (os.cpu_count() or 1) >= 1 else 1
