@@ -194,20 +194,21 @@ def _eos_ids(model_dir, config, tokenizer) -> list[int]:
 
 def _merge_plan(o: GenerateOptions, kind: str, n: int, config):
     """(scheme, groups, inner, outer): the layout ``treeattn topo`` would choose for this run
-    (``--scheme auto``), or the scheme asked for (hierarchical then takes the layout's groups)."""
-    from .layout import plan_for_run
+    (``--scheme auto``), or the scheme asked for; ``hierarchical`` takes the layout's groups
+    (one group of every rank on a uniform fabric)."""
+    from .layout import load_profile, plan_for_run
     from .model import shapes
 
-    if o.scheme not in ("auto", "hierarchical") and o.layout is None:
+    if o.scheme not in ("auto", "hierarchical"):
+        if o.layout:
+            load_profile(o.layout)  # still a usage error if it is bad
         return o.scheme, None, None, None
     sh = shapes(config)
     lay = plan_for_run(kind, n, heads=sh["heads"], head_dim=sh["head_dim"], layers=sh["num_layers"],
                        profile=o.layout)
-    if o.scheme == "auto" or o.scheme == "hierarchical":
-        if lay.scheme == "hierarchical" or o.scheme == "auto":
-            return lay.scheme, lay.groups, lay.inner, lay.outer
-        return "hierarchical", [list(range(n))], "allreduce", "tree"
-    return o.scheme, None, None, None
+    if o.scheme == "hierarchical" and lay.scheme != "hierarchical":
+        return "hierarchical", [list(range(n))], lay.scheme, "tree"
+    return lay.scheme, lay.groups, lay.inner, lay.outer
 
 
 def prepare(o: GenerateOptions):
