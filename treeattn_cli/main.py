@@ -55,7 +55,7 @@ def generate(
     prompt_file: Optional[str] = typer.Option(None, help="Read the prompt from a file ('-': standard input)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: on for the demo)."),
     system: Optional[str] = typer.Option(None, help="System message for --chat."),
-    max_new_tokens: int = typer.Option(256, help="Most tokens to generate."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Most tokens to generate (default 256; the demo 96)."),
     temperature: float = typer.Option(0.0, help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),

@@ -115,7 +115,7 @@ class GenerateOptions:
     prompt_file: str | None = None
     chat: bool | None = None
     system: str | None = None
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None  # None: 256, or 96 for the demo
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -138,7 +138,7 @@ class GenerateOptions:
 def _check_flags(o: GenerateOptions) -> None:
     from .comm import SCHEMES
 
-    if o.max_new_tokens < 1:
+    if o.max_new_tokens is not None and o.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {o.max_new_tokens}")
     if not o.temperature >= 0 or o.temperature != o.temperature:
         raise ValueError(f"--temperature must be >= 0, got {o.temperature}")
@@ -222,12 +222,14 @@ def prepare(o: GenerateOptions):
     text = P.read_text(o.prompt, o.prompt_file)
     system = o.system
     chat = o.chat
-    if text is None:
+    demo = text is None
+    if demo:
         if o.model is not None:
             raise P.PromptError("no prompt: give --prompt, --prompt-file or pipe text to standard input")
         text, demo_system = P.demo_prompt()
         system = system if system is not None else demo_system
         chat = True if chat is None else chat
+    o.max_new_tokens = o.max_new_tokens or (96 if demo else 256)
     model_dir = M.resolve(o.model, allow_pickle=o.allow_pickle)
     config = M.load_config(model_dir, o.trust_remote_code)
     tok = M.load_tokenizer(model_dir, o.trust_remote_code)
@@ -243,6 +245,10 @@ def prepare(o: GenerateOptions):
                       groups=groups, inner=inner or "allreduce", outer=outer or "tree",
                       prefill_chunk=o.prefill_chunk, trust_remote_code=o.trust_remote_code,
                       allow_pickle=o.allow_pickle)
+    if demo:
+        print(f"treeattn demo: the embedded SmolLM2-135M-Instruct on {n} {kind.upper()} rank(s) reads "
+              f"treeattn_cli/data/demo_document.txt ({len(ids)} tokens with the chat template) and "
+              f"answers:\n  {P.DEMO_QUESTION}", file=sys.stderr)
     return job, tok, (kind, be, n, devices)
 
 
