@@ -216,3 +216,26 @@ def test_static_decode_step_is_exact(models):
                                                     static=True),
                       on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
             assert toks == ref, (kind, p)
+
+
+def test_under_torchrun_joins_its_group(models):
+    """Run under torchrun (RANK/WORLD_SIZE set), generate joins that group instead of launching."""
+    import socket
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed")
+    prompt = text_of(21, seed=31)
+    local = run_json("--model", str(models["qwen2"]), "--prompt", prompt, "--nproc", "2",
+                     "--dtype", "float32", "--max-new-tokens", "6")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                        "--master-port", str(port), TREEATTN, "generate", "--model", str(models["qwen2"]),
+                        "--prompt", prompt, "--no-chat", "--dtype", "float32", "--max-new-tokens", "6",
+                        "--json"], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert len(recs) == 1, r.stdout  # rank 0 alone prints
+    assert recs[0]["token_ids"] == local["token_ids"] and recs[0]["nproc"] == 2
