@@ -55,6 +55,14 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, iters=10) -> float:
     return 2 * src.numel() * 4 / t
 
 
+def decode_inputs(batch, heads, kv_heads, head_dim, N, dtype, device):
+    """Random decode inputs ``q [B, H, 1, d]``, ``k, v [B, H_kv, N, d]`` and their KV bytes."""
+    q = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, kv_heads, N, head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    return q, k, v, 2 * k.numel() * k.element_size()
+
+
 def _sdpa(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
@@ -83,10 +91,7 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
             methods["flex_attention"] = flex
     records = []
     for N in seq_lens:
-        q = torch.randn(batch, heads, 1, head_dim, dtype=dt, device=device)
-        k = torch.randn(batch, kv_heads, N, head_dim, dtype=dt, device=device)
-        v = torch.randn_like(k)
-        kv_bytes = 2 * k.numel() * k.element_size()
+        q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
         for name, fn in methods.items():
             try:
                 ts = time_fn(lambda: fn(q, k, v), device, iters=iters, warmup=warmup)
@@ -120,10 +125,7 @@ def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat
     sms = pt._num_sms(device)
     out = []
     for N in seq_lens:
-        q = torch.randn(batch, heads, 1, head_dim, dtype=dt, device=device)
-        k = torch.randn(batch, kv_heads, N, head_dim, dtype=dt, device=device)
-        v = torch.randn_like(k)
-        kv_bytes = 2 * k.numel() * k.element_size()
+        q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
         recs = []
         for bn, warps, stages, mult in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (0.5, 1, 2)):
             splits = max(1, int(pt.choose_splits(batch, kv_heads, N, sms, bn) * mult))
