@@ -119,3 +119,17 @@ def fail_mid_step(ctx, bad_rank, how):
     c.merge(o, lse)
     return "survived"
 
+
+
+def ring_leaves_inputs_alone(ctx, seed):
+    """Ring decode must not write into the caller's K/V/lengths (they may be the cache)."""
+    from treeattn_cli.comm import make_comm
+
+    c = make_comm("allreduce")
+    g = torch.Generator().manual_seed(seed + ctx.rank)
+    k, v = torch.randn(1, 2, 9, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g)
+    kv_len = torch.tensor([9 - ctx.rank])
+    before = (k.clone(), v.clone(), kv_len.clone())
+    ring_decode(c, torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(seed)), k, v, kv_len,
+                shard_lens=[9] * ctx.world)
+    return all(torch.equal(a, b) for a, b in zip(before, (k, v, kv_len)))

@@ -85,3 +85,8 @@ def test_only_comm_touches_torch_distributed():
     offenders = [p.name for p in pkg.glob("*.py") if p.name != "comm.py"
                  and ("torch.distributed" in p.read_text() or "import distributed" in p.read_text())]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ring_decode_never_writes_its_inputs(world):
+    assert all(run_local(dist_cases.ring_leaves_inputs_alone, world, _seed(), timeout_s=60))

@@ -45,22 +45,25 @@ def ring_decode(comm: Comm, q, k, v, kv_len=None, *, shard_lens=None, scale=None
     if shard_lens is None:
         shard_lens = comm.all_gather(torch.tensor([k.shape[2]], device=k.device)).flatten().tolist()
     cap = max(shard_lens)
+    # The own block is only read (it may be the cache's storage); arriving blocks alternate
+    # between two buffers of their own: the one being sent is never the one received into.
     cur = [_padded(k, cap), _padded(v, cap), kv_len.to(torch.int64).contiguous()]
-    nxt = [torch.empty_like(t) for t in cur]
+    bufs = [[torch.empty_like(t) for t in cur] for _ in range(min(2, p - 1))]
     block_bytes = sum(t.numel() * t.element_size() for t in cur)
     if comm.stats.enabled:
-        comm.stats.hold(2 * block_bytes)
+        comm.stats.hold(len(bufs) * block_bytes)
     parts_o, parts_l = [None] * p, [None] * p
     for t in range(p):
         last = t == p - 1
+        nxt = bufs[t % 2] if not last else None
         pending = None if last else comm.shift(cur, nxt, dst=(r + 1) % p, src=(r - 1) % p)
         o, lse = partial_attention(q, cur[0], cur[1], scale=scale, kv_len=cur[2], softcap=softcap)
         parts_o[(r - t) % p], parts_l[(r - t) % p] = o, lse
         if pending is not None:
             pending.wait()
-            cur, nxt = nxt, cur
+            cur = nxt
     if comm.stats.enabled:
-        comm.stats.hold(-2 * block_bytes)
+        comm.stats.hold(-len(bufs) * block_bytes)
     return merge_partials(torch.stack(parts_o), torch.stack(parts_l))
 
 
