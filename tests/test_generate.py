@@ -239,3 +239,19 @@ def test_under_torchrun_joins_its_group(models):
     recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(recs) == 1, r.stdout  # rank 0 alone prints
     assert recs[0]["token_ids"] == local["token_ids"] and recs[0]["nproc"] == 2
+
+
+def test_ring_decode_baseline_generates_the_same_tokens(models):
+    """`bench --model`'s ring baseline is exact too (same ids as the tree path)."""
+    from treeattn_cli.launch import run_local
+    from treeattn_cli.model import load_tokenizer
+    from treeattn_cli.runner import GenerateJob, rank_generate
+
+    ids = load_tokenizer(models["llama"])(text_of(23, seed=41))["input_ids"]
+    ref = tiny_models.hf_greedy(models["llama"], ids, 8)
+    for p in (2, 3):
+        toks = []
+        run_local(rank_generate, p, GenerateJob(str(models["llama"]), ids, max_new_tokens=8, dtype="float32",
+                                                decode_method="ring"),
+                  on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
+        assert toks == ref, p

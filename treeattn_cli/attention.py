@@ -67,7 +67,10 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
         if ctx.decode_method == "ring":
             if window is not None:
                 raise ValueError("the ring decode baseline does not support sliding-window layers")
-            o, _ = ring_decode(comm, query, k, v, kv_len, scale=scaling, softcap=softcap)
+            lens = cache.shard_lens()  # every rank's block length, known without a collective
+            n = lens[comm.rank]
+            o, _ = ring_decode(comm, query, k[:, :, :n], v[:, :, :n], kv_len, shard_lens=lens,
+                               scale=scaling, softcap=softcap)
             return o.to(query.dtype).transpose(1, 2).contiguous(), None
         q_pos = k_pos = None
         if window is not None:

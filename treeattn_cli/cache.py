@@ -136,6 +136,10 @@ class ShardedKVCache:
         L = self.capacity if self.static else self._view_len
         return self.k[layer][:, :, :L], self.v[layer][:, :, :L], self._kv_len
 
+    def shard_lens(self) -> list[int]:
+        """Every rank's longest sequence this step (host bookkeeping: no communication)."""
+        return self.counts.max(0).values.tolist()
+
     def end_step(self) -> None:
         """Advance lengths after the last layer of the step."""
         self.length += self._store

@@ -175,23 +175,13 @@ def bench(
     from .bench import BenchOptions, bench_command
 
     _quiet_libraries()
-    bar = None
     try:
-        if sys.stderr.isatty() and not (simulate or kernel or model):
-            from rich.progress import Progress
-
-            bar = Progress(console=__import__("rich.console").console.Console(file=sys.stderr), transient=True)
-            bar.start()
-            task = bar.add_task("bench", total=None)
-        progress = (lambda done, total: bar.update(task, completed=done, total=total)) if bar else None
-        recs = bench_command(BenchOptions(
-            methods=methods, scheme=scheme, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads,
-            head_dim=head_dim, dtype=dtype, nproc=nproc, backend=backend, device=device, layers=layers,
-            iters=iters, warmup=warmup, simulate=simulate, gpus=gpus, kernel=kernel, model=model,
-            new_tokens=new_tokens, layout=layout), on_progress=progress)
-        if bar:
-            bar.stop()
-            bar = None
+        with report.sweep_progress(enabled=sys.stderr.isatty() and not (simulate or kernel or model)) as progress:
+            recs = bench_command(BenchOptions(
+                methods=methods, scheme=scheme, seq_len=seq_len, batch=batch, heads=heads,
+                kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, nproc=nproc, backend=backend,
+                device=device, layers=layers, iters=iters, warmup=warmup, simulate=simulate, gpus=gpus,
+                kernel=kernel, model=model, new_tokens=new_tokens, layout=layout), on_progress=progress)
         if kernel:
             report.print_kernel_records(recs, as_json=json_out)
         elif model:
@@ -203,8 +193,6 @@ def bench(
         if plot:
             report.write_plot(recs, plot)
     except Exception as e:
-        if bar:
-            bar.stop()
         if debug:
             raise
         raise typer.Exit(_report(e))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.table import Table
@@ -71,8 +73,8 @@ class GenerateView:
                                  console=Console(file=self.err), transient=True)
             self._bar.start()
             self._task = self._bar.add_task("prefill", total=total, rate="")
-            self._t0 = __import__("time").perf_counter()
-        dt = __import__("time").perf_counter() - self._t0
+            self._t0 = time.perf_counter()
+        dt = time.perf_counter() - self._t0
         self._bar.update(self._task, completed=done, rate=f"{done / dt:,.0f} tok/s" if dt > 0 else "")
 
     def _close_bar(self):
@@ -290,3 +292,20 @@ def print_model_records(records, as_json=False, file=None) -> None:
         t.add_row(str(r["seq_len"]), r["method"], str(r.get("nproc", "")), f"{r['prefill_s']:.2f}",
                   f"{r['decode_ms_per_token']:.1f}" if r.get("decode_ms_per_token") else "-")
     _console(file).print(t)
+
+
+@contextmanager
+def sweep_progress(enabled: bool, file=None):
+    """A progress bar on stderr over a sweep; yields ``update(done, total)`` (None if off)."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import Progress
+
+    bar = Progress(console=Console(file=file or sys.stderr), transient=True)
+    task = bar.add_task("bench", total=None)
+    bar.start()
+    try:
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+    finally:
+        bar.stop()

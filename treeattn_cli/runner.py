@@ -11,6 +11,7 @@ cache, run :class:`decode.Decoder`; only rank 0 sends events (``prefill`` progre
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -259,12 +260,12 @@ def generate_command(o: GenerateOptions) -> int:
 
     job, tok, (kind, be, n, devices) = prepare(o)
     torchrun = launch.under_torchrun()
-    lead = not torchrun or int(__import__("os").environ["RANK"]) == 0
+    lead = not torchrun or int(os.environ["RANK"]) == 0
     view = GenerateView(tok, stream=not o.json and lead, progress=lead and sys.stderr.isatty())
     code, reason, error = 0, None, None
     try:
         if torchrun:
-            local = int(__import__("os").environ.get("LOCAL_RANK", 0))
+            local = int(os.environ.get("LOCAL_RANK", 0))
             launch.run_torchrun(rank_generate, job, backend=be, timeout_s=o.timeout,
                                 device=f"cuda:{local}" if kind == "cuda" else "cpu",
                                 on_event=view.on_event)
