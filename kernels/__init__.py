@@ -9,9 +9,25 @@ otherwise (neither imports triton).
 
 from __future__ import annotations
 
+import torch
+
 from .partial_ref import partial_attention_ref
 
-__all__ = ["partial_attention", "partial_attention_ref", "triton_available"]
+__all__ = ["partial_attention", "partial_attention_ref", "triton_available", "use_reference",
+           "reference_only"]
+
+_REFERENCE = {"on": False}
+
+
+def use_reference(on: bool = True) -> None:
+    """Make ``impl="auto"`` run the pure-torch reference in this process (and ``comm`` merge
+    with torch, not the fused kernels): what a rank does when the fast kernels failed their
+    self-check on this machine (``treeattn check``). Exact, slower."""
+    _REFERENCE["on"] = bool(on)
+
+
+def reference_only() -> bool:
+    return _REFERENCE["on"]
 
 
 def triton_available() -> bool:
@@ -24,7 +40,8 @@ def triton_available() -> bool:
 
 
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                      window=None, softcap=None, out=None, lse_out=None, impl: str = "auto"):
+                      window=None, softcap=None, out=None, lse_out=None, out_dtype=None,
+                      impl: str = "auto"):
     """Partial attention of ``q [B, H, Q, d]`` to one KV shard ``k, v [B, H_kv, N, d]``.
 
     Returns ``(o [B, H, Q, d] in q.dtype, lse [B, H, Q] fp32, natural log)``; rows with no
@@ -32,9 +49,15 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     arguments. ``impl``: ``"auto"`` (on CUDA Triton for decode, ATen's flash kernel for long
     query blocks; on CPU the fused CPU path), ``"triton"``,
     ``"aten"`` (alias ``"cpu"``: the fused ATen path), ``"torch"`` (the reference).
+    ``out_dtype``: the dtype of ``o`` when no ``out`` is given (default q's); partials that are
+    merged later stay fp32, so a merge of p shards rounds once, like one device.
     """
+    if out is None and out_dtype is not None:
+        out = torch.empty(*q.shape, dtype=out_dtype, device=q.device)
     kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
               softcap=softcap, out=out, lse_out=lse_out)
+    if impl == "auto" and _REFERENCE["on"]:
+        impl = "torch"
     if impl == "auto":
         if q.is_cuda and triton_available():
             from .partial_triton import MAX_ROWS

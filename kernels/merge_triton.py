@@ -13,10 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .targets import launch
+
 
 @triton.jit
 def _weigh_kernel(O, LSE, M, P, so_r, so_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    r = tl.program_id(0)  # one (b, h, q) row
+    r = tl.program_id(0).to(tl.int64)  # one (b, h, q) row
     dd = tl.arange(0, BLOCK_D)
     ok = dd < D
     m = tl.load(M + r)
@@ -30,7 +32,7 @@ def _weigh_kernel(O, LSE, M, P, so_r, so_d, D: tl.constexpr, BLOCK_D: tl.constex
 @triton.jit
 def _unweigh_kernel(P, M, OUT, LSE_OUT, sb, sh, sq, sd, H, NQ, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     WRITE_LSE: tl.constexpr):
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     b = r // (H * NQ)
     h = (r // NQ) % H
     q = r % NQ
@@ -51,9 +53,8 @@ def weigh_fused(o, lse, m):
     B, H, Q, d = o.shape
     rows = o.reshape(B * H * Q, d)
     packed = torch.empty(B, H, Q, d + 1, dtype=torch.float32, device=o.device)
-    _weigh_kernel[(B * H * Q,)](rows, lse.contiguous().float(), m.contiguous().float(), packed,
-                                rows.stride(0), rows.stride(1), D=d,
-                                BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+    launch(_weigh_kernel, (B * H * Q,), rows, lse.contiguous().float(), m.contiguous().float(), packed,
+           rows.stride(0), rows.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1)
     return packed
 
 
@@ -64,7 +65,6 @@ def unweigh_fused(packed, m, *, out=None, dtype=torch.float32, want_lse=True):
     d = d1 - 1
     out = torch.empty(B, H, Q, d, dtype=dtype, device=packed.device) if out is None else out
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=packed.device) if want_lse else packed
-    _unweigh_kernel[(B * H * Q,)](packed.contiguous(), m.contiguous().float(), out, lse, *out.stride(),
-                                  H, Q, D=d, BLOCK_D=triton.next_power_of_2(d), WRITE_LSE=want_lse,
-                                  num_warps=1)
+    launch(_unweigh_kernel, (B * H * Q,), packed.contiguous(), m.contiguous().float(), out, lse,
+           *out.stride(), H, Q, D=d, BLOCK_D=triton.next_power_of_2(d), WRITE_LSE=want_lse, num_warps=1)
     return out, (lse if want_lse else None)

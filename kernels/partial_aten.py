@@ -21,9 +21,11 @@ from .partial_ref import _emit, check_inputs, partial_attention_ref
 
 _OP_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _OP_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_LN2 = math.log(2.0)
+_LSE_BASE: dict = {}  # (device type, dtype) -> factor that makes the op's LSE natural-log, or None
 
 
-def _op(device):
+def _raw_op(device):
     """The fused op for ``device`` as ``f(q, k, v, causal, scale) -> (o, lse)``, or None."""
     if device.type == "cpu" and _OP_CPU is not None:
         return lambda q, k, v, causal, scale: _OP_CPU(q, k, v, 0.0, causal, scale=scale)[:2]
@@ -33,6 +35,43 @@ def _op(device):
             return res[0], res[1][..., : q.shape[2]]
         return cuda
     return None
+
+
+def _lse_factor(op, device, dtype):
+    """What turns this op's LSE into a natural log: 1, or ln 2 where it returns a base-2 LSE
+    (ROCm's AOTriton flash kernel before torch 2.8, pytorch#156012); None if it matches neither
+    (then the fused path is not used). Measured once per device type and dtype on a tiny
+    problem against a float64 logsumexp, so no version table can be wrong."""
+    key = (device.type, dtype)
+    if key not in _LSE_BASE:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 1, n, 64, generator=g) for n in (4, 8, 8))
+        ref = torch.logsumexp(q.double() @ k.double().transpose(-1, -2) * 0.125, -1)  # ~ 2.1..2.5
+        factor = None
+        try:
+            _, lse = op(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), False, 0.125)
+            lse = lse.double().cpu().reshape(ref.shape)
+            for f in (1.0, _LN2):
+                if torch.allclose(lse * f, ref, rtol=0.0, atol=0.05):  # base 2 is off by ~1
+                    factor = f
+                    break
+        except RuntimeError:
+            pass
+        _LSE_BASE[key] = factor
+    return _LSE_BASE[key]
+
+
+def _op(device, dtype):
+    """The fused op with a natural-log LSE, or None where there is none (or it cannot be trusted)."""
+    op = _raw_op(device)
+    if op is None:
+        return None
+    factor = _lse_factor(op, device, dtype)
+    if factor is None:
+        return None
+    if factor == 1.0:
+        return op
+    return lambda q, k, v, causal, scale: (lambda o, lse: (o, lse * factor))(*op(q, k, v, causal, scale))
 
 
 def supports(q) -> bool:
@@ -77,9 +116,10 @@ def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_le
     kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
               softcap=softcap, out=out, lse_out=lse_out)
     slow = fallback or partial_attention_ref
-    op = _op(q.device)
-    if op is None or not supports(q) or window is not None or softcap is not None or N == 0 \
-            or Q == 0 or B * H == 0:
+    if not supports(q) or window is not None or softcap is not None or N == 0 or Q == 0 or B * H == 0:
+        return slow(q, k, v, **kw)
+    op = _op(q.device, q.dtype)
+    if op is None:
         return slow(q, k, v, **kw)
     causal = False
     if q_pos is not None:
@@ -89,7 +129,14 @@ def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_le
         if q0 >= k0 + N - 1:
             causal = False  # every key is at or before every query
         elif q0 == k0 and Q <= N:
-            causal = True  # the diagonal block: top-left aligned causal mask
+            # the diagonal block. Keys after the last query are invisible: drop them, so the
+            # kernel sees a square block (FA2 aligns a non-square causal mask bottom-right,
+            # pytorch#111007; ours is by position, i.e. top-left here)
+            causal = True
+            if Q < N:
+                k, v = k[:, :, :Q], v[:, :, :Q]
+                kv_len = None if kv_len is None else kv_len.clamp(max=Q)
+                kw.update(k_pos=k_pos[..., :Q], kv_len=kv_len)
         else:
             return slow(q, k, v, **kw)
     try:

@@ -14,40 +14,56 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from .partial_ref import check_inputs
+from .targets import Target, launch, target_of
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# Inside @triton.jit only tl.constexpr globals may be read (GPU compilers refuse others; the
+# interpreter does not check, which is how a plain float here once crashed every GPU launch).
+_LOG2E_C = tl.constexpr(LOG2E)
+_LN2_C = tl.constexpr(LN2)
 
 MAX_ROWS = 128  # query rows (G * Q) per program tile
+REDUCE_BLOCK_S = 16  # splits merged per iteration of the reduce kernel
 LAST_LAUNCH: dict = {}  # the last compiled split kernel (its resource report, for tuning)
 
 # The CPU interpreter returns garbage from tl.dot on bf16 (an open upstream bug): upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# Runtime integers that change from call to call (lengths, split counts, group sizes) are
+# never specialised: one compiled kernel serves every N, so eager decode does not recompile as
+# the cache grows. Strides stay specialised (a unit stride gives vectorised loads).
+_RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "split_len", "window", "has_len",
+                 "sqpb", "sqpq", "skpb", "skpn"]  # position strides: 0 or 1 either way
 
-@triton.jit
+
+# Position and length arrays are sliced at any offset (query slices): no alignment variants.
+@triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN"])
 def _split_kernel(
     Q, K, V, QPOS, KPOS, KVLEN, OP, LP,
     sqb, sqh, sqq, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     sqpb, sqpq, skpb, skpn,
-    N, H_KV, split_len, qk_scale, window, softcap,
-    G: tl.constexpr, NQ: tl.constexpr, NSPLIT: tl.constexpr, HEAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    N, H_KV, G, NQ, NSPLIT, split_len, qk_scale, window, softcap, has_len,
+    HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_POS: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # window (0: none), softcap (0: none) and has_len are runtime values tested once per block:
+    # one compiled kernel per tile shape serves every model, and none of them costs a recompile.
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = pid_bh // H_KV
-    hk = pid_bh % H_KV
+    # 64-bit batch and head indices: b * stride_b reaches 2^31 for large caches (batch 3 at 1M
+    # tokens, 8 KV heads, d = 128), and an i32 product would wrap to a negative offset.
+    b = (pid_bh // H_KV).to(tl.int64)
+    hk = (pid_bh % H_KV).to(tl.int64)
 
     rows = tl.arange(0, BLOCK_M)  # row r = g * NQ + qi (query head g of the group, query qi)
     g = rows // NQ
@@ -55,7 +71,7 @@ def _split_kernel(
     row_ok = rows < G * NQ
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < HEAD_D
-    head = hk * G + g
+    head = hk * G + g  # (BLOCK_M,) int64
 
     q = tl.load(Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqq + dd[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
@@ -63,94 +79,110 @@ def _split_kernel(
         q = q.to(tl.float32)
 
     n_end = N
-    if HAS_LEN:
+    if has_len:
         n_end = tl.minimum(N, tl.load(KVLEN + b).to(tl.int32))
     start = pid_s * split_len
     stop = tl.minimum(start + split_len, n_end)
+    k_base = K + b * skb + hk * skh  # this (batch, KV head)'s keys; 64-bit offsets
+    v_base = V + b * svb + hk * svh
+    nn = tl.arange(0, BLOCK_N)
     if HAS_POS:
         qpos = tl.load(QPOS + b * sqpb + qi * sqpq, mask=row_ok, other=0)  # (BLOCK_M,)
+        q_hi = tl.max(tl.where(row_ok, qpos, -(1 << 62)), 0)  # latest query of the tile
+        q_lo = tl.min(tl.where(row_ok, qpos, 1 << 62), 0)  # earliest
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
+        offs = n0 + nn
         n_ok = offs < stop
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * skb + hk * skh + offs[:, None] * skn + dd[None, :] * skd,
-                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(V + b * svb + hk * svh + offs[:, None] * svn + dd[None, :] * svd,
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if UPCAST:  # fp32 operands: full precision, not TF32
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if HAS_SOFTCAP:
-            # natural units: s = softcap * tanh(scale * q.k / softcap); tanh(x) = 1 - 2/(e^{2x}+1)
-            x = s * (qk_scale / LOG2E) / softcap
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * LOG2E
-        else:
-            s = s * qk_scale  # qk_scale = scale * log2(e): base-2 scores
-        vis = row_ok[:, None] & n_ok[None, :]
+        live = True
         if HAS_POS:
             kpos = tl.load(KPOS + b * skpb + offs * skpn, mask=n_ok, other=0)
-            diff = qpos[:, None] - kpos[None, :]
-            vis = vis & (diff >= 0)
-            if HAS_WINDOW:
-                vis = vis & (diff < window)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            # skip a block no query of the tile can see (all keys in the future, or all out
+            # of the sliding window): only its positions are read, never its K/V
+            live = tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi
+            if window > 0:
+                live = live & (tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
+        if live:
+            nb = tl.cast(n0, tl.int64)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + nb * skn + nn[:, None] * skn + dd[None, :] * skd,
+                        mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_base + nb * svn + nn[:, None] * svn + dd[None, :] * svd,
+                        mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if UPCAST:  # fp32 operands: full precision, not TF32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
+            else:
+                s = tl.dot(q, tl.trans(k))
+            if softcap > 0:
+                # natural units: s = softcap * tanh(scale * q.k / softcap); tanh(x) = 1 - 2/(e^{2x}+1)
+                x = s * (qk_scale / _LOG2E_C) / softcap
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
+            else:
+                s = s * qk_scale  # qk_scale = scale * log2(e): base-2 scores
+            vis = row_ok[:, None] & n_ok[None, :]
+            if HAS_POS:
+                diff = qpos[:, None] - kpos[None, :]
+                vis = vis & (diff >= 0)
+                if window > 0:
+                    vis = vis & (diff < window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2_C, float("-inf"))
     # partials: OP [B, H, NQ, NSPLIT, HEAD_D], LP [B, H, NQ, NSPLIT], contiguous fp32
-    prow = ((b * (H_KV * G) + head) * NQ + qi) * NSPLIT + pid_s
+    prow = ((b * (H_KV * G) + head) * NQ + qi) * NSPLIT + pid_s  # (BLOCK_M,) int64
     tl.store(OP + prow[:, None] * HEAD_D + dd[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LP + prow, lse, mask=row_ok)
 
 
-@triton.jit
-def _reduce_kernel(OP, LP, O, LSE, sob, soh, soq, sod, slb, slh, slq, H, NQ,
-                   NSPLIT: tl.constexpr, HEAD_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    r = tl.program_id(0)  # flattened (b, h, qi)
+@triton.jit(do_not_specialize=["H", "NQ", "NSPLIT"], do_not_specialize_on_alignment=["LSE"])
+def _reduce_kernel(OP, LP, O, LSE, sob, soh, soq, sod, slb, slh, slq, H, NQ, NSPLIT,
+                   HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # flattened (b, h, qi)
     b = r // (H * NQ)
     h = (r // NQ) % H
     qi = r % NQ
     ss = tl.arange(0, BLOCK_S)
-    s_ok = ss < NSPLIT
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < HEAD_D
-    lse = tl.load(LP + r * NSPLIT + ss, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
-    m = tl.max(lse, 0)
+    # two passes over the splits, BLOCK_S at a time (registers stay bounded for any count):
+    # the max of their lse, then the weighted sum of their outputs
+    mv = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, NSPLIT, BLOCK_S):
+        mv = tl.maximum(mv, tl.load(LP + r * NSPLIT + s0 + ss, mask=s0 + ss < NSPLIT, other=float("-inf")))
+    m = tl.max(mv, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)  # 0 for empty splits
-    den = tl.sum(w, 0)
-    o = tl.load(OP + (r * NSPLIT + ss[:, None]) * HEAD_D + dd[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
-    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+    wv = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, NSPLIT, BLOCK_S):
+        s_ok = s0 + ss < NSPLIT
+        w = tl.exp(tl.load(LP + r * NSPLIT + s0 + ss, mask=s_ok, other=float("-inf")) - m_safe)  # 0: empty
+        o = tl.load(OP + (r * NSPLIT + s0 + ss[:, None]) * HEAD_D + dd[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
+        acc += tl.sum(o * w[:, None], 0)
+        wv += w
+    den = tl.sum(wv, 0)
+    out = acc / tl.where(den > 0.0, den, 1.0)
     tl.store(O + b * sob + h * soh + qi * soq + dd * sod, out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(LSE + b * slb + h * slh + qi * slq, tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)),
-                               float("-inf")))
-
-
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: a few splits, so the split/reduce path is always exercised
+    tl.store(LSE + b * slb + h * slh + qi * slq,
+             tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")))
 
 
 def choose_splits(B: int, H_kv: int, N: int, n_sms: int, block_n: int, min_blocks: int = 4) -> int:
@@ -163,18 +195,71 @@ def choose_splits(B: int, H_kv: int, N: int, n_sms: int, block_n: int, min_block
     return int(max(1, min(want, most, 128)))
 
 
+def max_rows(d: int, dtype) -> int:
+    """Query rows (``G * Q``) one program tile holds; longer query blocks run in slices. The
+    query tile (and the fp32 accumulator beside it) stays at 8K elements for 16-bit inputs and
+    at 16 rows for fp32 (whose ieee-precision dot holds its operands in registers): nothing
+    spills on sm_80, sm_90 or gfx942 (the offline compile checks it)."""
+    budget = 1024 if dtype == torch.float32 else 8192
+    return max(16, min(MAX_ROWS, budget // max(16, triton.next_power_of_2(d))))
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Launch parameters of the split kernel for one call (and of its reduce)."""
+
+    splits: int
+    split_len: int
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    upcast: bool
+
+
+def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target: Target, *,
+               num_splits=None, block_n=None, num_warps=None, num_stages=None) -> SplitPlan:
+    """The launch parameters the runtime uses for ``q [B, H_kv·G, Q, d]`` against ``N`` keys on
+    ``target`` (``Q`` at most one slice of :func:`max_rows`). The offline compile checks exactly
+    these."""
+    upcast = target.backend == "interpreter" or dtype == torch.float32
+    # decode: the group's G rows; query blocks: the slice height, the same for a ragged tail
+    # slice, so one compiled kernel serves every slice
+    rows = G if Q == 1 else G * max(1, max_rows(d, dtype) // G)
+    block_m = max(16, triton.next_power_of_2(rows))
+    block_d = max(16, triton.next_power_of_2(d))
+    gpu_fp32 = upcast and target.backend != "interpreter"
+    # Tile rules checked by the offline compile (no spills, shared memory / LDS within the
+    # target's limit): fp32's ieee-precision dot keeps its operands in registers, so half the
+    # key block and twice the weight; heavy tiles spread over 8 warps on CUDA; on ROCm a
+    # wavefront is 64 lanes, so 4 of them already hold the tile, and on gfx942 (64 KiB of LDS)
+    # fp32 and d = 256 tiles are not multi-buffered.
+    block_n = block_n or (32 if gpu_fp32 else 64)
+    if num_stages is None:
+        num_stages = 1 if target.is_hip and (upcast or block_d > 128) else 2
+    heavy = block_m * block_d * (2 if gpu_fp32 else 1) >= 4096
+    num_warps = num_warps or (8 if heavy and not target.is_hip else 4)
+    splits = num_splits or choose_splits(B, H_kv, N, target.n_sms, block_n)
+    split_len = triton.cdiv(triton.cdiv(max(N, 1), splits), block_n) * block_n
+    splits = triton.cdiv(max(N, 1), split_len)
+    return SplitPlan(splits, split_len, block_m, block_n, block_d, num_warps, num_stages, upcast)
+
+
 def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                              window=None, softcap=None, out=None, lse_out=None,
-                             num_splits=None, block_n=None, num_warps=4, num_stages=2):
+                             num_splits=None, block_n=None, num_warps=None, num_stages=None):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
     The kernel is built for decode (a group's ``G·Q`` query rows in one tile); more rows than
-    ``MAX_ROWS`` are processed in query slices. ``num_splits``, ``block_n``, ``num_warps`` and
-    ``num_stages`` override the automatic choice (tests, tuning).
+    :func:`max_rows` are processed in query slices. ``num_splits``, ``block_n``, ``num_warps``
+    and ``num_stages`` override the automatic choice of :func:`plan_split` (tests, tuning).
     """
     B, H, Q, d, H_kv, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     if window is not None and q_pos is None:
         raise ValueError("a sliding window needs q_pos and k_pos")
+    if N >= 1 << 31:
+        raise ValueError(f"a shard of {N} keys is beyond the kernel's 32-bit key index")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     G = H // H_kv
     dev = q.device
@@ -188,51 +273,44 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
         o.zero_()
         lse.fill_(-math.inf)
         return o, lse
-    if G * Q > MAX_ROWS:  # long query blocks (prefill): slices of rows the tile can hold
-        step = max(1, MAX_ROWS // G)
-        kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap,
-                  num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    step = max(1, max_rows(d, q.dtype) // G)
+    if Q > step:  # long query blocks (prefill): slices of rows the tile can hold
+        kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, **tuning)
         for a in range(0, Q, step):
             b = min(Q, a + step)
             partial_attention_triton(q[:, :, a:b], k, v, q_pos=None if q_pos is None else q_pos[..., a:b],
                                      out=o[:, :, a:b], lse_out=lse[:, :, a:b], **kw)
         return o, lse
 
-    block_n = block_n or 64
-    block_m = max(16, triton.next_power_of_2(G * Q))
-    block_d = max(16, triton.next_power_of_2(d))
-    splits = num_splits or choose_splits(B, H_kv, N, _num_sms(dev), block_n)
-    split_len = triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
-    splits = triton.cdiv(N, split_len)
-
-    op = torch.empty(B, H, Q, splits, d, dtype=torch.float32, device=dev)
-    lp = torch.empty(B, H, Q, splits, dtype=torch.float32, device=dev)
+    plan = plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), **tuning)
+    op = torch.empty(B, H, Q, plan.splits, d, dtype=torch.float32, device=dev)
+    lp = torch.empty(B, H, Q, plan.splits, dtype=torch.float32, device=dev)
     has_pos = q_pos is not None
     if has_pos:
         qp = q_pos.to(device=dev, dtype=torch.int64)
         kp = k_pos.to(device=dev, dtype=torch.int64)
         sqpb, sqpq = (qp.stride(0), qp.stride(1)) if qp.dim() == 2 else (0, qp.stride(0))
         skpb, skpn = (kp.stride(0), kp.stride(1)) if kp.dim() == 2 else (0, kp.stride(0))
-    else:
-        qp = kp = lp  # unused placeholders
+    else:  # unused placeholders, of the same type (a pointer's type is part of the kernel)
+        qp = kp = torch.empty(1, dtype=torch.int64, device=dev)
         sqpb = sqpq = skpb = skpn = 0
-    kvl = kv_len.to(device=dev, dtype=torch.int64) if kv_len is not None else lp
+    kvl = kv_len.to(device=dev, dtype=torch.int64) if kv_len is not None else qp if not has_pos \
+        else torch.empty(1, dtype=torch.int64, device=dev)
 
-    LAST_LAUNCH["split"] = _split_kernel[(B * H_kv, splits)](
+    LAST_LAUNCH["split"] = launch(
+        _split_kernel, (B * H_kv, plan.splits),
         q, k, v, qp, kp, kvl, op, lp,
         *q.stride(), *k.stride(), *v.stride(),
         sqpb, sqpq, skpb, skpn,
-        N, H_kv, split_len, scale * LOG2E,
+        N, H_kv, G, Q, plan.splits, plan.split_len, scale * LOG2E,
         int(window) if window is not None else 0,
-        float(softcap) if softcap is not None else 1.0,
-        G=G, NQ=Q, NSPLIT=splits, HEAD_D=d,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_POS=has_pos, HAS_LEN=kv_len is not None, HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None, UPCAST=_INTERPRET or q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        float(softcap) if softcap is not None else 0.0, int(kv_len is not None),
+        HEAD_D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        HAS_POS=has_pos, UPCAST=plan.upcast,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    _reduce_kernel[(B * H * Q,)](
-        op, lp, o, lse, *o.stride(), *lse.stride(), H, Q, NSPLIT=splits, HEAD_D=d,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=1,
-    )
+    launch(_reduce_kernel, (B * H * Q,),
+           op, lp, o, lse, *o.stride(), *lse.stride(), H, Q, plan.splits, HEAD_D=d,
+           BLOCK_S=REDUCE_BLOCK_S, BLOCK_D=plan.block_d, num_warps=4)
     return o, lse

@@ -204,3 +204,74 @@ def test_triton_grid(N, d, G, B, Q, dtype):
     pytest.importorskip("triton")
     causal = (N + G) % 2 == 0
     run_case("triton", B, G, 8 // G if G < 8 else 1, Q, N, d, dtype, causal=causal, ragged=not causal)
+
+
+@pytest.mark.parametrize("Q,window", [(1, 100), (1, None), (40, 100)])
+def test_triton_never_reads_blocks_no_query_sees(Q, window):
+    """Sliding-window and causal layers skip whole key blocks that no query of the tile can
+    see (Gemma-3's 1024 window at 128K read ~128x too much). Such blocks are poisoned with NaN
+    here: a kernel that loads them gets NaN (0 x NaN in p @ v), one that skips them does not."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+
+    B, G, H_kv, N, d = 1, 4, 2, 1000, 64
+    q, k, v = make(B, G * H_kv, H_kv, Q, N, d, torch.float32)
+    q_pos = torch.arange(N - Q, N) if window else torch.arange(300, 300 + Q)  # causal: 300+ are future
+    k_pos = torch.arange(N)
+    o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window)
+    if window:  # blocks of 64 keys entirely before the window of the earliest query
+        dead = slice(0, (N - Q - window) // 64 * 64)
+    else:  # blocks entirely after the latest query
+        dead = slice((300 + Q + 63) // 64 * 64, N)
+    assert dead.stop - dead.start >= 128
+    k[:, :, dead], v[:, :, dead] = math.nan, math.nan
+    o, lse = pt.partial_attention_triton(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, block_n=64)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+
+
+@pytest.mark.parametrize("kind", ["base2", "garbage"])
+def test_fused_path_checks_the_base_of_its_lse(monkeypatch, kind):
+    """ROCm's flash kernel returned a base-2 logsumexp before torch 2.8 (pytorch#156012): the
+    fused path measures the base once and converts; an LSE in neither base is not trusted
+    (the reference runs instead). Simulated by wrapping the CPU op."""
+    import treeattn_kernels.partial_aten as pa
+
+    real = pa._OP_CPU
+
+    def fake(q, k, v, dropout, causal, scale=None):
+        o, lse, *rest = real(q, k, v, dropout, causal, scale=scale)
+        return (o, lse / math.log(2.0) if kind == "base2" else lse * 0 + 7.0, *rest)
+
+    monkeypatch.setattr(pa, "_OP_CPU", fake)
+    monkeypatch.setattr(pa, "_LSE_BASE", {})
+    q, k, v = make(2, 4, 2, 3, 50, 64, torch.float32)
+    o, lse = pa.partial_attention_aten(q, k, v)
+    o_ref, lse_ref = attention_f64(q, k, v)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert pa._LSE_BASE[("cpu", torch.float32)] == (math.log(2.0) if kind == "base2" else None)
+
+
+def test_fused_causal_blocks_are_square(monkeypatch):
+    """A causal block with fewer queries than keys (queries and keys starting at the same
+    position) reaches the fused kernel as a square block: FA2 aligns a non-square causal mask
+    bottom-right, the opposite of ours, so a non-square causal call would be wrong on GPUs."""
+    import treeattn_kernels.partial_aten as pa
+
+    real, calls = pa._OP_CPU, []
+
+    def spy(q, k, v, dropout, causal, scale=None):
+        calls.append((causal, q.shape[2], k.shape[2]))
+        return real(q, k, v, dropout, causal, scale=scale)
+
+    monkeypatch.setattr(pa, "_OP_CPU", spy)
+    monkeypatch.setattr(pa, "_LSE_BASE", {("cpu", torch.float32): 1.0})
+    Q, N = 6, 40
+    q, k, v = make(2, 4, 2, Q, N, 64, torch.float32)
+    pos = dict(q_pos=torch.arange(Q), k_pos=torch.arange(N))
+    o, lse = pa.partial_attention_aten(q, k, v, kv_len=torch.tensor([N, 3]), **pos)
+    assert calls and all(qn == kn for causal, qn, kn in calls if causal), calls
+    o_ref, lse_ref = attention_f64(q, k, v, mask=key_mask(2, Q, N, "cpu", kv_len=torch.tensor([N, 3]), **pos))
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
