@@ -12,7 +12,8 @@ import signal
 import torch
 
 from treeattn_cli.comm import Stats, make_comm
-from treeattn_cli.ring import chunk_bounds, ring_decode, ring_prefill
+from treeattn_cli.prefill import ring_prefill
+from treeattn_cli.ring import chunk_bounds, ring_decode
 from treeattn_kernels import partial_attention, partial_attention_ref
 
 
@@ -86,23 +87,41 @@ def ring_accounting(ctx, B, H_kv, N, d):
 
 
 def prefill_cases(ctx, seed, lengths):
-    """Ring prefill of prompts of each length vs single-device causal attention."""
+    """Ring prefill (pass-KV) of prompts of each length, balanced and contiguous pieces, with and
+    without a window, vs single-device causal attention; and after a cache (the cache travelling
+    with pass-KV, or the queries with pass-Q). Rows (n, sharding, window, cached, o_err, lse_err)."""
+    from treeattn_cli.prefill import positions, ring_pass_q, shard
+    from treeattn_cli.merge import merge_pair
+
     c = make_comm("allreduce")
     rows = []
     for n in lengths:
-        for window in (None, 5):
-            gen = torch.Generator().manual_seed(seed + n)
-            B, H_kv, G, d = 2, 2, 3, 64
-            q = torch.randn(B, G * H_kv, n, d, generator=gen)
-            k = torch.randn(B, H_kv, n, d, generator=gen)
-            v = torch.randn(B, H_kv, n, d, generator=gen)
-            pos = torch.arange(n)
-            o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=pos, k_pos=pos, window=window)
-            b = chunk_bounds(n, ctx.world)
-            sl = slice(b[ctx.rank], b[ctx.rank + 1])
-            o, lse = ring_prefill(c, q[:, :, sl], k[:, :, sl], v[:, :, sl], b, window=window)
-            err = (rel_err(o, o_ref[:, :, sl]), rel_err(lse, lse_ref[:, :, sl])) if o.shape[2] else (0.0, 0.0)
-            rows.append((n, window, *err))
+        for sharding in ("balanced", "contiguous"):
+            for window in (None, 5):
+                for cached in (0, 1, 9):  # 1: most ranks hold no cached token
+                    gen = torch.Generator().manual_seed(seed + n)
+                    B, H_kv, G, d = 2, 2, 3, 64
+                    N = cached + n
+                    q = torch.randn(B, G * H_kv, N, d, generator=gen)
+                    k = torch.randn(B, H_kv, N, d, generator=gen)
+                    v = torch.randn(B, H_kv, N, d, generator=gen)
+                    pos = torch.arange(N)
+                    o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=pos, k_pos=pos, window=window)
+                    pieces = shard(cached, n, ctx.world, balanced=sharding == "balanced")
+                    mine = positions(pieces[ctx.rank])
+                    cb = chunk_bounds(cached, ctx.world)  # the cache: contiguous shards of the first tokens
+                    ck, cv = k[:, :, cb[ctx.rank]:cb[ctx.rank + 1]], v[:, :, cb[ctx.rank]:cb[ctx.rank + 1]]
+                    lens = [cb[i + 1] - cb[i] for i in range(ctx.world)]
+                    travel = cached and window is None
+                    o, lse = ring_prefill(c, q[:, :, mine], k[:, :, mine], v[:, :, mine], pieces, window=window,
+                                          cache=(ck, cv) if travel else None, cache_lens=lens if travel else None)
+                    if cached and not travel:
+                        kpos = torch.arange(cb[ctx.rank], cb[ctx.rank + 1]).expand(B, -1)
+                        po, pl = ring_pass_q(c, q[:, :, mine], ck, cv, torch.full((B,), ck.shape[2]), pieces,
+                                             k_pos=kpos, window=window)
+                        o, lse = merge_pair(o, lse, po, pl)
+                    err = (rel_err(o, o_ref[:, :, mine]), rel_err(lse, lse_ref[:, :, mine])) if len(mine) else (0.0, 0.0)
+                    rows.append((n, sharding, window, cached, *err))
     return rows
 
 
@@ -133,3 +152,164 @@ def ring_leaves_inputs_alone(ctx, seed):
     ring_decode(c, torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(seed)), k, v, kv_len,
                 shard_lens=[9] * ctx.world)
     return all(torch.equal(a, b) for a, b in zip(before, (k, v, kv_len)))
+
+
+def rank_and_world(ctx):
+    return ctx.rank, ctx.world
+
+
+def gather_values(ctx):
+    from treeattn_cli.comm import make_comm
+
+    return make_comm("allreduce").all_gather_values([ctx.rank, 0.5 * ctx.rank, 7]).tolist()
+
+
+def capacity_trace(ctx, model_dir, n_prompt, new_tokens):
+    """Static-cache decode from a tiny initial capacity over uneven shards: this rank's cache
+    capacity after prefill and after every decode step (a static step's CUDA graph is
+    recaptured when it changes, so every rank must change it on the same step)."""
+    from treeattn_cli.attention import AttentionContext
+    from treeattn_cli.cache import ShardedKVCache
+    from treeattn_cli.decode import Decoder, Sampling
+    from treeattn_cli.model import load_model, shapes
+
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    sh = shapes(model.config)
+    cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"], sh["head_dim"], rank=ctx.rank,
+                           world=ctx.world, capacity=1, static=True)
+    dec = Decoder(model, AttentionContext(make_comm("allreduce"), cache), vocab_size=model.config.vocab_size)
+    trace = []
+    real = cache.begin_step
+
+    def begin(positions):
+        store = real(positions)
+        trace.append(cache.capacity)
+        return store
+
+    cache.begin_step = begin
+    ids = torch.arange(n_prompt)[None] % 200 + 20
+    toks = [t for t, _ in dec.generate(ids, max_new_tokens=new_tokens, sampling=Sampling(), piece=5)]
+    return trace, toks
+
+
+def agree(ctx, veto_rank):
+    """``Comm.all_true``: one rank's False decides for every rank."""
+    c = make_comm("allreduce")
+    return c.all_true(True), c.all_true(ctx.rank != veto_rank)
+
+
+def fail_while_others_block(ctx):
+    """Rank 0 raises; the others sit still, as ranks blocked in an NCCL collective do (they
+    never notice on their own before the collective timeout)."""
+    import time
+
+    if ctx.rank == 0:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    time.sleep(600)
+
+
+def mesh_generate(ctx, jobs):
+    """``engine.rank_generate`` for each job in turn on these ranks (several (cp x tp) meshes in
+    one launch); rank 0 returns, per job, (token ids, summary)."""
+    from treeattn_cli.engine import rank_generate
+
+    out = []
+    for job in jobs:
+        toks = []
+        real = ctx.emit
+        ctx.emit = lambda kind, payload: toks.append(payload) if kind == "token" else None
+        try:
+            summary = rank_generate(ctx, job)
+        finally:
+            ctx.emit = real
+        out.append((toks, summary))
+    return out if ctx.rank == 0 else None
+
+
+def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
+    """Under (cp x tp): every linear layer holds 1/tp of its weight on this rank (the dimension
+    the model's plan shards), and the collectives of one decode step, counted by kind."""
+    import torch.distributed as dist
+
+    from treeattn_cli import comm as C
+    from treeattn_cli.attention import AttentionContext
+    from treeattn_cli.cache import ShardedKVCache
+    from treeattn_cli.decode import Decoder, Sampling
+    from treeattn_cli.mesh import Mesh
+    from treeattn_cli.model import load_model, shapes
+
+    mesh = Mesh(ctx.world, tp, ctx.rank)
+    full = load_model(model_dir, torch.float32, torch.device("cpu"))
+    model = load_model(model_dir, torch.float32, torch.device("cpu"),
+                       tp_mesh=C.tp_device_mesh("cpu", mesh.cp, tp))
+    shards = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        ref = dict(full.named_parameters())[name]
+        shards[name] = (tuple(local.shape), tuple(ref.shape))
+    sh = shapes(model.config)
+    comm = C.make_comm("allreduce", parts=mesh.cp_parts())
+    world = C.make_comm("allreduce")
+    cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"] // tp, sh["head_dim"], rank=comm.rank,
+                           world=mesh.cp, capacity=64)
+    dec = Decoder(model, AttentionContext(comm, cache), vocab_size=sh_vocab(model), world=world)
+    counts = {}
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "send", "recv",
+             "batch_isend_irecv", "reduce_scatter_tensor")
+    real = {n: getattr(dist, n) for n in names}
+
+    def counting(n):
+        def f(*a, **k):
+            counts[n] = counts.get(n, 0) + 1
+            return real[n](*a, **k)
+        return f
+
+    ids = torch.arange(20)[None] + 30
+    gen = dec.generate(ids, max_new_tokens=new_tokens, sampling=Sampling())
+    next(gen)  # prefill and the first token
+    for n in names:
+        setattr(dist, n, counting(n))
+    try:
+        next(gen)  # exactly one decode step (and its token broadcast)
+    finally:
+        for n in names:
+            setattr(dist, n, real[n])
+    return shards, counts, sh["num_layers"]
+
+
+def sh_vocab(model):
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def tp_load_memory(ctx, model_dir, tp):
+    """Peak anonymous memory this rank gains while loading its tensor-parallel shard (sampled
+    every few ms; file-backed pages of the checkpoint do not count: they are the page cache)."""
+    import threading
+    import time
+
+    from treeattn_cli import comm as C
+    from treeattn_cli.mesh import Mesh
+    from treeattn_cli.model import load_model, weight_bytes
+
+    mesh = Mesh(ctx.world, tp, ctx.rank)
+    tp_mesh = C.tp_device_mesh("cpu", mesh.cp, tp)
+
+    def anon():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    base, peak, stop = anon(), [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh)
+    stop.set()
+    t.join()
+    return max(peak[0], anon()) - base, weight_bytes(model)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from treeattn_cli import layout as L
-from treeattn_cli.bench import BenchSpec, expected_bytes, simulate
+from treeattn_cli.bench import BenchSpec, expected_bytes
+from treeattn_cli.projection import simulate
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 SHAPE = ["--heads", "8", "--kv-heads", "2", "--head-dim", "32", "--iters", "2", "--warmup", "1"]
@@ -106,7 +107,7 @@ def test_simulate_cli_json():
 
 
 def test_model_mode_on_tiny_model(tmp_path):
-    import tiny_models
+    from treeattn_cli import tiny as tiny_models
 
     d = tiny_models.make_model("llama", tmp_path / "m")
     r = run("--model", str(d), "--seq-len", "40", "--nproc", "2", "--new-tokens", "4", "--json")
@@ -130,3 +131,17 @@ def test_bench_bad_input(args, needle):
     r = subprocess.run([TREEATTN, "bench", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_decode_bench_skips_contexts_that_do_not_fit():
+    """Llama-3.1-8B's shape: 512K tokens of bf16 KV are 64 GiB, which with 15 GiB of weights
+    does not fit an 80 GB card (the script crashed there); 128K (16 GiB) does."""
+    from types import SimpleNamespace
+
+    from treeattn_cli.gpu_decode_bench import GiB, LLAMA_8B, cache_bytes, fits
+
+    cfg = SimpleNamespace(**LLAMA_8B)
+    assert cache_bytes(cfg, 524288) == 64 * GiB
+    free_after_weights = int(79.1 * GiB) - int(14.96 * GiB)
+    assert not fits(cache_bytes(cfg, 524288 + 29), free_after_weights)
+    assert fits(cache_bytes(cfg, 131072 + 29), free_after_weights)

@@ -91,3 +91,21 @@ def test_decode_over_simulated_ranks_is_exact(static):
     # positions recorded: the union over ranks is every position exactly once
     allpos = sorted(x for c in caches for x in c.view(0)[3][0][: c.length[0]].tolist())
     assert allpos == list(range(n_prompt + 7))
+
+
+def test_static_capacity_grows_on_the_same_step_on_every_rank(tmp_path):
+    """Uneven shards (a 100-token prompt on 3 ranks, in prefill segments) from a capacity of 1:
+    every rank's capacity changes on the same decode steps (the static step's CUDA graph is
+    recaptured then, with collectives in its warm-up: ranks recapturing on different steps
+    would hang). Growth is by the largest shard of any rank, known to all without a message."""
+    from treeattn_cli import tiny as tiny_models
+    from treeattn_cli.launch import run_local
+
+    import dist_cases
+
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    res = run_local(dist_cases.capacity_trace, 3, str(d), 100, 120, timeout_s=120)
+    traces = [t for t, _ in res]
+    assert traces[0] == traces[1] == traces[2], traces
+    assert len(set(traces[0])) >= 2  # it did grow while decoding
+    assert res[0][1] == tiny_models.hf_greedy(d, (torch.arange(100) % 200 + 20).tolist(), 120)

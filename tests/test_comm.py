@@ -53,10 +53,13 @@ def test_ring_bytes_grow_with_shard_and_move_kv_heads_only():
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_prefill_equals_single_device_causal(world):
-    lengths = [1, world - 1, world, 2 * world + 1, 37]
+    """Balanced and contiguous pieces, windows, prompts shorter than 2p and not divisible by it,
+    with a cache before the segment (travelling, or visited by the queries)."""
+    lengths = [1, world - 1, 2 * world - 1, 2 * world + 1, 37]
     for rows in run_local(dist_cases.prefill_cases, world, _seed(), lengths, timeout_s=60):
-        for n, window, o_err, lse_err in rows:
-            assert o_err <= 1e-5 and lse_err <= 1e-5, (world, n, window, o_err, lse_err)
+        assert len(rows) == len(lengths) * 12
+        for n, sharding, window, cached, o_err, lse_err in rows:
+            assert o_err <= 1e-5 and lse_err <= 1e-5, (world, n, sharding, window, cached, o_err, lse_err)
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
@@ -90,3 +93,73 @@ def test_only_comm_touches_torch_distributed():
 @pytest.mark.parametrize("world", [3, 4])
 def test_ring_decode_never_writes_its_inputs(world):
     assert all(run_local(dist_cases.ring_leaves_inputs_alone, world, _seed(), timeout_s=60))
+
+
+def test_store_descriptor_lives_exactly_as_long_as_the_store():
+    """The launcher binds the store's listening socket itself (loopback only) and hands it to
+    TCPStore's server, which owns it: destroying one store must not touch another's socket
+    (a socket once closed behind the server's back was reused by the next run's store, which
+    the late close then broke: ranks could not connect), and nothing leaks."""
+    import gc
+    import os
+
+    from treeattn_cli.comm import make_store
+
+    def fds():
+        gc.collect()
+        time.sleep(0.2)  # the store's server thread closes its handles
+        return len(os.listdir("/proc/self/fd"))
+
+    make_store(0, 2, is_master=True, timeout_s=5)  # one-time descriptors of the store library
+    base = fds()
+    s1 = make_store(0, 2, is_master=True, timeout_s=5)
+    s2 = make_store(0, 2, is_master=True, timeout_s=5)
+    del s1
+    client = make_store(s2.port, 2, is_master=False, timeout_s=5)
+    client.set("k", "v")
+    assert s2.get("k") == b"v"
+    del client, s2
+    assert fds() <= base
+
+
+def test_a_failed_run_does_not_break_the_next_one():
+    with pytest.raises(LaunchError) as ei:
+        run_local(dist_cases.fail_mid_step, 2, 1, "raise", timeout_s=8)
+    t0 = time.monotonic()
+    assert run_local(dist_cases.rank_and_world, 2, timeout_s=8) == [(0, 2), (1, 2)]
+    assert time.monotonic() - t0 < 8
+    assert "rank 1 failed" in str(ei.value)
+
+
+def test_host_numbers_travel_on_the_groups_device():
+    """bench gathers every rank's timings: the numbers must travel in a tensor on the group's
+    device (an NCCL group takes no CPU tensor: bench on >= 2 GPUs crashed), and come back on
+    the host."""
+    import torch
+
+    from treeattn_cli.comm import Comm
+
+    c = Comm.single()
+    c.world, c.device = 2, torch.device("meta")  # stands for an NCCL group's GPU
+    seen = []
+    c.all_gather = lambda t: (seen.append((t.device.type, t.dtype)), torch.zeros(2, t.numel()))[1]
+    assert c.all_gather_values([1, 2.5]).device.type == "cpu"
+    assert seen == [("meta", torch.float64)]
+    rows = run_local(dist_cases.gather_values, 3, timeout_s=30)
+    assert all(r == [[0, 0, 7], [1, 0.5, 7], [2, 1.0, 7]] for r in rows)
+
+
+def test_decisions_are_taken_together():
+    """A CUDA-graph capture that fails on one rank makes every rank decode eagerly: the
+    decision is ``Comm.all_true`` of the ranks' outcomes (here rank 2 vetoes)."""
+    assert run_local(dist_cases.agree, 3, 2, timeout_s=30) == [(True, False)] * 3
+
+
+def test_blocked_survivors_are_stopped_soon_after_a_rank_fails():
+    """Under NCCL the survivors of a failed rank block in a collective for the whole timeout
+    (~5 min) before noticing: the launcher stops them a few seconds after the failure."""
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as ei:
+        run_local(dist_cases.fail_while_others_block, 3, timeout_s=300)
+    assert time.monotonic() - t0 < 20
+    assert "rank 0 failed: RuntimeError: CUDA error" in str(ei.value)

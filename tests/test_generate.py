@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import tiny_models
+from treeattn_cli import tiny as tiny_models
 from treeattn_cli.main import app
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
@@ -203,7 +203,8 @@ def test_static_decode_step_is_exact(models):
     CUDA graph captures gives the eager path's token ids (here eagerly, on CPU ranks)."""
     from treeattn_cli.launch import run_local
     from treeattn_cli.model import load_tokenizer
-    from treeattn_cli.runner import GenerateJob, rank_generate
+    from treeattn_cli.engine import rank_generate
+    from treeattn_cli.runner import GenerateJob
 
     prompt = text_of(29, seed=21)
     ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
@@ -245,7 +246,8 @@ def test_ring_decode_baseline_generates_the_same_tokens(models):
     """`bench --model`'s ring baseline is exact too (same ids as the tree path)."""
     from treeattn_cli.launch import run_local
     from treeattn_cli.model import load_tokenizer
-    from treeattn_cli.runner import GenerateJob, rank_generate
+    from treeattn_cli.engine import rank_generate
+    from treeattn_cli.runner import GenerateJob
 
     ids = load_tokenizer(models["llama"])(text_of(23, seed=41))["input_ids"]
     ref = tiny_models.hf_greedy(models["llama"], ids, 8)

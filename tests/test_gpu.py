@@ -29,9 +29,10 @@ def test_triton_kernel_on_gpu(N, G, dtype):
 
 
 def test_cuda_graph_decode_equals_eager(tmp_path):
-    import tiny_models
+    from treeattn_cli import tiny as tiny_models
     from treeattn_cli.launch import run_local
-    from treeattn_cli.runner import GenerateJob, rank_generate
+    from treeattn_cli.engine import rank_generate
+    from treeattn_cli.runner import GenerateJob
 
     d = tiny_models.make_model("llama", tmp_path / "m")
     ids = list(range(40, 90))
@@ -73,4 +74,23 @@ def test_tune_sweep_reports_resources():
 
     recs = tune([4096], iters=2, warmup=1, copy_bw=1e12)
     best = [r for r in recs if r.get("best")]
-    assert len(best) == 1 and best[0]["n_regs"] is not None
+    assert len(best) == 1 and best[0]["regs"] > 0 and best[0]["spill_bytes"] == 0
+
+
+def test_check_passes_on_this_gpu(tmp_path, monkeypatch):
+    """`treeattn check` on the device: Triton and ATen partials, fused merges, the offline
+    compile for the local target, NCCL schemes, ring decode, generate with and without the
+    CUDA graph, all against their references."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from treeattn_cli.main import app
+
+    monkeypatch.setenv("TREEATTN_CACHE", str(tmp_path))
+    r = CliRunner().invoke(app, ["check", "--nproc", "1", "--json", "--quiet"])
+    recs = json.loads(r.stdout)
+    assert r.exit_code == 0, [x for x in recs if x["verdict"] == "FAIL"]
+    paths = {x["path"] for x in recs}
+    assert {"partial/triton", "partial/aten", "merge/fused", "generate/eager", "generate/cuda-graph"} <= paths
+    assert any(p.startswith("compile/sm_") for p in paths)

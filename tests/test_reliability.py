@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import tiny_models
+from treeattn_cli import tiny as tiny_models
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 
@@ -311,3 +311,118 @@ def test_dtype_the_device_cannot_run(monkeypatch):
     assert pick_dtype("auto", torch.device("cuda", 0)) == torch.float32
     with pytest.raises(ModelError, match="unknown dtype"):
         pick_dtype("int4", torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- signals and failed ranks
+
+def _gone(pids, within=10.0):
+    """Wait until none of ``pids`` runs (zombies count as gone); returns those still running."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        left = [p for p in pids if Path(f"/proc/{p}").exists()
+                and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+def test_sigterm_stops_everything_and_keeps_text(slow_model, tmp_path):
+    """SIGTERM (Slurm, Kubernetes, systemd, `timeout`) behaves like Ctrl-C: every rank stops at
+    once, the text so far is kept (--output, the --json record, stop_reason "terminated"), exit
+    status 143, and the whole process tree (ranks, fork server, resource tracker) is gone."""
+    out = tmp_path / "out.txt"
+    proc = _start(slow_model, "--json", "--output", str(out), nproc=2)
+    t0 = time.monotonic()
+    while len(_ranks(proc.pid)) < 2 and time.monotonic() - t0 < 60:
+        time.sleep(0.1)
+    time.sleep(4)  # a few tokens
+    tree = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err.decode()
+    assert "Traceback" not in err.decode()
+    rec = json.loads(stdout.decode().strip().splitlines()[-1])
+    assert rec["stop_reason"] == "terminated" and rec["token_ids"], rec
+    assert out.read_text() == rec["text"]
+    assert not _gone(tree), [_cmdline(p) for p in _gone(tree, 0)]
+
+
+def test_launcher_killed_outright_leaves_no_process(slow_model):
+    """SIGKILL of the launcher (the OOM killer, a closed terminal): its ranks, fork server and
+    resource tracker exit within seconds instead of running on as orphans (on GPUs they would
+    hold device memory)."""
+    proc = _start(slow_model, nproc=2, tokens=3800)  # a minute of work left when it is killed
+    assert _wait_for_output(proc, 10)
+    tree = _descendants(proc.pid)
+    assert len(_ranks(proc.pid)) == 2
+    proc.kill()
+    proc.wait(timeout=10)
+    left = _gone(tree, within=5)
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, [_cmdline(p) for p in left]
+
+
+def test_prompt_without_tokens_is_refused(tmp_path):
+    """A tokenizer whose vocabulary covers none of the text (word-level files beside a qwen2
+    model: transformers picks the model type's byte-level class) gave zero tokens and crashed
+    in every rank; now: exit 2 before any rank starts, one line naming the tokenizer class."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = tiny_models.make_model("qwen2", tmp_path / "q")
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "alpha": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    r = _gen("--model", str(d))  # prompt "hi"
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "no tokens after tokenization" in err[0] and "Qwen2Tokenizer" in err[0], err
+
+
+@pytest.mark.parametrize("source", ["stdin", "fifo"])
+def test_endless_prompt_is_refused_quickly_with_flat_memory(tmp_path, source):
+    """An endless prompt (`yes | treeattn generate`, a FIFO fed forever) is read up to a bound
+    derived from the model's context, then refused: exit 2 within seconds, one line naming
+    the limit, memory bounded by it (it was read whole until the process died)."""
+    d = tiny_models.make_model("llama", tmp_path / "m")  # 512-token context: a 1 MiB bound
+    cmd = [TREEATTN, "generate", "--model", str(d), "--no-chat"]
+    if source == "fifo":
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        feeder = subprocess.Popen(f"exec yes 'all work and no play' > {fifo}", shell=True)
+        p = subprocess.Popen(cmd + ["--prompt-file", str(fifo)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    else:
+        feeder = subprocess.Popen(["yes", "all work and no play"], stdout=subprocess.PIPE)
+        p = subprocess.Popen(cmd, stdin=feeder.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peak = 0
+    t0 = time.monotonic()
+    while p.poll() is None and time.monotonic() - t0 < 60:
+        try:
+            rss = int(next(ln for ln in Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                           if ln.startswith("VmRSS")).split()[1])
+            peak = max(peak, rss)
+        except (OSError, StopIteration):
+            pass
+        time.sleep(0.05)
+    out, err = p.communicate(timeout=30)
+    feeder.kill()
+    assert p.returncode == 2, err.decode()
+    assert time.monotonic() - t0 < 30
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and "longer than 1 MiB" in lines[0] and "512 tokens" in lines[0], lines
+    assert peak < 1_000_000, f"peak RSS {peak} KiB"  # the interpreter + torch, not the input
+
+
+def test_debug_prints_the_failing_ranks_traceback(tmp_path):
+    """--debug promises full tracebacks: when a rank fails, the launcher prints that rank's
+    traceback (collected from it) before the one-line error."""
+    d = tiny_models.make_model("llama", tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_key_value_heads"] = 1  # a valid config, but the weights do not fit it: fails in the ranks
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = _gen("--model", str(d), "--nproc", "2", "--debug")
+    assert r.returncode == 1, r.stderr
+    assert "Traceback (most recent call last)" in r.stderr and 'File "' in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("treeattn: error: rank ")

@@ -18,7 +18,8 @@ from treeattn_kernels import partial_attention
 from .cache import ShardedKVCache
 from .comm import Comm
 from .merge import merge_pair
-from .ring import ring_decode, ring_pass_q, ring_prefill
+from .prefill import ring_pass_q, ring_prefill
+from .ring import ring_decode
 
 ATTN_NAME = "treeattn"
 
@@ -27,14 +28,17 @@ ATTN_NAME = "treeattn"
 class AttentionContext:
     """What our attention needs beyond the layer's q/k/v (one per rank, reused every step).
 
-    ``phase``: ``"prefill"`` (this rank's piece of a prompt segment, cut by ``bounds``, global
+    ``phase``: ``"prefill"`` (this rank's piece of a prompt segment, cut as ``pieces``, global
     positions) or ``"decode"`` (one new token per sequence, every rank computing it).
     """
 
     comm: Comm
     cache: ShardedKVCache
     phase: str = "decode"
-    bounds: list = field(default_factory=list)  # prefill: global cut points of the segment
+    pieces: list = field(default_factory=list)  # prefill: every rank's position ranges (prefill.shard)
+    positions: object = None  # prefill: this rank's positions [n_r]
+    cache_lens: list = field(default_factory=list)  # prefill: every rank's cached tokens before the segment
+    method: str = "pass-kv"  # prefill with a cache: "pass-kv" (the cache travels) or "pass-q" (queries do)
     on_layer: object = None  # prefill progress callback(layer_index)
     decode_method: str = "tree"  # "ring": the KV-rotating baseline (bench)
 
@@ -51,15 +55,17 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
     window = sliding_window or None
     cache, comm = ctx.cache, ctx.comm
     if ctx.phase == "prefill":
-        o, lse = ring_prefill(comm, query, key, value, ctx.bounds, scale=scaling, window=window,
-                              softcap=softcap)
-        if cache.max_len > 0:  # earlier segments, spread over every rank's cache
+        cached = any(ctx.cache_lens)  # known on every rank: they all take the same path
+        travel = cached and ctx.method == "pass-kv"
+        if cached:
             k, v, kv_len, pos = cache.view(layer)
-            po, pl = ring_pass_q(comm, query, k, v, kv_len, ctx.bounds, k_pos=pos, scale=scaling,
+        o, lse = ring_prefill(comm, query, key, value, ctx.pieces, scale=scaling, window=window, softcap=softcap,
+                              cache=(k, v) if travel else None, cache_lens=ctx.cache_lens if travel else None)
+        if cached and not travel:  # the cache stays; queries visit every rank's shard
+            po, pl = ring_pass_q(comm, query, k, v, kv_len, ctx.pieces, k_pos=pos, scale=scaling,
                                  window=window, softcap=softcap)
             o, lse = merge_pair(o, lse, po, pl)
-        r = comm.rank
-        cache.append_chunk(layer, key, value, torch.arange(ctx.bounds[r], ctx.bounds[r + 1]))
+        cache.append_chunk(layer, key, value, ctx.positions)
         if ctx.on_layer is not None:
             ctx.on_layer(layer)
     else:
@@ -76,7 +82,7 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
         if window is not None:
             q_pos, k_pos = cache.step_positions[:, None], cache.pos[:, : k.shape[2]]
         o, lse = partial_attention(query, k, v, scale=scaling, kv_len=kv_len, window=window,
-                                   softcap=softcap, q_pos=q_pos, k_pos=k_pos)
+                                   softcap=softcap, q_pos=q_pos, k_pos=k_pos, out_dtype=torch.float32)
         B, H, T, d = query.shape
         out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
         comm.merge(o, lse, out=out.transpose(1, 2))

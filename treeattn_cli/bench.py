@@ -112,10 +112,10 @@ def bench_rank(ctx, spec: BenchSpec):
         base.barrier()
         step()
         stats.enabled = False
-        acct = torch.tensor([stats.collectives, stats.bytes_sent, stats.peak_mem_bytes], dtype=torch.float64)
         kv_bytes = 2 * k.numel() * k.element_size()
         mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else kv_bytes + stats.peak_mem_bytes
-        everyone = base.all_gather(torch.tensor(times + [mem, *acct.tolist()], dtype=torch.float64))
+        everyone = base.all_gather_values(times + [mem, stats.collectives, stats.bytes_sent,
+                                                   stats.peak_mem_bytes])  # [world, iters + 4]
         stats.reset()
         if r == 0:
             per_iter = everyone[:, : len(times)].max(0).values if method != "single" else everyone[0, : len(times)]
@@ -166,54 +166,6 @@ def expected_bytes(method: str, scheme: str, p: int, spec: BenchSpec, seq_len: i
     raise ValueError((method, scheme))
 
 
-# ---------------------------------------------------------------- projection (α–β)
-
-def simulate(profile_name: str, gpus: list[int], spec: BenchSpec, attn_s_per_byte: float | None = None):
-    """Predicted tree and ring decode-step times for clusters of ``gpus`` GPUs.
-
-    Local attention time: KV bytes of the shard / memory bandwidth (the profile's, or
-    ``attn_s_per_byte`` measured here). Tree: local attention + the layout's merge (NVSwitch /
-    XGMI inside a node, the NET link across nodes: hierarchical). Ring: per step the larger of
-    one block's attention and one block's transfer (they overlap), p-1 steps, plus the last
-    block's attention.
-    """
-    from . import layout as Lo
-    from .topology import GPU, Topology
-
-    prof = Lo.load_profile(profile_name)
-    per_node = prof.gpus_per_node or 8
-    intra = next((c for c in ("NVSWITCH", "XGMI", "NVLINK", "PIX", "PXB", "PHB", "NODE", "SYS", "LOOPBACK")
-                  if c in prof.links), None)
-    s_per_byte = attn_s_per_byte or (1.0 / prof.memory_bandwidth if prof.memory_bandwidth else None)
-    if s_per_byte is None:
-        raise ValueError(f"profile {prof.name} has no memory_bandwidth_gbps: cannot price local attention")
-    esize = DTYPES[spec.dtype].itemsize
-    B, H, Hk, d, L = spec.batch, spec.heads, spec.kv_heads, spec.head_dim, spec.layers
-    out = []
-    for p in gpus:
-        links = [["X" if i == j else (intra if i // per_node == j // per_node else "NET")
-                  for j in range(p)] for i in range(p)]
-        topo = Topology([GPU(i) for i in range(p)], links, [[0] * p for _ in range(p)],
-                        [[True] * p for _ in range(p)], "simulated")
-        lay = Lo.choose_layout(topo, prof, batch=B, heads=H, head_dim=d, layers=1)
-        ring_link = prof.link("NET" if p > per_node else intra)
-        for N in spec.seq_lens:
-            shard = 2 * B * Hk * (N / p) * d * esize
-            t_attn = shard * s_per_byte
-            tree = L * (t_attn + lay.per_layer_s)
-            xfer = ring_link.alpha_s + shard * ring_link.beta_s
-            ring = L * (t_attn + (p - 1) * max(t_attn, xfer))
-            base = {"nproc": p, "seq_len": N, "batch": B, "heads": H, "kv_heads": Hk, "head_dim": d,
-                    "dtype": spec.dtype, "layers": L, "simulated": True, "profile": prof.name,
-                    "device": f"simulated {prof.name}", "peak_mem_bytes": int(shard)}
-            out.append({**base, "method": "tree", "scheme": lay.scheme, "step_ms_median": tree * 1e3,
-                        "bytes_per_step": L * sum(Lo.message_bytes(B, H, d).values()),
-                        "collectives_per_step": L * 2, "groups": len(lay.groups)})
-            out.append({**base, "method": "ring", "scheme": "ring", "step_ms_median": ring * 1e3,
-                        "bytes_per_step": int(L * (p - 1) * shard), "collectives_per_step": L * (p - 1)})
-    return out
-
-
 # ---------------------------------------------------------------- the command
 
 @dataclass
@@ -239,6 +191,10 @@ class BenchOptions:
     model: str | None = None
     new_tokens: int = 16
     layout: str | None = None
+    tp: str = "1"  # model mode: ranks per tensor-parallel group; --simulate: a comma list to compare
+    model_shape: str | None = None  # --simulate: a known model's shape (projection.MODEL_SHAPES)
+    prefill: bool = False  # causal prefill attention per sharding (prefill_bench.py) instead of decode
+    mfu: float = 0.5  # --simulate --prefill: the fraction of peak FLOP/s compute runs at
 
 
 def parse_ints(flag: str, text: str) -> list[int]:
@@ -297,12 +253,28 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
     """Run the sweep (or the projection, kernel or model mode); returns the records."""
     from .runner import plan_devices
 
+    if o.simulate and o.prefill:
+        from .projection import simulate_prefill
+
+        if not 0 < o.mfu <= 1:
+            raise ValueError(f"--mfu must be in (0, 1], got {o.mfu}")
+        return simulate_prefill(o.simulate, parse_ints("--gpus", o.gpus), parse_ints("--seq-len", o.seq_len),
+                                o.model_shape or "llama-3.1-405b", tp=parse_ints("--tp", o.tp)[0], mfu=o.mfu,
+                                dtype=o.dtype if o.dtype != "auto" else "bfloat16")
+    if o.prefill:
+        return prefill_mode(o, on_progress)
     if o.simulate:
+        from .projection import simulate, simulate_mesh
+
         spec = BenchSpec(seq_lens=parse_ints("--seq-len", o.seq_len), batch=o.batch, heads=o.heads,
                          kv_heads=o.kv_heads, head_dim=o.head_dim,
                          dtype=o.dtype if o.dtype != "auto" else "bfloat16", layers=o.layers)
         if o.heads % o.kv_heads:
             raise ValueError(f"--heads ({o.heads}) must be a multiple of --kv-heads ({o.kv_heads})")
+        if o.tp != "1" or o.model_shape:
+            return simulate_mesh(o.simulate, parse_ints("--gpus", o.gpus), spec.seq_lens,
+                                 parse_ints("--tp", o.tp), o.model_shape or "llama-3.1-8b", batch=o.batch,
+                                 dtype=spec.dtype)
         return simulate(o.simulate, parse_ints("--gpus", o.gpus), spec)
     counts = parse_ints("--nproc", o.nproc) if o.nproc else [None]
     kind, backend, n, devices = plan_devices(o.device, o.backend, counts[0])
@@ -314,7 +286,7 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
                             head_dim=spec.head_dim, dtype=spec.dtype, device=devices[0],
                             iters=spec.iters, warmup=spec.warmup)
     if o.model is not None:
-        return model_mode(o, n)
+        return model_mode(o, n, parse_ints("--tp", o.tp)[0])
     from .launch import run_local
 
     records = []
@@ -332,8 +304,37 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
     return records
 
 
-def model_mode(o: BenchOptions, n: int) -> list[dict]:
-    """Decode ms/token of ``generate`` for each method on a real model."""
+def prefill_mode(o: BenchOptions, on_progress=None) -> list[dict]:
+    """``--prefill``: the attention part of prefill per sharding, on ranks (prefill_bench.py)."""
+    from .launch import run_local
+    from .prefill_bench import METHODS as PREFILL_METHODS
+    from .prefill_bench import prefill_rank
+    from .runner import plan_devices
+
+    methods = list(PREFILL_METHODS) if o.methods == BenchOptions.methods else \
+        [m.strip() for m in o.methods.split(",") if m.strip()]
+    if not methods or any(m not in PREFILL_METHODS for m in methods):
+        raise ValueError(f"--prefill --methods takes a comma list of {', '.join(PREFILL_METHODS)}, got {o.methods!r}")
+    records = []
+    counts = parse_ints("--nproc", o.nproc) if o.nproc else [None]
+    for i, count in enumerate(counts):
+        kind, backend, n, devices = plan_devices(o.device, o.backend, count)
+        spec = make_spec(BenchOptions(**{**vars(o), "methods": "tree", "scheme": "allreduce"}), kind, n)
+        spec.methods = methods
+        total = len(counts) * len(methods) * len(spec.seq_lens)
+
+        def ev(rank, what, val, base=i * len(methods) * len(spec.seq_lens)):
+            if what == "case" and on_progress is not None:
+                on_progress(base + val[0], total)
+
+        records += run_local(prefill_rank, n, spec, backend=backend, devices=devices, timeout_s=o.timeout,
+                             on_event=ev)[0]
+    return records
+
+
+def model_mode(o: BenchOptions, n: int, tp: int = 1) -> list[dict]:
+    """Decode ms/token of ``generate`` for each method on a real model (``tp``: ranks per
+    tensor-parallel group of the tree method)."""
     from . import model as M
     from .model_bench import prompt_ids, time_treeattn
 
@@ -349,7 +350,7 @@ def model_mode(o: BenchOptions, n: int) -> list[dict]:
             elif m == "ring":
                 r = time_treeattn(model_dir, ids, o.new_tokens, n, decode_method="ring")
             else:
-                r = time_treeattn(model_dir, ids, o.new_tokens, n,
+                r = time_treeattn(model_dir, ids, o.new_tokens, n, tp=tp,
                                   scheme="allreduce" if o.scheme in ("auto", "all") else o.scheme)
             r.pop("token_ids", None)
             out.append({**r, "method": m, "seq_len": N, "model": str(model_dir), "simulated": False,

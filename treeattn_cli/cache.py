@@ -7,6 +7,9 @@ sequence the global positions of its tokens ``pos [B, capacity + 1]`` and their 
 layers. Capacity grows geometrically (an append is O(1) amortised) and can be reserved up front
 so a decode step never reallocates.
 
+Capacity is a function of every rank's token counts (known to all ranks), never of this rank's
+alone, so all ranks grow on the same step.
+
 Placement of decode tokens is deterministic and needs no communication: every rank keeps the
 token counts of all ranks, ``counts [B, world]`` (host), and a new token of sequence b goes to
 the rank holding the fewest tokens of b (ties: the lowest rank), so shard sizes never differ by
@@ -114,7 +117,10 @@ class ShardedKVCache:
         """Start a decode step whose new tokens have global ``positions [B]``; returns
         ``store [B] bool`` (host), whether this rank keeps each sequence's new token."""
         store = self.place() == self.rank  # host
-        self.reserve(self.max_len + 1)
+        # Grow by the largest shard of any rank (every rank holds the same counts): capacities
+        # then change on the same step everywhere, so a static decode step's CUDA graph is
+        # recaptured together (a capture runs the step's collectives) and shapes stay equal.
+        self.reserve(int(self.counts.max()))
         self._view_len = self.max_len + int(store.any())
         st = store.to(torch.int64)
         self._store.copy_(st, non_blocking=True)
@@ -144,6 +150,32 @@ class ShardedKVCache:
         """Advance lengths after the last layer of the step."""
         self.length += self._store
         self.host_length += self._store_host.to(torch.int64)
+
+    # -- marks, and whole shards (saved caches) ---------------------------------------
+    def mark(self):
+        """A point to come back to: the lengths and counts now (host and device copies)."""
+        return self.length.clone(), self.host_length.clone(), self.counts.clone()
+
+    def rollback(self, mark) -> None:
+        """Forget every token added since ``mark`` (nothing is copied: lengths move back and
+        later tokens overwrite the slots). Every rank rolls back together."""
+        length, host_length, counts = mark
+        self.length.copy_(length)  # in place: a captured decode step reads this storage
+        self.host_length.copy_(host_length)
+        self.counts = counts.clone()
+
+    def fill(self, keys: list, values: list, positions, counts) -> None:
+        """Replace this rank's shard: ``keys[l], values[l] [B, H_kv, n, d]`` with global
+        ``positions [n]`` (a loaded cache), and every rank's token counts ``[world]``."""
+        n = int(positions.shape[-1])
+        self.reserve(max(max(counts), n))  # like prefill: by the largest shard of any rank
+        for layer in range(self.num_layers):
+            self.k[layer][:, :, :n] = keys[layer].to(self.dtype)
+            self.v[layer][:, :, :n] = values[layer].to(self.dtype)
+        self.pos[:, :n] = torch.as_tensor(positions, device=self.device).expand(self.batch, n)
+        self.length.fill_(n)
+        self.host_length.fill_(n)
+        self.set_counts(counts)
 
     def view(self, layer: int):
         """``(k, v [B, H_kv, L, d], kv_len [B], pos [B, L])`` of this rank without a new token."""

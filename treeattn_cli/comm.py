@@ -48,8 +48,12 @@ class Stats:
     collectives: int = 0
     bytes_sent: int = 0
     peak_mem_bytes: int = 0
+    flops: int = 0  # attention FLOPs this rank computed (prefill.py counts them)
     by_op: dict = field(default_factory=dict)
     _live: int = 0
+
+    def add_flops(self, n: int) -> None:
+        self.flops += n
 
     def count(self, op: str, nbytes: int) -> None:
         self.collectives += 1
@@ -62,24 +66,23 @@ class Stats:
         self.peak_mem_bytes = max(self.peak_mem_bytes, self._live)
 
     def reset(self) -> None:
-        self.collectives = self.bytes_sent = self.peak_mem_bytes = self._live = 0
+        self.collectives = self.bytes_sent = self.peak_mem_bytes = self._live = self.flops = 0
         self.by_op = {}
 
     def snapshot(self) -> dict:
         return {"collectives": self.collectives, "bytes_sent": self.bytes_sent,
-                "peak_mem_bytes": self.peak_mem_bytes, "by_op": dict(self.by_op)}
+                "peak_mem_bytes": self.peak_mem_bytes, "flops": self.flops, "by_op": dict(self.by_op)}
 
 
 # ---------------------------------------------------------------- process group and failures
-
-_listeners: dict = {}  # store port -> the socket its server listens on
-
 
 def make_store(port: int, world: int, *, host: str = "127.0.0.1", is_master: bool,
                timeout_s: float):
     """The rendezvous key-value store. The master (the launcher) listens on ``host`` only, on
     ``port`` (0: a free port the OS picks; read it back from ``.port``). TCPStore's own server
-    binds every interface, so the master's socket is bound here and handed over."""
+    binds every interface, so the master's socket is bound here and handed over: the store's
+    server owns the descriptor from then on and closes it when the store is destroyed (closing
+    it here as well would close whatever later reuses the number, e.g. the next run's store)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if not is_master:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
@@ -95,15 +98,8 @@ def make_store(port: int, world: int, *, host: str = "127.0.0.1", is_master: boo
     except Exception:
         sock.close()
         raise
-    _listeners[store.port] = sock
+    sock.detach()
     return store
-
-
-def close_store(store) -> None:
-    """Release the master's listening socket (after every rank has gone)."""
-    sock = _listeners.pop(getattr(store, "port", None), None)
-    if sock is not None:
-        sock.close()
 
 
 _state = {"store": None, "rank": 0, "world": 1, "timeout_s": 300.0, "hb": None}
@@ -245,10 +241,14 @@ class Comm:
         self.inner_scheme, self.outer_scheme = inner_scheme, outer_scheme
         if _single:
             self.rank, self.world, self._ranks = 0, 1, [0]
+            self.device = torch.device("cpu")
         else:
             self.rank = dist.get_rank(group)
             self.world = dist.get_world_size(group)
             self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+            # where this group's collectives take their tensors (NCCL: only the GPU's)
+            nccl = dist.get_backend(group) == "nccl"
+            self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     @classmethod
     def single(cls, scheme="allreduce", stats=None) -> "Comm":
@@ -276,6 +276,19 @@ class Comm:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         _guarded("all_gather", gather, out, t.contiguous().view(-1), group=self.group)
         return out.view(self.world, *t.shape)
+
+    def all_gather_values(self, values) -> torch.Tensor:
+        """Every rank's list of host numbers: ``[world, len(values)]`` float64 on the host. The
+        numbers travel in a tensor on this group's device (NCCL takes no CPU tensors)."""
+        t = torch.tensor([float(x) for x in values], dtype=torch.float64, device=self.device)
+        return self.all_gather(t).cpu()
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on every rank (a decision all ranks must take together)."""
+        if self.world == 1:
+            return bool(flag)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        return bool(self.all_reduce(t, "min")[0])
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In place from group rank ``src``."""
@@ -404,7 +417,11 @@ class Comm:
 
 
 def _fused() -> bool:
-    """The Triton merge kernels can run (checked once)."""
+    """The Triton merge kernels can run (checked once) and are trusted (``use_reference``)."""
+    from treeattn_kernels import reference_only
+
+    if reference_only():
+        return False
     if "fused" not in _state:
         try:
             from treeattn_kernels import merge_triton  # noqa: F401
@@ -438,34 +455,124 @@ def subgroup(ranks: list[int], scheme: str = "allreduce", stats: Stats | None = 
 
 def make_comm(scheme: str = "allreduce", groups: list[list[int]] | None = None,
               inner_scheme: str = "allreduce", outer_scheme: str = "tree",
-              stats: Stats | None = None, timeout_s: float | None = None) -> Comm:
-    """The communicator of a plan on the default group (call on every rank, same arguments).
+              stats: Stats | None = None, timeout_s: float | None = None,
+              parts: list[list[int]] | None = None) -> Comm:
+    """The communicator of a plan (call on every rank, same arguments).
 
-    ``groups`` (hierarchical only): a partition of the ranks, e.g. ``[[0, 1], [2, 3]]``; the
-    first rank of each group is its leader.
+    ``parts``: disjoint lists of global ranks covering the world, each its own communicator
+    (the cp groups of a (cp × tp) mesh, ``mesh.Mesh.cp_parts``); a rank gets the one it is in.
+    Default: one part, the whole default group.
+    ``groups`` (hierarchical only): a partition of a part's ranks by their index in the part,
+    e.g. ``[[0, 1], [2, 3]]``; the first of each group is its leader.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return Comm.single(scheme if scheme != "hierarchical" else "allreduce", stats)
     stats = stats or Stats()
-    if scheme != "hierarchical":
-        return Comm(None, scheme, stats)
     world, me = dist.get_world_size(), dist.get_rank()
-    groups = [list(g) for g in (groups or [list(range(world))])]
-    flat = sorted(r for g in groups for r in g)
-    if flat != list(range(world)) or any(not g for g in groups):
-        raise ValueError(f"hierarchical groups {groups} must partition ranks 0..{world - 1}")
+    parts = [list(p) for p in (parts or [list(range(world))])]
+    if sorted(r for p in parts for r in p) != list(range(world)):
+        raise ValueError(f"parts {parts} must partition ranks 0..{world - 1}")
+    whole = parts == [list(range(world))]
+    if scheme != "hierarchical" and whole:
+        return Comm(None, scheme, stats)
+    timeout = datetime.timedelta(seconds=timeout_s or _state["timeout_s"])
+
+    def new_group(ranks):  # every rank creates every group, in the same order
+        return None if ranks == list(range(world)) else dist.new_group(ranks, timeout=timeout)
+
+    own = None
+    for part in parts:
+        pg = new_group(part)
+        if me in part:
+            own = pg
+    if scheme != "hierarchical":
+        return Comm(own, scheme, stats)
+    size = len(next(p for p in parts if me in p))
+    groups = [list(g) for g in (groups or [list(range(size))])]
+    if sorted(i for g in groups for i in g) != list(range(size)) or any(not g for g in groups):
+        raise ValueError(f"hierarchical groups {groups} must partition ranks 0..{size - 1}")
     for s in (inner_scheme, outer_scheme):
         if s not in FLAT_SCHEMES:
             raise ValueError(f"inner/outer scheme must be one of {', '.join(FLAT_SCHEMES)}, not {s!r}")
-    timeout = datetime.timedelta(seconds=timeout_s or _state["timeout_s"])
     inner = leaders = None
-    for g in groups:  # every rank creates every group, in the same order
-        pg = dist.new_group(g, timeout=timeout)
-        if me in g:
-            inner = Comm(pg, inner_scheme, stats)
-    lead = [g[0] for g in groups]
-    pg = dist.new_group(lead, timeout=timeout)
-    if me in lead:
-        leaders = Comm(pg, outer_scheme, stats)
-    return Comm(None, "hierarchical", stats, inner=inner, leaders=leaders,
+    for part in parts:
+        for g in groups:
+            ranks = [part[i] for i in g]
+            pg = new_group(ranks)
+            if me in ranks:
+                inner = Comm(pg, inner_scheme, stats)
+        lead = [part[g[0]] for g in groups]
+        pg = new_group(lead)
+        if me in lead:
+            leaders = Comm(pg, outer_scheme, stats)
+    return Comm(own, "hierarchical", stats, inner=inner, leaders=leaders,
                 inner_scheme=inner_scheme, outer_scheme=outer_scheme)
+
+
+def node_of_this_rank() -> str:
+    """This rank's node: torchrun's node rank where there is one (two agents on one machine
+    are two nodes), else the host name."""
+    import os
+    import socket
+
+    host = socket.gethostname()
+    group = os.environ.get("GROUP_RANK")
+    return f"{host}/{group}" if group is not None else host
+
+
+def nodes_of_all_ranks() -> list[str]:
+    """Every rank's node, exchanged once (``[node of rank 0, node of rank 1, ...]``)."""
+    me = node_of_this_rank()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [me]
+    out = [None] * dist.get_world_size()
+    _guarded("all_gather_object", dist.all_gather_object, out, me)
+    return out
+
+
+def tp_device_mesh(device_type: str, cp: int, tp: int):
+    """The tensor-parallel sub-mesh of this rank in the (cp × tp) grid, with the dimension names
+    transformers' loader expects (pp, dp_replicate, fsdp, tp), each tp group ``T`` contiguous
+    ranks (see mesh.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    grid = init_device_mesh(device_type, (cp, 1, 1, 1, tp),
+                            mesh_dim_names=("cp", "pp", "dp_replicate", "fsdp", "tp"))
+    return grid[("pp", "dp_replicate", "fsdp", "tp")]
+
+
+# ---------------------------------------------------------------- requests to a running engine
+
+def post_request(store, seq: int, payload: dict) -> None:
+    """The launcher's ``seq``-th request to the ranks of a persistent engine (JSON, through the
+    rendezvous store it hosts: ranks idle between requests without sitting in a collective
+    whose timeout would expire while a person types)."""
+    import json
+
+    store.set(f"{_KEY}/req/{seq}", json.dumps(payload))
+
+
+def post_interrupt(store, seq: int) -> None:
+    """Ask the engine to stop answering request ``seq`` (Ctrl-C in ``chat``)."""
+    store.set(f"{_KEY}/int/{seq}", "1")
+
+
+def next_request(seq: int, poll_s: float = 0.02) -> dict:
+    """Wait (as long as it takes) for the launcher's ``seq``-th request; every rank reads the
+    same requests in the same order, so all stay in lock step."""
+    import json
+
+    store = _state["store"]
+    key = f"{_KEY}/req/{seq}"
+    try:
+        while not store.check([key]):  # a non-blocking look: no timeout, no log line per poll
+            time.sleep(poll_s)
+        return json.loads(store.get(key))
+    except Exception as e:  # the store is gone: the launcher died
+        raise RankFailure(f"the launcher is gone: {str(e).splitlines()[0][:120]}") from e
+
+
+def interrupted(seq: int) -> bool:
+    """Whether the launcher asked to stop request ``seq`` (rank 0 checks once per token)."""
+    store = _state["store"]
+    return store is not None and store.check([f"{_KEY}/int/{seq}"])

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import AttentionContext
-from .ring import chunk_bounds
 
-STOP_CODES = {0: None, 1: "eos", 2: "stop", 3: "length"}
+STOP_CODES = {0: None, 1: "eos", 2: "stop", 3: "length", 4: "interrupted"}
 STOP_IDS = {v: k for k, v in STOP_CODES.items()}
 
 
@@ -72,11 +71,13 @@ def segments(n: int, p: int, piece: int | None) -> list[tuple[int, int]]:
 class Decoder:
     """One rank's model, cache and communicator, driven through prefill and decode."""
 
-    def __init__(self, model, actx: AttentionContext, *, vocab_size: int, cuda_graph: bool = False):
+    def __init__(self, model, actx: AttentionContext, *, vocab_size: int, cuda_graph: bool = False,
+                 world=None, sharding: str = "balanced"):
         self.model = model
         self.base = getattr(model, model.base_model_prefix)  # the decoder without the LM head
         self.actx = actx
-        self.comm = actx.comm
+        self.comm = actx.comm  # the sequence shards (a cp group of the mesh)
+        self.world = world or actx.comm  # every rank: rank 0's sampled token goes to all
         self.cache = actx.cache
         self.vocab = vocab_size
         self.device = actx.cache.device
@@ -86,6 +87,12 @@ class Decoder:
         self._graph_cap = None
         self._tok = self._pos = self._graph_out = None
         self.graph_note = None
+        self.sharding = sharding  # of prefill segments: "balanced" or "contiguous" (prefill.py)
+        self.segments: list[dict] = []  # what each prefill segment did (Decoder.prefill)
+        cfg = getattr(model.config, "text_config", None) or model.config
+        group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.q_heads = self.cache.kv_heads * group  # query heads this rank attends with
+        self.window = getattr(cfg, "sliding_window", None)
 
     def _forward(self, ids, positions, want_logits: bool):
         kw = dict(input_ids=ids, position_ids=positions, use_cache=False, treeattn_ctx=self.actx)
@@ -94,36 +101,66 @@ class Decoder:
         self.base(**kw)
         return None
 
+    @property
+    def total(self) -> int:
+        """Tokens in the cache over all ranks (host bookkeeping, the same on every rank)."""
+        return int(self.cache.counts[0].sum())
+
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, piece: int | None = None, on_progress=None):
-        """Run the prompt ``ids [B, n]``; returns the last position's logits ``[B, V]`` on rank 0
-        (None elsewhere). ``on_progress(tokens_done, n)`` is called per layer on rank 0."""
+        """Append ``ids [B, n]`` to the cache (global positions after the tokens it holds: the
+        whole prompt, or a question after a cached document); returns the last position's
+        logits ``[B, V]`` on rank 0 (None elsewhere). ``on_progress(tokens_done, n)`` is called
+        per layer on rank 0. Each segment is sharded as ``self.sharding`` says (prefill.py);
+        with tokens already cached, its queries or the cache travel, whichever moves fewer
+        bytes. ``self.segments`` records, per segment: tokens, cached tokens, the method, and
+        this rank's attention FLOPs and bytes sent."""
+        from .prefill import plan, positions, shard, size
+
         B, n = ids.shape
         p, r = self.comm.world, self.comm.rank
-        counts = [0] * p
+        start = self.total
+        counts = self.cache.counts[0].tolist()
         last_owner = 0
         logits = None
         L = self.cache.num_layers
+        stats = self.comm.stats
         for s0, s1 in segments(n, p, piece):
-            b = [s0 + x for x in chunk_bounds(s1 - s0, p)]
+            pieces = shard(start + s0, s1 - s0, p, balanced=self.sharding == "balanced")
+            lens = [size(pc) for pc in pieces]
+            cache_lens = list(counts)
+            method, _ = plan(s1 - s0, sum(cache_lens), p=p, heads=self.q_heads, kv_heads=self.cache.kv_heads,
+                             head_dim=self.cache.head_dim, esize=self.cache.k[0].element_size()
+                             if self.cache.k else 4, window=self.window)
             for i in range(p):
-                counts[i] += b[i + 1] - b[i]
-            owner = max(i for i in range(p) if b[i + 1] > b[i])  # holds the segment's last token
+                counts[i] += lens[i]
+            self.cache.reserve(max(counts))  # the same on every rank (see cache.py)
+            last = start + s1 - 1
+            owner = next(i for i in range(p) if any(a <= last < b for a, b in pieces[i]))
             last_owner = owner
-            self.actx.phase, self.actx.bounds = "prefill", b
+            self.actx.phase, self.actx.pieces, self.actx.cache_lens = "prefill", pieces, cache_lens
+            self.actx.method = method
             if on_progress is not None:
                 seg = s1 - s0
                 self.actx.on_layer = lambda layer, s0=s0, seg=seg: on_progress(s0 + seg * (layer + 1) // L, n)
-            if b[r + 1] == b[r]:
-                continue  # no tokens here (prompt shorter than p): nothing to attend or send
-            pos = torch.arange(b[r], b[r + 1], device=self.device)[None].expand(B, -1)
-            out = self._forward(ids[:, b[r]:b[r + 1]].to(self.device), pos, want_logits=(s1 == n and r == owner))
-            if out is not None:
-                logits = out
+            was, stats.enabled = stats.enabled, True
+            stats.reset()
+            if lens[r]:  # a prompt shorter than p leaves a rank without tokens: nothing to attend
+                pos = positions(pieces[r], self.device)
+                self.actx.positions = pos
+                mine = torch.cat([ids[:, a - start:b - start] for a, b in pieces[r] if b > a], dim=1)
+                out = self._forward(mine.to(self.device), pos[None].expand(B, -1),
+                                    want_logits=(s1 == n and r == owner))
+                if out is not None:
+                    logits = out
+            self.segments.append({"tokens": s1 - s0, "cached": sum(cache_lens), "method": method,
+                                  "sharding": self.sharding, "flops": stats.flops, "bytes": stats.bytes_sent})
+            stats.reset()
+            stats.enabled = was
         self.actx.on_layer = None
         self.actx.phase = "decode"
         self.cache.set_counts(counts)
-        if p > 1:
+        if p > 1 and last_owner != 0:  # rank 0 samples: it needs the last token's logits
             buf = logits if r == last_owner else torch.empty(B, self.vocab, device=self.device)
             logits = self.comm.broadcast(buf.contiguous(), src=last_owner)
         return logits if r == 0 else None
@@ -151,8 +188,11 @@ class Decoder:
 
         Capture runs the step once for warm-up on a side stream (every rank does, so their
         collectives match; the step's writes are idempotent: same slot, same values), records
-        it, then replays it. A capture failure falls back to the eager step with a note."""
+        it, then replays it. Every rank captures on the same step (capacities grow together,
+        see cache.py), and they agree on the outcome: if any rank's capture fails, every rank
+        decodes eagerly from then on, with a note (graph and eager steps must not mix)."""
         if self.graph is None or self._graph_cap != self.cache.capacity:
+            err = None
             try:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
@@ -162,26 +202,31 @@ class Decoder:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._graph_out = self._forward(self._tok, self._pos, want_logits=want)
-                self.graph, self._graph_cap = g, self.cache.capacity
             except Exception as e:  # noqa: BLE001 - any capture problem: stay eager, say why
+                err = f"{type(e).__name__}: {e}"
+            if not self.comm.all_true(err is None):
                 self.use_graph, self.graph = False, None
-                self.graph_note = f"CUDA graph capture failed, decoding eagerly: {type(e).__name__}: {e}"[:300]
+                where = err or "on another rank"
+                self.graph_note = f"CUDA graph capture failed, decoding eagerly: {where}"[:300]
                 return self._forward(self._tok, self._pos, want_logits=want)
+            self.graph, self._graph_cap = g, self.cache.capacity
         self.graph.replay()
         return self._graph_out
 
-    def generate(self, ids: torch.Tensor, *, max_new_tokens: int, sampling: Sampling,
-                 stop_check=None, piece: int | None = None, on_progress=None, timings=None):
-        """Yield ``(token_id, stop_reason)`` pairs (batch 1); the last pair's reason is not None.
+    def decode(self, logits, *, max_new_tokens: int, sampling: Sampling, stop_check=None,
+               interrupted=None, timings=None):
+        """Yield ``(token_id, stop_reason)`` pairs (batch 1) from the logits of the last token in
+        the cache; the last pair's reason is not None. The last token is sampled but not fed
+        to the model (the cache holds everything before it).
 
-        ``stop_check(ids_so_far) -> reason | None`` runs on rank 0 only (EOS, stop strings).
+        On rank 0 only: ``stop_check(ids_so_far) -> reason | None`` (EOS, stop strings) and
+        ``interrupted() -> bool`` (Ctrl-C in chat: reason ``"interrupted"``); rank 0's decision
+        travels with the token, so every rank stops on the same step.
         """
         t = timings or Timings()
-        r = self.comm.rank
+        r = self.world.rank
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if r == 0 else None
-        logits = self.prefill(ids, piece, on_progress)
-        t.prefill_s = time.perf_counter() - t.start
-        n = ids.shape[1]
+        n = self.total
         out: list[int] = []
         msg = torch.zeros(2, dtype=torch.int64, device=self.device)
         t_first = None
@@ -190,10 +235,12 @@ class Decoder:
                 tok = int(sample(logits, sampling, gen)[0])
                 out.append(tok)
                 reason = stop_check(out) if stop_check else None
+                if reason is None and interrupted is not None and interrupted():
+                    reason = "interrupted"
                 if reason is None and len(out) == max_new_tokens:
                     reason = "length"
                 msg[0], msg[1] = tok, STOP_IDS[reason]
-            self.comm.broadcast(msg, src=0)
+            self.world.broadcast(msg, src=0)
             tok, reason = int(msg[0]), STOP_CODES[int(msg[1])]
             if t_first is None:
                 t_first = time.perf_counter()
@@ -203,3 +250,14 @@ class Decoder:
                 break
             logits = self.step(torch.tensor([tok]), n + i)
         t.decode_s = time.perf_counter() - (t_first or time.perf_counter())
+
+    def generate(self, ids: torch.Tensor, *, max_new_tokens: int, sampling: Sampling,
+                 stop_check=None, piece: int | None = None, on_progress=None, timings=None):
+        """Prefill ``ids`` (after whatever the cache holds), then :meth:`decode`."""
+        t = timings or Timings()
+        logits = self.prefill(ids, piece, on_progress)
+        if self.device.type == "cuda":  # one rank has no broadcast to wait for the prefill
+            torch.cuda.synchronize(self.device)
+        t.prefill_s = time.perf_counter() - t.start
+        yield from self.decode(logits, max_new_tokens=max_new_tokens, sampling=sampling,
+                               stop_check=stop_check, timings=t)

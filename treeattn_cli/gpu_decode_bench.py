@@ -32,6 +32,34 @@ def _model(attn):
     return m.eval()
 
 
+GiB = 1 << 30
+MARGIN = 2 * GiB  # activations, logits, split partials, allocator slack
+
+
+def cache_bytes(cfg, tokens: int, esize: int = 2) -> int:
+    """Bytes of a K and V cache of ``tokens`` positions for every layer of ``cfg``."""
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * tokens * esize
+
+
+def fits(need: int, free: int) -> bool:
+    """Whether ``need`` bytes (plus a working margin) fit in ``free`` bytes of device memory."""
+    return need + MARGIN <= free
+
+
+def _guarded(fn, need):
+    """``fn()``, or why not: a context that does not fit is skipped, an OOM is a result."""
+    free = torch.cuda.mem_get_info()[0]
+    if not fits(need, free):
+        return f"skipped: needs {need / GiB:.1f} GiB + {MARGIN / GiB:.0f} GiB, {free / GiB:.1f} GiB free"
+    try:
+        return fn()
+    except torch.OutOfMemoryError as e:
+        return f"OutOfMemoryError: {str(e)[:80]}"
+    finally:
+        torch.cuda.empty_cache()
+
+
 def _time(fn, n):
     torch.cuda.synchronize()
     ts = []
@@ -117,19 +145,19 @@ def main(argv=None):
     rows = []
     for N in [int(x) for x in a.contexts.split(",")]:
         row = {"context": N, "floor_ms": floor_ms(model, N, bw), "device": torch.cuda.get_device_name()}
-        row["treeattn_ms"], row["cuda_graph"], row["note"] = ours(model, N, a.steps)
-        torch.cuda.empty_cache()
+        need = cache_bytes(model.config, N + a.steps + 9)
+        res = _guarded(lambda: ours(model, N, a.steps), need)  # 512K at 8B's shape: 64 GiB of KV
+        if isinstance(res, str):
+            row["treeattn_ms"] = res
+        else:
+            row["treeattn_ms"], row["cuda_graph"], row["note"] = res
+            row["fraction_of_floor"] = row["floor_ms"] / row["treeattn_ms"]
         model.set_attn_implementation("sdpa")
         for name, compiled in (("transformers_ms", False), ("compiled_static_ms", True)):
             if compiled and a.skip_compiled:
                 continue
-            try:
-                row[name] = hf_step(model, N, a.steps, compiled)
-            except Exception as e:  # OOM at long contexts is a result too
-                row[name] = f"{type(e).__name__}: {str(e)[:80]}"
-            torch.cuda.empty_cache()
+            row[name] = _guarded(lambda: hf_step(model, N, a.steps, compiled), need)
         model.set_attn_implementation("treeattn")
-        row["fraction_of_floor"] = row["floor_ms"] / row["treeattn_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     if a.ttft:

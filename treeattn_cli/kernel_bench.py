@@ -113,16 +113,20 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
 def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", device=None,
          iters=20, warmup=5, copy_bw=None):
     """Sweep the Triton kernel's launch parameters per N: block size, warps, stages and split
-    count (×½, ×1, ×2 the automatic choice). Each record carries the compiler's resource report
-    (registers, spills, shared memory) of the configuration, and ``best`` marks the fastest."""
+    count (×½, ×1, ×2 the automatic choice). Each record carries the resource report of the
+    configuration's binary (registers, spill bytes, shared memory: the same reader as the
+    offline compile of CI, ``offline_compile.resources``), and ``best`` marks the fastest."""
     import itertools
 
     from treeattn_kernels import partial_triton as pt
+    from treeattn_kernels.offline_compile import resources
+    from treeattn_kernels.targets import target_of
 
     device = torch.device(device or "cuda")
     dt = DTYPES[dtype]
     copy_bw = copy_bw or copy_bandwidth(device)
-    sms = pt._num_sms(device)
+    target = target_of(device)
+    sms = target.n_sms
     out = []
     for N in seq_lens:
         q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
@@ -137,11 +141,11 @@ def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat
                 recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
                              "splits": splits, "error": f"{type(e).__name__}"})
                 continue
-            ck = pt.LAST_LAUNCH.get("split")
+            use = resources(pt.LAST_LAUNCH["split"], target)
             recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
                          "splits": splits, "time_us": med * 1e6, "frac_copy_bw": kv_bytes / med / copy_bw,
-                         "n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None),
-                         "shared_bytes": getattr(getattr(ck, "metadata", None), "shared", None)})
+                         "regs": use["regs"], "spill_bytes": use["spill_bytes"],
+                         "shared_bytes": use["shared_bytes"]})
         ok = [r for r in recs if "time_us" in r]
         if ok:
             min(ok, key=lambda r: r["time_us"])["best"] = True

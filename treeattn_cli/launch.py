@@ -53,12 +53,47 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results):
+class Stopped(LaunchError):
+    """The caller stopped the ranks (``run_local``'s ``abort``)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """The launcher received SIGTERM (Slurm, Kubernetes, systemd, ``timeout``): handled like
+    Ctrl-C, with its own exit status (143)."""
+
+
+def die_with_parent(sig: int) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; elsewhere a
+    no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results, launcher):
     import torch
 
-    # Ctrl-C goes to the whole terminal process group: the launcher alone handles it and stops
-    # the ranks. Local ranks talk over loopback only.
+    # Ctrl-C and SIGTERM go to the whole process group (terminal, `timeout`, Slurm): the launcher
+    # alone handles them and stops the ranks. A rank dies with its fork server, which dies with
+    # the launcher (forkserver_init.py): a launcher killed outright leaves no orphan holding a
+    # GPU. Local ranks talk over loopback only.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+    if not alive(launcher):  # it died before the line above took effect
+        os._exit(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world)) if device == "cpu" else None
@@ -86,16 +121,30 @@ def _mp_context():
     is kept for later launches from the same process). CUDA is never initialised before the
     fork: the server only imports."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "treeattn_cli.runner"])
+    ctx.set_forkserver_preload(["treeattn_cli.forkserver_init", "torch", "transformers",
+                                "treeattn_cli.runner"])
     return ctx
 
 
+def warm_forkserver() -> None:
+    """Start the ranks' fork server from this thread (call from the main thread before running
+    ranks from another one: the server dies with the thread that started it)."""
+    from multiprocessing import forkserver
+
+    _mp_context()
+    forkserver.ensure_running()
+
+
 def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeout_s: float = 300.0,
-              grace_s: float = 5.0, on_event=None):
+              grace_s: float = 5.0, on_event=None, on_start=None, abort=None):
     """Run ``fn(ctx, *args)`` on ``nproc`` fresh local ranks; returns the per-rank results.
 
     ``devices``: one device string per rank (default all "cpu"). ``on_event(rank, kind,
     payload)`` receives what ranks ``ctx.send``, in the launching process, as it comes.
+    ``on_start(store)``: called once the ranks run, with the rendezvous store this process
+    hosts (``chat`` posts its requests there). ``abort``: a ``threading.Event``; when set, the
+    ranks are stopped at once and :class:`Stopped` is raised (for a caller that runs this in a
+    thread while its main thread owns the terminal and the signals).
     Raises :class:`LaunchError` naming the first rank that failed (its own error, not the
     others' reaction to it).
     """
@@ -106,16 +155,22 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
     ctx = _mp_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, name=f"treeattn-rank{r}", daemon=True,
-                         args=(fn, r, nproc, store.port, backend, devices[r], timeout_s, args, results))
+                         args=(fn, r, nproc, store.port, backend, devices[r], timeout_s, args, results,
+                               os.getpid()))
              for r in range(nproc)]
     for p in procs:
         p.start()
+    if on_start is not None:
+        on_start(store)
     got: dict[int, tuple] = {}
     first_error = None
     dead_since = None
     interrupted = False
     try:
         while len(got) < nproc:
+            if abort is not None and abort.is_set():
+                interrupted = True
+                break
             try:
                 rank, kind, val = results.get(timeout=0.2)
                 if kind == "event":
@@ -138,23 +193,26 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
                     first_error = first_error or f"rank {r} {why}"
             if first_error and dead_since is None:
                 dead_since = time.monotonic()
-            if dead_since is not None and time.monotonic() - dead_since > timeout_s + grace_s:
-                break  # survivors did not notice within the collective timeout: stop them
+            if dead_since is not None and time.monotonic() - dead_since > grace_s:
+                # A rank failed first-hand: the survivors get a moment to report how they
+                # noticed, then are stopped. Under NCCL they would sit in a collective that
+                # never completes until its timeout (minutes) before noticing themselves.
+                break
     except KeyboardInterrupt:
         interrupted = True
         raise
     finally:
         for p in procs:
             p.join(timeout=0 if interrupted else grace_s if first_error is None else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2)
+        for p in procs:  # ranks ignore SIGTERM (see _rank_main): stop what is left at once
             if p.is_alive():
                 p.kill()
-                p.join(2)
+        for p in procs:
+            p.join(2)
         results.close()
-        comm.close_store(store)
+        del store  # its server closes the listening socket
+    if interrupted:
+        raise Stopped("stopped", got)
     if first_error is None:
         first_error = next((f"rank {r}: {got[r][1][0]}" for r in sorted(got) if got[r][0] != "ok"), None)
     if first_error is None and len(got) < nproc:

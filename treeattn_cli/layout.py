@@ -30,7 +30,7 @@ def _profile_dir() -> Path:
 PROFILE_DIR = _profile_dir()
 LINK_KEYS = set(LINK_CLASSES) | {"STAGED", "LOOPBACK"}
 _TOP_KEYS = {"name": str, "description": str, "gpus_per_node": int, "memory_bandwidth_gbps": (int, float),
-             "links": dict, "measured": dict}
+             "memory_gb": (int, float), "compute_tflops": (int, float), "links": dict, "measured": dict}
 _LINK_FIELDS = {"alpha_us": (int, float), "bandwidth_gbps": (int, float)}
 FLAT = ("allreduce", "allgather", "tree")
 
@@ -52,6 +52,8 @@ class Profile:
     memory_bandwidth: float | None = None  # bytes/s per device
     gpus_per_node: int | None = None
     path: str = ""
+    memory_bytes: float | None = None  # device memory per GPU
+    flops: float | None = None  # dense bf16 FLOP/s per GPU
 
     def link(self, cls: str) -> Link:
         if cls in self.links:
@@ -111,8 +113,9 @@ def load_profile(name_or_path: str) -> Profile:
                 raise ProfileError(f"{where}: key 'links.{cls}.{f}' is missing")
         links[cls] = Link(entry["alpha_us"] * 1e-6, 1.0 / (entry["bandwidth_gbps"] * 1e9))
     mb = data.get("memory_bandwidth_gbps")
+    mem, tf = data.get("memory_gb"), data.get("compute_tflops")
     return Profile(data.get("name", path.stem), links, mb * 1e9 if mb else None,
-                   data.get("gpus_per_node"), where)
+                   data.get("gpus_per_node"), where, mem * 1e9 if mem else None, tf * 1e12 if tf else None)
 
 
 def _tname(t):
@@ -285,6 +288,13 @@ def sub_topology(topo: Topology, n: int) -> Topology:
         return topo
     return Topology(topo.gpus[:n], [r[:n] for r in topo.links[:n]], [r[:n] for r in topo.nvlinks[:n]],
                     [r[:n] for r in topo.p2p[:n]], topo.source, topo.notes, topo.cpu_ranks)
+
+
+def select_topology(topo: Topology, idx: list[int]) -> Topology:
+    """The GPUs ``idx`` of ``topo`` (e.g. one cp group of a (cp x tp) mesh), in that order."""
+    pick = lambda rows: [[rows[i][j] for j in idx] for i in idx] if rows else rows  # noqa: E731
+    return Topology([topo.gpus[i] for i in idx], pick(topo.links), pick(topo.nvlinks), pick(topo.p2p),
+                    topo.source, topo.notes, topo.cpu_ranks)
 
 
 def plan_for_run(kind: str, nranks: int, *, heads: int, head_dim: int, layers: int,

@@ -6,6 +6,7 @@ Errors a user can fix print one line on stderr and exit 2 (usage) or 1 (the run 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import List, Optional
@@ -62,7 +63,9 @@ def generate(
     seed: int = typer.Option(0, help="Random seed for sampling."),
     stop: List[str] = typer.Option([], help="Stop when this text appears (repeatable)."),
     prefill_chunk: Optional[int] = typer.Option(None, help="Tokens per rank per prefill segment (bounds activation memory)."),
+    prefill_sharding: str = typer.Option("balanced", help="How prefill segments are cut: balanced (2p chunks, rank r holds r and 2p-1-r) | contiguous."),
     nproc: Optional[int] = typer.Option(None, help="Local ranks (default: visible GPUs, 2 on a CPU-only machine)."),
+    tp: int = typer.Option(1, help="Tensor-parallel ranks per sequence shard (weights split T ways); --nproc = shards x T."),
     backend: str = typer.Option("auto", help="auto | nccl | gloo."),
     device: str = typer.Option("auto", help="auto | cuda | cpu."),
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
@@ -73,10 +76,14 @@ def generate(
     timeout: float = typer.Option(300.0, help="Collective timeout in seconds (a lost rank is reported after it)."),
     allow_pickle: bool = typer.Option(False, help="Allow pickled .bin weights (they can run code)."),
     trust_remote_code: bool = typer.Option(False, help="Allow a model's own Python code from its repository."),
+    save_kv: Optional[str] = typer.Option(None, help="Save the prompt's sharded KV cache to this directory (for --load-kv)."),
+    load_kv: Optional[str] = typer.Option(None, help="Continue a saved KV cache (any --nproc): the prompt follows its tokens."),
+    quiet: bool = typer.Option(False, help="No stats line on stderr."),
     debug: bool = typer.Option(False, help="Show full tracebacks."),
 ):
     """Load a model, shard a long prompt's KV cache across ranks, stream tokens."""
     from . import runner
+    from .launch import Terminated
 
     _quiet_libraries()
     try:
@@ -86,10 +93,15 @@ def generate(
             seed=seed, stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend,
             device=device, dtype=dtype, scheme=scheme, output=output, json=json_out,
             timeout=timeout, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-            layout=layout)
-        code = runner.generate_command(opts)
+            layout=layout, debug=debug, tp=tp, save_kv=save_kv, load_kv=load_kv, quiet=quiet,
+            prefill_sharding=prefill_sharding)
+        with _sigterm_like_ctrl_c():
+            code = runner.generate_command(opts)
     except typer.Exit:
         raise
+    except Terminated:  # before any rank started: nothing to keep
+        typer.echo("treeattn: terminated", err=True)
+        code = 143
     except KeyboardInterrupt:  # before any rank started (loading, converting): nothing to keep
         typer.echo("treeattn: interrupted", err=True)
         code = 130
@@ -98,6 +110,28 @@ def generate(
             raise
         code = _report(e)
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _sigterm_like_ctrl_c():
+    """Inside: SIGTERM (what Slurm, Kubernetes, systemd and `timeout` send) stops a run the way
+    Ctrl-C does: ranks stopped at once, text kept, exit status 143."""
+    import signal
+    import threading
+
+    from .launch import Terminated
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _report(e: BaseException) -> int:
@@ -117,6 +151,7 @@ def topo(
     measure: bool = typer.Option(False, help="Measure per-pair latency/bandwidth and group all_reduce latency on this machine's ranks."),
     save: Optional[str] = typer.Option(None, help="With --measure: write the measured profile here (for generate --layout / bench)."),
     nproc: Optional[int] = typer.Option(None, help="Ranks to plan (and measure) for (default: all GPUs; 2 CPU ranks)."),
+    tp: int = typer.Option(1, help="Tensor-parallel ranks per sequence shard: plan the merge over the cp groups of --nproc / T ranks."),
     batch: int = typer.Option(1, help="Batch size of the merges the layout is priced for."),
     heads: int = typer.Option(32, help="Query heads (default: Llama-3.1-8B)."),
     head_dim: int = typer.Option(128, help="Head dimension."),
@@ -135,7 +170,7 @@ def topo(
                 raise ValueError(f"{flag} must be >= 1, got {v}")
         rec = topo_command(TopoOptions(from_file=from_file, profile=profile, measure=measure, save=save,
                                        nproc=nproc, batch=batch, heads=heads, head_dim=head_dim,
-                                       layers=layers))
+                                       layers=layers, tp=tp))
     except Exception as e:
         if debug:
             raise
@@ -164,6 +199,10 @@ def bench(
     gpus: str = typer.Option("8,64,128,1024", help="With --simulate: cluster sizes."),
     kernel: bool = typer.Option(False, help="Time the local partial-attention kernel against SDPA and flex_attention."),
     model: Optional[str] = typer.Option(None, help="Model-level mode: decode ms/token of generate per method on this model."),
+    tp: str = typer.Option("1", help="Tensor-parallel ranks per sequence shard (model mode: one value; --simulate: a comma list to compare)."),
+    model_shape: Optional[str] = typer.Option(None, help="With --simulate: project a whole model's decode step on a (cp x tp) mesh: llama-3.1-8b | llama-3.1-70b | llama-3.1-405b."),
+    prefill: bool = typer.Option(False, help="Causal prefill attention per sharding (balanced, contiguous, single) instead of decode; with --simulate, a whole model's prefill."),
+    mfu: float = typer.Option(0.5, help="With --simulate --prefill: the fraction of the profile's peak FLOP/s that compute runs at."),
     new_tokens: int = typer.Option(16, help="Model-level mode: tokens decoded per run."),
     json_out: bool = typer.Option(False, "--json", help="Print the records as a JSON list."),
     csv: Optional[str] = typer.Option(None, help="Also write the records as CSV."),
@@ -176,13 +215,20 @@ def bench(
 
     _quiet_libraries()
     try:
+        if prefill and simulate and tp == "1":
+            tp = "8"  # the whole-model prefill projection: tensor parallel inside each 8-GPU node
         with report.sweep_progress(enabled=sys.stderr.isatty() and not (simulate or kernel or model)) as progress:
             recs = bench_command(BenchOptions(
                 methods=methods, scheme=scheme, seq_len=seq_len, batch=batch, heads=heads,
                 kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, nproc=nproc, backend=backend,
                 device=device, layers=layers, iters=iters, warmup=warmup, simulate=simulate, gpus=gpus,
-                kernel=kernel, model=model, new_tokens=new_tokens, layout=layout), on_progress=progress)
-        if kernel:
+                kernel=kernel, model=model, new_tokens=new_tokens, layout=layout, tp=tp,
+                model_shape=model_shape, prefill=prefill, mfu=mfu), on_progress=progress)
+        if prefill:
+            report.print_prefill(recs, as_json=json_out)
+        elif simulate and (tp != "1" or model_shape):
+            report.print_mesh_projection(recs, as_json=json_out)
+        elif kernel:
             report.print_kernel_records(recs, as_json=json_out)
         elif model:
             report.print_model_records(recs, as_json=json_out)
@@ -196,6 +242,96 @@ def bench(
         if debug:
             raise
         raise typer.Exit(_report(e))
+
+
+@app.command()
+def chat(
+    prompt_file: Optional[str] = typer.Option(None, help="The document ('-': standard input), prefilled once; questions follow."),
+    model: Optional[str] = typer.Option(None, help="Local directory, .gguf file or hub id (default: the embedded demo model)."),
+    questions: Optional[str] = typer.Option(None, help="Answer each line of this file in order, then exit ('-': standard input)."),
+    conversation: bool = typer.Option(False, help="Keep the turns (default: each question against the document alone)."),
+    chat_template: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Wrap document and question in the chat template (default: if the tokenizer has one)."),
+    system: Optional[str] = typer.Option(None, help="System message for the chat template."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Most tokens per answer (default 256)."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 = greedy."),
+    top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
+    seed: int = typer.Option(0, help="Random seed for sampling (each answer starts from it)."),
+    stop: List[str] = typer.Option([], help="Stop an answer when this text appears (repeatable)."),
+    prefill_chunk: Optional[int] = typer.Option(None, help="Tokens per rank per prefill segment."),
+    nproc: Optional[int] = typer.Option(None, help="Local ranks (default: visible GPUs, 2 on a CPU-only machine)."),
+    tp: int = typer.Option(1, help="Tensor-parallel ranks per sequence shard; --nproc = shards x T."),
+    backend: str = typer.Option("auto", help="auto | nccl | gloo."),
+    device: str = typer.Option("auto", help="auto | cuda | cpu."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+    scheme: str = typer.Option("auto", help="Merge scheme: auto | allreduce | allgather | tree | hierarchical."),
+    layout: Optional[str] = typer.Option(None, help="Interconnect profile for the layout choice."),
+    save_kv: Optional[str] = typer.Option(None, help="Save the document's sharded KV cache to this directory."),
+    load_kv: Optional[str] = typer.Option(None, help="Start from a saved KV cache instead of a document (any --nproc)."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON record per answer (generate's fields and the question)."),
+    quiet: bool = typer.Option(False, help="No stats lines on stderr."),
+    timeout: float = typer.Option(300.0, help="Collective timeout in seconds."),
+    allow_pickle: bool = typer.Option(False, help="Allow pickled .bin weights (they can run code)."),
+    trust_remote_code: bool = typer.Option(False, help="Allow a model's own Python code from its repository."),
+    debug: bool = typer.Option(False, help="Show full tracebacks."),
+):
+    """Prefill a long document once, then answer many questions about it."""
+    from .chat import ChatOptions, chat_command
+    from .launch import Terminated
+
+    _quiet_libraries()
+    try:
+        opts = ChatOptions(
+            model=model, prompt_file=prompt_file, chat=chat_template, system=system,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend, device=device,
+            dtype=dtype, scheme=scheme, json=json_out, timeout=timeout, allow_pickle=allow_pickle,
+            trust_remote_code=trust_remote_code, layout=layout, debug=debug, tp=tp, save_kv=save_kv,
+            load_kv=load_kv, quiet=quiet, conversation=conversation, questions=questions)
+        with _sigterm_like_ctrl_c():
+            code = chat_command(opts)
+    except typer.Exit:
+        raise
+    except Terminated:
+        code = 143
+    except KeyboardInterrupt:
+        typer.echo("treeattn: interrupted", err=True)
+        code = 130
+    except Exception as e:
+        if debug:
+            raise
+        code = _report(e)
+    raise typer.Exit(code)
+
+
+@app.command()
+def check(
+    nproc: Optional[int] = typer.Option(None, help="Ranks for the multi-rank checks (default: visible GPUs, 2 on a CPU-only machine)."),
+    device: str = typer.Option("auto", help="auto | cuda | cpu."),
+    backend: str = typer.Option("auto", help="auto | nccl | gloo."),
+    kernels_only: bool = typer.Option(False, help="Only the kernel checks (what generate runs once per machine)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the records as JSON."),
+    quiet: bool = typer.Option(False, help="No progress lines."),
+    debug: bool = typer.Option(False, help="Show full tracebacks."),
+):
+    """Check every path this machine takes (kernels, merges, ring, generate) against its reference."""
+    from . import report
+    from .check import check_command
+
+    _quiet_libraries()
+    try:
+        if nproc is not None and nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        say = None if quiet else (lambda what: typer.echo(f"treeattn check: {what}", err=True))
+        recs = check_command(nproc=nproc, device=device, backend=backend, kernels_only=kernels_only,
+                             on_progress=say)
+    except Exception as e:
+        if debug:
+            raise
+        raise typer.Exit(_report(e))
+    if not quiet or json_out:
+        report.print_check(recs, as_json=json_out)
+    raise typer.Exit(1 if any(r["verdict"] == "FAIL" for r in recs) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

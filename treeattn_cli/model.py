@@ -7,6 +7,7 @@ converted once to a safetensors directory in the cache and reloaded from there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -211,22 +212,73 @@ def context_length(config) -> int | None:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_remote_code=False,
-               allow_pickle=False):
-    """The causal LM with our attention registered and selected, in eval mode on ``device``."""
+               allow_pickle=False, tp_mesh=None):
+    """The causal LM with our attention registered and selected, in eval mode on ``device``.
+
+    ``tp_mesh`` (``comm.tp_device_mesh``): shard it over this rank's tensor-parallel group as
+    the model's own ``base_model_tp_plan`` says, loading only this rank's slices (transformers'
+    TP loader; see :func:`_tp_loading`)."""
     from transformers import AutoModelForCausalLM
 
     from .attention import register
 
     name = register()
+    kw = {}
+    if tp_mesh is not None:
+        from transformers.distributed import DistributedConfig
+
+        kw["distributed_config"] = DistributedConfig(tp_size=tp_mesh.size())
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=name, trust_remote_code=trust_remote_code,
-            use_safetensors=None if allow_pickle else True)
+        with _tp_loading(tp_mesh, device):
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=name, trust_remote_code=trust_remote_code,
+                use_safetensors=None if allow_pickle else True, **kw)
+    except ModelError:
+        raise
     except Exception as e:
         raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0][:200]}") from None
     check_supported(model)
-    return model.to(device).eval()
+    return (model if tp_mesh is not None else model.to(device)).eval()
+
+
+# transformers 5.x builds its own mesh over the whole world for tensor parallelism and cannot be
+# handed a sub-mesh (the tp groups of a (cp x tp) grid). Its loader asks one function for the
+# mesh: we answer with ours while loading. A private hook: pyproject bounds the version, and
+# tests/test_tp.py fails loudly if the hook moves.
+_TP_HOOK = ("transformers.distributed.mixin", "initialize_distributed_mesh")
+
+
+@contextlib.contextmanager
+def _tp_loading(tp_mesh, device):
+    if tp_mesh is None:
+        yield
+        return
+    import importlib
+
+    import transformers
+
+    try:
+        mod = importlib.import_module(_TP_HOOK[0])
+        real = getattr(mod, _TP_HOOK[1])
+        from transformers.distributed.utils import TransformersDeviceMesh
+    except (ImportError, AttributeError):
+        raise ModelError(f"--tp needs transformers' tensor-parallel loader as in 5.23 ({'.'.join(_TP_HOOK)}); "
+                         f"this is transformers {transformers.__version__}") from None
+    setattr(mod, _TP_HOOK[1], lambda config: (device, TransformersDeviceMesh(tp_mesh, tp_mesh)))
+    try:
+        yield
+    finally:
+        setattr(mod, _TP_HOOK[1], real)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters this rank holds (its shards under tensor parallelism)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
 
 
 def check_supported(model) -> None:

@@ -19,7 +19,8 @@ from . import model as M
 from .decode import Sampling
 from .launch import run_local
 from .prompt import demo_document
-from .runner import GenerateJob, rank_generate
+from .engine import rank_generate
+from .runner import GenerateJob
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -29,16 +30,18 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def time_treeattn(model_dir, ids, new_tokens, nproc, dtype="float32", scheme="allreduce",
-                  decode_method="tree"):
+                  decode_method="tree", tp=1):
     job = GenerateJob(model_dir=str(model_dir), prompt_ids=ids, max_new_tokens=new_tokens,
-                      sampling=Sampling(), dtype=dtype, scheme=scheme, decode_method=decode_method)
+                      sampling=Sampling(), dtype=dtype, scheme=scheme, decode_method=decode_method, tp=tp)
     toks = []
     res = run_local(rank_generate, nproc, job, on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
     s = res[0]
     decode_ms = 1e3 / s["decode_tokens_per_s"] if s["decode_tokens_per_s"] else None
-    return {"method": f"treeattn nproc={nproc}" if decode_method == "tree" else f"ring nproc={nproc}",
-            "scheme": scheme if decode_method == "tree" else "ring", "nproc": nproc,
+    name = f"treeattn nproc={nproc}" + (f" tp={tp}" if tp > 1 else "")
+    return {"method": name if decode_method == "tree" else f"ring nproc={nproc}",
+            "scheme": scheme if decode_method == "tree" else "ring", "nproc": nproc, "tp": tp,
             "prefill_s": s["prefill_s"], "decode_ms_per_token": decode_ms,
+            "weight_bytes": s["weight_bytes"], "peak_rss_bytes": s.get("peak_rss_bytes"),
             "token_ids": toks}
 
 

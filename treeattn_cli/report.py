@@ -113,6 +113,26 @@ class GenerateView:
         return record
 
 
+def stats_line(rec: dict) -> str:
+    """One line of an answer's numbers: prompt tokens, prefill rate, time to first token,
+    decode rate (what is known; an interrupted run may lack some)."""
+    parts = []
+    if rec.get("prompt_tokens") is not None:
+        ctx = rec.get("context_tokens")
+        parts.append(f"{rec['prompt_tokens']:,} prompt tokens" +
+                     (f" ({ctx:,} in the cache)" if ctx and ctx != rec["prompt_tokens"] else ""))
+    if rec.get("prefill_tokens_per_s"):
+        parts.append(f"prefill {rec['prefill_tokens_per_s']:,.0f} tok/s")
+    if rec.get("ttft_s"):
+        parts.append(f"first token {rec['ttft_s']:.2f} s")
+    if rec.get("decode_tokens_per_s"):
+        parts.append(f"decode {rec['decode_tokens_per_s']:,.1f} tok/s")
+    parts.append(f"{rec.get('new_tokens', 0)} new tokens")
+    if rec.get("stop_reason") in ("interrupted", "terminated", "error"):
+        parts.append(rec["stop_reason"])
+    return "[" + ", ".join(parts) + "]"
+
+
 def write_atomic(path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
     import os
@@ -162,6 +182,10 @@ def print_topology(rec: dict, as_json: bool = False, file=None) -> None:
         con.print(f"  note: {n}", style="dim")
     lay = rec["layout"]
     how = rec["scheme"] if rec["scheme"] != "hierarchical" else f"hierarchical (inside groups: {lay['inner']}, across leaders: {lay['outer']})"
+    if rec.get("tp", 1) > 1:
+        con.print(f"tensor parallel: --tp {rec['tp']}, tp groups {rec['tp_groups']} (each holds 1/{rec['tp']} of "
+                  f"the weights); the merge runs over each of the cp groups {rec['cp_groups']}; "
+                  f"below, ranks are indices within a cp group")
     con.print(f"layout: groups {rec['groups']}  scheme {how}")
     s = rec["shape"]
     con.print(f"predicted merge time per decode step: {lay['predicted_step_us']:.1f} µs "
@@ -278,6 +302,87 @@ def write_plot(records, path) -> None:
         plt.close(fig)
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def print_check(records, as_json=False, file=None) -> None:
+    """``treeattn check`` records: one row per (path, case), failures first in the summary."""
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps(records, indent=1), file=file)
+        return
+    t = Table(title="treeattn check")
+    for col, just in (("path", "left"), ("case", "left"), ("max error", "right"), ("tolerance", "right"),
+                      ("ms", "right"), ("verdict", "left"), ("note", "left")):
+        t.add_column(col, justify=just)
+    for r in records:
+        err = "-" if r["max_err"] is None else f"{r['max_err']:.2e}"
+        tol = "-" if r["tol"] is None else f"{r['tol']:.0e}"
+        style = {"FAIL": "bold red", "skipped": "dim"}.get(r["verdict"])
+        t.add_row(r["path"], r["case"], err, tol, f"{1e3 * r['seconds']:.1f}", r["verdict"], r["note"], style=style)
+    bad = sorted({r["path"] for r in records if r["verdict"] == "FAIL"})
+    skipped = sorted({f"{r['path']}: {r['note']}" for r in records if r["verdict"] == "skipped"})
+    t.caption = (f"FAILED: {', '.join(bad)}" if bad else "every path passed") + \
+        (f"; skipped: {'; '.join(skipped)}" if skipped else "")
+    _console(file).print(t)
+
+
+def print_prefill(records, as_json=False, file=None) -> None:
+    """``bench --prefill`` (measured: per sharding, the slowest rank's time and the FLOP balance)
+    or ``--prefill --simulate`` (a whole model's prefill time and parallel efficiency)."""
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps(records, indent=1), file=file)
+        return
+    if records and records[0].get("simulated"):
+        r0 = records[0]
+        t = Table(title=f"prefill of {r0['model']} (simulated, {r0['profile']}, tp {r0['tp']}, MFU {r0['mfu']:.0%})")
+        for col in ("GPUs", "tokens", "cp", "sharding", "prefill s", "ideal s", "efficiency", "attention s",
+                    "linear s", "TP all-reduce s", "exposed KV s"):
+            t.add_column(col, justify="right")
+        for r in records:
+            t.add_row(str(r["nproc"]), _fmt_tokens(r["seq_len"]), str(r["cp"]), r["method"], f"{r['prefill_s']:.1f}",
+                      f"{r['ideal_s']:.1f}", f"{r['efficiency']:.0%}", f"{r['attention_s']:.1f}", f"{r['linear_s']:.1f}",
+                      f"{r['tp_allreduce_s']:.2f}", f"{r['exposed_kv_s']:.2f}")
+        _console(file).print(t)
+        return
+    t = Table(title="prefill attention: balanced vs contiguous vs one rank")
+    for col in ("tokens", "ranks", "sharding", "median ms", "p10–p90 ms", "FLOPs max/mean", "MB sent (max rank)",
+                "vs contiguous"):
+        t.add_column(col, justify="right")
+    cont = {(r["seq_len"], r["nproc"]): r["step_ms_median"] for r in records if r["method"] == "contiguous"}
+    for r in records:
+        base = cont.get((r["seq_len"], r["nproc"])) if r["method"] != "single" else \
+            next((v for (n, p), v in cont.items() if n == r["seq_len"]), None)
+        t.add_row(_fmt_tokens(r["seq_len"]), str(r["nproc"]), r["method"], f"{r['step_ms_median']:.1f}",
+                  f"{r['step_ms_p10']:.1f}–{r['step_ms_p90']:.1f}", f"{r['flops_max_over_mean']:.2f}",
+                  f"{max(r['bytes_per_rank']) / 1e6:.1f}", f"{base / r['step_ms_median']:.2f}x" if base else "-")
+    if records:
+        r0 = records[0]
+        t.caption = (f"{r0['device']}; B={r0['batch']}, H={r0['heads']}, H_kv={r0['kv_heads']}, d={r0['head_dim']}, "
+                     f"{r0['dtype']}, {r0['layers']} layer(s) per timed step")
+    _console(file).print(t)
+
+
+def print_mesh_projection(records, as_json=False, file=None) -> None:
+    """``bench --simulate --model-shape``: one row per (GPUs, tokens, tp), the fastest fitting
+    (tp, cp) of each (GPUs, tokens) marked."""
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps(records, indent=1), file=file)
+        return
+    first = records[0] if records else {}
+    t = Table(title=f"decode step of {first.get('model', '?')} on a (cp x tp) mesh (simulated, "
+                    f"{first.get('profile', '?')}, B={first.get('batch', 1)}, {first.get('dtype', '')})")
+    for col in ("GPUs", "tokens", "tp", "cp", "merge", "step ms", "weights ms", "KV ms", "TP all-reduce ms",
+                "merge ms", "GB/GPU", "fits", "best"):
+        t.add_column(col, justify="right")
+    for r in records:
+        t.add_row(str(r["nproc"]), _fmt_tokens(r["seq_len"]), str(r["tp"]), str(r["cp"]), r["scheme"],
+                  f"{r['step_ms_median']:.2f}", f"{r['weights_ms']:.2f}", f"{r['kv_ms']:.2f}",
+                  f"{r['tp_allreduce_ms']:.2f}", f"{r['merge_ms']:.2f}", f"{r['mem_per_gpu_gb']:.1f}",
+                  "yes" if r["fits"] else "no", "*" if r.get("best") else "",
+                  style=None if r["fits"] else "dim")
+    _console(file).print(t)
 
 
 def print_model_records(records, as_json=False, file=None) -> None:

@@ -1,31 +1,30 @@
-"""``treeattn generate``: validate and prepare in the launching process, then what each rank does.
+"""``treeattn generate``: validate and prepare in the launching process, then run the ranks.
 
-:func:`generate_command` checks every flag, resolves the model, tokenises the prompt and
-checks it against the model's context before any rank starts; then it launches the ranks (or
-joins torchrun's) and feeds rank 0's events to the presentation (``report.GenerateView``).
-:func:`rank_generate` is one rank: load the model, build the communicator and the sharded
-cache, run :class:`decode.Decoder`; only rank 0 sends events (``prefill`` progress, one
-``token`` per new token, ``done`` with timings).
+:func:`prepare_run` settles what ``generate`` and ``chat`` share before any rank starts (flags,
+devices, model, tokenizer, the mesh's validity, the merge plan, the kernel verdict) and
+:func:`prepare` adds ``generate``'s prompt (and a saved cache to continue); then
+:func:`generate_command` launches the ranks (or joins torchrun's) and feeds rank 0's events to
+the presentation (``report.GenerateView``). Each rank runs the persistent engine
+(``engine.py``) on ``generate``'s requests: append the prompt, decode.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from .attention import AttentionContext
-from .cache import ShardedKVCache
-from .comm import make_comm
-from .decode import Decoder, Sampling, Timings
-from .model import load_model, load_tokenizer, pick_dtype, shapes
+from .decode import Sampling
+from .mesh import check_tp
+from .model import shapes
 
 
 @dataclass
 class GenerateJob:
+    """What every rank needs: the engine's spec (model, mesh, plan) and ``generate``'s request."""
+
     model_dir: str
     prompt_ids: list[int]
     max_new_tokens: int = 256
@@ -43,66 +42,23 @@ class GenerateJob:
     decode_method: str = "tree"  # "ring": the baseline, for bench
     static: bool | None = None  # fixed-shape decode step (default: on CUDA)
     cuda_graph: bool = True  # capture the static step in a CUDA graph (CUDA + NCCL)
+    reference: bool = False  # the fast kernels failed their self-check here: the torch reference
+    tp: int = 1  # tensor-parallel ranks per sequence shard (mesh.py)
+    auto_layout: bool = False  # the scheme came from the layout: re-plan when ranks span nodes
+    layout_profile: str | None = None
+    load_kv: str | None = None  # a saved cache to continue (kvstore.py), validated in the launcher
+    load_manifest: dict | None = None
+    save_kv: str | None = None  # save the prompt's cache here after the answer
+    save_meta: dict = field(default_factory=dict)  # identity, composition, nonce of the save
+    reserve: int | None = None  # tokens to make room for up front (default: prompt + answer)
+    prefill_sharding: str = "balanced"  # or "contiguous" (prefill.py): how segments are cut
 
-
-def make_stop_check(job: GenerateJob, tokenizer):
-    eos = set(job.eos_ids)
-
-    def check(ids: list[int]):
-        if ids[-1] in eos:
-            return "eos"
-        if job.stop:
-            tail = tokenizer.decode(ids[-32:], skip_special_tokens=True)
-            if any(s in tail for s in job.stop):
-                return "stop"
-        return None
-
-    return check
-
-
-def rank_generate(ctx, job: GenerateJob):
-    """Entry point of every rank (``launch.run_local`` / ``run_torchrun``)."""
-    device = torch.device(ctx.device)
-    dtype = pick_dtype(job.dtype, device)
-    model = load_model(job.model_dir, dtype, device, trust_remote_code=job.trust_remote_code,
-                       allow_pickle=job.allow_pickle)
-    sh = shapes(model.config)
-    n = len(job.prompt_ids)
-    comm = make_comm(job.scheme, job.groups, job.inner, job.outer)
-    cap = math.ceil(n / ctx.world) + math.ceil(job.max_new_tokens / ctx.world) + 2
-    static = job.static if job.static is not None else device.type == "cuda"
-    cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"], sh["head_dim"], dtype=dtype,
-                           device=device, rank=ctx.rank, world=ctx.world, capacity=cap, static=static)
-    dec = Decoder(model, AttentionContext(comm, cache, decode_method=job.decode_method),
-                  vocab_size=model.get_output_embeddings().weight.shape[0],
-                  cuda_graph=job.cuda_graph and ctx.backend == "nccl" and job.decode_method == "tree")
-    lead = ctx.rank == 0
-    stop_check = make_stop_check(job, load_tokenizer(job.model_dir)) if lead else None
-    timings = Timings()
-    ids = torch.tensor([job.prompt_ids], dtype=torch.int64)
-    progress = (lambda done, total: ctx.send("prefill", (done, total))) if lead else None
-    reason, count = None, 0
-    for tok, reason in dec.generate(ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
-                                    stop_check=stop_check, piece=job.prefill_chunk,
-                                    on_progress=progress, timings=timings):
-        count += 1
-        if lead:
-            ctx.send("token", tok)
-    if not lead:
-        return None
-    summary = {
-        "prompt_tokens": n, "new_tokens": count, "ttft_s": timings.ttft_s,
-        "prefill_s": timings.prefill_s,
-        "prefill_tokens_per_s": n / timings.prefill_s if timings.prefill_s else None,
-        "decode_tokens_per_s": (count - 1) / timings.decode_s if count > 1 and timings.decode_s else None,
-        "nproc": ctx.world, "shard_tokens": cache.counts[0].tolist(), "scheme": job.scheme,
-        "stop_reason": reason, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "cuda_graph": dec.graph is not None,
-    }
-    if dec.graph_note:
-        summary["note"] = dec.graph_note
-    ctx.send("done", summary)
-    return summary
+    @property
+    def reserve_tokens(self) -> int:
+        if self.reserve is not None:
+            return self.reserve
+        cached = self.load_manifest["tokens"]["count"] if self.load_manifest else 0
+        return cached + len(self.prompt_ids) + self.max_new_tokens
 
 
 # ---------------------------------------------------------------- the launching process
@@ -134,6 +90,12 @@ class GenerateOptions:
     allow_pickle: bool = False
     trust_remote_code: bool = False
     layout: str | None = None  # a profile (name or YAML path) for the layout choice
+    debug: bool = False  # full tracebacks (a failed rank's too)
+    tp: int = 1  # tensor-parallel ranks per sequence shard: --nproc = cp x tp
+    save_kv: str | None = None  # save the prompt's KV cache here (kvstore.py)
+    load_kv: str | None = None  # continue a saved KV cache with the prompt
+    quiet: bool = False  # no stats line on stderr
+    prefill_sharding: str = "balanced"  # or "contiguous": how prefill segments are cut (prefill.py)
 
 
 def _check_flags(o: GenerateOptions) -> None:
@@ -156,7 +118,8 @@ def _check_flags(o: GenerateOptions) -> None:
     for flag, val, choices in (("--backend", o.backend, ("auto", "nccl", "gloo")),
                                ("--device", o.device, ("auto", "cuda", "cpu")),
                                ("--dtype", o.dtype, ("auto", "float32", "bfloat16", "float16")),
-                               ("--scheme", o.scheme, ("auto", *SCHEMES))):
+                               ("--scheme", o.scheme, ("auto", *SCHEMES)),
+                               ("--prefill-sharding", o.prefill_sharding, ("balanced", "contiguous"))):
         if val not in choices:
             raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {val!r}")
 
@@ -193,7 +156,7 @@ def _eos_ids(model_dir, config, tokenizer) -> list[int]:
     return sorted({int(x) for x in flat if x is not None})
 
 
-def _merge_plan(o: GenerateOptions, kind: str, n: int, config):
+def _merge_plan(o: GenerateOptions, kind: str, n: int, config, tp: int = 1):
     """(scheme, groups, inner, outer): the layout ``treeattn topo`` would choose for this run
     (``--scheme auto``), or the scheme asked for; ``hierarchical`` takes the layout's groups
     (one group of every rank on a uniform fabric)."""
@@ -205,58 +168,148 @@ def _merge_plan(o: GenerateOptions, kind: str, n: int, config):
             load_profile(o.layout)  # still a usage error if it is bad
         return o.scheme, None, None, None
     sh = shapes(config)
-    lay = plan_for_run(kind, n, heads=sh["heads"], head_dim=sh["head_dim"], layers=sh["num_layers"],
+    lay = plan_for_run(kind, n, heads=sh["heads"] // tp, head_dim=sh["head_dim"], layers=sh["num_layers"],
                        profile=o.layout)
     if o.scheme == "hierarchical" and lay.scheme != "hierarchical":
         return "hierarchical", [list(range(n))], lay.scheme, "tree"
     return lay.scheme, lay.groups, lay.inner, lay.outer
 
 
-def prepare(o: GenerateOptions):
-    """Everything checkable before a rank starts: (job, tokenizer, devices plan)."""
+def _kernels_failed(device: str) -> bool:
+    """Whether this machine's fast kernels failed their self-check (``treeattn check``; run
+    once per machine and software versions, then cached): then the run takes the reference
+    path, exact but slower, and says so on one line. Never a silently wrong answer."""
+    from .check import kernel_verdict
+
+    v = kernel_verdict(torch.device(device))
+    if v.get("ok"):
+        return False
+    print(f"treeattn: warning: the fast attention kernels failed their self-check on this machine "
+          f"({', '.join(v.get('failed', []))}): using the reference path (exact, slower); "
+          f"see `treeattn check`", file=sys.stderr)
+    return True
+
+
+@dataclass
+class Run:
+    """What ``generate`` and ``chat`` settle in the launcher before any rank starts."""
+
+    kind: str  # "cuda" | "cpu"
+    backend: str
+    nproc: int
+    devices: list
+    model_dir: object
+    config: object
+    tokenizer: object
+    context: int | None  # the model's context, tokens
+    shapes: dict
+    dtype: str  # the run's dtype name, as a saved cache records it
+    plan: tuple  # (scheme, groups, inner, outer) of the merge, over a cp group
+    reference: bool  # the fast kernels failed their self-check: the reference path
+
+    def job(self, o, ids, **kw) -> GenerateJob:
+        scheme, groups, inner, outer = self.plan
+        return GenerateJob(model_dir=str(self.model_dir), prompt_ids=ids, max_new_tokens=o.max_new_tokens,
+                           sampling=Sampling(o.temperature, o.top_k, o.top_p, o.seed), stop=list(o.stop),
+                           eos_ids=_eos_ids(self.model_dir, self.config, self.tokenizer), dtype=o.dtype,
+                           scheme=scheme, groups=groups, inner=inner or "allreduce", outer=outer or "tree",
+                           prefill_chunk=o.prefill_chunk, trust_remote_code=o.trust_remote_code,
+                           allow_pickle=o.allow_pickle, reference=self.reference, tp=o.tp,
+                           auto_layout=o.scheme == "auto", layout_profile=o.layout,
+                           prefill_sharding=o.prefill_sharding, **kw)
+
+    def identity(self) -> dict:
+        from .kvstore import model_identity
+
+        return model_identity(self.model_dir)
+
+    def load_kv(self, path: str) -> dict:
+        """The validated manifest of a saved cache for this run (KVError: exit 2)."""
+        from .kvstore import validate
+
+        sh = self.shapes
+        return validate(path, identity=self.identity(), dtype=self.dtype,
+                        shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]})
+
+    def save_meta(self, path: str, composition: dict) -> dict:
+        """Where ``--save-kv`` writes, checked now (exit 2), and what the manifest records."""
+        import secrets
+        from pathlib import Path
+
+        from .kvstore import MANIFEST, KVError
+
+        p = Path(path)
+        if p.exists() and not (p / MANIFEST).exists():
+            raise KVError(f"--save-kv {p}: exists and is not a saved treeattn cache (not overwritten)")
+        if not p.parent.is_dir() or not os.access(p.parent, os.W_OK):
+            raise KVError(f"--save-kv {p}: {p.parent} is not a writable directory")
+        return {"identity": self.identity(), "composition": composition, "nonce": secrets.token_hex(4)}
+
+    def check_fits(self, tokens: int, new_tokens: int, what: str = "the prompt") -> None:
+        if self.context and tokens + new_tokens > self.context:
+            raise ValueError(f"{what} is {tokens} tokens; with --max-new-tokens {new_tokens} "
+                             f"that exceeds the model's context of {self.context} tokens")
+
+
+def prepare_run(o: GenerateOptions) -> Run:
+    """Flags, devices, model, tokenizer, the mesh's validity, the merge plan, the kernel verdict."""
     from . import model as M
-    from . import prompt as P
 
     _check_flags(o)
     kind, be, n, devices = plan_devices(o.device, o.backend, o.nproc)
-    M.pick_dtype(o.dtype, torch.device(devices[0]))
-    text = P.read_text(o.prompt, o.prompt_file)
-    system = o.system
-    chat = o.chat
+    dtype = M.pick_dtype(o.dtype, torch.device(devices[0]))
+    model_dir = M.resolve(o.model, allow_pickle=o.allow_pickle)  # None: the embedded demo model
+    config = M.load_config(model_dir, o.trust_remote_code)
+    tok = M.load_tokenizer(model_dir, o.trust_remote_code)
+    sh = shapes(config)
+    check_tp(o.tp, sh["heads"], sh["kv_heads"], n)
+    plan = _merge_plan(o, kind, n // o.tp, config, o.tp)  # over a cp group
+    return Run(kind, be, n, devices, model_dir, config, tok, M.context_length(config), sh,
+               str(dtype).replace("torch.", ""), plan, _kernels_failed(devices[0]))
+
+
+def prepare(o: GenerateOptions):
+    """Everything checkable before a rank starts: (job, tokenizer, devices plan)."""
+    from . import prompt as P
+
+    if o.prompt is not None and o.prompt_file is not None:
+        raise P.PromptError("give either --prompt or --prompt-file, not both")
+    run = prepare_run(o)
+    text = P.read_text(o.prompt, o.prompt_file, context=run.context)  # bounded by the context
+    system, chat = o.system, o.chat
     demo = text is None
     if demo:
-        if o.model is not None:
-            raise P.PromptError("no prompt: give --prompt, --prompt-file or pipe text to standard input")
+        if o.model is not None or o.load_kv:
+            raise P.PromptError("no prompt: give --prompt, --prompt-file or pipe text to standard input"
+                                + (" (--load-kv continues the cached document with it)" if o.load_kv else ""))
         text, demo_system = P.demo_prompt()
         system = system if system is not None else demo_system
         chat = True if chat is None else chat
     o.max_new_tokens = o.max_new_tokens or (96 if demo else 256)
-    model_dir = M.resolve(o.model, allow_pickle=o.allow_pickle)
-    config = M.load_config(model_dir, o.trust_remote_code)
-    tok = M.load_tokenizer(model_dir, o.trust_remote_code)
-    ids = P.build_ids(tok, text, chat=bool(chat), system=system)
-    ctx_len = M.context_length(config)
-    if ctx_len and len(ids) + o.max_new_tokens > ctx_len:
-        raise ValueError(f"the prompt is {len(ids)} tokens; with --max-new-tokens {o.max_new_tokens} "
-                         f"that exceeds the model's context of {ctx_len} tokens")
-    scheme, groups, inner, outer = _merge_plan(o, kind, n, config)
-    job = GenerateJob(model_dir=str(model_dir), prompt_ids=ids, max_new_tokens=o.max_new_tokens,
-                      sampling=Sampling(o.temperature, o.top_k, o.top_p, o.seed), stop=list(o.stop),
-                      eos_ids=_eos_ids(model_dir, config, tok), dtype=o.dtype, scheme=scheme,
-                      groups=groups, inner=inner or "allreduce", outer=outer or "tree",
-                      prefill_chunk=o.prefill_chunk, trust_remote_code=o.trust_remote_code,
-                      allow_pickle=o.allow_pickle)
+    manifest, cached = None, 0
+    if o.load_kv:
+        manifest = run.load_kv(o.load_kv)
+        cached = manifest["tokens"]["count"]
+        ids = P.question_ids(run.tokenizer, text, manifest["composition"])
+    else:
+        ids = P.build_ids(run.tokenizer, text, chat=bool(chat), system=system)
+    run.check_fits(cached + len(ids), o.max_new_tokens,
+                   "the cached document and the prompt" if o.load_kv else "the prompt")
+    composition = manifest["composition"] if manifest else {"kind": "raw"}
+    job = run.job(o, ids, load_kv=o.load_kv, load_manifest=manifest, save_kv=o.save_kv,
+                  save_meta=run.save_meta(o.save_kv, composition) if o.save_kv else {})
     if demo:
-        print(f"treeattn demo: the embedded SmolLM2-135M-Instruct on {n} {kind.upper()} rank(s) reads "
-              f"treeattn_cli/data/demo_document.txt ({len(ids)} tokens with the chat template) and "
+        print(f"treeattn demo: the embedded SmolLM2-135M-Instruct on {run.nproc} {run.kind.upper()} rank(s) "
+              f"reads treeattn_cli/data/demo_document.txt ({len(ids)} tokens with the chat template) and "
               f"answers:\n  {P.DEMO_QUESTION}", file=sys.stderr)
-    return job, tok, (kind, be, n, devices)
+    return job, run.tokenizer, (run.kind, run.backend, run.nproc, run.devices)
 
 
 def generate_command(o: GenerateOptions) -> int:
     """Run ``treeattn generate``; returns the exit code (0, 1 on a failed run, 130 on Ctrl-C)."""
     from . import launch
-    from .report import GenerateView, write_atomic
+    from .engine import rank_generate
+    from .report import GenerateView, stats_line, write_atomic
 
     job, tok, (kind, be, n, devices) = prepare(o)
     torchrun = launch.under_torchrun()
@@ -272,6 +325,8 @@ def generate_command(o: GenerateOptions) -> int:
         else:
             launch.run_local(rank_generate, n, job, backend=be, devices=devices,
                              timeout_s=o.timeout, on_event=view.on_event)
+    except launch.Terminated:
+        code, reason = 143, "terminated"
     except KeyboardInterrupt:
         code, reason = 130, "interrupted"
     except launch.LaunchError as e:
@@ -281,6 +336,12 @@ def generate_command(o: GenerateOptions) -> int:
     record = view.finish(stop_reason=reason, as_json=o.json)
     if o.output:
         write_atomic(o.output, record["text"])
+    if not o.quiet:
+        print(stats_line(record), file=sys.stderr)
     if error is not None:
+        if o.debug:  # the failing rank's own traceback, collected from it
+            tb = next((v[1] for k, v in error.outcomes.values() if k == "error" and v[1]), None)
+            if tb:
+                print(tb.rstrip(), file=sys.stderr)
         print(f"treeattn: error: {error}", file=sys.stderr)
     return code

@@ -28,6 +28,7 @@ class TopoOptions:
     iters: int = 20
     warmup: int = 5
     timeout: float = 120.0
+    tp: int = 1  # tensor-parallel ranks per sequence shard: the merge runs over cp groups
 
 
 def load_topology(o: TopoOptions):
@@ -111,13 +112,21 @@ def save_profile(path: str, links: dict, raw: dict, base: L.Profile) -> None:
 
 def topo_command(o: TopoOptions) -> dict:
     """The record ``treeattn topo`` prints: topology, profile, chosen layout (and measurements)."""
+    from .mesh import Mesh
+
     topo = load_topology(o)
     nranks = o.nproc or (topo.n if topo.n else 2)
-    view = L.sub_topology(topo, nranks) if topo.n else cpu_topology(nranks)
+    if o.tp < 1 or nranks % o.tp or o.heads % o.tp:
+        raise ValueError(f"--tp {o.tp} must divide --nproc ({nranks}) and --heads ({o.heads})")
+    mesh = Mesh(nranks, o.tp)
+    cp_ranks = mesh.cp_ranks(0)  # the merge runs over each cp group; they all look alike
+    view = L.sub_topology(topo, nranks) if topo.n else cpu_topology(mesh.cp)
+    if topo.n and o.tp > 1:
+        view = L.select_topology(view, cp_ranks)
     if not topo.n:
         view.notes = topo.notes + view.notes
     profile = L.load_profile(o.profile or L.default_profile_for(view))
-    kw = dict(batch=o.batch, heads=o.heads, head_dim=o.head_dim, layers=o.layers, nranks=nranks)
+    kw = dict(batch=o.batch, heads=o.heads // o.tp, head_dim=o.head_dim, layers=o.layers, nranks=mesh.cp)
     lay = L.choose_layout(view, profile, **kw)
     record = {
         "gpus": [vars(g) for g in topo.gpus], "links": topo.links, "nvlinks": topo.nvlinks,
@@ -125,8 +134,12 @@ def topo_command(o: TopoOptions) -> dict:
         "notes": topo.notes, "cpu_ranks": 0 if topo.n else nranks, "profile": profile.name,
         "profile_path": profile.path, "layout": lay.to_dict(),
         "shape": {"batch": o.batch, "heads": o.heads, "head_dim": o.head_dim, "layers": o.layers},
+        "tp": o.tp, "cp": mesh.cp, "tp_groups": [mesh.tp_ranks(c) for c in range(mesh.cp)],
+        "cp_groups": mesh.cp_parts(),
     }
     if o.measure:
+        if o.tp > 1:
+            raise ValueError("--measure measures the fabric of all ranks: leave out --tp")
         links, raw = measure(view, o, lay.groups)
         record["measured"] = raw
         measured = L.Profile("measured", {c: L.Link(v["alpha_us"] * 1e-6, 1 / (v["bandwidth_gbps"] * 1e9))

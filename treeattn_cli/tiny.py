@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face models saved to disk (no hub): the end-to-end oracles' inputs."""
+"""Tiny random Hugging Face models saved to disk (no hub) and transformers' own greedy decode on
+them: the end-to-end oracle of `treeattn check` and of the tests."""
 
 from __future__ import annotations
 

@@ -1,0 +1,228 @@
+"""`treeattn chat`: a document prefilled once, many questions, saved and loaded caches.
+
+Every answer is compared with transformers' greedy decode on the same tokens (the document's,
+then the question's), so reusing the cache never changes an answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from treeattn_cli import prompt as P
+from treeattn_cli import tiny as tiny_models
+from treeattn_cli.main import app
+from treeattn_cli.model import load_tokenizer
+
+TREEATTN = str(Path(sys.executable).with_name("treeattn"))
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+QUESTIONS = ["what comes first?", "and then", "name the last word"]
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    model = tiny_models.make_model("llama", root / "m", seed=3)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    doc = root / "doc.txt"
+    doc.write_text("the archive lists seven towers, a bridge of iron, and two clocks that never agree. " * 3)
+    qs = root / "questions.txt"
+    qs.write_text("\n".join(QUESTIONS) + "\n")
+    return model, doc, qs, root
+
+
+def _chat(*args):
+    r = CliRunner().invoke(app, ["chat", *args, "--dtype", "float32", "--max-new-tokens", str(NEW), "--json"])
+    assert r.exit_code == 0, r.output
+    return [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+
+
+def _expected(model, doc, questions, *, chat, conversation=False, answers=None):
+    tok = load_tokenizer(model)
+    ids, comp = P.document_ids(tok, doc.read_text(), chat=chat)
+    out = []
+    for i, q in enumerate(questions):
+        turn = P.question_ids(tok, q, comp, next_turn=conversation and i > 0)
+        want = tiny_models.hf_greedy(model, (ids if conversation else list(ids)) + turn, NEW)
+        out.append(want)
+        if conversation:
+            ids = ids + turn + answers[i]
+    return out
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_answers_equal_transformers_on_document_plus_question(setup, nproc):
+    model, doc, qs, _ = setup
+    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
+                 "--nproc", str(nproc))
+    assert [r["question"] for r in recs] == QUESTIONS
+    assert [r["token_ids"] for r in recs] == _expected(model, doc, QUESTIONS, chat=False)
+    assert all(r["context_tokens"] == recs[0]["context_tokens"] - recs[0]["prompt_tokens"] + r["prompt_tokens"]
+               for r in recs)  # every question against the document alone
+
+
+def test_chat_template_composition_equals_generate(setup, tmp_path):
+    """With a chat template the document and the question form one user message: the answer is
+    the one `generate --chat` gives for that message."""
+    model, doc, qs, _ = setup
+    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--nproc", "2")
+    tok = load_tokenizer(model)
+    for q, r in zip(QUESTIONS, recs):
+        whole = tok.apply_chat_template([{"role": "user", "content": f"{doc.read_text()}\n\n{q}"}],
+                                        add_generation_prompt=True, tokenize=True)
+        whole = whole["input_ids"] if isinstance(whole, dict) or hasattr(whole, "input_ids") else whole
+        assert r["token_ids"] == tiny_models.hf_greedy(model, list(whole), NEW), q
+    one = tmp_path / "one.txt"
+    one.write_text(f"{doc.read_text()}\n\n{QUESTIONS[1]}")
+    g = CliRunner().invoke(app, ["generate", "--model", str(model), "--prompt-file", str(one), "--chat",
+                                 "--dtype", "float32", "--max-new-tokens", str(NEW), "--json", "--nproc", "2"])
+    assert g.exit_code == 0, g.output
+    assert json.loads(g.stdout.strip().splitlines()[-1])["token_ids"] == recs[1]["token_ids"]
+
+
+def test_conversation_equals_transformers_on_the_whole_conversation(setup):
+    model, doc, qs, _ = setup
+    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
+                 "--nproc", "2", "--conversation")
+    answers = [r["token_ids"] for r in recs]
+    assert answers == _expected(model, doc, QUESTIONS, chat=False, conversation=True, answers=answers)
+
+
+def test_save_then_load_on_other_meshes(setup, tmp_path):
+    """A cache saved from 3 ranks loads onto 2 ranks, and onto 4 ranks as 2 sequence shards x
+    2 tensor-parallel ranks (re-sharded by position and by KV head), with the same answers."""
+    model, doc, qs, _ = setup
+    kv = tmp_path / "kv"
+    first = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
+                  "--nproc", "3", "--save-kv", str(kv))
+    m = json.loads((kv / "manifest.json").read_text())
+    assert m["mesh"] == {"nproc": 3, "tp": 1, "cp": 3} and len(m["shards"]) == 3
+    again = _chat("--model", str(model), "--load-kv", str(kv), "--questions", str(qs), "--nproc", "2")
+    assert [r["token_ids"] for r in again] == [r["token_ids"] for r in first]
+    g = CliRunner().invoke(app, ["generate", "--model", str(model), "--load-kv", str(kv), "--prompt", QUESTIONS[2],
+                                 "--nproc", "4", "--tp", "2", "--dtype", "float32", "--max-new-tokens", str(NEW),
+                                 "--json"])
+    assert g.exit_code == 0, g.output
+    assert json.loads(g.stdout.strip().splitlines()[-1])["token_ids"] == first[2]["token_ids"]
+
+
+def test_bad_saved_caches_are_refused(setup, tmp_path):
+    """Another model, a truncated or corrupt shard, a missing manifest, another dtype: exit 2
+    with one line saying which, before any rank starts."""
+    import shutil
+
+    model, doc, qs, root = setup
+    kv = tmp_path / "kv"
+    r = CliRunner().invoke(app, ["generate", "--model", str(model), "--prompt-file", str(doc), "--no-chat",
+                                 "--nproc", "2", "--dtype", "float32", "--max-new-tokens", "1", "--save-kv", str(kv)])
+    assert r.exit_code == 0, r.output
+    other = tiny_models.make_model("llama", tmp_path / "other", seed=99)
+    cases = {"another model": (other, kv)}
+    for name, damage in (("truncated", lambda d: os.truncate(d / "kv-c1-t0.safetensors", 100)),
+                         ("corrupt", lambda d: (d / "kv-c0-t0.safetensors").write_bytes(b"\xff" * 64)),
+                         ("no manifest", lambda d: (d / "manifest.json").unlink())):
+        bad = tmp_path / name.replace(" ", "-")
+        shutil.copytree(kv, bad)
+        damage(bad)
+        cases[name] = (model, bad)
+    for name, (m, d) in cases.items():
+        p = CliRunner().invoke(app, ["generate", "--model", str(m), "--load-kv", str(d), "--prompt", "hi",
+                                     "--dtype", "float32", "--nproc", "2"])
+        err = p.stderr.strip().splitlines()
+        assert p.exit_code == 2 and len(err) == 1 and err[0].startswith("treeattn: error:"), (name, p.stderr)
+        assert {"another model": "another model", "truncated": "truncated", "corrupt": "corrupt",
+                "no manifest": "manifest"}[name] in err[0], (name, err)
+    r = CliRunner().invoke(app, ["generate", "--model", str(model), "--load-kv", str(kv), "--prompt", "hi",
+                                 "--dtype", "bfloat16", "--nproc", "2"])
+    assert r.exit_code == 2 and "float32" in r.stderr
+
+
+def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_path):
+    """Through a pseudo-terminal, as a person types: an answer streams, Ctrl-C stops it within
+    a moment and the prompt returns with the engine alive; the next question is answered in
+    full; Ctrl-D leaves with exit status 0."""
+    model, doc, _, _ = setup
+    slow = tiny_models.make_model("llama", tmp_path / "slow", hidden_size=256, intermediate_size=1024,
+                                  num_hidden_layers=8, max_position_embeddings=4096)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: treeattn chat on a terminal
+        os.execv(TREEATTN, [TREEATTN, "chat", "--model", str(slow), "--prompt-file", str(doc), "--no-chat",
+                            "--nproc", "2", "--max-new-tokens", "200", "--dtype", "float32"])
+    buf = bytearray()
+
+    def until(pred, timeout=60):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    buf.extend(os.read(fd, 65536))
+                except OSError:
+                    return False
+                if pred(bytes(buf)):
+                    return True
+        return False
+
+    prompt = lambda b, at: b[at:].endswith(b"]\r\n> ")  # noqa: E731  (after an answer's stats line)
+    try:
+        assert until(lambda b: b.endswith(b"> ")), bytes(buf[-500:])
+        at = len(buf)
+        os.write(fd, b"tell me everything\r")
+        assert until(lambda b: len(b) - at > 60)  # streaming
+        t0 = time.monotonic()
+        os.write(fd, b"\x03")
+        assert until(lambda b: prompt(b, at), 20), bytes(buf[-500:])
+        assert time.monotonic() - t0 < 5 and b", interrupted]" in buf[at:]
+        at = len(buf)
+        os.write(fd, b"and now the rest\r")
+        assert until(lambda b: prompt(b, at), 60), bytes(buf[-500:])
+        assert b"200 new tokens]" in buf[at:] and b"interrupted" not in buf[at:]
+        os.write(fd, b"\x04")
+        for _ in range(100):
+            until(lambda b: False, 0.1)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+        assert done and os.waitstatus_to_exitcode(status) == 0, bytes(buf[-500:])
+    finally:
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def test_sigterm_keeps_the_answer_so_far_and_leaves_nothing(setup, tmp_path):
+    """SIGTERM during an answer (Slurm, systemd, `timeout`): the answer so far is printed (its
+    --json record says "terminated"), exit status 143, and no process is left."""
+    import signal
+    import subprocess
+
+    from test_reliability import _descendants, _gone
+
+    model, doc, qs, _ = setup
+    slow = tiny_models.make_model("llama", tmp_path / "slow", hidden_size=256, intermediate_size=1024,
+                                  num_hidden_layers=8, max_position_embeddings=4096)
+    p = subprocess.Popen([TREEATTN, "chat", "--model", str(slow), "--prompt-file", str(doc), "--questions", str(qs),
+                          "--no-chat", "--nproc", "2", "--max-new-tokens", "3000", "--dtype", "float32", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    while len(_descendants(p.pid)) < 4 and time.monotonic() - t0 < 60:  # tracker, server, 2 ranks
+        time.sleep(0.1)
+    time.sleep(4)  # the document, then tokens of the first answer
+    tree = _descendants(p.pid)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 143, err.decode()[-1000:]
+    rec = json.loads(out.decode().strip().splitlines()[-1])
+    assert rec["stop_reason"] == "terminated" and rec["token_ids"] and rec["question"] == QUESTIONS[0]
+    assert not _gone(tree), tree

@@ -1,0 +1,10 @@
+"""Imported once, first, by the fork server that local ranks are forked from (its preload list,
+``launch._mp_context``): the server dies with the launcher that started it, and the ranks die
+with the server (``launch._rank_main``), so a launcher killed outright (SIGKILL, the OOM killer,
+a closed terminal) leaves no process behind. Nothing else imports this module."""
+
+import signal
+
+from .launch import die_with_parent
+
+die_with_parent(signal.SIGTERM)
