@@ -10,6 +10,7 @@ import os
 import pty
 import select
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -215,14 +216,23 @@ def test_sigterm_keeps_the_answer_so_far_and_leaves_nothing(setup, tmp_path):
     p = subprocess.Popen([TREEATTN, "chat", "--model", str(slow), "--prompt-file", str(doc), "--questions", str(qs),
                           "--no-chat", "--nproc", "2", "--max-new-tokens", "3000", "--dtype", "float32", "--json"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    t0 = time.monotonic()
-    while len(_descendants(p.pid)) < 4 and time.monotonic() - t0 < 60:  # tracker, server, 2 ranks
-        time.sleep(0.1)
-    time.sleep(4)  # the document, then tokens of the first answer
+    out, err = [], []  # read both pipes as they come: the signal goes once the answer has begun
+    readers = [threading.Thread(target=lambda f=f, acc=acc: acc.extend(iter(f.readline, b"")), daemon=True)
+               for f, acc in ((p.stdout, out), (p.stderr, err))]
+    for r in readers:
+        r.start()
+    t0 = time.monotonic()  # the document's stats line, however slow the machine
+    while not any(line.startswith(b"[document:") for line in err) and time.monotonic() - t0 < 120:
+        assert p.poll() is None, b"".join(err).decode()[-1000:]
+        time.sleep(0.05)
+    time.sleep(3)  # the question, then tokens of the first answer
     tree = _descendants(p.pid)
+    assert len(tree) >= 4, tree  # tracker, server, 2 ranks
     p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=30)
-    assert p.returncode == 143, err.decode()[-1000:]
-    rec = json.loads(out.decode().strip().splitlines()[-1])
+    p.wait(timeout=30)
+    for r in readers:
+        r.join(timeout=10)
+    assert p.returncode == 143, b"".join(err).decode()[-1000:]
+    rec = json.loads(out[-1])
     assert rec["stop_reason"] == "terminated" and rec["token_ids"] and rec["question"] == QUESTIONS[0]
     assert not _gone(tree), tree

@@ -332,11 +332,11 @@ def test_sigterm_stops_everything_and_keeps_text(slow_model, tmp_path):
     once, the text so far is kept (--output, the --json record, stop_reason "terminated"), exit
     status 143, and the whole process tree (ranks, fork server, resource tracker) is gone."""
     out = tmp_path / "out.txt"
-    proc = _start(slow_model, "--json", "--output", str(out), nproc=2)
+    proc = _start(slow_model, "--json", "--output", str(out), nproc=2, tokens=3800)  # a minute of work
     t0 = time.monotonic()
     while len(_ranks(proc.pid)) < 2 and time.monotonic() - t0 < 60:
         time.sleep(0.1)
-    time.sleep(4)  # a few tokens
+    time.sleep(6)  # nothing streams with --json: load, prefill and a few tokens, even on a busy machine
     tree = _descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     stdout, err = proc.communicate(timeout=30)
