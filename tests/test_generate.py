@@ -176,6 +176,17 @@ def test_bad_flags_are_one_line_errors(models, extra, needle):
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_bad_flags_are_refused_before_torch_is_imported(command):
+    """A mistyped flag costs a fraction of a second, not the seconds of importing torch."""
+    probe = ("import sys\nfrom treeattn_cli.main import app\n"
+             f"try:\n    app([{command!r}, '--prompt-file', 'x', '--top-p', '0'])\n"
+             "except SystemExit as e:\n    assert e.code == 2, e.code\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--top-p must be in (0, 1]" in r.stderr, r.stderr
+
+
 def test_missing_model_and_prompt_file(tmp_path, models):
     for args, needle in ((["--model", str(tmp_path / "nope")], "not found"),
                          (["--model", str(tmp_path)], "config.json"),

@@ -215,7 +215,7 @@ def _expand_k(text: str):
 
 
 def make_spec(o: BenchOptions, kind: str, nproc: int) -> BenchSpec:
-    from .comm import FLAT_SCHEMES, SCHEMES
+    from .options import FLAT_SCHEMES, SCHEMES
     from .layout import plan_for_run
 
     methods = [m.strip() for m in o.methods.split(",") if m.strip()]

@@ -20,21 +20,15 @@ import json
 import queue
 import sys
 import threading
-from dataclasses import dataclass
 
 from . import comm as C
 from . import launch
 from . import prompt as P
 from .report import GenerateView, stats_line
-from .runner import GenerateOptions, prepare_run
+from .options import ChatOptions
+from .runner import prepare_run
 
 HELP = "/exit (or Ctrl-D) leaves · /reset returns to the document · /save DIR saves the cache · Ctrl-C stops an answer"
-
-
-@dataclass
-class ChatOptions(GenerateOptions):
-    conversation: bool = False  # keep the turns (default: every question against the document alone)
-    questions: str | None = None  # a file of questions, one per line ('-': standard input)
 
 
 class EngineClient:
@@ -188,7 +182,7 @@ def _session(o, run, job, composition, doc_ids, manifest, save_meta) -> int:
 
 
 def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) -> None:
-    quiet = o.quiet or o.json
+    quiet = o.quiet  # as generate: stats on stderr (with --json too: stdout stays JSON lines)
     tok = run.tokenizer
     progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
     if manifest is not None:
@@ -278,7 +272,7 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool) -> 
 def _show(o, rec: dict) -> None:
     if o.json:
         print(json.dumps(rec), flush=True)
-    elif not o.quiet:
+    if not o.quiet:
         print(stats_line(rec), file=sys.stderr)
 
 

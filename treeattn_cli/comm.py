@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 from .merge import merge_pair, merge_partials, unweigh, weigh
+from .options import FLAT_SCHEMES, SCHEMES
 
-SCHEMES = ("allreduce", "allgather", "tree", "hierarchical")
-FLAT_SCHEMES = ("allreduce", "allgather", "tree")
 _KEY = "treeattn"
 _HEARTBEAT_S = 1.0
 

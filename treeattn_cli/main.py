@@ -82,19 +82,21 @@ def generate(
     debug: bool = typer.Option(False, help="Show full tracebacks."),
 ):
     """Load a model, shard a long prompt's KV cache across ranks, stream tokens."""
+    from .options import GenerateOptions
+
+    opts = _check_first(GenerateOptions(
+        model=model, prompt=prompt, prompt_file=prompt_file, chat=chat, system=system,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend,
+        device=device, dtype=dtype, scheme=scheme, output=output, json=json_out,
+        timeout=timeout, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+        layout=layout, debug=debug, tp=tp, save_kv=save_kv, load_kv=load_kv, quiet=quiet,
+        prefill_sharding=prefill_sharding))
     from . import runner
     from .launch import Terminated
 
     _quiet_libraries()
     try:
-        opts = runner.GenerateOptions(
-            model=model, prompt=prompt, prompt_file=prompt_file, chat=chat, system=system,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend,
-            device=device, dtype=dtype, scheme=scheme, output=output, json=json_out,
-            timeout=timeout, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-            layout=layout, debug=debug, tp=tp, save_kv=save_kv, load_kv=load_kv, quiet=quiet,
-            prefill_sharding=prefill_sharding)
         with _sigterm_like_ctrl_c():
             code = runner.generate_command(opts)
     except typer.Exit:
@@ -134,11 +136,24 @@ def _sigterm_like_ctrl_c():
         signal.signal(signal.SIGTERM, old)
 
 
+def _check_first(opts):
+    """``opts`` once its flags pass the checks that need neither torch nor the model (before
+    those imports: a mistyped flag costs a fraction of a second); else exit 2 with one line."""
+    from .options import check_flags
+
+    try:
+        check_flags(opts)
+    except ValueError as e:
+        if opts.debug:
+            raise
+        raise typer.Exit(_report(e))
+    return opts
+
+
 def _report(e: BaseException) -> int:
     """One line for the user; 2 for bad input, 1 for a failed run."""
-    from .launch import LaunchError
-
-    usage = isinstance(e, ValueError) and not isinstance(e, LaunchError)
+    launch = sys.modules.get(f"{__package__}.launch")  # not imported yet: no run was launched
+    usage = isinstance(e, ValueError) and not (launch and isinstance(e, launch.LaunchError))
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     typer.echo(f"treeattn: error: {msg}", err=True)
     return 2 if usage else 1
@@ -276,18 +291,20 @@ def chat(
     debug: bool = typer.Option(False, help="Show full tracebacks."),
 ):
     """Prefill a long document once, then answer many questions about it."""
-    from .chat import ChatOptions, chat_command
+    from .options import ChatOptions
+
+    opts = _check_first(ChatOptions(
+        model=model, prompt_file=prompt_file, chat=chat_template, system=system,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend, device=device,
+        dtype=dtype, scheme=scheme, json=json_out, timeout=timeout, allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code, layout=layout, debug=debug, tp=tp, save_kv=save_kv,
+        load_kv=load_kv, quiet=quiet, conversation=conversation, questions=questions))
+    from .chat import chat_command
     from .launch import Terminated
 
     _quiet_libraries()
     try:
-        opts = ChatOptions(
-            model=model, prompt_file=prompt_file, chat=chat_template, system=system,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend, device=device,
-            dtype=dtype, scheme=scheme, json=json_out, timeout=timeout, allow_pickle=allow_pickle,
-            trust_remote_code=trust_remote_code, layout=layout, debug=debug, tp=tp, save_kv=save_kv,
-            load_kv=load_kv, quiet=quiet, conversation=conversation, questions=questions)
         with _sigterm_like_ctrl_c():
             code = chat_command(opts)
     except typer.Exit:
