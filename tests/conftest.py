@@ -1,9 +1,17 @@
 """Test setup: the Triton interpreter on machines without a GPU (set before triton is imported)."""
 
 import os
+import signal
 
 import pytest
 import torch
+
+# A run started in the background (`make test &`, nohup, some CI runners) inherits SIGINT
+# ignored, as POSIX shells set for asynchronous jobs, and passes that on to the processes the
+# signal tests start, which then cannot be interrupted at all. A terminal's foreground job has
+# the default disposition: give it back (a handler here becomes SIG_DFL in children on exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -41,3 +41,22 @@ def assert_close(actual, expected, dtype, what=""):
     scale = max(1.0, e.abs().max().item()) if e.numel() else 1.0
     err = (a - e).abs().max().item() if e.numel() else 0.0
     assert err <= TOL[dtype] * scale, f"{what}: max error {err:.3g} > {TOL[dtype]} x {scale:.3g}"
+
+
+def cli(*args: str, input: str | None = None):
+    """Run ``treeattn *args`` in this process (no fresh interpreter and its seconds of imports);
+    returns click's result: ``exit_code``, ``stdout``, ``stderr``. The console script itself is
+    exercised by the tests that need a process (signals, process trees, torchrun)."""
+    from typer.testing import CliRunner
+
+    from treeattn_cli.main import app
+
+    return CliRunner().invoke(app, list(args), input=input)
+
+
+def assert_usage_error(r, needle: str) -> None:
+    """Bad input: exit status 2, exactly one line on stderr naming it, nothing on stdout."""
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.exit_code == 2, (r.exit_code, r.stderr, r.exception)
+    assert len(lines) == 1 and lines[0].startswith("treeattn: error:") and needle in lines[0], r.stderr
+    assert r.stdout == "", r.stdout

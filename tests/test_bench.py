@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,13 +11,14 @@ from treeattn_cli import layout as L
 from treeattn_cli.bench import BenchSpec, expected_bytes
 from treeattn_cli.projection import simulate
 
-TREEATTN = str(Path(sys.executable).with_name("treeattn"))
+from helpers import assert_usage_error, cli
+
 SHAPE = ["--heads", "8", "--kv-heads", "2", "--head-dim", "32", "--iters", "2", "--warmup", "1"]
 
 
-def run(*args, timeout=300):
-    r = subprocess.run([TREEATTN, "bench", *args], capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr
+def run(*args):
+    r = cli("bench", *args)
+    assert r.exit_code == 0, (r.stderr, r.exception)
     return r
 
 
@@ -128,9 +126,7 @@ def test_model_mode_on_tiny_model(tmp_path):
     (["--dtype", "int8"], "--dtype"),
 ])
 def test_bench_bad_input(args, needle):
-    r = subprocess.run([TREEATTN, "bench", *args], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert_usage_error(cli("bench", *args), needle)
 
 
 def test_gpu_decode_bench_skips_contexts_that_do_not_fit():

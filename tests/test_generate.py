@@ -15,6 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from treeattn_cli import tiny as tiny_models
+
+from helpers import assert_usage_error, cli
 from treeattn_cli.main import app
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
@@ -167,13 +169,8 @@ BAD = [
 
 @pytest.mark.parametrize("extra,needle", BAD)
 def test_bad_flags_are_one_line_errors(models, extra, needle):
-    r = subprocess.run([TREEATTN, "generate", "--model", str(models["llama"]), "--prompt", "hi",
-                        "--no-chat", *extra], capture_output=True, text=True, timeout=120,
-                       stdin=subprocess.DEVNULL)
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("treeattn: error:") and needle in lines[0], r.stderr
-    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert_usage_error(cli("generate", "--model", str(models["llama"]), "--prompt", "hi", "--no-chat", *extra),
+                       needle)
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
@@ -191,10 +188,8 @@ def test_missing_model_and_prompt_file(tmp_path, models):
     for args, needle in ((["--model", str(tmp_path / "nope")], "not found"),
                          (["--model", str(tmp_path)], "config.json"),
                          (["--model", str(models["llama"]), "--prompt-file", str(tmp_path / "x.txt")], "not found")):
-        r = subprocess.run([TREEATTN, "generate", "--prompt", "hi", *args] if "--prompt-file" not in args
-                           else [TREEATTN, "generate", *args], capture_output=True, text=True,
-                           timeout=120, stdin=subprocess.DEVNULL)
-        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert_usage_error(cli("generate", "--prompt", "hi", *args) if "--prompt-file" not in args
+                           else cli("generate", *args), needle)
 
 
 def test_embedded_demo_model_knows_paris():

@@ -15,6 +15,8 @@ import pytest
 
 from treeattn_cli import tiny as tiny_models
 
+from helpers import assert_usage_error, cli
+
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 
 
@@ -255,16 +257,12 @@ def test_bad_prompt_files(tmp_path, content, needle):
     d = tiny_models.make_model("llama", tmp_path / "m")
     f = tmp_path / "p.txt"
     f.write_bytes(content)
-    r = subprocess.run([TREEATTN, "generate", "--model", str(d), "--prompt-file", str(f)],
-                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert_usage_error(cli("generate", "--model", str(d), "--prompt-file", str(f)), needle)
 
 
 def test_prompt_longer_than_context(tmp_path):
     d = tiny_models.make_model("llama", tmp_path / "m", max_position_embeddings=64)
-    r = subprocess.run([TREEATTN, "generate", "--model", str(d), "--prompt", "x" * 100, "--no-chat"],
-                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert r.returncode == 2 and "context of 64 tokens" in r.stderr
+    assert_usage_error(cli("generate", "--model", str(d), "--prompt", "x" * 100, "--no-chat"), "context of 64 tokens")
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -13,6 +13,8 @@ import pytest
 from treeattn_cli import layout as L
 from treeattn_cli import topology as T
 
+from helpers import assert_usage_error, cli
+
 FIX = Path(__file__).parent / "fixtures" / "topology"
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 
@@ -253,9 +255,8 @@ def test_nvml_probe(monkeypatch):
 
 def test_measure_on_cpu_ranks_saves_a_usable_profile(tmp_path):
     out = tmp_path / "measured.yaml"
-    r = subprocess.run([TREEATTN, "topo", "--measure", "--nproc", "3", "--save", str(out), "--json"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = cli("topo", "--measure", "--nproc", "3", "--save", str(out), "--json")
+    assert r.exit_code == 0, (r.stderr, r.exception)
     rec = json.loads(r.stdout)
     assert set(rec["measured"]["pairs"]) == {"0-1", "0-2", "1-2"}
     assert all(v["alpha_us"] > 0 and v["bandwidth_gbps"] > 0 for v in rec["measured"]["pairs"].values())
@@ -275,11 +276,8 @@ def test_measure_on_cpu_ranks_saves_a_usable_profile(tmp_path):
 def test_topo_bad_input(args, needle, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    for a in (args, ["--from-file", str(empty)]):
-        r = subprocess.run([TREEATTN, "topo", *a], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert needle in subprocess.run([TREEATTN, "topo", *args], capture_output=True, text=True,
-                                    timeout=60).stderr
+    assert_usage_error(cli("topo", *args), needle)
+    assert_usage_error(cli("topo", "--from-file", str(empty)), "")
 
 
 def test_generate_uses_the_layout_topo_prints():
