@@ -323,6 +323,7 @@ def print_check(records, as_json=False, file=None) -> None:
     skipped = sorted({f"{r['path']}: {r['note']}" for r in records if r["verdict"] == "skipped"})
     t.caption = (f"FAILED: {', '.join(bad)}" if bad else "every path passed") + \
         (f"; skipped: {'; '.join(skipped)}" if skipped else "")
+    t.caption_justify = "left"  # a verdict that wraps reads as a paragraph, not a centred block
     _console(file).print(t)
 
 
