@@ -61,6 +61,27 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def timed_then_counted(comm, dev, step, spec, stats) -> list[float]:
+    """Run ``step`` ``spec.warmup`` times untimed and ``spec.iters`` times timed (each behind a barrier
+    and a device sync, so every rank's clock starts together), then once more with ``stats`` counting.
+    Returns this rank's seconds per timed step; ``stats`` holds one step's counters afterwards."""
+    times = []
+    for it in range(spec.warmup + spec.iters):
+        comm.barrier()
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        if it >= spec.warmup:
+            times.append(time.perf_counter() - t0)
+    stats.reset()
+    stats.enabled = True
+    comm.barrier()
+    step()
+    stats.enabled = False
+    return times
+
+
 def bench_rank(ctx, spec: BenchSpec):
     """Rank function (``launch.run_local``): rank 0 returns the records."""
     dev = torch.device(ctx.device)
@@ -98,20 +119,7 @@ def bench_rank(ctx, spec: BenchSpec):
                 elif active:
                     partial_attention(q, k, v)
 
-        times = []
-        for it in range(spec.warmup + spec.iters):
-            base.barrier()
-            _sync(dev)
-            t0 = time.perf_counter()
-            step()
-            _sync(dev)
-            if it >= spec.warmup:
-                times.append(time.perf_counter() - t0)
-        stats.reset()
-        stats.enabled = True
-        base.barrier()
-        step()
-        stats.enabled = False
+        times = timed_then_counted(base, dev, step, spec, stats)
         kv_bytes = 2 * k.numel() * k.element_size()
         mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else kv_bytes + stats.peak_mem_bytes
         everyone = base.all_gather_values(times + [mem, stats.collectives, stats.bytes_sent,

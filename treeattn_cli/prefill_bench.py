@@ -11,11 +11,10 @@ the counters on gives each rank's attention FLOPs and bytes sent. Results are re
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from .bench import DTYPES, BenchSpec, _device_name, _pct, _sync
+from .bench import DTYPES, BenchSpec, _device_name, _pct, timed_then_counted
 from .comm import Comm, Stats, make_comm
 from .prefill import positions, ring_prefill, shard
 
@@ -49,20 +48,7 @@ def prefill_rank(ctx, spec: BenchSpec):
                 for _ in range(L):
                     ring_prefill(c, q, k, v, pieces)
 
-        times = []
-        for it in range(spec.warmup + spec.iters):
-            comm.barrier()
-            _sync(dev)
-            t0 = time.perf_counter()
-            step()
-            _sync(dev)
-            if it >= spec.warmup:
-                times.append(time.perf_counter() - t0)
-        stats.reset()
-        stats.enabled = True
-        comm.barrier()
-        step()
-        stats.enabled = False
+        times = timed_then_counted(comm, dev, step, spec, stats)
         every = comm.all_gather_values(times + [stats.flops, stats.bytes_sent])  # [world, iters + 2]
         stats.reset()
         if r == 0:
