@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .partial_ref import partial_attention_ref
+from .partial_ref import add_sink, partial_attention_ref
 
-__all__ = ["partial_attention", "partial_attention_ref", "triton_available", "use_reference",
+__all__ = ["partial_attention", "partial_attention_ref", "add_sink", "triton_available", "use_reference",
            "reference_only"]
 
 _REFERENCE = {"on": False}
@@ -40,7 +40,7 @@ def triton_available() -> bool:
 
 
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                      window=None, softcap=None, out=None, lse_out=None, out_dtype=None,
+                      window=None, softcap=None, sink=None, out=None, lse_out=None, out_dtype=None,
                       impl: str = "auto"):
     """Partial attention of ``q [B, H, Q, d]`` to one KV shard ``k, v [B, H_kv, N, d]``.
 
@@ -50,12 +50,13 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     query blocks; on CPU the fused CPU path), ``"triton"``,
     ``"aten"`` (alias ``"cpu"``: the fused ATen path), ``"torch"`` (the reference).
     ``out_dtype``: the dtype of ``o`` when no ``out`` is given (default q's); partials that are
-    merged later stay fp32, so a merge of p shards rounds once, like one device.
+    merged later stay fp32, so a merge of p shards rounds once, like one device. ``sink [H]``:
+    learned sink logits folded into this partial (give them to one partial of a merge only).
     """
     if out is None and out_dtype is not None:
         out = torch.empty(*q.shape, dtype=out_dtype, device=q.device)
     kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
-              softcap=softcap, out=out, lse_out=lse_out)
+              softcap=softcap, sink=sink, out=out, lse_out=lse_out)
     if impl == "auto" and _REFERENCE["on"]:
         impl = "torch"
     if impl == "auto":

@@ -6,7 +6,7 @@ done until it compiles for real targets. Here a stand-in driver names the target
 the runtime's own code* on ``meta`` tensors (shapes and strides, no memory), which compiles it
 with the wheel's own backends (ptxas for CUDA, LLVM's AMDGPU backend for ROCm) instead of
 running it. The configurations: head dim 64/128/256, GQA group 1-8, fp32/bf16/fp16, decode
-(Q = 1, a static cache with ragged lengths; sliding window and soft-capping on and off) and
+(Q = 1, a static cache with ragged lengths; sliding window, soft-capping and sinks on and off) and
 prefill slices (causal, windowed, pass-Q), KV lengths from 1 to 1M (every split count the
 launch code chooses), and the fused merge kernels. Runtime integers are not specialised, so
 the configurations share a few dozen compiled kernels; each is checked once.
@@ -64,6 +64,11 @@ def decode_calls():
                 kw.update(q_pos=_meta(B, 1, dtype=torch.int64), k_pos=_meta(B, N + 1, dtype=torch.int64)[:, :N])
             yield (f"decode d={d} G={G} {NAMES[dt]} N={N} window={window} softcap={softcap}",
                    dict(q=q, k=k, v=v, **kw))
+    for d, dt in itertools.product(HEAD_DIMS, DTYPES):  # learned attention sinks (gpt-oss): the reduce folds them
+        q = _meta(1, 8, 1, d, dtype=dt)
+        k, v = _cache_kv(1, 2, 4096, d, dt), _cache_kv(1, 2, 4096, d, dt)
+        yield (f"decode d={d} G=4 {NAMES[dt]} N=4096 sink",
+               dict(q=q, k=k, v=v, kv_len=_meta(1, dtype=torch.int64), sink=_meta(8, dtype=torch.float32)))
 
 
 def prefill_calls():

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .partial_ref import _emit, check_inputs, partial_attention_ref
+from .partial_ref import _emit, add_sink, check_inputs, partial_attention_ref
 
 _OP_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _OP_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
@@ -109,12 +109,12 @@ def _one(op, q, k, v, scale, causal):
 
 
 def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                           window=None, softcap=None, out=None, lse_out=None, fallback=None):
+                           window=None, softcap=None, sink=None, out=None, lse_out=None, fallback=None):
     """Fused-kernel version of :func:`partial_attention_ref` (same arguments and outputs).
     ``fallback``: what runs the cases the fused kernel cannot (default: the reference)."""
     B, H, Q, _, _, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
-              softcap=softcap, out=out, lse_out=lse_out)
+              softcap=softcap, sink=sink, out=out, lse_out=lse_out)
     slow = fallback or partial_attention_ref
     if not supports(q) or window is not None or softcap is not None or N == 0 or Q == 0 or B * H == 0:
         return slow(q, k, v, **kw)
@@ -140,14 +140,14 @@ def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_le
         else:
             return slow(q, k, v, **kw)
     try:
-        return _fused(op, q, k, v, scale, causal, kv_len, kw, slow, out, lse_out)
+        return _fused(op, q, k, v, scale, causal, kv_len, kw, slow, out, lse_out, sink)
     except RuntimeError:  # a shape the fused kernel refuses (head dim, alignment): the fallback
         if q.device.type == "cpu":
             raise
         return slow(q, k, v, **kw)
 
 
-def _fused(op, q, k, v, scale, causal, kv_len, kw, slow, out, lse_out):
+def _fused(op, q, k, v, scale, causal, kv_len, kw, slow, out, lse_out, sink):
     B, H, Q, d = q.shape
     N = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -163,4 +163,7 @@ def _fused(op, q, k, v, scale, causal, kv_len, kw, slow, out, lse_out):
                 if causal and n < Q:
                     return slow(q, k, v, **kw)
                 o[b:b + 1], lse[b:b + 1] = _one(op, q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], scale, causal)
-    return _emit(o.float(), lse.float(), q.dtype, out, lse_out)
+    o, lse = o.float(), lse.float()
+    if sink is not None:
+        o, lse = add_sink(o, lse, sink)
+    return _emit(o, lse, q.dtype, out, lse_out)

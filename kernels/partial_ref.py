@@ -10,9 +10,11 @@ import math
 
 import torch
 
-# Bound on the fp32 score block materialised per call: [B, H_kv, rows, N] floats.
-# Rows are independent, so the reference walks the query rows in slices under it.
+# Bound on the fp32 score block materialised at once: [B, H, rows, keys] floats. Rows are
+# independent and keys merge by LSE, so the reference walks query rows in slices and keys in
+# blocks under it: the fallback after a failed self-check holds any context the cache holds.
 _MAX_SCORE_ELEMS = 1 << 26  # 256 MiB of fp32
+_KEY_BLOCK = 1 << 14
 
 
 def check_inputs(q, k, v, q_pos, k_pos, kv_len):
@@ -39,15 +41,17 @@ def check_inputs(q, k, v, q_pos, k_pos, kv_len):
     return B, H, Q, d, H_kv, N
 
 
-def key_mask(B, Q, N, device, q_pos=None, k_pos=None, kv_len=None, window=None):
+def key_mask(B, Q, N, device, q_pos=None, k_pos=None, kv_len=None, window=None, k_start: int = 0):
     """Boolean visibility mask [B, Q, N] (True = the query sees the key), or None if all visible.
 
     A key is visible when its index is < ``kv_len[b]``, and, with positions, when
-    ``k_pos <= q_pos`` (causal) and ``q_pos - k_pos < window`` (sliding window).
+    ``k_pos <= q_pos`` (causal) and ``q_pos - k_pos < window`` (sliding window). ``k_start``: the
+    index of the first of the ``N`` keys (``k_pos`` then holds just these ``N``), for a block of
+    keys out of a longer shard.
     """
     mask = None
     if kv_len is not None:
-        idx = torch.arange(N, device=device)
+        idx = torch.arange(k_start, k_start + N, device=device)
         mask = (idx[None, :] < kv_len.to(device)[:, None])[:, None, :].expand(B, Q, N)  # (B, Q, N)
     if q_pos is not None:
         qp = q_pos.to(device).expand(B, Q) if q_pos.dim() == 1 else q_pos.to(device)  # (B, Q)
@@ -60,8 +64,18 @@ def key_mask(B, Q, N, device, q_pos=None, k_pos=None, kv_len=None, window=None):
     return mask
 
 
+def add_sink(o, lse, sink):
+    """Fold learned per-head sink logits into a partial (fp32, in place where it can): a sink
+    adds ``exp(sink[h])`` to head h's softmax denominator and nothing to its numerator, i.e. it
+    is one more partial ``(o = 0, lse = sink[h])``. ``o [B, H, Q, d]``, ``lse [B, H, Q]``,
+    ``sink [H]``; returns ``(o, lse)``."""
+    s = sink.to(device=lse.device, dtype=torch.float32).view(1, -1, 1).expand_as(lse)  # (B, H, Q)
+    new = torch.logaddexp(lse, s)  # lse = -inf (no key): new = s, and o stays 0
+    return o * torch.exp(lse - new)[..., None], new
+
+
 def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                          window=None, softcap=None, out=None, lse_out=None):
+                          window=None, softcap=None, sink=None, out=None, lse_out=None):
     """Attention of ``q`` to one KV shard, returning the un-merged partial ``(o, lse)``.
 
     Args:
@@ -73,44 +87,79 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
         kv_len: ``[B]`` valid keys per sequence (keys at index >= kv_len[b] are ignored).
         window: sliding window; a key is visible only if ``q_pos - k_pos < window``.
         softcap: logit soft-capping, ``s = softcap * tanh(s / softcap)`` (Gemma-2).
+        sink: ``[H]`` learned sink logits (gpt-oss) folded into this partial: each adds
+            ``exp(sink[h])`` to head h's denominator. Give them to exactly one partial of a
+            merge (they count once per query, not once per shard).
         out, lse_out: optional preallocated ``[B, H, Q, d]`` (q's dtype) / ``[B, H, Q]`` fp32
             tensors to write into (any strides, e.g. a view of the layer's output).
 
     Returns:
         o: ``[B, H, Q, d]`` in q's dtype, softmax-normalised within the shard (0 where no key).
         lse: ``[B, H, Q]`` fp32 natural-log sum of exp of the scores (-inf where no key).
+
+    Memory stays bounded whatever Q and N: query rows in slices, keys in blocks (an online
+    softmax across blocks), scores and masks of one (slice, block) at a time.
     """
     B, H, Q, d, H_kv, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     if window is not None and q_pos is None:
         raise ValueError("a sliding window needs q_pos and k_pos")
+    if sink is not None and sink.numel() != H:
+        raise ValueError(f"sink has {sink.numel()} logits for {H} query heads")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     G = H // H_kv
     o = torch.zeros(B, H, Q, d, dtype=torch.float32, device=q.device)
     lse = torch.full((B, H, Q), -math.inf, dtype=torch.float32, device=q.device)
-    if N == 0 or Q == 0:
-        return _emit(o, lse, q.dtype, out, lse_out)
-    kf = k.float()  # (B, H_kv, N, d)
-    vf = v.float()
-    # Query heads of one KV head are contiguous: h = h_kv * G + g.
-    qg = q.float().reshape(B, H_kv, G, Q, d)  # (B, H_kv, G, Q, d)
-    mask = key_mask(B, Q, N, q.device, q_pos, k_pos, kv_len, window)  # (B, Q, N) or None
-    step = max(1, _MAX_SCORE_ELEMS // max(1, B * H * N))
-    for q0 in range(0, Q, step):
-        q1 = min(Q, q0 + step)
-        rows = qg[:, :, :, q0:q1].reshape(B, H_kv, G * (q1 - q0), d)  # (B, H_kv, G*q, d)
-        s = torch.matmul(rows, kf.transpose(-1, -2)).mul_(scale)  # (B, H_kv, G*q, N)
-        if softcap is not None:
-            s = torch.tanh(s / softcap).mul_(softcap)
-        s = s.view(B, H_kv, G, q1 - q0, N)
-        if mask is not None:
-            s.masked_fill_(~mask[:, None, None, q0:q1, :], -math.inf)
-        l = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, q)
-        l_safe = torch.where(torch.isinf(l), torch.zeros_like(l), l)
-        p = torch.exp(s - l_safe[..., None])  # (B, H_kv, G, q, N); rows with no key are all 0
-        pv = torch.matmul(p.view(B, H_kv, G * (q1 - q0), N), vf)  # (B, H_kv, G*q, d)
-        o[:, :, q0:q1] = pv.view(B, H, q1 - q0, d)
-        lse[:, :, q0:q1] = l.reshape(B, H, q1 - q0)
+    if N > 0 and Q > 0:
+        qg = q.float().reshape(B, H_kv, G, Q, d)  # (B, H_kv, G, Q, d): h = h_kv * G + g
+        nb = min(N, _KEY_BLOCK)
+        step = max(1, _MAX_SCORE_ELEMS // max(1, B * H * nb))
+        for q0 in range(0, Q, step):
+            q1 = min(Q, q0 + step)
+            rows = qg[:, :, :, q0:q1].reshape(B, H_kv, G * (q1 - q0), d)  # (B, H_kv, G*q, d)
+            qp = None if q_pos is None else q_pos[..., q0:q1]
+            acc_o, acc_l = None, None  # running partial of this slice over the key blocks
+            for n0 in range(0, N, nb):
+                n1 = min(N, n0 + nb)
+                bo, bl = _block(rows, k[:, :, n0:n1], v[:, :, n0:n1], scale, softcap,
+                                key_mask(B, q1 - q0, n1 - n0, q.device, qp,
+                                         None if k_pos is None else k_pos[..., n0:n1], kv_len, window, k_start=n0),
+                                B, H_kv, G, q1 - q0)
+                acc_o, acc_l = (bo, bl) if acc_o is None else _merge(acc_o, acc_l, bo, bl)
+            o[:, :, q0:q1] = acc_o.view(B, H, q1 - q0, d)
+            lse[:, :, q0:q1] = acc_l.reshape(B, H, q1 - q0)
+    if sink is not None:
+        o, lse = add_sink(o, lse, sink)
     return _emit(o, lse, q.dtype, out, lse_out)
+
+
+def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq):
+    """Partial of ``rows [B, H_kv, G*nq, d]`` over one block of keys ``[B, H_kv, n, d]``:
+    ``(o [B, H_kv, G*nq, d], lse [B, H_kv, G, nq])`` fp32, natural log."""
+    n = k.shape[2]
+    s = torch.matmul(rows, k.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, G*q, n)
+    if softcap is not None:
+        s = torch.tanh(s / softcap).mul_(softcap)
+    s = s.view(B, H_kv, G, nq, n)
+    if mask is not None:
+        s.masked_fill_(~mask[:, None, None], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, q)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe[..., None])  # (B, H_kv, G, q, n); rows with no key are all 0
+    return torch.matmul(p.view(B, H_kv, G * nq, n), v.float()), lse
+
+
+def _merge(o_a, l_a, o_b, l_b):
+    """Two partials of one slice over disjoint key blocks, merged (DESIGN.md §2; the kernel's
+    own accumulation, like the Triton kernel's online softmax)."""
+    m = torch.maximum(l_a, l_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(l_a - m), torch.exp(l_b - m)  # (B, H_kv, G, q)
+    den = w_a + w_b
+    shape = o_a.shape
+    wa = w_a.reshape(*shape[:-1], 1)
+    wb = w_b.reshape(*shape[:-1], 1)
+    o = (o_a * wa + o_b * wb) / torch.where(den > 0, den, torch.ones_like(den)).reshape(*shape[:-1], 1)
+    return o, m + torch.log(den)
 
 
 def _emit(o, lse, dtype, out, lse_out):

@@ -152,9 +152,9 @@ def _split_kernel(
     tl.store(LP + prow, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["H", "NQ", "NSPLIT"], do_not_specialize_on_alignment=["LSE"])
-def _reduce_kernel(OP, LP, O, LSE, sob, soh, soq, sod, slb, slh, slq, H, NQ, NSPLIT,
-                   HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["H", "NQ", "NSPLIT"], do_not_specialize_on_alignment=["LSE", "SINK"])
+def _reduce_kernel(OP, LP, O, LSE, SINK, sob, soh, soq, sod, slb, slh, slq, H, NQ, NSPLIT,
+                   HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # flattened (b, h, qi)
     b = r // (H * NQ)
     h = (r // NQ) % H
@@ -168,6 +168,9 @@ def _reduce_kernel(OP, LP, O, LSE, sob, soh, soq, sod, slb, slh, slq, H, NQ, NSP
     for s0 in range(0, NSPLIT, BLOCK_S):
         mv = tl.maximum(mv, tl.load(LP + r * NSPLIT + s0 + ss, mask=s0 + ss < NSPLIT, other=float("-inf")))
     m = tl.max(mv, 0)
+    if HAS_SINK:  # a learned sink logit: one more term of the denominator, none of the numerator
+        sink = tl.load(SINK + h).to(tl.float32)
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     wv = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -179,6 +182,8 @@ def _reduce_kernel(OP, LP, O, LSE, sob, soh, soq, sod, slb, slh, slq, H, NQ, NSP
         acc += tl.sum(o * w[:, None], 0)
         wv += w
     den = tl.sum(wv, 0)
+    if HAS_SINK:
+        den += tl.exp(sink - m_safe)
     out = acc / tl.where(den > 0.0, den, 1.0)
     tl.store(O + b * sob + h * soh + qi * soq + dd * sod, out.to(O.dtype.element_ty), mask=d_ok)
     tl.store(LSE + b * slb + h * slh + qi * slq,
@@ -247,7 +252,7 @@ def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target:
 
 
 def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                             window=None, softcap=None, out=None, lse_out=None,
+                             window=None, softcap=None, sink=None, out=None, lse_out=None,
                              num_splits=None, block_n=None, num_warps=None, num_stages=None):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
@@ -267,16 +272,20 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=dev) if lse_out is None else lse_out
     if o.shape != (B, H, Q, d) or lse.shape != (B, H, Q) or lse.dtype != torch.float32:
         raise ValueError(f"out must be [{B}, {H}, {Q}, {d}] and lse_out [{B}, {H}, {Q}] fp32")
+    if sink is not None and sink.numel() != H:
+        raise ValueError(f"sink has {sink.numel()} logits for {H} query heads")
     if B * H * Q == 0:
         return o, lse
     if N == 0:
         o.zero_()
         lse.fill_(-math.inf)
+        if sink is not None:
+            lse.copy_(sink.to(device=dev, dtype=torch.float32).view(1, H, 1).expand(B, H, Q))
         return o, lse
     tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     step = max(1, max_rows(d, q.dtype) // G)
     if Q > step:  # long query blocks (prefill): slices of rows the tile can hold
-        kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, **tuning)
+        kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, sink=sink, **tuning)
         for a in range(0, Q, step):
             b = min(Q, a + step)
             partial_attention_triton(q[:, :, a:b], k, v, q_pos=None if q_pos is None else q_pos[..., a:b],
@@ -310,7 +319,8 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
         HAS_POS=has_pos, UPCAST=plan.upcast,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
+    sk = sink.to(device=dev, dtype=torch.float32).contiguous() if sink is not None else lp  # placeholder: unused
     launch(_reduce_kernel, (B * H * Q,),
-           op, lp, o, lse, *o.stride(), *lse.stride(), H, Q, plan.splits, HEAD_D=d,
-           BLOCK_S=REDUCE_BLOCK_S, BLOCK_D=plan.block_d, num_warps=4)
+           op, lp, o, lse, sk, *o.stride(), *lse.stride(), H, Q, plan.splits, HEAD_D=d,
+           BLOCK_S=REDUCE_BLOCK_S, BLOCK_D=plan.block_d, HAS_SINK=sink is not None, num_warps=4)
     return o, lse

@@ -240,15 +240,15 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
 
     mesh = Mesh(ctx.world, tp, ctx.rank)
     full = load_model(model_dir, torch.float32, torch.device("cpu"))
-    model = load_model(model_dir, torch.float32, torch.device("cpu"),
-                       tp_mesh=C.tp_device_mesh("cpu", mesh.cp, tp))
+    tp_mesh, cp_group = C.grid_mesh("cpu", mesh.cp, tp)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh)
     shards = {}
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         ref = dict(full.named_parameters())[name]
         shards[name] = (tuple(local.shape), tuple(ref.shape))
     sh = shapes(model.config)
-    comm = C.make_comm("allreduce", parts=mesh.cp_parts())
+    comm = C.make_comm("allreduce", parts=mesh.cp_parts(), group=cp_group)
     world = C.make_comm("allreduce")
     cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"] // tp, sh["head_dim"], rank=comm.rank,
                            world=mesh.cp, capacity=64)
@@ -292,7 +292,7 @@ def tp_load_memory(ctx, model_dir, tp):
     from treeattn_cli.model import load_model, weight_bytes
 
     mesh = Mesh(ctx.world, tp, ctx.rank)
-    tp_mesh = C.tp_device_mesh("cpu", mesh.cp, tp)
+    tp_mesh, _ = C.grid_mesh("cpu", mesh.cp, tp)
 
     def anon():
         for line in open("/proc/self/status"):
@@ -313,3 +313,77 @@ def tp_load_memory(ctx, model_dir, tp):
     stop.set()
     t.join()
     return max(peak[0], anon()) - base, weight_bytes(model)
+
+
+def engine_sessions(ctx, sessions):
+    """For each ``(job, requests, route)``: an engine on these ranks serving ``requests``
+    (``route``: force "pass-q" or "pass-kv" for appends after a cache); rank 0 returns, per
+    session, the token ids of each decode request."""
+    from treeattn_cli.engine import Engine
+
+    out = []
+    for job, requests, route in sessions:
+        answers = []
+        real = ctx.emit
+        ctx.emit = lambda kind, payload: answers.append(payload["token_ids"]) if kind == "answer" else None
+        try:
+            eng = Engine(ctx, job)
+            eng.dec.route = route
+            eng.serve(requests)
+        finally:
+            ctx.emit = real
+        out.append(answers)
+    return out if ctx.rank == 0 else None
+
+
+def graph_agreement(ctx, job, fail):
+    """CUDA-graph decode on CPU ranks with stand-ins for the CUDA graph API (a "capture" runs
+    the step eagerly, a "replay" runs it again): ``fail`` = "capture" makes rank 1's capture
+    fail (after the step ran: the collectives matched), "warmup" makes rank 1 fail before its
+    warm-up step. Rank 0 returns (tokens, [per rank: graph in use, note])."""
+    import contextlib
+
+    from treeattn_cli.engine import Engine
+    from treeattn_cli.decode import Sampling
+
+    eng = Engine(ctx, job)
+    dec = eng.dec
+    dec.use_graph = True
+
+    class Stream:
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            out = dec._forward(dec._tok, dec._pos, want_logits=dec.comm.rank == 0)
+            if out is not None:
+                dec._graph_out.copy_(out)
+
+    def stream(s):
+        if fail == "warmup" and ctx.rank == 1:
+            raise RuntimeError("CUDA out of memory (simulated, in the warm-up)")
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def graph(g):
+        yield
+        if fail == "capture" and ctx.rank == 1:
+            raise RuntimeError("operation not permitted when stream is capturing (simulated)")
+
+    torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = Stream, lambda *a, **k: Stream(), stream
+    torch.cuda.CUDAGraph, torch.cuda.graph = Graph, graph
+    answers = []
+    real = ctx.emit
+    ctx.emit = lambda kind, payload: answers.append(payload["token_ids"]) if kind == "answer" else None
+    try:
+        eng.serve([{"op": "append", "ids": list(job.prompt_ids)},
+                   {"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "sampling": vars(Sampling()),
+                    "keep": False}, {"op": "stop"}])
+    finally:
+        ctx.emit = real
+    state = eng.world.all_gather_values([dec.graph is not None, dec.use_graph])
+    return (answers[0], state.tolist(), dec.graph_note) if ctx.rank == 0 else None

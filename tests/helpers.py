@@ -60,3 +60,35 @@ def assert_usage_error(r, needle: str) -> None:
     assert r.exit_code == 2, (r.exit_code, r.stderr, r.exception)
     assert len(lines) == 1 and lines[0].startswith("treeattn: error:") and needle in lines[0], r.stderr
     assert r.stdout == "", r.stdout
+
+
+def anon_bytes() -> int:
+    """This process's anonymous resident memory (file-backed pages, e.g. mmap'd checkpoints, do
+    not count: they are the page cache)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_anon_growth(fn):
+    """``(result of fn(), peak growth of anonymous memory while it ran)``, sampled every 2 ms."""
+    import threading
+    import time
+
+    base, peak, stop = anon_bytes(), [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], anon_bytes())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        out = fn()
+    finally:
+        stop.set()
+        t.join()
+    return out, max(peak[0], anon_bytes()) - base

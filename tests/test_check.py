@@ -81,3 +81,27 @@ def test_generate_checks_the_kernels_once_per_machine(cache, tmp_path):
     assert load_verdict(dev) is None
     v = kernel_verdict(dev)
     assert v["ok"] and load_verdict(dev) == v
+
+
+def test_under_torchrun_only_local_rank_0_checks(cache, monkeypatch):
+    """Under torchrun, local rank 0 of a node runs the kernel self-check on its own device; the
+    node's other processes wait for its cached verdict instead of checking GPU 0 all at once."""
+    import threading
+    import time
+
+    from treeattn_cli import check, runner
+
+    ran = []
+    real = check.kernel_checks
+    monkeypatch.setattr(check, "kernel_checks", lambda *a, **k: ran.append(1) or real(*a, **k))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    later = threading.Timer(0.5, lambda: check.save_verdict(torch.device("cpu"), real(torch.device("cpu"), full=False)))
+    t0 = time.monotonic()
+    later.start()  # "local rank 0" finishes its check half a second later
+    assert runner._kernels_failed("cpu") is False
+    assert time.monotonic() - t0 >= 0.5 and not ran  # waited for the verdict, ran nothing itself
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TREEATTN_CACHE", str(cache.parent / "other"))
+    assert runner._kernels_failed("cpu") is False and ran  # local rank 0 checks

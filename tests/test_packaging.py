@@ -57,4 +57,4 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
     assert "treeattn_cli/main.py" in names
     assert "treeattn_cli/profiles/dgx-h100.yaml" in names and "treeattn_cli/data/demo_document.txt" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "treeattn = treeattn_cli.main:app" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "treeattn = treeattn_cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()

@@ -275,3 +275,73 @@ def test_fused_causal_blocks_are_square(monkeypatch):
     o_ref, lse_ref = attention_f64(q, k, v, mask=key_mask(2, Q, N, "cpu", kv_len=torch.tensor([N, 3]), **pos))
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
+
+
+def _sink_oracle(q, k, v, sink, mask=None):
+    """float64 attention with a learned per-head sink logit in every softmax denominator (as
+    gpt-oss's eager attention: a column of logits that is dropped after the softmax)."""
+    B, H, Q, d = q.shape
+    G = H // k.shape[1]
+    s = q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(d)  # (B, H, Q, N)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None], -math.inf)
+    col = sink.double().view(1, H, 1, 1).expand(B, H, Q, 1)
+    p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+    return p @ v.double().repeat_interleave(G, 1), torch.logsumexp(torch.cat([s, col], -1), -1)
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("N,ragged", [(0, False), (1, False), (77, True), (300, False)])
+def test_sinks_enter_the_denominator_once(impl, N, ragged):
+    """``sink``: exp(sink[h]) joins head h's softmax denominator (rows without a key keep o = 0
+    and get lse = sink), and a partial with the sink merged with partials without it equals
+    attention with the sink over all keys."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+    B, G, H_kv, Q, d = 2, 3, 2, 1, 32
+    H = G * H_kv
+    q, k, v = make(B, H, H_kv, Q, N, d, torch.float32)
+    sink = torch.randn(H) * 2 + 1
+    kv_len = torch.tensor([N, N // 2]) if ragged else None
+    o, lse = partial_attention(q, k, v, kv_len=kv_len, sink=sink, impl=impl)
+    mask = key_mask(B, Q, N, q.device, None, None, kv_len) if ragged else None
+    o_ref, lse_ref = _sink_oracle(q, k, v, sink, mask)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    if N >= 2:  # split the keys: the sink in one partial only
+        from treeattn_cli.merge import merge_pair
+
+        a, b = partial_attention(q, k[:, :, : N // 2], v[:, :, : N // 2], sink=sink, impl=impl), \
+            partial_attention(q, k[:, :, N // 2:], v[:, :, N // 2:], impl=impl)
+        mo, ml = merge_pair(*a, *b)
+        o_all, l_all = _sink_oracle(q, k, v, sink)
+        assert_close(mo, o_all, torch.float32, "merged o")
+        assert_close(ml, l_all, torch.float32, "merged lse")
+
+
+def test_reference_bounds_its_memory_by_rows_and_keys(monkeypatch):
+    """The reference (the fallback after a failed self-check) never builds a score block or a
+    mask larger than its bound, whatever Q x N (a 64K x 64K causal prefill block once needed a
+    32 GiB int64 mask): rows in slices, keys in blocks merged by LSE, the same answer."""
+    from treeattn_kernels import partial_ref as pr
+
+    monkeypatch.setattr(pr, "_MAX_SCORE_ELEMS", 4096)
+    monkeypatch.setattr(pr, "_KEY_BLOCK", 50)
+    biggest = [0]
+    real = pr.key_mask
+
+    def watched(*a, **kw):
+        m = real(*a, **kw)
+        biggest[0] = max(biggest[0], 0 if m is None else m.numel())
+        return m
+
+    monkeypatch.setattr(pr, "key_mask", watched)
+    B, G, H_kv, Q, N, d = 1, 2, 2, 70, 333, 16
+    q, k, v = make(B, G * H_kv, H_kv, Q, N, d, torch.float32)
+    q_pos, k_pos = torch.arange(N - Q, N), torch.arange(N)[torch.randperm(N)]
+    o, lse = pr.partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, window=100, kv_len=torch.tensor([300]))
+    mask = real(B, Q, N, q.device, q_pos, k_pos, torch.tensor([300]), 100)
+    o_ref, lse_ref = attention_f64(q, k, v, mask=mask)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert 0 < biggest[0] <= 4096 // (G * H_kv), biggest[0]  # a slice of rows x one key block, never Q x N

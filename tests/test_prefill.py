@@ -67,7 +67,7 @@ def test_four_ranks_both_shardings_chunked_or_not_equal_transformers(llama):
     methods = set()
     for (n, c, s), (toks, summary) in zip(cases, res):
         assert toks == want[n], (n, c, s)
-        assert {seg["sharding"] for seg in summary["prefill_segments"]} == {s}
+        assert {seg["sharding"] for seg in summary["prefill_segments"]} == ({s} if n >= 4 else {"replicated"})
         methods |= {seg["method"] for seg in summary["prefill_segments"] if seg["cached"]}
     assert methods == {"pass-kv", "pass-q"}
 

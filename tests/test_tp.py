@@ -99,23 +99,27 @@ def test_bad_tp_is_refused(models, nproc, tp):
     assert err[0].endswith(": 1, 2") or err[0].endswith(": 1"), err
 
 
-def test_transformers_tp_hook_is_where_we_expect():
-    """--tp hands transformers' loader our tensor-parallel sub-mesh through a private function:
-    if transformers moves or reshapes it, fail here, loudly (pyproject bounds the version)."""
-    import inspect
+def test_tp_hook_is_feature_tested_and_a_missing_one_refuses_only_tp(models, monkeypatch):
+    """--tp hands transformers' loader our sub-mesh through a private function, tested for by
+    feature, not by version: present here; moved or reshaped, --tp is refused in one line
+    before any rank starts (exit 2), and a run without --tp is unaffected."""
+    import json as _json
 
-    import transformers
     import transformers.distributed.mixin as mixin
-    from transformers.distributed.utils import TransformersDeviceMesh
 
-    from treeattn_cli.model import _TP_HOOK
+    from helpers import assert_usage_error, cli
+    from treeattn_cli import tp
 
-    assert _TP_HOOK == ("transformers.distributed.mixin", "initialize_distributed_mesh")
-    fn = getattr(mixin, "initialize_distributed_mesh")
-    assert list(inspect.signature(fn).parameters) == ["distributed_config"]
-    assert "TransformersDeviceMesh" in str(inspect.signature(fn).return_annotation)
-    assert set(inspect.signature(TransformersDeviceMesh).parameters) == {"dense_mesh", "expert_mesh"}
-    assert transformers.__version__.startswith("5.23."), transformers.__version__
+    assert tp.hook_problem() is None
+    monkeypatch.setattr(mixin, "initialize_distributed_mesh", lambda distributed_config, extra=None: None)
+    assert "changed it" in tp.hook_problem()
+    monkeypatch.delattr(mixin, "initialize_distributed_mesh")
+    assert "absent" in tp.hook_problem()
+    common = ["generate", "--model", str(models["llama"]), "--prompt", "hi", "--no-chat", "--dtype", "float32",
+              "--max-new-tokens", "2"]
+    assert_usage_error(cli(*common, "--nproc", "2", "--tp", "2"), "--tp needs transformers")
+    r = cli(*common, "--nproc", "2", "--json")
+    assert r.exit_code == 0 and _json.loads(r.stdout.splitlines()[-1])["token_ids"], r.output
 
 
 def test_two_nodes_under_torchrun(models):
@@ -202,3 +206,27 @@ def test_loading_is_sharded(tmp_path):
     for grown, held in run_local(dist_cases.tp_load_memory, 2, str(d), 2, timeout_s=120):
         assert held <= 0.55 * total
         assert grown <= 0.6 * total, (grown, total)
+
+
+def test_cuda_graph_capture_is_agreed_by_the_world_and_a_failed_warm_up_is_fatal(models):
+    """A CUDA-graph capture that fails on one rank makes every rank of the world decode eagerly,
+    tensor-parallel peers included (tp 2: each rank is its own sequence shard, so agreeing within
+    the cp group alone would leave rank 0 replaying a graph while rank 1 runs eagerly). A rank
+    that fails inside the warm-up step (which runs the collectives for real) stops the run with
+    its own error, promptly, instead of leaving its peers in mismatched collectives."""
+    from treeattn_cli.launch import LaunchError
+
+    ids = _prompt_ids(models["llama"], 19)
+    want = tiny_models.hf_greedy(models["llama"], ids, NEW)
+    job = GenerateJob(str(models["llama"]), ids, max_new_tokens=NEW, dtype="float32", tp=2, static=True,
+                      sampling=Sampling())
+    toks, state, note = run_local(dist_cases.graph_agreement, 2, job, "capture", timeout_s=60)[0]
+    assert toks == want
+    assert state == [[0.0, 0.0], [0.0, 0.0]], state  # no rank kept its graph
+    assert "CUDA graph capture failed" in note
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 failed: RuntimeError: CUDA out of memory \(simulated"):
+        run_local(dist_cases.graph_agreement, 2, job, "warmup", timeout_s=60)
+    assert time.monotonic() - t0 < 30

@@ -164,18 +164,24 @@ class ShardedKVCache:
         self.host_length.copy_(host_length)
         self.counts = counts.clone()
 
-    def fill(self, keys: list, values: list, positions, counts) -> None:
-        """Replace this rank's shard: ``keys[l], values[l] [B, H_kv, n, d]`` with global
-        ``positions [n]`` (a loaded cache), and every rank's token counts ``[world]``."""
+    def begin_fill(self, positions, counts) -> None:
+        """Replace this rank's shard by one with global ``positions [n]`` (a loaded cache) and
+        every rank's token counts ``[world]``; the layers follow with :meth:`fill_layer`, one at
+        a time (a load holds one layer on the host, never the shard)."""
         n = int(positions.shape[-1])
         self.reserve(max(max(counts), n))  # like prefill: by the largest shard of any rank
-        for layer in range(self.num_layers):
-            self.k[layer][:, :, :n] = keys[layer].to(self.dtype)
-            self.v[layer][:, :, :n] = values[layer].to(self.dtype)
         self.pos[:, :n] = torch.as_tensor(positions, device=self.device).expand(self.batch, n)
         self.length.fill_(n)
         self.host_length.fill_(n)
         self.set_counts(counts)
+
+    def fill_layer(self, layer: int, k, v, slots=None, heads: slice = slice(None)) -> None:
+        """Part of one layer of a :meth:`begin_fill`: ``k, v [B, h, m, d]`` into token slots
+        ``slots [m]`` (default ``0 .. m - 1``) and KV heads ``heads`` of this rank's shard."""
+        if slots is None:
+            slots = slice(0, k.shape[2])
+        self.k[layer][:, heads, slots] = k.to(self.dtype)
+        self.v[layer][:, heads, slots] = v.to(self.dtype)
 
     def view(self, layer: int):
         """``(k, v [B, H_kv, L, d], kv_len [B], pos [B, L])`` of this rank without a new token."""

@@ -24,7 +24,7 @@ import threading
 from . import comm as C
 from . import launch
 from . import prompt as P
-from .report import GenerateView, stats_line
+from .report import GenerateView, stats_line, stdout_closed
 from .options import ChatOptions
 from .runner import prepare_run
 
@@ -167,6 +167,8 @@ def _session(o, run, job, composition, doc_ids, manifest, save_meta) -> int:
     except launch.LaunchError as e:
         print(f"treeattn: error: {e}", file=sys.stderr)
         code = 1
+    except BrokenPipeError:  # `| head`: the reader has enough; stop the ranks quietly
+        code = stdout_closed()
     finally:
         if code:
             abort.set()

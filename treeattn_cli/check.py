@@ -341,6 +341,19 @@ def kernel_verdict(device) -> dict:
         return {"ok": False, "failed": [f"the kernel self-check did not complete: {why}"]}
 
 
+def wait_for_verdict(device, timeout_s: float = 1800.0, poll_s: float = 0.5) -> dict:
+    """The kernel verdict another process (local rank 0 under torchrun) is producing for this
+    machine: wait for it to be cached, as long as a full self-check may take."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = load_verdict(device)
+        if v is not None:
+            return v
+        if time.monotonic() > deadline:
+            return {"ok": False, "failed": [f"no kernel verdict from local rank 0 within {timeout_s:g} s"]}
+        time.sleep(poll_s)
+
+
 def check_command(*, nproc=None, device="auto", backend="auto", kernels_only=False,
                   on_progress=None) -> list[dict]:
     """Run every check for this machine (``kernels_only``: the kernel part, as ``generate`` does

@@ -128,7 +128,7 @@ def init_process_group(backend: str, rank: int, world: int, store, timeout_s: fl
         t = threading.Thread(target=_beat, args=(store, rank, stop), daemon=True,
                              name="treeattn-heartbeat")
         t.start()
-        _state["hb"] = stop
+        _state["hb"] = (stop, t)
 
 
 def _beat(store, rank, stop):
@@ -143,7 +143,12 @@ def _beat(store, rank, stop):
 def destroy_process_group() -> None:
     """Leave the group (idempotent)."""
     if _state["hb"] is not None:
-        _state["hb"].set()
+        # stop the heartbeat and wait for it: a thread still inside a store call while the
+        # interpreter shuts down can abort the process ("terminate called without an active
+        # exception", seen under torchrun)
+        stop, t = _state["hb"]
+        stop.set()
+        t.join(timeout=5)
         _state["hb"] = None
     if dist.is_available() and dist.is_initialized():
         try:
@@ -252,6 +257,14 @@ class Comm:
     @classmethod
     def single(cls, scheme="allreduce", stats=None) -> "Comm":
         return cls(scheme=scheme, stats=stats, _single=True)
+
+    def uses_p2p(self) -> bool:
+        """Whether a merge on this communicator sends point to point (the ``tree`` scheme, at
+        any level of a hierarchical merge)."""
+        if self.scheme == "hierarchical":
+            return any(c is not None and c.world > 1 and s == "tree"
+                       for c, s in ((self.inner, self.inner_scheme), (self.leaders, self.outer_scheme)))
+        return self.world > 1 and self.scheme == "tree"
 
     # -- primitives (each counts itself) ------------------------------------------------
     def _count(self, op, t):
@@ -455,22 +468,28 @@ def subgroup(ranks: list[int], scheme: str = "allreduce", stats: Stats | None = 
 def make_comm(scheme: str = "allreduce", groups: list[list[int]] | None = None,
               inner_scheme: str = "allreduce", outer_scheme: str = "tree",
               stats: Stats | None = None, timeout_s: float | None = None,
-              parts: list[list[int]] | None = None) -> Comm:
+              parts: list[list[int]] | None = None, group=None) -> Comm:
     """The communicator of a plan (call on every rank, same arguments).
 
     ``parts``: disjoint lists of global ranks covering the world, each its own communicator
     (the cp groups of a (cp × tp) mesh, ``mesh.Mesh.cp_parts``); a rank gets the one it is in.
-    Default: one part, the whole default group.
+    Default: one part, the whole default group. ``group``: this rank's part as an existing
+    process group (``grid_mesh``'s), so it is not created twice. A part of one rank gets no
+    process group at all (``Comm.single``).
     ``groups`` (hierarchical only): a partition of a part's ranks by their index in the part,
     e.g. ``[[0, 1], [2, 3]]``; the first of each group is its leader.
     """
+    flat = scheme if scheme != "hierarchical" else "allreduce"
     if not (dist.is_available() and dist.is_initialized()):
-        return Comm.single(scheme if scheme != "hierarchical" else "allreduce", stats)
+        return Comm.single(flat, stats)
     stats = stats or Stats()
     world, me = dist.get_world_size(), dist.get_rank()
     parts = [list(p) for p in (parts or [list(range(world))])]
     if sorted(r for p in parts for r in p) != list(range(world)):
         raise ValueError(f"parts {parts} must partition ranks 0..{world - 1}")
+    mine = next(p for p in parts if me in p)
+    if len(mine) == 1:
+        return Comm.single(flat, stats)
     whole = parts == [list(range(world))]
     if scheme != "hierarchical" and whole:
         return Comm(None, scheme, stats)
@@ -479,14 +498,15 @@ def make_comm(scheme: str = "allreduce", groups: list[list[int]] | None = None,
     def new_group(ranks):  # every rank creates every group, in the same order
         return None if ranks == list(range(world)) else dist.new_group(ranks, timeout=timeout)
 
-    own = None
-    for part in parts:
-        pg = new_group(part)
-        if me in part:
-            own = pg
+    own = group
+    if own is None:
+        for part in parts:
+            pg = new_group(part)
+            if me in part:
+                own = pg
     if scheme != "hierarchical":
         return Comm(own, scheme, stats)
-    size = len(next(p for p in parts if me in p))
+    size = len(mine)
     groups = [list(g) for g in (groups or [list(range(size))])]
     if sorted(i for g in groups for i in g) != list(range(size)) or any(not g for g in groups):
         raise ValueError(f"hierarchical groups {groups} must partition ranks 0..{size - 1}")
@@ -497,10 +517,18 @@ def make_comm(scheme: str = "allreduce", groups: list[list[int]] | None = None,
     for part in parts:
         for g in groups:
             ranks = [part[i] for i in g]
+            if len(ranks) == 1:  # a group of one: no process group
+                if me in ranks:
+                    inner = Comm.single(inner_scheme, stats)
+                continue
             pg = new_group(ranks)
             if me in ranks:
                 inner = Comm(pg, inner_scheme, stats)
         lead = [part[g[0]] for g in groups]
+        if len(lead) == 1:
+            if me in lead:
+                leaders = Comm.single(outer_scheme, stats)
+            continue
         pg = new_group(lead)
         if me in lead:
             leaders = Comm(pg, outer_scheme, stats)
@@ -529,15 +557,15 @@ def nodes_of_all_ranks() -> list[str]:
     return out
 
 
-def tp_device_mesh(device_type: str, cp: int, tp: int):
-    """The tensor-parallel sub-mesh of this rank in the (cp × tp) grid, with the dimension names
-    transformers' loader expects (pp, dp_replicate, fsdp, tp), each tp group ``T`` contiguous
-    ranks (see mesh.py)."""
+def grid_mesh(device_type: str, cp: int, tp: int):
+    """The (cp × tp) grid as a device mesh: ``(tp_mesh, cp_group)`` of this rank, each tp group
+    ``T`` contiguous ranks (see mesh.py). Two process groups per rank and no more: the tensor-
+    parallel one (transformers' loader shards the weights over ``tp_mesh``) and the sequence-
+    shard one, which the merge reuses (``make_comm(group=...)``) instead of creating its twin."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    grid = init_device_mesh(device_type, (cp, 1, 1, 1, tp),
-                            mesh_dim_names=("cp", "pp", "dp_replicate", "fsdp", "tp"))
-    return grid[("pp", "dp_replicate", "fsdp", "tp")]
+    grid = init_device_mesh(device_type, (cp, tp), mesh_dim_names=("cp", "tp"))
+    return grid["tp"], (grid.get_group("cp") if cp > 1 else None)
 
 
 # ---------------------------------------------------------------- requests to a running engine

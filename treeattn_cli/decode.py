@@ -56,6 +56,17 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> to
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # on the logits' device
 
 
+P2P_CAPTURE_TORCH = "2.7"  # blocking send/recv inside a CUDA graph capture (pytorch#148462)
+
+
+def graph_capture_ok(comm, version: str | None = None) -> bool:
+    """Whether this torch can capture the decode step's merge in a CUDA graph: all_reduce and
+    broadcast always could; the point-to-point sends of ``tree`` (and of hierarchical levels
+    that use it) only from torch 2.7 on."""
+    v = tuple(int(x) for x in (version or torch.__version__).split("+")[0].split(".")[:2])
+    return v >= tuple(int(x) for x in P2P_CAPTURE_TORCH.split(".")) or comm.world == 1 or not comm.uses_p2p()
+
+
 def segments(n: int, p: int, piece: int | None) -> list[tuple[int, int]]:
     """Prefill segments of ``p * piece`` tokens (one piece per rank); the tail is merged into
     the previous segment when shorter than p, so only a prompt shorter than p leaves a rank
@@ -87,7 +98,13 @@ class Decoder:
         self._graph_cap = None
         self._tok = self._pos = self._graph_out = None
         self.graph_note = None
+        if self.use_graph and not graph_capture_ok(self.comm):
+            self.use_graph = False
+            self.graph_note = (f"CUDA graphs need torch >= {P2P_CAPTURE_TORCH} to capture the point-to-point "
+                               f"sends of the {self.comm.scheme} merge (this is torch {torch.__version__}): "
+                               "decoding eagerly")
         self.sharding = sharding  # of prefill segments: "balanced" or "contiguous" (prefill.py)
+        self.route = None  # force "pass-q" or "pass-kv" for segments after a cache (tests); None: plan
         self.segments: list[dict] = []  # what each prefill segment did (Decoder.prefill)
         cfg = getattr(model.config, "text_config", None) or model.config
         group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -119,6 +136,8 @@ class Decoder:
 
         B, n = ids.shape
         p, r = self.comm.world, self.comm.rank
+        if n < p:  # too short to give every sequence shard a piece: every rank runs all of it
+            return self._prefill_replicated(ids, on_progress)
         start = self.total
         counts = self.cache.counts[0].tolist()
         last_owner = 0
@@ -132,6 +151,8 @@ class Decoder:
             method, _ = plan(s1 - s0, sum(cache_lens), p=p, heads=self.q_heads, kv_heads=self.cache.kv_heads,
                              head_dim=self.cache.head_dim, esize=self.cache.k[0].element_size()
                              if self.cache.k else 4, window=self.window)
+            if self.route and sum(cache_lens):
+                method = self.route
             for i in range(p):
                 counts[i] += lens[i]
             self.cache.reserve(max(counts))  # the same on every rank (see cache.py)
@@ -165,6 +186,39 @@ class Decoder:
             logits = self.comm.broadcast(buf.contiguous(), src=last_owner)
         return logits if r == 0 else None
 
+    def _prefill_replicated(self, ids: torch.Tensor, on_progress=None):
+        """Append ``ids [B, n]``, ``n`` shorter than the number of sequence shards (a short
+        question after a cached document): every rank runs the model on all ``n`` tokens, as in
+        a decode step with ``n`` query rows. Each rank attends them to its own shard; the rank
+        holding the fewest tokens (ties: the lowest) also keeps their K/V and attends them
+        causally; the partials merge like a decode step's (``comm.merge``, one per layer). No
+        rank is left without work in a relay, and every shard is attended. Returns the last
+        position's logits ``[B, V]`` on rank 0."""
+        B, n = ids.shape
+        start = self.total
+        counts = self.cache.counts[0].tolist()
+        owner = min(range(len(counts)), key=lambda i: (counts[i], i))
+        counts[owner] += n
+        self.cache.reserve(max(counts))  # the same on every rank (see cache.py)
+        pos = torch.arange(start, start + n, device=self.device)
+        stats = self.comm.stats
+        was, stats.enabled = stats.enabled, True
+        stats.reset()
+        self.actx.phase, self.actx.positions, self.actx.owner = "replicated", pos, owner
+        if on_progress is not None:
+            L = self.cache.num_layers
+            self.actx.on_layer = lambda layer: on_progress(n * (layer + 1) // L, n)
+        try:
+            logits = self._forward(ids.to(self.device), pos[None].expand(B, -1), want_logits=self.comm.rank == 0)
+        finally:
+            self.actx.on_layer, self.actx.phase = None, "decode"
+        self.segments.append({"tokens": n, "cached": start, "method": "replicated", "sharding": "replicated",
+                              "flops": stats.flops, "bytes": stats.bytes_sent})
+        stats.reset()
+        stats.enabled = was
+        self.cache.set_counts(counts)
+        return logits
+
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, position: int):
         """One decode step for ``tokens [B]`` at global ``position``; logits ``[B, V]`` on rank 0."""
@@ -189,22 +243,28 @@ class Decoder:
         Capture runs the step once for warm-up on a side stream (every rank does, so their
         collectives match; the step's writes are idempotent: same slot, same values), records
         it, then replays it. Every rank captures on the same step (capacities grow together,
-        see cache.py), and they agree on the outcome: if any rank's capture fails, every rank
-        decodes eagerly from then on, with a note (graph and eager steps must not mix)."""
+        see cache.py), and every rank of the world agrees on the outcome (tensor-parallel peers
+        too, not only the sequence shards): if any rank's capture fails, every rank decodes
+        eagerly from then on, with a note (graph and eager steps must not mix).
+
+        The warm-up runs the step's collectives for real: a rank that fails inside it (out of
+        memory, say) leaves its peers inside a collective, where no agreement can reach them,
+        so that failure is raised like any other (the launcher names the rank and stops the
+        rest). A capture only records the collectives, so its failure can be agreed on."""
         if self.graph is None or self._graph_cap != self.cache.capacity:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward(self._tok, self._pos, want_logits=want)
+            torch.cuda.current_stream(self.device).wait_stream(side)
             err = None
             try:
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    self._forward(self._tok, self._pos, want_logits=want)
-                torch.cuda.current_stream(self.device).wait_stream(side)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._graph_out = self._forward(self._tok, self._pos, want_logits=want)
             except Exception as e:  # noqa: BLE001 - any capture problem: stay eager, say why
                 err = f"{type(e).__name__}: {e}"
-            if not self.comm.all_true(err is None):
+            if not self.world.all_true(err is None):
                 self.use_graph, self.graph = False, None
                 where = err or "on another rank"
                 self.graph_note = f"CUDA graph capture failed, decoding eagerly: {where}"[:300]

@@ -89,12 +89,12 @@ class Engine:
         use_reference(job.reference)
         self.mesh = mesh = Mesh(ctx.world, job.tp, ctx.rank)
         self.nodes = C.nodes_of_all_ranks()
-        tp_mesh = None
+        tp_mesh = cp_group = None
         if mesh.tp > 1:
             check_tp_within_nodes(mesh, self.nodes)
-            tp_mesh = C.tp_device_mesh(device.type, mesh.cp, mesh.tp)
+            tp_mesh, cp_group = C.grid_mesh(device.type, mesh.cp, mesh.tp)
         self.model = load_model(job.model_dir, dtype, device, trust_remote_code=job.trust_remote_code,
-                                allow_pickle=job.allow_pickle, tp_mesh=tp_mesh)
+                                allow_pickle=job.allow_pickle, tp_mesh=tp_mesh, tp_plan=job.tp_plan)
         self.shapes = sh = shapes(self.model.config)
         plan = (job.scheme, job.groups, job.inner, job.outer)
         if len(set(self.nodes)) > 1 and job.auto_layout:  # planned in the launcher as if on one node
@@ -102,12 +102,16 @@ class Engine:
                             layers=sh["num_layers"], intra="LOOPBACK" if device.type == "cpu" else "NVSWITCH")
             plan = (lay.scheme, lay.groups, lay.inner or "allreduce", lay.outer or "tree")
         self.scheme = plan[0]
-        self.comm = C.make_comm(*plan, parts=mesh.cp_parts())  # the merge runs over my cp group
+        self.comm = C.make_comm(*plan, parts=mesh.cp_parts(), group=cp_group)  # the merge runs over my cp group
         self.world = C.make_comm("allreduce") if mesh.tp > 1 else self.comm  # tokens go to every rank
         cp = mesh.cp
         cap = math.ceil(job.reserve_tokens / cp) + 2
         static = job.static if job.static is not None else device.type == "cuda"
-        self.kv_heads = sh["kv_heads"] // mesh.tp
+        # KV heads this rank attends with: 1/T of them, unless the plan gives every tp rank all
+        # of them (Phi-3's fused qkv_proj is gathered again); then tp peers hold the same heads
+        self.heads_split = job.tp_heads_split
+        self.kv_heads = sh["kv_heads"] // (mesh.tp if self.heads_split else 1)
+        self.head0 = mesh.tp_index * self.kv_heads if self.heads_split else 0
         self.cache = ShardedKVCache(sh["num_layers"], 1, self.kv_heads, sh["head_dim"], dtype=dtype,
                                     device=device, rank=self.comm.rank, world=cp, capacity=cap, static=static)
         self.dec = Decoder(self.model, AttentionContext(self.comm, self.cache, decode_method=job.decode_method),
@@ -208,8 +212,9 @@ class Engine:
         if self.lead:
             tmp.mkdir(parents=True, exist_ok=True)
         self.world.barrier()
-        kvstore.save_shard(tmp, self.cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index,
-                           head0=self.mesh.tp_index * self.kv_heads)
+        if self.heads_split or self.mesh.tp_index == 0:  # tp peers with the same heads: one writes
+            kvstore.save_shard(tmp, self.cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index,
+                               head0=self.head0)
         self.world.barrier()
         if self.lead:
             sh = self.shapes
@@ -228,7 +233,7 @@ class Engine:
 
         t0 = time.perf_counter()
         kvstore.load_into(req["dir"], req["manifest"], self.cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index,
-                          head0=self.mesh.tp_index * self.kv_heads)
+                          head0=self.head0)
         self.ids = kvstore.load_ids(Path(req["dir"]))
         self.pending, self.logits, self.ready = None, None, False  # a load is followed by an append
         if self.lead:

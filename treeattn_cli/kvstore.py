@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -79,17 +80,64 @@ def model_identity(model_dir) -> dict:
 
 # ---------------------------------------------------------------- saving (on the ranks)
 
-def save_shard(tmp: Path, cache, *, cp_index: int, tp_index: int, head0: int) -> None:
-    """This rank's shard into ``tmp`` (written to a temporary name, then renamed)."""
-    from safetensors.torch import save_file
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 
+
+def _write_streamed(path: Path, entries, metadata: dict) -> None:
+    """Write a safetensors file whose tensors come a piece at a time: ``entries`` is a list of
+    ``(name, dtype, shape, pieces)`` where ``pieces()`` yields contiguous tensors (on any device)
+    whose bytes, in order, are the tensor's. The header is known up front (shapes and dtypes),
+    so the file is written front to back straight from the cache's own memory (a device cache
+    through one pinned host buffer): a save adds no copy of the shard to the host, whatever its
+    size."""
+    import numpy as np
+
+    header, off = {"__metadata__": metadata}, 0
+    for name, dtype, shape, _ in entries:
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    staging = None  # pinned host bytes a device piece is copied through, reused
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for _, _, _, pieces in entries:
+            for t in pieces():
+                nbytes = t.numel() * t.element_size()
+                if t.device.type != "cpu":
+                    if staging is None or staging.numel() < nbytes:
+                        staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    staging[:nbytes].view(t.dtype).view(t.shape).copy_(t)
+                    t = staging[:nbytes]
+                f.write(np.asarray(t.view(torch.uint8).view(-1)).data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rows(t, n: int):
+    """The bytes of ``t[:, :, :n]`` (``t [B, H, capacity, d]``) as contiguous pieces, no copy."""
+    def pieces():
+        for b in range(t.shape[0]):
+            for h in range(t.shape[1]):
+                yield t[b, h, :n]
+    return pieces
+
+
+def save_shard(tmp: Path, cache, *, cp_index: int, tp_index: int, head0: int) -> None:
+    """This rank's shard into ``tmp`` (written to a temporary name, then renamed), streamed
+    from the cache's memory (:func:`_write_streamed`)."""
     n = int(cache.host_length[0])
-    t = {f"k.{i}": cache.k[i][:, :, :n].contiguous().cpu() for i in range(cache.num_layers)}
-    t.update({f"v.{i}": cache.v[i][:, :, :n].contiguous().cpu() for i in range(cache.num_layers)})
-    t["pos"] = cache.pos[0, :n].contiguous().cpu()
-    meta = {"cp_index": str(cp_index), "tp_index": str(tp_index), "kv_heads": f"{head0}:{head0 + cache.kv_heads}"}
+    shape = (cache.batch, cache.kv_heads, n, cache.head_dim)
+    entries = []
+    for i in range(cache.num_layers):
+        entries.append((f"k.{i}", cache.dtype, shape, _rows(cache.k[i], n)))
+        entries.append((f"v.{i}", cache.dtype, shape, _rows(cache.v[i], n)))
+    entries.append(("pos", torch.int64, (n,), lambda: iter([cache.pos[0, :n]])))
+    meta = {"cp_index": str(cp_index), "tp_index": str(tp_index), "kv_heads": f"{head0}:{head0 + cache.kv_heads}",
+            "format": "pt"}
     final = tmp / shard_name(cp_index, tp_index)
-    save_file(t, str(final) + ".tmp", metadata=meta)
+    _write_streamed(Path(str(final) + ".tmp"), entries, meta)
     os.replace(str(final) + ".tmp", final)
 
 
@@ -171,6 +219,8 @@ def validate(kv_dir, *, identity: dict, dtype: str, shapes: dict) -> dict:
         raise KVError(f"{d / TOKENS} does not match the manifest's token count and hash")
     covered = 0
     for s in m["shards"]:
+        if not _plain_name(s.get("file")):  # only files of this directory are ever read
+            raise KVError(f"{d / MANIFEST}: shard {str(s.get('file'))[:80]!r} is not a plain file name in {d}")
         header = _check_safetensors(d / s["file"])
         want = {f"{kind}.{i}" for kind in "kv" for i in range(shapes["layers"])} | {"pos"}
         if not want <= set(header):
@@ -182,6 +232,14 @@ def validate(kv_dir, *, identity: dict, dtype: str, shapes: dict) -> dict:
     if covered != m["tokens"]["count"]:
         raise KVError(f"{d}: the shards hold {covered} positions, the manifest {m['tokens']['count']}")
     return m
+
+
+def _plain_name(name) -> bool:
+    """A file name of the cache directory itself: no separator, no parent, nothing odd."""
+    import re
+
+    return isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name) is not None \
+        and ".." not in name
 
 
 def load_ids(d: Path) -> list[int]:
@@ -199,8 +257,9 @@ def load_ids(d: Path) -> list[int]:
 def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: int) -> list[int]:
     """Fill ``cache`` with this rank's part of a saved cache under the current mesh: positions
     ``chunk_bounds(n, cp)[cp_index]`` (contiguous, balanced) and KV heads ``head0 ..
-    head0 + cache.kv_heads``, taken from whichever saved shards hold them. Returns every
-    rank's token count (the same on all ranks)."""
+    head0 + cache.kv_heads``, taken from whichever saved shards hold them, one layer at a time
+    (the host holds one layer of this rank's part, never the part whole). Returns every rank's
+    token count (the same on all ranks)."""
     from safetensors import safe_open
 
     d = Path(kv_dir)
@@ -211,8 +270,7 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
     by_cp: dict[int, list] = {}
     for s in manifest["shards"]:
         by_cp.setdefault(s["cp_index"], []).append(s)
-    keys = [[] for _ in range(cache.num_layers)]
-    vals = [[] for _ in range(cache.num_layers)]
+    sources = []  # per saved sequence shard: (its files holding my heads, contiguous read [a, z), picks)
     pos_parts = []
     for c in sorted(by_cp):
         entries = sorted((s for s in by_cp[c] if s["kv_heads"][0] < h1 and s["kv_heads"][1] > h0),
@@ -223,23 +281,30 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
         if idx.numel() == 0:
             continue
         a, z = int(idx[0]), int(idx[-1]) + 1
-        span = idx - a  # the selected positions inside the contiguous read [a, z)
+        sources.append((entries, a, z, idx - a))  # the selected positions inside the read [a, z)
         pos_parts.append(pos[idx])
-        with contextlib.ExitStack() as stack:
-            files = [stack.enter_context(safe_open(str(d / s["file"]), "pt")) for s in entries]
-            for layer in range(cache.num_layers):
-                for kind, out in (("k", keys), ("v", vals)):
-                    pieces = []
-                    for s, f in zip(entries, files):
-                        s0, s1 = max(h0, s["kv_heads"][0]) - s["kv_heads"][0], min(h1, s["kv_heads"][1]) - s["kv_heads"][0]
-                        pieces.append(f.get_slice(f"{kind}.{layer}")[:, s0:s1, a:z, :][:, :, span])
-                    out[layer].append(torch.cat(pieces, dim=1))  # this rank's heads, in order
     pos = torch.cat(pos_parts) if pos_parts else torch.zeros(0, dtype=torch.int64)
     order = torch.argsort(pos)  # keys in position order (the kernels skip whole blocks by position)
-    cat = lambda parts: torch.cat(parts, dim=2)[:, :, order] if parts else None  # noqa: E731
-    shape = (cache.batch, cache.kv_heads, 0, cache.head_dim)
-    k = [cat(p) if p else torch.zeros(shape) for p in keys]
-    v = [cat(p) if p else torch.zeros(shape) for p in vals]
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(order.numel())  # where each selected position goes in the shard
     counts = [b[i + 1] - b[i] for i in range(cp)]
-    cache.fill(k, v, pos[order], counts)
+    cache.begin_fill(pos[order], counts)
+    first = 0
+    with contextlib.ExitStack() as stack:
+        for entries, a, z, span in sources:  # each saved piece straight into its slots and heads
+            files = [stack.enter_context(safe_open(str(d / s["file"]), "pt")) for s in entries]
+            slots = slot[first:first + span.numel()]
+            first += span.numel()
+            whole = span.numel() == z - a
+            for layer in range(cache.num_layers):
+                for s, f in zip(entries, files):
+                    s0 = max(h0, s["kv_heads"][0]) - s["kv_heads"][0]
+                    s1 = min(h1, s["kv_heads"][1]) - s["kv_heads"][0]
+                    at = slice(s["kv_heads"][0] + s0 - h0, s["kv_heads"][0] + s1 - h0)  # my heads it holds
+                    k = f.get_slice(f"k.{layer}")[:, s0:s1, a:z, :]
+                    v = f.get_slice(f"v.{layer}")[:, s0:s1, a:z, :]
+                    if not whole:
+                        k, v = k[:, :, span], v[:, :, span]
+                    cache.fill_layer(layer, k, v, slots, at)
+                    del k, v
     return counts

@@ -151,7 +151,12 @@ def _check_first(opts):
 
 
 def _report(e: BaseException) -> int:
-    """One line for the user; 2 for bad input, 1 for a failed run."""
+    """One line for the user; 2 for bad input, 1 for a failed run; a closed standard output
+    (``| head``) ends the command quietly with SIGPIPE's status."""
+    if isinstance(e, BrokenPipeError):
+        from .report import stdout_closed
+
+        return stdout_closed()
     launch = sys.modules.get(f"{__package__}.launch")  # not imported yet: no run was launched
     usage = isinstance(e, ValueError) and not (launch and isinstance(e, launch.LaunchError))
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -351,5 +356,16 @@ def check(
     raise typer.Exit(1 if any(r["verdict"] == "FAIL" for r in recs) else 0)
 
 
+def main() -> None:
+    """The console script: the Typer app, and a closed standard output anywhere (``treeattn
+    topo --json | head -c 10``) ends it quietly, as other command-line tools end."""
+    try:
+        app()
+    except BrokenPipeError:
+        from .report import stdout_closed
+
+        sys.exit(stdout_closed())
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+    main()

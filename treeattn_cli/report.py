@@ -133,6 +133,22 @@ def stats_line(rec: dict) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+def stdout_closed() -> int:
+    """Standard output's reader went away (``| head``): point stdout at /dev/null, so nothing
+    else fails on it (nor does the interpreter's last flush), and return the exit status of a
+    command that SIGPIPE ended (141). No message: a closed pipe is how a reader says "enough"."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real descriptor (a test's captured stdout)
+        pass
+    finally:
+        os.close(devnull)
+    return 141
+
+
 def write_atomic(path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
     import os

@@ -20,6 +20,7 @@ from .decode import Sampling
 from .mesh import check_tp
 from .model import shapes
 from .options import GenerateOptions, check_flags
+from .probe import probe_model
 
 
 @dataclass
@@ -45,6 +46,8 @@ class GenerateJob:
     cuda_graph: bool = True  # capture the static step in a CUDA graph (CUDA + NCCL)
     reference: bool = False  # the fast kernels failed their self-check here: the torch reference
     tp: int = 1  # tensor-parallel ranks per sequence shard (mesh.py)
+    tp_plan: dict | None = None  # None: the model's own plan; else ours (tp.attention_plan)
+    tp_heads_split: bool = True  # the plan gives each tp rank 1/T of the heads (tp.heads_split)
     auto_layout: bool = False  # the scheme came from the layout: re-plan when ranks span nodes
     layout_profile: str | None = None
     load_kv: str | None = None  # a saved cache to continue (kvstore.py), validated in the launcher
@@ -118,10 +121,14 @@ def _merge_plan(o: GenerateOptions, kind: str, n: int, config, tp: int = 1):
 def _kernels_failed(device: str) -> bool:
     """Whether this machine's fast kernels failed their self-check (``treeattn check``; run
     once per machine and software versions, then cached): then the run takes the reference
-    path, exact but slower, and says so on one line. Never a silently wrong answer."""
-    from .check import kernel_verdict
+    path, exact but slower, and says so on one line. Never a silently wrong answer. Under
+    torchrun only local rank 0 of each node runs the check, on its own device; the node's other
+    processes wait for its verdict instead of all checking GPU 0 at once."""
+    from . import launch
+    from .check import kernel_verdict, wait_for_verdict
 
-    v = kernel_verdict(torch.device(device))
+    local = int(os.environ.get("LOCAL_RANK", 0)) if launch.under_torchrun() else 0
+    v = kernel_verdict(torch.device(device)) if local == 0 else wait_for_verdict(torch.device(device))
     if v.get("ok"):
         return False
     print(f"treeattn: warning: the fast attention kernels failed their self-check on this machine "
@@ -146,6 +153,8 @@ class Run:
     dtype: str  # the run's dtype name, as a saved cache records it
     plan: tuple  # (scheme, groups, inner, outer) of the merge, over a cp group
     reference: bool  # the fast kernels failed their self-check: the reference path
+    tp_plan: dict | None = None  # with --tp: None (the model's own plan) or ours
+    tp_heads_split: bool = True
 
     def job(self, o, ids, **kw) -> GenerateJob:
         scheme, groups, inner, outer = self.plan
@@ -156,7 +165,8 @@ class Run:
                            prefill_chunk=o.prefill_chunk, trust_remote_code=o.trust_remote_code,
                            allow_pickle=o.allow_pickle, reference=self.reference, tp=o.tp,
                            auto_layout=o.scheme == "auto", layout_profile=o.layout,
-                           prefill_sharding=o.prefill_sharding, **kw)
+                           prefill_sharding=o.prefill_sharding, tp_plan=self.tp_plan,
+                           tp_heads_split=self.tp_heads_split, **kw)
 
     def identity(self) -> dict:
         from .kvstore import model_identity
@@ -200,12 +210,42 @@ def prepare_run(o: GenerateOptions) -> Run:
     dtype = M.pick_dtype(o.dtype, torch.device(devices[0]))
     model_dir = M.resolve(o.model, allow_pickle=o.allow_pickle)  # None: the embedded demo model
     config = M.load_config(model_dir, o.trust_remote_code)
+    probe_model(config, o.trust_remote_code)  # our attention against transformers', once per family and config
     tok = M.load_tokenizer(model_dir, o.trust_remote_code)
     sh = shapes(config)
     check_tp(o.tp, sh["heads"], sh["kv_heads"], n)
-    plan = _merge_plan(o, kind, n // o.tp, config, o.tp)  # over a cp group
+    tp_plan, split = _tp_plan(config, o.tp, o.trust_remote_code)
+    plan = _merge_plan(o, kind, n // o.tp, config, o.tp if split else 1)  # over a cp group
     return Run(kind, be, n, devices, model_dir, config, tok, M.context_length(config), sh,
-               str(dtype).replace("torch.", ""), plan, _kernels_failed(devices[0]))
+               str(dtype).replace("torch.", ""), plan, _kernels_failed(devices[0]), tp_plan, split)
+
+
+def _tp_plan(config, tp: int, trust_remote_code: bool):
+    """With ``--tp T > 1``: ``(plan, heads split)`` — None for the model's own plan, or ours for a
+    model without one; whether each tp rank attends with 1/T of the heads. One line (exit 2)
+    when transformers' loader cannot take our sub-mesh or the model cannot be split."""
+    from . import tp as TP
+
+    if tp == 1:
+        return None, True
+    problem = TP.hook_problem()
+    if problem:
+        raise ValueError(problem)
+    own = TP.model_plan(config)
+    if own:
+        return None, TP.heads_split(own)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # names only: no weights are read or allocated
+        names = [n for n, _ in AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+                 .named_parameters()]
+    plan = TP.attention_plan({n.rsplit(".", 1)[0] for n in names if n.endswith(".weight")} | set(names))
+    if not plan:
+        raise ValueError(f"--tp {tp}: model type '{config.model_type}' has no tensor-parallel plan and no separate "
+                         "q/k/v/o projections to split by heads; use --tp 1")
+    print(f"treeattn: model type '{config.model_type}' has no tensor-parallel plan in transformers: --tp {tp} "
+          "splits its attention by heads and replicates the rest of its weights", file=sys.stderr)
+    return plan, True
 
 
 def prepare(o: GenerateOptions):
@@ -249,7 +289,7 @@ def generate_command(o: GenerateOptions) -> int:
     """Run ``treeattn generate``; returns the exit code (0, 1 on a failed run, 130 on Ctrl-C)."""
     from . import launch
     from .engine import rank_generate
-    from .report import GenerateView, stats_line, write_atomic
+    from .report import GenerateView, stats_line, stdout_closed, write_atomic
 
     job, tok, (kind, be, n, devices) = prepare(o)
     torchrun = launch.under_torchrun()
@@ -271,6 +311,8 @@ def generate_command(o: GenerateOptions) -> int:
         code, reason = 130, "interrupted"
     except launch.LaunchError as e:
         code, reason, error = 1, "error", e
+    except BrokenPipeError:  # `| head`: stop quietly; --output still gets the text so far
+        code, reason = stdout_closed(), "interrupted"
     if not lead:
         return code
     record = view.finish(stop_reason=reason, as_json=o.json)

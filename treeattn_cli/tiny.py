@@ -26,7 +26,8 @@ def _tokenizer(out: Path):
 
 
 def make_model(kind: str, out: Path, seed: int = 0, **over) -> Path:
-    """Save a tiny random ``kind`` (llama, mistral, qwen2, qwen3, gemma2) model to ``out``."""
+    """Save a tiny random ``kind`` model (any causal-LM ``model_type``; llama, mistral, qwen2, qwen3,
+    gemma2, gemma3_text and gpt_oss get shapes that exercise what they add) to ``out``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -40,12 +41,26 @@ def make_model(kind: str, out: Path, seed: int = 0, **over) -> Path:
     if kind == "gemma2":
         base.update(head_dim=16, sliding_window=6, attn_logit_softcapping=5.0,
                     final_logit_softcapping=None, query_pre_attn_scalar=16)
+    if kind == "gemma3_text":  # sliding and full layers, local RoPE, q/k norms
+        base.update(head_dim=16, sliding_window=6, query_pre_attn_scalar=16, num_hidden_layers=3,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if kind == "gpt_oss":  # attention sinks, alternating sliding windows, experts
+        base.update(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    layer_types=["sliding_attention", "full_attention"])
+    if kind in ("mixtral", "qwen3_moe"):
+        base.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2)
+        if kind == "qwen3_moe":
+            base.update(moe_intermediate_size=64, head_dim=16)
     base.update(over)
     cfg = AutoConfig.for_model(kind, **base)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the init: peaked logits, no near-ties
-        for p in model.parameters():
-            p.mul_(4.0) if p.dim() > 1 else None
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+            elif name.endswith(".sinks"):  # learned sink logits as large as real scores, so they matter
+                p.copy_(torch.randn(p.shape) * 2.0 + 2.0)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     _tokenizer(out)
