@@ -1,4 +1,4 @@
-"""Fused kernels around the ``allreduce`` merge (the device side of ``treeattn_cli.merge``).
+"""Fused kernels around the ``allreduce`` merge (the device side of ``treeattn_cli.parallel.merge``).
 
 Per layer the allreduce scheme needs: the partial's lse (already written by the partial
 kernel's epilogue) for the MAX; then ``packed = [o·w, w]`` with ``w = exp(lse - m)`` for the SUM;

@@ -12,7 +12,7 @@ launch code chooses), and the fused merge kernels. Runtime integers are not spec
 the configurations share a few dozen compiled kernels; each is checked once.
 
 Per compiled kernel: registers, spill bytes, shared memory (LDS) against the target's limit.
-``resources`` is also what ``kernel_bench --tune`` reports on a real GPU.
+``resources`` is also what ``python -m treeattn_cli.bench.kernel --tune`` reports on a real GPU.
 
     python -m treeattn_kernels.offline_compile --target sm_90 [--json]
 

@@ -11,9 +11,9 @@ import signal
 
 import torch
 
-from treeattn_cli.comm import Stats, make_comm
-from treeattn_cli.prefill import ring_prefill
-from treeattn_cli.ring import chunk_bounds, ring_decode
+from treeattn_cli.parallel.comm import Stats, make_comm
+from treeattn_cli.engine.prefill import ring_prefill
+from treeattn_cli.parallel.ring import chunk_bounds, ring_decode
 from treeattn_kernels import partial_attention, partial_attention_ref
 
 
@@ -90,8 +90,8 @@ def prefill_cases(ctx, seed, lengths):
     """Ring prefill (pass-KV) of prompts of each length, balanced and contiguous pieces, with and
     without a window, vs single-device causal attention; and after a cache (the cache travelling
     with pass-KV, or the queries with pass-Q). Rows (n, sharding, window, cached, o_err, lse_err)."""
-    from treeattn_cli.prefill import positions, ring_pass_q, shard
-    from treeattn_cli.merge import merge_pair
+    from treeattn_cli.engine.prefill import positions, ring_pass_q, shard
+    from treeattn_cli.parallel.merge import merge_pair
 
     c = make_comm("allreduce")
     rows = []
@@ -142,7 +142,7 @@ def fail_mid_step(ctx, bad_rank, how):
 
 def ring_leaves_inputs_alone(ctx, seed):
     """Ring decode must not write into the caller's K/V/lengths (they may be the cache)."""
-    from treeattn_cli.comm import make_comm
+    from treeattn_cli.parallel.comm import make_comm
 
     c = make_comm("allreduce")
     g = torch.Generator().manual_seed(seed + ctx.rank)
@@ -159,7 +159,7 @@ def rank_and_world(ctx):
 
 
 def gather_values(ctx):
-    from treeattn_cli.comm import make_comm
+    from treeattn_cli.parallel.comm import make_comm
 
     return make_comm("allreduce").all_gather_values([ctx.rank, 0.5 * ctx.rank, 7]).tolist()
 
@@ -168,10 +168,10 @@ def capacity_trace(ctx, model_dir, n_prompt, new_tokens):
     """Static-cache decode from a tiny initial capacity over uneven shards: this rank's cache
     capacity after prefill and after every decode step (a static step's CUDA graph is
     recaptured when it changes, so every rank must change it on the same step)."""
-    from treeattn_cli.attention import AttentionContext
-    from treeattn_cli.cache import ShardedKVCache
-    from treeattn_cli.decode import Decoder, Sampling
-    from treeattn_cli.model import load_model, shapes
+    from treeattn_cli.engine.attention import AttentionContext
+    from treeattn_cli.engine.cache import ShardedKVCache
+    from treeattn_cli.engine.decode import Decoder, Sampling
+    from treeattn_cli.engine.model import load_model, shapes
 
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     sh = shapes(model.config)
@@ -211,7 +211,7 @@ def fail_while_others_block(ctx):
 def mesh_generate(ctx, jobs):
     """``engine.rank_generate`` for each job in turn on these ranks (several (cp x tp) meshes in
     one launch); rank 0 returns, per job, (token ids, summary)."""
-    from treeattn_cli.engine import rank_generate
+    from treeattn_cli.engine.engine import rank_generate
 
     out = []
     for job in jobs:
@@ -231,12 +231,12 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
     the model's plan shards), and the collectives of one decode step, counted by kind."""
     import torch.distributed as dist
 
-    from treeattn_cli import comm as C
-    from treeattn_cli.attention import AttentionContext
-    from treeattn_cli.cache import ShardedKVCache
-    from treeattn_cli.decode import Decoder, Sampling
-    from treeattn_cli.mesh import Mesh
-    from treeattn_cli.model import load_model, shapes
+    from treeattn_cli.parallel import comm as C
+    from treeattn_cli.engine.attention import AttentionContext
+    from treeattn_cli.engine.cache import ShardedKVCache
+    from treeattn_cli.engine.decode import Decoder, Sampling
+    from treeattn_cli.parallel.mesh import Mesh
+    from treeattn_cli.engine.model import load_model, shapes
 
     mesh = Mesh(ctx.world, tp, ctx.rank)
     full = load_model(model_dir, torch.float32, torch.device("cpu"))
@@ -287,9 +287,9 @@ def tp_load_memory(ctx, model_dir, tp):
     import threading
     import time
 
-    from treeattn_cli import comm as C
-    from treeattn_cli.mesh import Mesh
-    from treeattn_cli.model import load_model, weight_bytes
+    from treeattn_cli.parallel import comm as C
+    from treeattn_cli.parallel.mesh import Mesh
+    from treeattn_cli.engine.model import load_model, weight_bytes
 
     mesh = Mesh(ctx.world, tp, ctx.rank)
     tp_mesh, _ = C.grid_mesh("cpu", mesh.cp, tp)
@@ -319,7 +319,7 @@ def engine_sessions(ctx, sessions):
     """For each ``(job, requests, route)``: an engine on these ranks serving ``requests``
     (``route``: force "pass-q" or "pass-kv" for appends after a cache); rank 0 returns, per
     session, the token ids of each decode request."""
-    from treeattn_cli.engine import Engine
+    from treeattn_cli.engine.engine import Engine
 
     out = []
     for job, requests, route in sessions:
@@ -343,8 +343,8 @@ def graph_agreement(ctx, job, fail):
     warm-up step. Rank 0 returns (tokens, [per rank: graph in use, note])."""
     import contextlib
 
-    from treeattn_cli.engine import Engine
-    from treeattn_cli.decode import Sampling
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.decode import Sampling
 
     eng = Engine(ctx, job)
     dec = eng.dec

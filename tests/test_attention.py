@@ -7,9 +7,9 @@ import types
 import torch
 
 from helpers import assert_close
-from treeattn_cli.attention import AttentionContext, treeattn_attention
-from treeattn_cli.cache import ShardedKVCache
-from treeattn_cli.comm import Comm
+from treeattn_cli.engine.attention import AttentionContext, treeattn_attention
+from treeattn_cli.engine.cache import ShardedKVCache
+from treeattn_cli.parallel.comm import Comm
 from treeattn_kernels import partial_attention_ref
 
 

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from treeattn_cli import layout as L
-from treeattn_cli.bench import BenchSpec, expected_bytes
-from treeattn_cli.projection import simulate
+from treeattn_cli.topology import layout as L
+from treeattn_cli.bench.decode import expected_bytes
+from treeattn_cli.bench.spec import BenchSpec
+from treeattn_cli.bench.projection import simulate
 
 from helpers import assert_usage_error, cli
 
@@ -105,7 +106,7 @@ def test_simulate_cli_json():
 
 
 def test_model_mode_on_tiny_model(tmp_path):
-    from treeattn_cli import tiny as tiny_models
+    from treeattn_cli.verify import tiny as tiny_models
 
     d = tiny_models.make_model("llama", tmp_path / "m")
     r = run("--model", str(d), "--seq-len", "40", "--nproc", "2", "--new-tokens", "4", "--json")
@@ -134,7 +135,7 @@ def test_gpu_decode_bench_skips_contexts_that_do_not_fit():
     does not fit an 80 GB card (the script crashed there); 128K (16 GiB) does."""
     from types import SimpleNamespace
 
-    from treeattn_cli.gpu_decode_bench import GiB, LLAMA_8B, cache_bytes, fits
+    from treeattn_cli.bench.gpu_decode import GiB, LLAMA_8B, cache_bytes, fits
 
     cfg = SimpleNamespace(**LLAMA_8B)
     assert cache_bytes(cfg, 524288) == 64 * GiB

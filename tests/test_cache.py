@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from helpers import assert_close
-from treeattn_cli.cache import ShardedKVCache
-from treeattn_cli.merge import merge_partials
-from treeattn_cli.ring import chunk_bounds
+from treeattn_cli.engine.cache import ShardedKVCache
+from treeattn_cli.parallel.merge import merge_partials
+from treeattn_cli.parallel.ring import chunk_bounds
 from treeattn_kernels import partial_attention, partial_attention_ref
 
 
@@ -98,8 +98,8 @@ def test_static_capacity_grows_on_the_same_step_on_every_rank(tmp_path):
     every rank's capacity changes on the same decode steps (the static step's CUDA graph is
     recaptured then, with collectives in its warm-up: ranks recapturing on different steps
     would hang). Growth is by the largest shard of any rank, known to all without a message."""
-    from treeattn_cli import tiny as tiny_models
-    from treeattn_cli.launch import run_local
+    from treeattn_cli.verify import tiny as tiny_models
+    from treeattn_cli.parallel.launch import run_local
 
     import dist_cases
 

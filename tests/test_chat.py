@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from treeattn_cli import prompt as P
-from treeattn_cli import tiny as tiny_models
+from treeattn_cli.cli import prompt as P
+from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.main import app
-from treeattn_cli.model import load_tokenizer
+from treeattn_cli.engine.model import load_tokenizer
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"

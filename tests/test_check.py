@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from treeattn_cli import tiny as tiny_models
+from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.main import app
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
@@ -57,7 +57,7 @@ def test_broken_kernel_fails_check_and_generate_falls_back(cache, tmp_path, monk
     assert "FAILED: partial/cpu" in r.stdout.replace("\n", " ")
     monkeypatch.setattr(pa, "_OP_CPU", real)
 
-    from treeattn_cli.model import load_tokenizer
+    from treeattn_cli.engine.model import load_tokenizer
 
     d = tiny_models.make_model("llama", tmp_path / "m")
     prompt = "the quick brown fox jumps over the lazy dog, twice: the quick brown fox"
@@ -75,7 +75,7 @@ def test_broken_kernel_fails_check_and_generate_falls_back(cache, tmp_path, monk
 def test_generate_checks_the_kernels_once_per_machine(cache, tmp_path):
     """The first generate on a machine (these versions) runs the quick kernel checks and caches
     the verdict; later runs read it."""
-    from treeattn_cli.check import kernel_verdict, load_verdict
+    from treeattn_cli.verify.kernels import kernel_verdict, load_verdict
 
     dev = torch.device("cpu")
     assert load_verdict(dev) is None
@@ -89,7 +89,8 @@ def test_under_torchrun_only_local_rank_0_checks(cache, monkeypatch):
     import threading
     import time
 
-    from treeattn_cli import check, runner
+    from treeattn_cli.cli import prepare
+    from treeattn_cli.verify import kernels as check
 
     ran = []
     real = check.kernel_checks
@@ -100,8 +101,8 @@ def test_under_torchrun_only_local_rank_0_checks(cache, monkeypatch):
     later = threading.Timer(0.5, lambda: check.save_verdict(torch.device("cpu"), real(torch.device("cpu"), full=False)))
     t0 = time.monotonic()
     later.start()  # "local rank 0" finishes its check half a second later
-    assert runner._kernels_failed("cpu") is False
+    assert prepare._kernels_failed("cpu") is False
     assert time.monotonic() - t0 >= 0.5 and not ran  # waited for the verdict, ran nothing itself
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("TREEATTN_CACHE", str(cache.parent / "other"))
-    assert runner._kernels_failed("cpu") is False and ran  # local rank 0 checks
+    assert prepare._kernels_failed("cpu") is False and ran  # local rank 0 checks

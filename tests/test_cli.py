@@ -35,7 +35,7 @@ def test_unknown_command_is_one_line_usage_error():
 
 def test_kernel_bench_runs_on_cpu():
     """The GPU kernel-timing script stays runnable (tiny CPU shapes; numbers are meaningless here)."""
-    from treeattn_cli.kernel_bench import kernel_bench
+    from treeattn_cli.bench.kernel import kernel_bench
 
     recs = kernel_bench([64, 300], heads=4, kv_heads=2, head_dim=64, dtype="float32", iters=2,
                         warmup=1, copy_bw=1e10)

@@ -11,10 +11,10 @@ import pytest
 
 import dist_cases
 from helpers import assert_usage_error, cli
-from treeattn_cli import tiny as tiny_models
-from treeattn_cli.decode import Sampling
-from treeattn_cli.launch import run_local
-from treeattn_cli.runner import GenerateJob
+from treeattn_cli.verify import tiny as tiny_models
+from treeattn_cli.engine.decode import Sampling
+from treeattn_cli.parallel.launch import run_local
+from treeattn_cli.engine.job import GenerateJob
 
 # every family README lists: GQA (4 query heads over 2 KV heads), so tp 2 splits them all
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "phi3", "phi", "olmo2",
@@ -32,8 +32,8 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("world,tp", [(1, 1), (3, 1), (4, 2)], ids=["1-rank", "3-ranks", "tp2-cp2"])
 def test_every_family_equals_transformers(models, world, tp):
-    from treeattn_cli.model import load_config
-    from treeattn_cli.runner import _tp_plan
+    from treeattn_cli.engine.model import load_config
+    from treeattn_cli.cli.prepare import _tp_plan
 
     paths, want = models
     jobs = []
@@ -50,9 +50,9 @@ def test_probe_passes_every_family_and_refuses_a_dropped_sink(models, monkeypatc
     """The first-use probe (our attention against transformers' eager one on a cut-down copy of
     the config) agrees on every family; with the sinks ignored, as before issue 21, it refuses
     gpt-oss instead of letting it answer wrong."""
-    from treeattn_cli import attention
-    from treeattn_cli.model import load_config
-    from treeattn_cli.probe import TOL, run_probe
+    from treeattn_cli.engine import attention
+    from treeattn_cli.engine.model import load_config
+    from treeattn_cli.verify.family import TOL, run_probe
 
     paths, _ = models
     for k in FAMILIES:
@@ -67,7 +67,7 @@ def test_an_unknown_attention_argument_refuses_the_model_before_any_rank(models,
     exit 2, before any rank starts; and the attention refuses it at run time too."""
     import transformers.models.llama.modeling_llama as L
 
-    from treeattn_cli.attention import UnsupportedAttention, treeattn_attention
+    from treeattn_cli.engine.attention import UnsupportedAttention, treeattn_attention
 
     paths, _ = models
     real = L.LlamaAttention.forward

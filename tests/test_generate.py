@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from treeattn_cli import tiny as tiny_models
+from treeattn_cli.verify import tiny as tiny_models
 
 from helpers import assert_usage_error, cli
 from treeattn_cli.main import app
@@ -45,7 +45,7 @@ def run_json(*args) -> dict:
 @pytest.mark.parametrize("n", [2, 37])
 def test_greedy_token_ids_equal_transformers(models, kind, n):
     prompt = text_of(n, seed=n)
-    from treeattn_cli.model import load_tokenizer
+    from treeattn_cli.engine.model import load_tokenizer
 
     prompt_ids = load_tokenizer(models[kind])(prompt)["input_ids"]
     assert len(prompt_ids) == n
@@ -69,7 +69,7 @@ def test_chunked_prefill_is_exact(models):
         assert rec["token_ids"] == base["token_ids"], (p, chunk)
     rec = run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--nproc", "3",
                    "--dtype", "float32", "--max-new-tokens", "8", "--prefill-chunk", "3")
-    from treeattn_cli.model import load_tokenizer
+    from treeattn_cli.engine.model import load_tokenizer
 
     ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
     assert rec["token_ids"] == tiny_models.hf_greedy(models["gemma2"], ids, 8)  # windows + softcap
@@ -97,7 +97,7 @@ def test_sampling_is_reproducible_for_every_nproc(models):
 
 def test_eos_stops_like_transformers(models, tmp_path):
     prompt = text_of(15, seed=11)
-    from treeattn_cli.model import load_tokenizer
+    from treeattn_cli.engine.model import load_tokenizer
 
     ids = load_tokenizer(models["llama"])(prompt)["input_ids"]
     ref = tiny_models.hf_greedy(models["llama"], ids, 10)
@@ -194,7 +194,7 @@ def test_missing_model_and_prompt_file(tmp_path, models):
 
 def test_embedded_demo_model_knows_paris():
     pytest.importorskip("gguf")
-    from treeattn_cli.model import ModelError, demo_gguf
+    from treeattn_cli.engine.model import ModelError, demo_gguf
 
     try:
         demo_gguf()
@@ -207,10 +207,10 @@ def test_embedded_demo_model_knows_paris():
 def test_static_decode_step_is_exact(models):
     """The fixed-shape decode step (capacity-long views, write-off slot, no host reads) that a
     CUDA graph captures gives the eager path's token ids (here eagerly, on CPU ranks)."""
-    from treeattn_cli.launch import run_local
-    from treeattn_cli.model import load_tokenizer
-    from treeattn_cli.engine import rank_generate
-    from treeattn_cli.runner import GenerateJob
+    from treeattn_cli.parallel.launch import run_local
+    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.engine.engine import rank_generate
+    from treeattn_cli.engine.job import GenerateJob
 
     prompt = text_of(29, seed=21)
     ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
@@ -250,10 +250,10 @@ def test_under_torchrun_joins_its_group(models):
 
 def test_ring_decode_baseline_generates_the_same_tokens(models):
     """`bench --model`'s ring baseline is exact too (same ids as the tree path)."""
-    from treeattn_cli.launch import run_local
-    from treeattn_cli.model import load_tokenizer
-    from treeattn_cli.engine import rank_generate
-    from treeattn_cli.runner import GenerateJob
+    from treeattn_cli.parallel.launch import run_local
+    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.engine.engine import rank_generate
+    from treeattn_cli.engine.job import GenerateJob
 
     ids = load_tokenizer(models["llama"])(text_of(23, seed=41))["input_ids"]
     ref = tiny_models.hf_greedy(models["llama"], ids, 8)

@@ -29,10 +29,10 @@ def test_triton_kernel_on_gpu(N, G, dtype):
 
 
 def test_cuda_graph_decode_equals_eager(tmp_path):
-    from treeattn_cli import tiny as tiny_models
-    from treeattn_cli.launch import run_local
-    from treeattn_cli.engine import rank_generate
-    from treeattn_cli.runner import GenerateJob
+    from treeattn_cli.verify import tiny as tiny_models
+    from treeattn_cli.parallel.launch import run_local
+    from treeattn_cli.engine.engine import rank_generate
+    from treeattn_cli.engine.job import GenerateJob
 
     d = tiny_models.make_model("llama", tmp_path / "m")
     ids = list(range(40, 90))
@@ -70,7 +70,7 @@ def test_long_query_blocks_on_gpu(dtype, Q, N, causal):
 
 
 def test_tune_sweep_reports_resources():
-    from treeattn_cli.kernel_bench import tune
+    from treeattn_cli.bench.kernel import tune
 
     recs = tune([4096], iters=2, warmup=1, copy_bw=1e12)
     best = [r for r in recs if r.get("best")]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import peak_anon_growth
-from treeattn_cli import kvstore
-from treeattn_cli.cache import ShardedKVCache
+from treeattn_cli.engine import kvstore
+from treeattn_cli.engine.cache import ShardedKVCache
 
 LAYERS, KV_HEADS, N, D = 16, 4, 4096, 64  # one layer's K + V: 8 MiB; the shard: 128 MiB
 

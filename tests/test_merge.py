@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from helpers import assert_close
-from treeattn_cli.merge import merge_pair, merge_partials, unweigh, weigh
+from treeattn_cli.parallel.merge import merge_pair, merge_partials, unweigh, weigh
 from treeattn_kernels import partial_attention_ref
 
 

@@ -309,7 +309,7 @@ def test_sinks_enter_the_denominator_once(impl, N, ragged):
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
     if N >= 2:  # split the keys: the sink in one partial only
-        from treeattn_cli.merge import merge_pair
+        from treeattn_cli.parallel.merge import merge_pair
 
         a, b = partial_attention(q, k[:, :, : N // 2], v[:, :, : N // 2], sink=sink, impl=impl), \
             partial_attention(q, k[:, :, N // 2:], v[:, :, N // 2:], impl=impl)

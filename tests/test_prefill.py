@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 import dist_cases
-from treeattn_cli import tiny as tiny_models
-from treeattn_cli.decode import Sampling
-from treeattn_cli.launch import run_local
-from treeattn_cli.prefill import pairs, plan, shard, size
-from treeattn_cli.runner import GenerateJob
+from treeattn_cli.verify import tiny as tiny_models
+from treeattn_cli.engine.decode import Sampling
+from treeattn_cli.parallel.launch import run_local
+from treeattn_cli.engine.prefill import pairs, plan, shard, size
+from treeattn_cli.engine.job import GenerateJob
 
 
 def test_balanced_shard_gives_each_rank_an_early_and_a_late_chunk():

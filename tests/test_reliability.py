@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from treeattn_cli import tiny as tiny_models
+from treeattn_cli.verify import tiny as tiny_models
 
 from helpers import assert_usage_error, cli
 
@@ -172,7 +172,7 @@ def test_ctrl_c_stops_everything_and_keeps_text(slow_model, as_json):
     if as_json:
         rec = json.loads(out.decode().strip().splitlines()[-1])
         assert rec["stop_reason"] == "interrupted" and isinstance(rec["token_ids"], list)
-        from treeattn_cli.model import load_tokenizer
+        from treeattn_cli.engine.model import load_tokenizer
 
         assert rec["text"] == load_tokenizer(slow_model).decode(rec["token_ids"], skip_special_tokens=True)
 
@@ -306,7 +306,7 @@ def test_full_context_generation_is_exact(tmp_path):
     from typer.testing import CliRunner
 
     from treeattn_cli.main import app
-    from treeattn_cli.model import load_tokenizer
+    from treeattn_cli.engine.model import load_tokenizer
 
     d = tiny_models.make_model("qwen2", tmp_path / "m", max_position_embeddings=96)
     prompt = "".join(chr(97 + (i * 7) % 26) for i in range(90))
@@ -324,7 +324,7 @@ def test_full_context_generation_is_exact(tmp_path):
 def test_dtype_the_device_cannot_run(monkeypatch):
     import torch
 
-    from treeattn_cli.model import ModelError, pick_dtype
+    from treeattn_cli.engine.model import ModelError, pick_dtype
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")

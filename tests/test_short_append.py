@@ -13,10 +13,10 @@ import pytest
 
 import dist_cases
 from helpers import cli
-from treeattn_cli import tiny as tiny_models
-from treeattn_cli.decode import Sampling
-from treeattn_cli.launch import run_local
-from treeattn_cli.runner import GenerateJob
+from treeattn_cli.verify import tiny as tiny_models
+from treeattn_cli.engine.decode import Sampling
+from treeattn_cli.parallel.launch import run_local
+from treeattn_cli.engine.job import GenerateJob
 
 NEW = 5
 DOC = [(13 * i + 5) % 230 + 20 for i in range(47)]  # 47 tokens: no mesh divides it evenly
@@ -65,7 +65,7 @@ def test_generate_load_kv_and_chat_with_one_letter_questions(models, tmp_path):
     """Through the commands: `generate --load-kv DIR --prompt x` on tp 2 x cp 2, and `chat` with
     one- and two-letter questions on 3 ranks, promptly (a collective timeout of 30 s would
     turn a hang into a failure) and exactly."""
-    from treeattn_cli.model import load_tokenizer
+    from treeattn_cli.engine.model import load_tokenizer
 
     m = models["llama"]
     tok = load_tokenizer(m)

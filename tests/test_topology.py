@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from treeattn_cli import layout as L
-from treeattn_cli import topology as T
+from treeattn_cli.topology import layout as L
+from treeattn_cli.topology import probe as T
 
 from helpers import assert_usage_error, cli
 
@@ -283,8 +283,9 @@ def test_topo_bad_input(args, needle, tmp_path):
 def test_generate_uses_the_layout_topo_prints():
     from transformers import LlamaConfig
 
-    from treeattn_cli.runner import GenerateOptions, _merge_plan
-    from treeattn_cli.topo_command import TopoOptions, topo_command
+    from treeattn_cli.cli.options import GenerateOptions
+    from treeattn_cli.cli.prepare import _merge_plan
+    from treeattn_cli.cli.topo import TopoOptions, topo_command
 
     cfg = LlamaConfig(num_attention_heads=8, num_key_value_heads=2, hidden_size=256, num_hidden_layers=3)
     rec = topo_command(TopoOptions(nproc=3, heads=8, head_dim=32, layers=3))

@@ -14,11 +14,11 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 import dist_cases
-from treeattn_cli import tiny as tiny_models
-from treeattn_cli.decode import Sampling
-from treeattn_cli.launch import run_local
-from treeattn_cli.model import load_tokenizer
-from treeattn_cli.runner import GenerateJob
+from treeattn_cli.verify import tiny as tiny_models
+from treeattn_cli.engine.decode import Sampling
+from treeattn_cli.parallel.launch import run_local
+from treeattn_cli.engine.model import load_tokenizer
+from treeattn_cli.engine.job import GenerateJob
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 FAMILIES = ("llama", "qwen3", "gemma2")  # GQA; q/k norms and tied embeddings; window + softcap
@@ -108,7 +108,7 @@ def test_tp_hook_is_feature_tested_and_a_missing_one_refuses_only_tp(models, mon
     import transformers.distributed.mixin as mixin
 
     from helpers import assert_usage_error, cli
-    from treeattn_cli import tp
+    from treeattn_cli.engine import tp
 
     assert tp.hook_problem() is None
     monkeypatch.setattr(mixin, "initialize_distributed_mesh", lambda distributed_config, extra=None: None)
@@ -151,7 +151,8 @@ def test_two_nodes_under_torchrun(models):
 def test_cross_node_cp_groups_plan_hierarchical():
     """A cp group spread over two DGX nodes merges inside each node first (NVSwitch), then
     across the two leaders (NET); on one node it stays flat."""
-    from treeattn_cli.mesh import Mesh, cp_layout
+    from treeattn_cli.parallel.mesh import Mesh
+    from treeattn_cli.topology.layout import cp_layout
 
     two = cp_layout(Mesh(16, 1), ["a"] * 8 + ["b"] * 8, "dgx-h100", heads=64, head_dim=128, layers=80,
                     intra="NVSWITCH")
@@ -163,7 +164,7 @@ def test_cross_node_cp_groups_plan_hierarchical():
 def test_simulated_70b_mesh():
     """Llama-3.1-70B (141 GB of bf16 weights) cannot run on one rank per sequence shard of 8 x
     80 GB (tp = 1 does not fit); the projection marks the fastest (tp, cp) that fits."""
-    from treeattn_cli.projection import simulate_mesh
+    from treeattn_cli.bench.projection import simulate_mesh
 
     recs = simulate_mesh("dgx-h100", [8, 16], [131072, 1 << 20], [1, 2, 4, 8], "llama-3.1-70b")
     assert {(r["nproc"], r["tp"]) for r in recs} == {(p, t) for p in (8, 16) for t in (1, 2, 4, 8)}
@@ -214,7 +215,7 @@ def test_cuda_graph_capture_is_agreed_by_the_world_and_a_failed_warm_up_is_fatal
     the cp group alone would leave rank 0 replaying a graph while rank 1 runs eagerly). A rank
     that fails inside the warm-up step (which runs the collectives for real) stops the run with
     its own error, promptly, instead of leaving its peers in mismatched collectives."""
-    from treeattn_cli.launch import LaunchError
+    from treeattn_cli.parallel.launch import LaunchError
 
     ids = _prompt_ids(models["llama"], 19)
     want = tiny_models.hf_greedy(models["llama"], ids, NEW)

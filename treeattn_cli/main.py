@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
 from . import __version__
+from .cli.options import ANSWER_FLAGS, CACHE_FLAGS, MODEL_FLAGS, REPORT_FLAGS, RUN_FLAGS
 
 app = typer.Typer(
     add_completion=False,
@@ -49,69 +50,72 @@ def _quiet_libraries() -> None:
         pass
 
 
-@app.command()
-def generate(
-    model: Optional[str] = typer.Option(None, help="Local directory, .gguf file or hub id (default: the embedded demo model)."),
-    prompt: Optional[str] = typer.Option(None, help="The prompt text."),
-    prompt_file: Optional[str] = typer.Option(None, help="Read the prompt from a file ('-': standard input)."),
-    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: on for the demo)."),
-    system: Optional[str] = typer.Option(None, help="System message for --chat."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Most tokens to generate (default 256; the demo 96)."),
-    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 = greedy."),
-    top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
-    seed: int = typer.Option(0, help="Random seed for sampling."),
-    stop: List[str] = typer.Option([], help="Stop when this text appears (repeatable)."),
-    prefill_chunk: Optional[int] = typer.Option(None, help="Tokens per rank per prefill segment (bounds activation memory)."),
-    prefill_sharding: str = typer.Option("balanced", help="How prefill segments are cut: balanced (2p chunks, rank r holds r and 2p-1-r) | contiguous."),
-    nproc: Optional[int] = typer.Option(None, help="Local ranks (default: visible GPUs, 2 on a CPU-only machine)."),
-    tp: int = typer.Option(1, help="Tensor-parallel ranks per sequence shard (weights split T ways); --nproc = shards x T."),
-    backend: str = typer.Option("auto", help="auto | nccl | gloo."),
-    device: str = typer.Option("auto", help="auto | cuda | cpu."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
-    scheme: str = typer.Option("auto", help="Merge scheme: auto (the layout `treeattn topo` chooses) | allreduce | allgather | tree | hierarchical."),
-    layout: Optional[str] = typer.Option(None, help="Interconnect profile for the layout choice: a built-in name or a YAML path (e.g. from `topo --measure --save`)."),
-    output: Optional[str] = typer.Option(None, help="Also write the generated text to this file (atomically)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON record at the end instead of streaming."),
-    timeout: float = typer.Option(300.0, help="Collective timeout in seconds (a lost rank is reported after it)."),
-    allow_pickle: bool = typer.Option(False, help="Allow pickled .bin weights (they can run code)."),
-    trust_remote_code: bool = typer.Option(False, help="Allow a model's own Python code from its repository."),
-    save_kv: Optional[str] = typer.Option(None, help="Save the prompt's sharded KV cache to this directory (for --load-kv)."),
-    load_kv: Optional[str] = typer.Option(None, help="Continue a saved KV cache (any --nproc): the prompt follows its tokens."),
-    quiet: bool = typer.Option(False, help="No stats line on stderr."),
-    debug: bool = typer.Option(False, help="Show full tracebacks."),
-):
-    """Load a model, shard a long prompt's KV cache across ranks, stream tokens."""
-    from .options import GenerateOptions
+def with_flags(*blocks):
+    """The decorated command also takes the flags of ``blocks`` (``cli/options.py``: defined once,
+    shared by every command that runs a model); they arrive as keyword arguments."""
+    import functools
+    import inspect
 
-    opts = _check_first(GenerateOptions(
-        model=model, prompt=prompt, prompt_file=prompt_file, chat=chat, system=system,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend,
-        device=device, dtype=dtype, scheme=scheme, output=output, json=json_out,
-        timeout=timeout, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-        layout=layout, debug=debug, tp=tp, save_kv=save_kv, load_kv=load_kv, quiet=quiet,
-        prefill_sharding=prefill_sharding))
-    from . import runner
-    from .launch import Terminated
+    def deco(fn):
+        sig = inspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                   default=typer.Option(f.default, *f.decls, help=f.help))
+                 for block in blocks for f in block]
+
+        @functools.wraps(fn)
+        def command(**kw):
+            return fn(**kw)
+
+        command.__signature__ = sig.replace(parameters=own + extra)
+        command.__annotations__ = {**getattr(fn, "__annotations__", {}), **{p.name: p.annotation for p in extra}}
+        return command
+
+    return deco
+
+
+def _run(command, opts, *, terminated_message: bool) -> None:
+    """Run a command that launches ranks: SIGTERM like Ctrl-C, one-line errors, the exit code."""
+    from .parallel.launch import Terminated
 
     _quiet_libraries()
     try:
         with _sigterm_like_ctrl_c():
-            code = runner.generate_command(opts)
+            code = command(opts)
     except typer.Exit:
         raise
     except Terminated:  # before any rank started: nothing to keep
-        typer.echo("treeattn: terminated", err=True)
+        if terminated_message:
+            typer.echo("treeattn: terminated", err=True)
         code = 143
     except KeyboardInterrupt:  # before any rank started (loading, converting): nothing to keep
         typer.echo("treeattn: interrupted", err=True)
         code = 130
     except Exception as e:
-        if debug:
+        if opts.debug:
             raise
         code = _report(e)
     raise typer.Exit(code)
+
+
+@app.command()
+@with_flags(MODEL_FLAGS, ANSWER_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
+def generate(
+    prompt: Optional[str] = typer.Option(None, help="The prompt text."),
+    prompt_file: Optional[str] = typer.Option(None, help="Read the prompt from a file ('-': standard input)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: on for the demo)."),
+    output: Optional[str] = typer.Option(None, help="Also write the generated text to this file (atomically)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON record at the end instead of streaming."),
+    **flags,
+):
+    """Load a model, shard a long prompt's KV cache across ranks, stream tokens."""
+    from .cli.options import GenerateOptions
+
+    opts = _check_first(GenerateOptions(prompt=prompt, prompt_file=prompt_file, chat=chat, output=output,
+                                        json=json_out, **flags))
+    from .cli.generate import generate_command
+
+    _run(generate_command, opts, terminated_message=True)
 
 
 @contextlib.contextmanager
@@ -121,7 +125,7 @@ def _sigterm_like_ctrl_c():
     import signal
     import threading
 
-    from .launch import Terminated
+    from .parallel.launch import Terminated
 
     def raise_terminated(signum, frame):
         raise Terminated()
@@ -139,7 +143,7 @@ def _sigterm_like_ctrl_c():
 def _check_first(opts):
     """``opts`` once its flags pass the checks that need neither torch nor the model (before
     those imports: a mistyped flag costs a fraction of a second); else exit 2 with one line."""
-    from .options import check_flags
+    from .cli.options import check_flags
 
     try:
         check_flags(opts)
@@ -157,7 +161,7 @@ def _report(e: BaseException) -> int:
         from .report import stdout_closed
 
         return stdout_closed()
-    launch = sys.modules.get(f"{__package__}.launch")  # not imported yet: no run was launched
+    launch = sys.modules.get(f"{__package__}.parallel.launch")  # not imported yet: no run was launched
     usage = isinstance(e, ValueError) and not (launch and isinstance(e, launch.LaunchError))
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     typer.echo(f"treeattn: error: {msg}", err=True)
@@ -181,7 +185,7 @@ def topo(
 ):
     """Probe the interconnect (NVLink, PCIe, Infinity Fabric) and choose the reduction layout."""
     from .report import print_topology
-    from .topo_command import TopoOptions, topo_command
+    from .cli.topo import TopoOptions, topo_command
 
     try:
         for flag, v in (("--nproc", nproc if nproc is not None else 1), ("--batch", batch),
@@ -231,7 +235,7 @@ def bench(
 ):
     """Compare tree vs ring vs one device on the same attention work."""
     from . import report
-    from .bench import BenchOptions, bench_command
+    from .bench.run import BenchOptions, bench_command
 
     _quiet_libraries()
     try:
@@ -265,65 +269,23 @@ def bench(
 
 
 @app.command()
+@with_flags(MODEL_FLAGS, ANSWER_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
 def chat(
     prompt_file: Optional[str] = typer.Option(None, help="The document ('-': standard input), prefilled once; questions follow."),
-    model: Optional[str] = typer.Option(None, help="Local directory, .gguf file or hub id (default: the embedded demo model)."),
     questions: Optional[str] = typer.Option(None, help="Answer each line of this file in order, then exit ('-': standard input)."),
     conversation: bool = typer.Option(False, help="Keep the turns (default: each question against the document alone)."),
     chat_template: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Wrap document and question in the chat template (default: if the tokenizer has one)."),
-    system: Optional[str] = typer.Option(None, help="System message for the chat template."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Most tokens per answer (default 256)."),
-    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 = greedy."),
-    top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
-    seed: int = typer.Option(0, help="Random seed for sampling (each answer starts from it)."),
-    stop: List[str] = typer.Option([], help="Stop an answer when this text appears (repeatable)."),
-    prefill_chunk: Optional[int] = typer.Option(None, help="Tokens per rank per prefill segment."),
-    nproc: Optional[int] = typer.Option(None, help="Local ranks (default: visible GPUs, 2 on a CPU-only machine)."),
-    tp: int = typer.Option(1, help="Tensor-parallel ranks per sequence shard; --nproc = shards x T."),
-    backend: str = typer.Option("auto", help="auto | nccl | gloo."),
-    device: str = typer.Option("auto", help="auto | cuda | cpu."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
-    scheme: str = typer.Option("auto", help="Merge scheme: auto | allreduce | allgather | tree | hierarchical."),
-    layout: Optional[str] = typer.Option(None, help="Interconnect profile for the layout choice."),
-    save_kv: Optional[str] = typer.Option(None, help="Save the document's sharded KV cache to this directory."),
-    load_kv: Optional[str] = typer.Option(None, help="Start from a saved KV cache instead of a document (any --nproc)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON record per answer (generate's fields and the question)."),
-    quiet: bool = typer.Option(False, help="No stats lines on stderr."),
-    timeout: float = typer.Option(300.0, help="Collective timeout in seconds."),
-    allow_pickle: bool = typer.Option(False, help="Allow pickled .bin weights (they can run code)."),
-    trust_remote_code: bool = typer.Option(False, help="Allow a model's own Python code from its repository."),
-    debug: bool = typer.Option(False, help="Show full tracebacks."),
+    **flags,
 ):
     """Prefill a long document once, then answer many questions about it."""
-    from .options import ChatOptions
+    from .cli.options import ChatOptions
 
-    opts = _check_first(ChatOptions(
-        model=model, prompt_file=prompt_file, chat=chat_template, system=system,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        stop=list(stop), prefill_chunk=prefill_chunk, nproc=nproc, backend=backend, device=device,
-        dtype=dtype, scheme=scheme, json=json_out, timeout=timeout, allow_pickle=allow_pickle,
-        trust_remote_code=trust_remote_code, layout=layout, debug=debug, tp=tp, save_kv=save_kv,
-        load_kv=load_kv, quiet=quiet, conversation=conversation, questions=questions))
-    from .chat import chat_command
-    from .launch import Terminated
+    opts = _check_first(ChatOptions(prompt_file=prompt_file, questions=questions, conversation=conversation,
+                                    chat=chat_template, json=json_out, **flags))
+    from .cli.chat import chat_command
 
-    _quiet_libraries()
-    try:
-        with _sigterm_like_ctrl_c():
-            code = chat_command(opts)
-    except typer.Exit:
-        raise
-    except Terminated:
-        code = 143
-    except KeyboardInterrupt:
-        typer.echo("treeattn: interrupted", err=True)
-        code = 130
-    except Exception as e:
-        if debug:
-            raise
-        code = _report(e)
-    raise typer.Exit(code)
+    _run(chat_command, opts, terminated_message=False)
 
 
 @app.command()
@@ -338,7 +300,7 @@ def check(
 ):
     """Check every path this machine takes (kernels, merges, ring, generate) against its reference."""
     from . import report
-    from .check import check_command
+    from .cli.check import check_command
 
     _quiet_libraries()
     try:

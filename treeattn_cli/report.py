@@ -149,25 +149,6 @@ def stdout_closed() -> int:
     return 141
 
 
-def write_atomic(path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
-    import os
-    import tempfile
-
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".treeattn-", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def print_topology(rec: dict, as_json: bool = False, file=None) -> None:
     """``treeattn topo``: the link matrix and the chosen layout (or the record as JSON)."""
     file = file or sys.stdout
@@ -277,6 +258,8 @@ def write_csv(records, path) -> None:
     w.writeheader()
     for r in records:
         w.writerow(r)
+    from .paths import write_atomic
+
     write_atomic(path, buf.getvalue())
 
 

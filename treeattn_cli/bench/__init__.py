@@ -1,0 +1,1 @@
+"""Measurement: the tree/ring/single harnesses, projections, and the GPU measurement scripts."""

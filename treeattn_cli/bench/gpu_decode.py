@@ -1,0 +1,184 @@
+"""One-GPU decode at Llama-3.1-8B's shape (random weights, bf16): treeattn's static, graph-captured
+decode step against the memory-bandwidth floor, transformers' eager decode step (DynamicCache,
+SDPA), and a ``torch.compile``d static-cache decode step; plus time to first token of a prompt.
+
+Decode timing needs no real prompt: each cache is filled with N random keys/values (the step's
+cost does not depend on their values). Run on an H100/H200:
+``python -m treeattn_cli.bench.gpu_decode --contexts 32768,131072,524288 --ttft 131072``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                max_position_embeddings=1 << 20, tie_word_embeddings=False)
+
+
+def _model(attn):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..engine.attention import register
+
+    register()
+    with torch.device("cuda"):
+        m = LlamaForCausalLM(LlamaConfig(**LLAMA_8B, attn_implementation=attn)).to(torch.bfloat16)
+    return m.eval()
+
+
+GiB = 1 << 30
+MARGIN = 2 * GiB  # activations, logits, split partials, allocator slack
+
+
+def cache_bytes(cfg, tokens: int, esize: int = 2) -> int:
+    """Bytes of a K and V cache of ``tokens`` positions for every layer of ``cfg``."""
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * tokens * esize
+
+
+def fits(need: int, free: int) -> bool:
+    """Whether ``need`` bytes (plus a working margin) fit in ``free`` bytes of device memory."""
+    return need + MARGIN <= free
+
+
+def _guarded(fn, need):
+    """``fn()``, or why not: a context that does not fit is skipped, an OOM is a result."""
+    free = torch.cuda.mem_get_info()[0]
+    if not fits(need, free):
+        return f"skipped: needs {need / GiB:.1f} GiB + {MARGIN / GiB:.0f} GiB, {free / GiB:.1f} GiB free"
+    try:
+        return fn()
+    except torch.OutOfMemoryError as e:
+        return f"OutOfMemoryError: {str(e)[:80]}"
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _time(fn, n):
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts[2:] if len(ts) > 4 else ts)
+
+
+def ours(model, N, steps):
+    from ..engine.attention import AttentionContext
+    from ..engine.cache import ShardedKVCache
+    from ..parallel.comm import Comm
+    from ..engine.decode import Decoder
+
+    c = model.config
+    cache = ShardedKVCache(c.num_hidden_layers, 1, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                           dtype=torch.bfloat16, device="cuda", capacity=N + steps + 8, static=True)
+    for layer in range(c.num_hidden_layers):  # N random tokens, as if prefilled
+        cache.k[layer][:, :, :N].normal_()
+        cache.v[layer][:, :, :N].normal_()
+    cache.length.fill_(N)
+    cache.host_length.fill_(N)
+    cache.set_counts([N])
+    dec = Decoder(model, AttentionContext(Comm.single(), cache), vocab_size=c.vocab_size, cuda_graph=True)
+    tok = torch.tensor([1])
+    pos = [N]
+
+    def one():
+        dec.step(tok, pos[0])
+        pos[0] += 1
+
+    ms = _time(one, steps) * 1e3
+    return ms, dec.graph is not None, dec.graph_note
+
+
+def hf_step(model, N, steps, compiled):
+    from transformers import DynamicCache, StaticCache
+
+    c = model.config
+    hd = c.hidden_size // c.num_attention_heads
+    if compiled:
+        cache = StaticCache(config=c, max_cache_len=N + steps + 8)
+    else:
+        cache = DynamicCache()
+    k = torch.randn(1, c.num_key_value_heads, N, hd, dtype=torch.bfloat16, device="cuda")
+    for layer in range(c.num_hidden_layers):
+        cache.update(k, k, layer, {"cache_position": torch.arange(N, device="cuda")})
+    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
+    tok = torch.tensor([[1]], device="cuda")
+    pos = [N]
+
+    @torch.inference_mode()
+    def one():
+        p = torch.tensor([pos[0]], device="cuda")
+        fwd(input_ids=tok, position_ids=p[None], cache_position=p, past_key_values=cache, use_cache=True,
+            logits_to_keep=1)
+        pos[0] += 1
+
+    return _time(one, steps) * 1e3
+
+
+def floor_ms(model, N, copy_bw):
+    w = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = model.config
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * N * 2
+    return (w + kv) / copy_bw * 1e3
+
+
+def main(argv=None):
+    from .kernel import copy_bandwidth
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="32768,131072,524288")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ttft", type=int, default=131072, help="prompt tokens for time to first token (0: skip)")
+    ap.add_argument("--skip-compiled", action="store_true")
+    a = ap.parse_args(argv)
+    bw = copy_bandwidth(torch.device("cuda"))
+    model = _model("treeattn")
+    rows = []
+    for N in [int(x) for x in a.contexts.split(",")]:
+        row = {"context": N, "floor_ms": floor_ms(model, N, bw), "device": torch.cuda.get_device_name()}
+        need = cache_bytes(model.config, N + a.steps + 9)
+        res = _guarded(lambda: ours(model, N, a.steps), need)  # 512K at 8B's shape: 64 GiB of KV
+        if isinstance(res, str):
+            row["treeattn_ms"] = res
+        else:
+            row["treeattn_ms"], row["cuda_graph"], row["note"] = res
+            row["fraction_of_floor"] = row["floor_ms"] / row["treeattn_ms"]
+        model.set_attn_implementation("sdpa")
+        for name, compiled in (("transformers_ms", False), ("compiled_static_ms", True)):
+            if compiled and a.skip_compiled:
+                continue
+            row[name] = _guarded(lambda: hf_step(model, N, a.steps, compiled), need)
+        model.set_attn_implementation("treeattn")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if a.ttft:
+        from ..engine.attention import AttentionContext
+        from ..engine.cache import ShardedKVCache
+        from ..parallel.comm import Comm
+        from ..engine.decode import Decoder
+
+        c = model.config
+        cache = ShardedKVCache(c.num_hidden_layers, 1, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                               dtype=torch.bfloat16, device="cuda", capacity=a.ttft + 8, static=True)
+        dec = Decoder(model, AttentionContext(Comm.single(), cache), vocab_size=c.vocab_size)
+        ids = torch.randint(0, c.vocab_size, (1, a.ttft))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dec.prefill(ids, piece=8192)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        print(json.dumps({"ttft_prompt": a.ttft, "prefill_s": dt, "prefill_tokens_per_s": a.ttft / dt,
+                          "copy_gbps": bw / 1e9}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Time the local partial-attention kernel against torch SDPA and flex_attention.
+
+Decode attention is memory-bound: the ceiling is KV bytes / copy bandwidth. Each record holds
+the median time, the achieved GB/s (K and V bytes read once), and its fraction of the measured
+device-to-device copy bandwidth (read + write bytes / time) on the same device.
+
+Run: ``python -m treeattn_cli.bench.kernel --seq-len 4096,32768,1048576`` (later `treeattn bench --kernel`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from treeattn_kernels import partial_attention
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn, device, iters=20, warmup=5) -> list[float]:
+    """Seconds per call of ``fn()``, one sample per iteration, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    if device.type == "cuda":
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+    else:
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, iters=10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = statistics.median(time_fn(lambda: dst.copy_(src), device, iters=iters, warmup=3))
+    return 2 * src.numel() * 4 / t
+
+
+def decode_inputs(batch, heads, kv_heads, head_dim, N, dtype, device):
+    """Random decode inputs ``q [B, H, 1, d]``, ``k, v [B, H_kv, N, d]`` and their KV bytes."""
+    q = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, kv_heads, N, head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    return q, k, v, 2 * k.numel() * k.element_size()
+
+
+def _sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _flex():
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    fn = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: fn(q, k, v, enable_gqa=True, return_lse=True)
+
+
+def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16",
+                 device=None, iters=20, warmup=5, baselines=("sdpa", "flex"), copy_bw=None):
+    """One record per (N, method): median seconds, GB/s of KV read, fraction of copy bandwidth."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = DTYPES[dtype]
+    copy_bw = copy_bw or copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 27)
+    methods = {"treeattn": lambda q, k, v: partial_attention(q, k, v)}
+    if "sdpa" in baselines:
+        methods["sdpa"] = _sdpa
+    if "flex" in baselines and device.type == "cuda":
+        flex = _flex()
+        if flex is not None:
+            methods["flex_attention"] = flex
+    records = []
+    for N in seq_lens:
+        q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
+        for name, fn in methods.items():
+            try:
+                ts = time_fn(lambda: fn(q, k, v), device, iters=iters, warmup=warmup)
+            except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
+                records.append({"method": name, "seq_len": N, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            med = statistics.median(ts)
+            records.append({
+                "method": name, "seq_len": N, "batch": batch, "heads": heads, "kv_heads": kv_heads,
+                "head_dim": head_dim, "dtype": dtype, "device": _device_name(device),
+                "time_us_median": med * 1e6, "time_us_min": min(ts) * 1e6,
+                "kv_bytes": kv_bytes, "gbps": kv_bytes / med / 1e9,
+                "copy_gbps": copy_bw / 1e9, "frac_copy_bw": kv_bytes / med / copy_bw,
+            })
+        q = k = v = None  # free this length's tensors before the next
+    return records
+
+
+def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", device=None,
+         iters=20, warmup=5, copy_bw=None):
+    """Sweep the Triton kernel's launch parameters per N: block size, warps, stages and split
+    count (×½, ×1, ×2 the automatic choice). Each record carries the resource report of the
+    configuration's binary (registers, spill bytes, shared memory: the same reader as the
+    offline compile of CI, ``offline_compile.resources``), and ``best`` marks the fastest."""
+    import itertools
+
+    from treeattn_kernels import partial_triton as pt
+    from treeattn_kernels.offline_compile import resources
+    from treeattn_kernels.targets import target_of
+
+    device = torch.device(device or "cuda")
+    dt = DTYPES[dtype]
+    copy_bw = copy_bw or copy_bandwidth(device)
+    target = target_of(device)
+    sms = target.n_sms
+    out = []
+    for N in seq_lens:
+        q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
+        recs = []
+        for bn, warps, stages, mult in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (0.5, 1, 2)):
+            splits = max(1, int(pt.choose_splits(batch, kv_heads, N, sms, bn) * mult))
+            fn = lambda: pt.partial_attention_triton(q, k, v, num_splits=splits, block_n=bn,  # noqa: E731
+                                                     num_warps=warps, num_stages=stages)
+            try:
+                med = statistics.median(time_fn(fn, device, iters=iters, warmup=warmup))
+            except Exception as e:  # out of resources: a result of the sweep
+                recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                             "splits": splits, "error": f"{type(e).__name__}"})
+                continue
+            use = resources(pt.LAST_LAUNCH["split"], target)
+            recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                         "splits": splits, "time_us": med * 1e6, "frac_copy_bw": kv_bytes / med / copy_bw,
+                         "regs": use["regs"], "spill_bytes": use["spill_bytes"],
+                         "shared_bytes": use["shared_bytes"]})
+        ok = [r for r in recs if "time_us" in r]
+        if ok:
+            min(ok, key=lambda r: r["time_us"])["best"] = True
+        out += recs
+        q = k = v = None  # free this length's tensors before the next
+    return out
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", default="4096,16384,32768,131072,524288,1048576")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--tune", action="store_true", help="sweep the Triton launch parameters (GPU)")
+    a = p.parse_args(argv)
+    if a.tune:
+        import json
+
+        recs = tune([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
+                    kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, iters=a.iters, warmup=a.warmup)
+        for r in recs:
+            if r.get("best") or a.json:
+                print(json.dumps(r))
+        return
+    recs = kernel_bench([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
+                        kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
+                        iters=a.iters, warmup=a.warmup)
+    from .. import report
+
+    report.print_kernel_records(recs, as_json=a.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The commands, as the launching process runs them: flags, prompts, preparation, presentation."""

@@ -1,0 +1,285 @@
+"""``treeattn chat``: a long document prefilled once, then many questions (the launcher side).
+
+The ranks run a persistent engine (``engine.rank_engine``) in a background thread of this
+process (``launch.run_local``); this thread owns the terminal and the signals. It posts requests
+through the rendezvous store (``comm.post_request``) and reads rank 0's events (tokens, answer
+stats) from a queue:
+
+    append(document) · mark("doc")                      once (or load a saved cache)
+    append(question) · decode · rollback("doc")         per question (--conversation: no rollback)
+
+Ctrl-C during an answer stops that answer (``comm.post_interrupt``; rank 0 ends it on the next
+token, every rank in step) and returns to the prompt; Ctrl-D or ``/exit`` leaves; ``/reset``
+returns to the document; ``/save DIR`` saves the cache. SIGTERM stops everything like
+``generate`` (exit 143).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+
+from ..parallel import comm as C
+from ..parallel import launch
+from . import prompt as P
+from ..report import GenerateView, stats_line, stdout_closed
+from .options import ChatOptions
+from .prepare import prepare_run
+
+HELP = "/exit (or Ctrl-D) leaves · /reset returns to the document · /save DIR saves the cache · Ctrl-C stops an answer"
+
+
+class EngineClient:
+    """The launcher's handle on the running engine: post requests, read rank 0's events."""
+
+    def __init__(self, store, events: "queue.Queue", failed):
+        self.store, self.events, self.failed = store, events, failed
+        self.seq = 0
+
+    def post(self, **req) -> int:
+        seq = self.seq
+        C.post_request(self.store, seq, req)
+        self.seq += 1
+        return seq
+
+    def interrupt(self, seq: int) -> None:
+        C.post_interrupt(self.store, seq)
+
+    def wait(self, kind: str, on_event=None):
+        """Events until one of ``kind`` (returned); the ranks' failure is raised here."""
+        while True:
+            try:
+                what, payload = self.events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if what == "__end__":
+                raise self.failed() or launch.LaunchError("the ranks stopped")
+            if on_event is not None:
+                on_event(what, payload)
+            if what == kind:
+                return payload
+
+
+def _question_source(o: ChatOptions):
+    """Questions: from --questions (a file, or '-' for standard input), or from the terminal
+    (line editing and history; a pasted block of lines is one question; a line ending in
+    a backslash continues), or from piped standard input, one per line."""
+    if o.questions is not None:
+        f = sys.stdin if o.questions == "-" else open(o.questions, encoding="utf-8")
+        for line in f:
+            if line.strip():
+                yield line.rstrip("\n")
+        return
+    if not sys.stdin.isatty():
+        for line in sys.stdin:
+            if line.strip():
+                yield line.rstrip("\n")
+        return
+    import select
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    print(f"treeattn chat: ask about the document. {HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+            while line.endswith("\\") or select.select([sys.stdin], [], [], 0.02)[0]:
+                line = (line[:-1] if line.endswith("\\") else line) + "\n" + input("" if not line.endswith("\\") else "… ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as in a shell
+            print(file=sys.stderr)
+            continue
+        if line.strip():
+            yield line
+
+
+def chat_command(o: ChatOptions) -> int:
+    """Run ``treeattn chat``; returns the exit code (0; 1 when the ranks failed; 143 on SIGTERM)."""
+    if launch.under_torchrun():
+        raise ValueError("chat starts its own local ranks; under torchrun use generate (--load-kv continues a cache)")
+    if o.prompt is not None:
+        raise P.PromptError("chat reads the document from --prompt-file (questions come after it)")
+    if o.questions not in (None, "-"):
+        try:
+            open(o.questions, encoding="utf-8").close()
+        except OSError as e:
+            raise P.PromptError(f"cannot read --questions {o.questions}: {e.strerror}") from None
+    run = prepare_run(o)
+    o.max_new_tokens = o.max_new_tokens or 256
+    tok = run.tokenizer
+    chat = o.chat if o.chat is not None else bool(getattr(tok, "chat_template", None))
+    manifest, doc_ids = None, None
+    if o.load_kv:
+        manifest = run.load_kv(o.load_kv)
+        composition, cached = manifest["composition"], manifest["tokens"]["count"]
+    else:
+        if o.prompt_file is None:
+            raise P.PromptError("chat needs a document: --prompt-file DOC (or a saved cache: --load-kv DIR)")
+        text = P.read_text(None, o.prompt_file, context=run.context)
+        doc_ids, composition = P.document_ids(tok, text, chat=chat, system=o.system)
+        cached = len(doc_ids)
+    run.check_fits(cached, o.max_new_tokens, "the document")
+    save_meta = run.save_meta(o.save_kv, composition) if o.save_kv else None
+    job = run.job(o, [], reserve=cached + 4 * o.max_new_tokens)
+    return _session(o, run, job, composition, doc_ids, manifest, save_meta)
+
+
+def _session(o, run, job, composition, doc_ids, manifest, save_meta) -> int:
+    from ..engine.engine import rank_engine
+
+    events: queue.Queue = queue.Queue()
+    started, abort, box = threading.Event(), threading.Event(), {}
+
+    def ranks():
+        try:
+            launch.run_local(rank_engine, run.nproc, job, backend=run.backend, devices=run.devices,
+                             timeout_s=o.timeout, on_event=lambda r, k, v: events.put((k, v)),
+                             on_start=lambda store: (box.setdefault("store", store), started.set()),
+                             abort=abort)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            box["error"] = e
+        finally:
+            started.set()
+            events.put(("__end__", None))
+
+    launch.warm_forkserver()  # from this (main) thread: the fork server dies with its thread
+    t = threading.Thread(target=ranks, name="treeattn-ranks", daemon=True)
+    t.start()
+    started.wait()
+    client = EngineClient(box.get("store"), events, lambda: box.get("error"))
+    code = 0
+    try:
+        if client.store is None:  # the ranks never started
+            raise box.get("error") or launch.LaunchError("the ranks did not start")
+        _converse(o, run, job, client, composition, doc_ids, manifest, save_meta)
+        client.post(op="stop")
+    except launch.Terminated:
+        code = 143
+    except KeyboardInterrupt:  # outside an answer (the document's prefill): stop everything
+        print("treeattn: interrupted", file=sys.stderr)
+        code = 130
+    except launch.LaunchError as e:
+        print(f"treeattn: error: {e}", file=sys.stderr)
+        code = 1
+    except BrokenPipeError:  # `| head`: the reader has enough; stop the ranks quietly
+        code = stdout_closed()
+    finally:
+        if code:
+            abort.set()
+        t.join(timeout=30 if not code else 10)
+        if t.is_alive():
+            abort.set()
+            t.join(10)
+    err = box.get("error")
+    if not code and err is not None and not isinstance(err, launch.Stopped):
+        print(f"treeattn: error: {err}", file=sys.stderr)
+        code = 1
+    return code
+
+
+def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) -> None:
+    quiet = o.quiet  # as generate: stats on stderr (with --json too: stdout stays JSON lines)
+    tok = run.tokenizer
+    progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
+    if manifest is not None:
+        client.post(op="load", dir=o.load_kv, manifest=manifest)
+        info = client.wait("loaded")
+        if not quiet:
+            print(f"[loaded {info['tokens']:,} cached tokens from {o.load_kv} in {info['seconds']:.2f} s]",
+                  file=sys.stderr)
+    else:
+        client.post(op="append", ids=doc_ids, piece=o.prefill_chunk)
+        info = client.wait("appended", on_event=lambda k, v: progress.on_event(0, k, v))
+        progress.finish()
+        if not quiet:
+            print(f"[document: {info['tokens']:,} tokens prefilled in {info['seconds']:.2f} s, "
+                  f"{info['tokens'] / max(info['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
+    client.post(op="mark", name="doc")
+    if save_meta is not None:
+        _save(client, o.save_kv, save_meta, quiet)
+    turns = (manifest or {}).get("composition", {}).get("turns", 0) if manifest else 0
+    cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
+    total, last_reason = cached, None
+    for q in _question_source(o):
+        cmd = q.strip()
+        if cmd in ("/exit", "/quit"):
+            return
+        if cmd == "/reset":
+            client.post(op="rollback", name="doc")
+            total, turns, last_reason = cached, 0, None
+            print("[back to the document]", file=sys.stderr)
+            continue
+        if cmd.startswith("/save"):
+            path = cmd[5:].strip()
+            if not path:
+                print("treeattn: /save needs a directory", file=sys.stderr)
+                continue
+            try:
+                meta = run.save_meta(path, {**composition, "turns": turns})
+            except ValueError as e:
+                print(f"treeattn: error: {e}", file=sys.stderr)
+                continue
+            _save(client, path, meta, quiet)
+            continue
+        try:
+            ids = P.question_ids(tok, q, composition, next_turn=o.conversation and turns > 0)
+            run.check_fits(total + len(ids), o.max_new_tokens, "the document, the conversation and the question")
+        except ValueError as e:
+            print(f"treeattn: error: {e}", file=sys.stderr)
+            continue
+        info = dict(question=q, nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0],
+                    dtype=run.dtype, device=run.kind)
+        rec = _answer(o, client, tok, ids, job.eos_ids, info,
+                      drop_pending=last_reason == "eos" and composition["kind"] == "chat-document")
+        if o.conversation:
+            total += len(ids) + rec["new_tokens"]
+            turns, last_reason = turns + 1, rec["stop_reason"]
+        else:
+            client.post(op="rollback", name="doc")
+
+
+def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool) -> dict:
+    """One question: append, decode (streamed), and the answer's record (printed: JSON, or the
+    stats line). Ctrl-C stops the answer; SIGTERM keeps what was generated and goes on up."""
+    view = GenerateView(tok, stream=not o.json, progress=False)
+    client.post(op="append", ids=ids, piece=o.prefill_chunk, drop_pending=drop_pending)
+    seq = client.post(op="decode", seq=client.seq, max_new_tokens=o.max_new_tokens, stop=list(o.stop),
+                      eos_ids=list(eos_ids), sampling={"temperature": o.temperature, "top_k": o.top_k,
+                                                             "top_p": o.top_p, "seed": o.seed},
+                      keep=o.conversation, interruptible=True)
+    try:
+        while True:
+            try:
+                summary = client.wait("answer", on_event=lambda k, v: view.on_event(0, k, v))
+                break
+            except launch.Terminated:
+                raise
+            except KeyboardInterrupt:  # stop this answer; the engine stays
+                client.interrupt(seq)
+    except launch.Terminated:
+        _show(o, {**view.finish(stop_reason="terminated"), **info})
+        raise
+    view.summary = {k: v for k, v in summary.items() if k != "token_ids"}
+    rec = {**view.finish(), **info}
+    _show(o, rec)
+    return rec
+
+
+def _show(o, rec: dict) -> None:
+    if o.json:
+        print(json.dumps(rec), flush=True)
+    if not o.quiet:
+        print(stats_line(rec), file=sys.stderr)
+
+
+def _save(client, path, meta, quiet: bool) -> None:
+    client.post(op="save", dir=str(path), **meta)
+    info = client.wait("saved")
+    if not quiet:
+        print(f"[saved {info['tokens']:,} cached tokens to {info['dir']} in {info['seconds']:.2f} s]", file=sys.stderr)

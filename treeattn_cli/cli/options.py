@@ -1,0 +1,135 @@
+"""The flags of ``generate`` and ``chat`` (and the commands that run a model the same way), and
+the checks that need neither torch nor a model.
+
+The flags the commands share are defined once, here, in blocks (:data:`MODEL_FLAGS`,
+:data:`ANSWER_FLAGS`, :data:`RUN_FLAGS`, ...); ``main`` turns them into each command's options.
+Nothing here imports torch or transformers: ``main`` checks the flags with :func:`check_flags`
+before it imports what runs them, so a bad flag costs a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..parallel.schemes import SCHEMES
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: the field of :class:`GenerateOptions` it fills, its type and
+    default, its help, and its spelling where it is not ``--field-name``."""
+
+    name: str
+    type: object
+    default: object
+    help: str
+    decls: tuple = ()
+
+
+MODEL_FLAGS = (
+    Flag("model", Optional[str], None, "Local directory, .gguf file or hub id (default: the embedded demo model)."),
+    Flag("allow_pickle", bool, False, "Allow pickled .bin weights (they can run code)."),
+    Flag("trust_remote_code", bool, False, "Allow a model's own Python code from its repository."),
+)
+ANSWER_FLAGS = (
+    Flag("system", Optional[str], None, "System message for the chat template."),
+    Flag("max_new_tokens", Optional[int], None, "Most tokens per answer (default 256; generate's demo 96)."),
+    Flag("temperature", float, 0.0, "Sampling temperature; 0 = greedy."),
+    Flag("top_k", int, 0, "Sample from the k most likely tokens (0 = off)."),
+    Flag("top_p", float, 1.0, "Nucleus sampling mass in (0, 1] (1 = off)."),
+    Flag("seed", int, 0, "Random seed for sampling (every answer starts from it)."),
+    Flag("stop", List[str], [], "Stop an answer when this text appears (repeatable)."),
+)
+RUN_FLAGS = (
+    Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory)."),
+    Flag("prefill_sharding", str, "balanced",
+         "How prefill segments are cut: balanced (2p chunks, rank r holds r and 2p-1-r) | contiguous."),
+    Flag("nproc", Optional[int], None, "Local ranks (default: visible GPUs, 2 on a CPU-only machine)."),
+    Flag("tp", int, 1, "Tensor-parallel ranks per sequence shard (weights split T ways); --nproc = shards x T."),
+    Flag("backend", str, "auto", "auto | nccl | gloo."),
+    Flag("device", str, "auto", "auto | cuda | cpu."),
+    Flag("dtype", str, "auto", "auto | float32 | bfloat16 | float16."),
+    Flag("scheme", str, "auto",
+         "Merge scheme: auto (the layout `treeattn topo` chooses) | allreduce | allgather | tree | hierarchical."),
+    Flag("layout", Optional[str], None, "Interconnect profile for the layout choice: a built-in name or a YAML path "
+         "(e.g. from `topo --measure --save`)."),
+    Flag("timeout", float, 300.0, "Collective timeout in seconds (a lost rank is reported after it)."),
+)
+CACHE_FLAGS = (
+    Flag("save_kv", Optional[str], None, "Save the document's (prompt's) sharded KV cache to this directory."),
+    Flag("load_kv", Optional[str], None, "Start from a saved KV cache (any --nproc): the prompt or questions follow its tokens."),
+)
+REPORT_FLAGS = (
+    Flag("quiet", bool, False, "No stats lines on stderr."),
+    Flag("debug", bool, False, "Show full tracebacks."),
+)
+
+
+@dataclass
+class GenerateOptions:
+    """The flags of ``treeattn generate`` (see ``main.generate`` for their help)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    prompt_file: str | None = None
+    chat: bool | None = None
+    system: str | None = None
+    max_new_tokens: int | None = None  # None: 256, or 96 for the demo
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: list = field(default_factory=list)
+    prefill_chunk: int | None = None
+    nproc: int | None = None
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    scheme: str = "auto"
+    output: str | None = None
+    json: bool = False
+    timeout: float = 300.0
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    layout: str | None = None  # a profile (name or YAML path) for the layout choice
+    debug: bool = False  # full tracebacks (a failed rank's too)
+    tp: int = 1  # tensor-parallel ranks per sequence shard: --nproc = cp x tp
+    save_kv: str | None = None  # save the prompt's KV cache here (engine/kvstore.py)
+    load_kv: str | None = None  # continue a saved KV cache with the prompt
+    quiet: bool = False  # no stats line on stderr
+    prefill_sharding: str = "balanced"  # or "contiguous": how prefill segments are cut (engine/prefill.py)
+
+
+def check_flags(o: GenerateOptions) -> None:
+    """The checks that need neither torch nor the model: run before the heavy imports, so a
+    mistyped flag is refused at once (one line, exit 2) instead of after seconds of loading."""
+    if o.max_new_tokens is not None and o.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {o.max_new_tokens}")
+    if not o.temperature >= 0 or o.temperature != o.temperature:
+        raise ValueError(f"--temperature must be >= 0, got {o.temperature}")
+    if o.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0, got {o.top_k}")
+    if not 0 < o.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {o.top_p}")
+    if o.prefill_chunk is not None and o.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be >= 1, got {o.prefill_chunk}")
+    if o.nproc is not None and o.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {o.nproc}")
+    if not o.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {o.timeout}")
+    for flag, val, choices in (("--backend", o.backend, ("auto", "nccl", "gloo")),
+                               ("--device", o.device, ("auto", "cuda", "cpu")),
+                               ("--dtype", o.dtype, ("auto", "float32", "bfloat16", "float16")),
+                               ("--scheme", o.scheme, ("auto", *SCHEMES)),
+                               ("--prefill-sharding", o.prefill_sharding, ("balanced", "contiguous"))):
+        if val not in choices:
+            raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {val!r}")
+
+
+@dataclass
+class ChatOptions(GenerateOptions):
+    """``treeattn chat``: generate's flags, and how questions come and whether turns are kept."""
+
+    conversation: bool = False  # keep the turns (default: every question against the document alone)
+    questions: str | None = None  # a file of questions, one per line ('-': standard input)

@@ -1,0 +1,179 @@
+"""The attention function Hugging Face calls per layer: local partial -> comm merge.
+
+Registered through transformers' ``AttentionInterface`` under the name ``"treeattn"``. Models
+are run with ``use_cache=False`` so the layer hands us the new token(s)' RoPE'd K/V; the
+sharded cache, the communicator and the phase live in an :class:`AttentionContext` that travels
+through the model's ``**kwargs`` as ``treeattn_ctx``. Masks are built from global positions
+here, so transformers' mask (None for an unregistered implementation) is never needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treeattn_kernels import add_sink, partial_attention
+
+from .cache import ShardedKVCache
+from ..parallel.comm import Comm
+from ..parallel.merge import merge_pair
+from .prefill import flops, ring_pass_q, ring_prefill
+from ..parallel.ring import ring_decode
+
+ATTN_NAME = "treeattn"
+
+
+@dataclass
+class AttentionContext:
+    """What our attention needs beyond the layer's q/k/v (one per rank, reused every step).
+
+    ``phase``: ``"prefill"`` (this rank's piece of a prompt segment, cut as ``pieces``, global
+    positions), ``"replicated"`` (a segment shorter than the sequence shards, every rank computing
+    all of it at ``positions``; rank ``owner`` keeps its K/V) or ``"decode"`` (one new token per
+    sequence, every rank computing it).
+    """
+
+    comm: Comm
+    cache: ShardedKVCache
+    phase: str = "decode"
+    pieces: list = field(default_factory=list)  # prefill: every rank's position ranges (prefill.shard)
+    positions: object = None  # prefill: this rank's positions [n_r]
+    cache_lens: list = field(default_factory=list)  # prefill: every rank's cached tokens before the segment
+    method: str = "pass-kv"  # prefill with a cache: "pass-kv" (the cache travels) or "pass-q" (queries do)
+    owner: int = 0  # replicated: the rank that keeps the segment's K/V
+    on_layer: object = None  # prefill progress callback(layer_index)
+    decode_method: str = "tree"  # "ring": the KV-rotating baseline (bench)
+
+
+# Arguments of a model's forward that transformers passes on to every attention call and that
+# change nothing here: positions, the cache and the outputs come from our own context.
+PASSING = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position"})
+
+
+class UnsupportedAttention(ValueError):
+    """A model hands our attention an argument treeattn does not honour: refused, never ignored
+    (an ignored argument is a wrong answer with exit status 0)."""
+
+
+def _model_type(module) -> str:
+    cfg = getattr(module, "config", None)
+    return getattr(cfg, "model_type", None) or type(module).__name__
+
+
+def treeattn_attention(module, query, key, value, attention_mask=None, *, scaling=None, dropout=0.0,
+                       sliding_window=None, softcap=None, s_aux=None, is_causal=None, treeattn_ctx=None,
+                       **rest):
+    """``query [B, H, T, d]``, ``key/value [B, H_kv, T, d]`` (RoPE applied) -> ``([B, T, H, d], None)``.
+
+    Every argument transformers hands over is honoured or refused: ``scaling``, ``sliding_window``,
+    ``softcap`` (logit soft-capping) and ``s_aux`` (learned sink logits, one per query head:
+    gpt-oss) are honoured; ``dropout`` must be 0 and ``is_causal`` not False; the flags in
+    :data:`PASSING` change nothing; anything else raises :class:`UnsupportedAttention`."""
+    unknown = sorted(set(rest) - PASSING)
+    if unknown:
+        raise UnsupportedAttention(f"model type '{_model_type(module)}' passes the attention argument "
+                                   f"'{unknown[0]}', which treeattn does not support (refused rather than ignored)")
+    if is_causal is False:
+        raise UnsupportedAttention(f"model type '{_model_type(module)}' asks for bidirectional attention "
+                                   "(is_causal=False); treeattn decodes causal language models")
+    ctx: AttentionContext = treeattn_ctx
+    if ctx is None:
+        raise RuntimeError("treeattn attention called without its context (treeattn_ctx)")
+    if dropout:
+        raise ValueError("treeattn is inference-only: attention dropout must be 0")
+    layer = module.layer_idx
+    window = sliding_window or None
+    sink = _sinks(module, s_aux, query.shape[1])
+    cache, comm = ctx.cache, ctx.comm
+    if ctx.phase == "prefill":
+        cached = any(ctx.cache_lens)  # known on every rank: they all take the same path
+        travel = cached and ctx.method == "pass-kv"
+        if cached:
+            k, v, kv_len, pos = cache.view(layer)
+        o, lse = ring_prefill(comm, query, key, value, ctx.pieces, scale=scaling, window=window, softcap=softcap,
+                              cache=(k, v) if travel else None, cache_lens=ctx.cache_lens if travel else None)
+        if cached and not travel:  # the cache stays; queries visit every rank's shard
+            po, pl = ring_pass_q(comm, query, k, v, kv_len, ctx.pieces, k_pos=pos, scale=scaling,
+                                 window=window, softcap=softcap)
+            o, lse = merge_pair(o, lse, po, pl)
+        if sink is not None:  # these queries' partials over every key are merged: the sink joins once
+            o, lse = add_sink(o, lse, sink)
+        cache.append_chunk(layer, key, value, ctx.positions)
+        if ctx.on_layer is not None:
+            ctx.on_layer(layer)
+    elif ctx.phase == "replicated":
+        o, lse = _replicated(ctx, layer, query, key, value, scaling, window, softcap, sink)
+        B, H, T, d = query.shape
+        out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
+        comm.merge(o, lse, out=out.transpose(1, 2))
+        if ctx.on_layer is not None:
+            ctx.on_layer(layer)
+        return out, None
+    else:
+        k, v, kv_len = cache.update(layer, key, value)
+        if ctx.decode_method == "ring":
+            if window is not None:
+                raise ValueError("the ring decode baseline does not support sliding-window layers")
+            lens = cache.shard_lens()  # every rank's block length, known without a collective
+            n = lens[comm.rank]
+            o, lse = ring_decode(comm, query, k[:, :, :n], v[:, :, :n], kv_len, shard_lens=lens,
+                                 scale=scaling, softcap=softcap)
+            if sink is not None:  # every rank merged all p partials itself
+                o, _ = add_sink(o, lse, sink)
+            return o.to(query.dtype).transpose(1, 2).contiguous(), None
+        q_pos = k_pos = None
+        if window is not None:
+            q_pos, k_pos = cache.step_positions[:, None], cache.pos[:, : k.shape[2]]
+        # the same query on every rank: its sink goes into one rank's partial before the merge
+        o, lse = partial_attention(query, k, v, scale=scaling, kv_len=kv_len, window=window, softcap=softcap,
+                                   sink=sink if comm.rank == 0 else None, q_pos=q_pos, k_pos=k_pos,
+                                   out_dtype=torch.float32)
+        B, H, T, d = query.shape
+        out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
+        comm.merge(o, lse, out=out.transpose(1, 2))
+        return out, None
+    return o.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _sinks(module, s_aux, heads: int):
+    """``s_aux`` as ``[H]`` fp32 logits of the query heads this rank attends with, or None."""
+    if s_aux is None:
+        return None
+    s = s_aux.to_local() if hasattr(s_aux, "to_local") else s_aux  # a tensor-parallel shard
+    s = s.detach().reshape(-1).float()
+    if s.numel() != heads:
+        raise UnsupportedAttention(f"model type '{_model_type(module)}': {s.numel()} attention sink logits "
+                                   f"for {heads} query heads on this rank")
+    return s
+
+
+def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
+    """This rank's partial for a segment every rank computes (``q [B, H, n, d]``): its cached
+    shard, and on the owner also the segment's own keys (causal); the owner then keeps them.
+    Rank 0 carries the sink (the same queries on every rank: it joins the merge once)."""
+    cache, pos = ctx.cache, ctx.positions
+    k, v, kv_len, k_pos = cache.view(layer)
+    kw = dict(q_pos=pos, k_pos=k_pos, window=window) if window is not None else {}
+    o, lse = partial_attention(q, k, v, scale=scale, kv_len=kv_len, softcap=softcap, out_dtype=torch.float32,
+                               sink=sink if ctx.comm.rank == 0 else None, **kw)
+    stats = ctx.comm.stats
+    if stats.enabled:
+        B, H, n, d = q.shape
+        stats.add_flops(flops(B, H, d, n, k.shape[2], "full"))
+    if ctx.comm.rank == ctx.owner:
+        po, pl = partial_attention(q, k_new, v_new, scale=scale, q_pos=pos, k_pos=pos, window=window,
+                                   softcap=softcap, out_dtype=torch.float32)
+        o, lse = merge_pair(o, lse, po, pl)
+        cache.append_chunk(layer, k_new, v_new, pos)
+        if stats.enabled:
+            stats.add_flops(flops(B, H, d, n, n, "causal"))
+    return o, lse
+
+
+def register() -> str:
+    """Register our attention with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, treeattn_attention)
+    return ATTN_NAME

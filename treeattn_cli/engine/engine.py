@@ -1,0 +1,289 @@
+"""One engine, many requests (DESIGN.md §10): ranks started once, the model loaded once.
+
+Each rank builds an :class:`Engine` (its share of the model on the (cp × tp) mesh, communicators,
+sharded cache, decoder) and serves a sequence of requests, the same on every rank, in order:
+
+* ``{"op": "append", "ids": [...], "piece": n}``: prefill the tokens after what the cache holds
+  (the document, a question, the next turn of a conversation);
+* ``{"op": "decode", "seq": i, "max_new_tokens": n, "sampling": {...}, "stop": [...],
+  "eos_ids": [...], "keep": bool}``: sample an answer, streaming ``token`` events from rank 0
+  and ending with an ``answer`` event (its stats); rank 0 also stops when the launcher posts an
+  interrupt for request ``i``. ``keep``: the answer stays in the cache (its last token is fed
+  with the next append), else the caller rolls back;
+* ``{"op": "mark", "name": s}`` / ``{"op": "rollback", "name": s}``: remember the cache's
+  lengths / return to them (nothing copied);
+* ``{"op": "save", "dir": d, "nonce": s, ...}`` / ``{"op": "load", "dir": d, "manifest": {...}}``:
+  the sharded cache to and from disk (``kvstore.py``);
+* ``{"op": "stop"}``: leave; rank 0 returns the last answer's summary.
+
+``generate`` is a fixed list of requests (:func:`generate_requests`); ``chat`` reads them from
+the launcher one by one (``comm.next_request``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from treeattn_kernels import use_reference
+
+from ..parallel import comm as C
+from .attention import AttentionContext
+from .cache import ShardedKVCache
+from .decode import Decoder, Sampling, Timings
+from ..parallel.mesh import Mesh, check_tp_within_nodes
+from ..topology.layout import cp_layout
+from .model import load_model, load_tokenizer, pick_dtype, shapes, weight_bytes
+
+
+def generate_requests(job) -> list[dict]:
+    """``generate`` as requests: load a saved cache (``--load-kv``), append the prompt, decode,
+    and with ``--save-kv`` save the cache of the prompt (rolled back past the answer)."""
+    reqs = []
+    if job.load_kv:
+        reqs.append({"op": "load", "dir": job.load_kv, "manifest": job.load_manifest})
+    reqs.append({"op": "append", "ids": list(job.prompt_ids), "piece": job.prefill_chunk})
+    if job.save_kv:
+        reqs.append({"op": "mark", "name": "prompt"})
+    reqs.append({"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "stop": list(job.stop),
+                 "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False})
+    if job.save_kv:
+        reqs += [{"op": "rollback", "name": "prompt"},
+                 {"op": "save", "dir": job.save_kv, **job.save_meta}]
+    return reqs + [{"op": "stop"}]
+
+
+def inbox():
+    """Requests posted by the launcher (``chat``), in order, until ``stop``."""
+    seq = 0
+    while True:
+        req = C.next_request(seq)
+        seq += 1
+        yield req
+        if req["op"] == "stop":
+            return
+
+
+def _stop_check(tokenizer, stop: list, eos: set):
+    def check(ids: list[int]):
+        if ids[-1] in eos:
+            return "eos"
+        if stop:
+            tail = tokenizer.decode(ids[-32:], skip_special_tokens=True)
+            if any(s in tail for s in stop):
+                return "stop"
+        return None
+
+    return check
+
+
+class Engine:
+    """This rank's model, mesh, communicators, cache and decoder, and the requests it serves."""
+
+    def __init__(self, ctx, job):
+        self.ctx, self.job = ctx, job
+        self.device = device = torch.device(ctx.device)
+        self.dtype = dtype = pick_dtype(job.dtype, device)
+        use_reference(job.reference)
+        self.mesh = mesh = Mesh(ctx.world, job.tp, ctx.rank)
+        self.nodes = C.nodes_of_all_ranks()
+        tp_mesh = cp_group = None
+        if mesh.tp > 1:
+            check_tp_within_nodes(mesh, self.nodes)
+            tp_mesh, cp_group = C.grid_mesh(device.type, mesh.cp, mesh.tp)
+        self.model = load_model(job.model_dir, dtype, device, trust_remote_code=job.trust_remote_code,
+                                allow_pickle=job.allow_pickle, tp_mesh=tp_mesh, tp_plan=job.tp_plan)
+        self.shapes = sh = shapes(self.model.config)
+        plan = (job.scheme, job.groups, job.inner, job.outer)
+        if len(set(self.nodes)) > 1 and job.auto_layout:  # planned in the launcher as if on one node
+            lay = cp_layout(mesh, self.nodes, job.layout_profile, heads=sh["heads"], head_dim=sh["head_dim"],
+                            layers=sh["num_layers"], intra="LOOPBACK" if device.type == "cpu" else "NVSWITCH")
+            plan = (lay.scheme, lay.groups, lay.inner or "allreduce", lay.outer or "tree")
+        self.scheme = plan[0]
+        self.comm = C.make_comm(*plan, parts=mesh.cp_parts(), group=cp_group)  # the merge runs over my cp group
+        self.world = C.make_comm("allreduce") if mesh.tp > 1 else self.comm  # tokens go to every rank
+        cp = mesh.cp
+        cap = math.ceil(job.reserve_tokens / cp) + 2
+        static = job.static if job.static is not None else device.type == "cuda"
+        # KV heads this rank attends with: 1/T of them, unless the plan gives every tp rank all
+        # of them (Phi-3's fused qkv_proj is gathered again); then tp peers hold the same heads
+        self.heads_split = job.tp_heads_split
+        self.kv_heads = sh["kv_heads"] // (mesh.tp if self.heads_split else 1)
+        self.head0 = mesh.tp_index * self.kv_heads if self.heads_split else 0
+        self.cache = ShardedKVCache(sh["num_layers"], 1, self.kv_heads, sh["head_dim"], dtype=dtype,
+                                    device=device, rank=self.comm.rank, world=cp, capacity=cap, static=static)
+        self.dec = Decoder(self.model, AttentionContext(self.comm, self.cache, decode_method=job.decode_method),
+                           vocab_size=self.model.get_output_embeddings().weight.shape[0], world=self.world,
+                           cuda_graph=job.cuda_graph and ctx.backend == "nccl" and job.decode_method == "tree",
+                           sharding=job.prefill_sharding)
+        self.lead = ctx.rank == 0
+        self.ids: list[int] = []  # the tokens the cache holds, in order (every rank)
+        self.pending: int | None = None  # an answer's last token, sampled but not yet in the cache
+        self.logits = None  # rank 0: of the last token in the cache
+        self.ready = False  # tokens appended since the last answer: a decode may follow
+        self.marks: dict = {}
+        self.appended = (0, 0.0, 0.0)  # tokens, seconds, start time of the last append
+        self.summary: dict | None = None
+        self.methods: list[str] = []  # how the last append's segments met the cache (prefill.plan)
+        self._tok = None
+
+    # -- requests ----------------------------------------------------------------------
+    def serve(self, requests):
+        """Serve ``requests`` in order; rank 0 returns the last answer's summary (or None)."""
+        for req in requests:
+            op = req["op"]
+            if op == "stop":
+                return self._finish()
+            getattr(self, f"_op_{op}")(req)
+        return self._finish()
+
+    def _op_append(self, req):
+        if req.get("drop_pending"):  # the answer ended with EOS: the chat template closes the turn
+            self.pending = None
+        ids = ([self.pending] if self.pending is not None else []) + list(req["ids"])
+        self.pending = None
+        if not ids:
+            return
+        t0 = time.perf_counter()
+        progress = (lambda done, total: self.ctx.send("prefill", (done, total))) if self.lead else None
+        first = len(self.dec.segments)
+        logits = self.dec.prefill(torch.tensor([ids], dtype=torch.int64), req.get("piece"), progress)
+        self.methods = sorted({seg["method"] for seg in self.dec.segments[first:] if seg["cached"]})
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.logits, self.ready = logits, True
+        self.ids += ids
+        self.appended = (len(ids), time.perf_counter() - t0, t0)
+        if self.lead:
+            self.ctx.send("appended", {"tokens": len(ids), "seconds": self.appended[1], "cached": len(self.ids)})
+
+    def _op_decode(self, req):
+        if not self.ready:  # known on every rank: they all refuse together
+            raise RuntimeError("decode needs tokens appended first")
+        stop_check = None
+        if self.lead:
+            if self._tok is None and req.get("stop"):
+                self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
+            stop_check = _stop_check(self._tok, req.get("stop") or [], set(req.get("eos_ids") or []))
+        seq = req.get("seq", 0)
+        n_prompt, prefill_s, t0 = self.appended
+        context = len(self.ids)
+        timings = Timings(start=t0)
+        timings.prefill_s = prefill_s
+        toks, reason = [], None
+        for tok, reason in self.dec.decode(self.logits, max_new_tokens=req["max_new_tokens"],
+                                           sampling=Sampling(**req["sampling"]), stop_check=stop_check,
+                                           interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
+                                           timings=timings):
+            toks.append(tok)
+            if self.lead:
+                self.ctx.send("token", tok)
+        self.logits, self.ready = None, False
+        # the last token was sampled, not fed: it enters the cache with the next append (kept)
+        self.ids += toks[:-1]
+        self.pending = toks[-1] if req.get("keep") and toks else None
+        count = len(toks)
+        self.summary = {
+            "prompt_tokens": n_prompt, "context_tokens": context, "new_tokens": count, "ttft_s": timings.ttft_s, "prefill_s": prefill_s,
+            "prefill_tokens_per_s": n_prompt / prefill_s if prefill_s else None,
+            "decode_tokens_per_s": (count - 1) / timings.decode_s if count > 1 and timings.decode_s else None,
+            "stop_reason": reason, "prefill_method": "+".join(self.methods) or None,
+        }
+        if self.lead:
+            self.ctx.send("answer", {**self.summary, "token_ids": toks})
+
+    def _op_mark(self, req):
+        self.marks[req["name"]] = (self.cache.mark(), len(self.ids), self.logits, self.ready, self.pending)
+
+    def _op_rollback(self, req):
+        mark, n, logits, ready, pending = self.marks[req["name"]]
+        self.cache.rollback(mark)
+        del self.ids[n:]
+        self.logits, self.ready, self.pending = logits, ready, pending
+
+    def _op_save(self, req):
+        from . import kvstore
+
+        t0 = time.perf_counter()
+        target = Path(req["dir"])
+        tmp = target.with_name(f"{target.name}.partial-{req['nonce']}")
+        if self.lead:
+            tmp.mkdir(parents=True, exist_ok=True)
+        self.world.barrier()
+        if self.heads_split or self.mesh.tp_index == 0:  # tp peers with the same heads: one writes
+            kvstore.save_shard(tmp, self.cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index,
+                               head0=self.head0)
+        self.world.barrier()
+        if self.lead:
+            sh = self.shapes
+            kvstore.finish_save(tmp, target, ids=self.ids, identity=req["identity"],
+                                dtype=str(self.dtype).replace("torch.", ""),
+                                shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"],
+                                        "head_dim": sh["head_dim"]},
+                                mesh={"nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp},
+                                composition=req.get("composition", {}))
+            self.ctx.send("saved", {"dir": str(target), "tokens": len(self.ids),
+                                    "seconds": time.perf_counter() - t0})
+        self.world.barrier()  # the cache is in place before anyone goes on
+
+    def _op_load(self, req):
+        from . import kvstore
+
+        t0 = time.perf_counter()
+        kvstore.load_into(req["dir"], req["manifest"], self.cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index,
+                          head0=self.head0)
+        self.ids = kvstore.load_ids(Path(req["dir"]))
+        self.pending, self.logits, self.ready = None, None, False  # a load is followed by an append
+        if self.lead:
+            self.ctx.send("loaded", {"dir": req["dir"], "tokens": len(self.ids),
+                                     "seconds": time.perf_counter() - t0})
+
+    def _finish(self):
+        mem = [_peak_rss()] + ([torch.cuda.max_memory_allocated(self.device)] if self.device.type == "cuda" else [])
+        segs = self.dec.segments
+        nm = len(mem)
+        every = self.world.all_gather_values(mem + [x for seg in segs for x in (seg["flops"], seg["bytes"])])
+        mem = every[:, :nm]  # [ranks, 1 or 2]: every rank's peaks, for the record
+        if not self.lead:
+            return None
+        out = dict(self.summary or {})
+        out.update({
+            "nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp, "nodes": len(set(self.nodes)),
+            "weight_bytes": weight_bytes(self.model), "shard_tokens": self.cache.counts[0].tolist(),
+            "scheme": self.scheme, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "cuda_graph": self.dec.graph is not None,
+            "kernels": "reference (the fast kernels failed their self-check)" if self.job.reference else "fast",
+            "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
+            "prefill_segments": [{**{k: seg[k] for k in ("tokens", "cached", "method", "sharding")},
+                                  "flops_per_rank": [int(x) for x in every[:, nm + 2 * i].tolist()],
+                                  "bytes_per_rank": [int(x) for x in every[:, nm + 2 * i + 1].tolist()]}
+                                 for i, seg in enumerate(segs)],
+        })
+        if self.device.type == "cuda":
+            out["peak_device_bytes"] = [int(x) for x in mem[:, 1].tolist()]
+        if self.dec.graph_note:
+            out["note"] = self.dec.graph_note
+        return out
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rank_generate(ctx, job):
+    """Entry point of every rank for ``generate`` (``launch.run_local`` / ``run_torchrun``)."""
+    summary = Engine(ctx, job).serve(generate_requests(job))
+    if summary is not None:
+        ctx.send("done", summary)
+    return summary
+
+
+def rank_engine(ctx, job):
+    """Entry point of every rank for ``chat``: requests from the launcher until ``stop``."""
+    return Engine(ctx, job).serve(inbox())

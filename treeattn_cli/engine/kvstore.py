@@ -1,0 +1,310 @@
+"""A saved sharded KV cache: one safetensors file per rank, a manifest, validation, re-sharding.
+
+Layout of a saved cache directory::
+
+    manifest.json           format, model identity, dtype, shapes, token count and hash,
+                            the mesh it was saved from, how prompts continue it, the shard files
+    tokens.safetensors      the token ids the cache holds (``ids [n]``, int64)
+    kv-c{C}-t{T}.safetensors  one per rank: ``k.{layer}``, ``v.{layer}`` ``[1, H_kv/T, n_C, d]``
+                            and their global positions ``pos [n_C]``
+
+Positions are global, so a cache saved on one mesh loads onto another: each loading rank
+takes the positions and KV heads that the new mesh gives it from whichever files hold them.
+Writing goes to ``DIR.partial-<nonce>`` and is renamed into place once complete; nothing is
+pickled. :func:`validate` checks everything a run can check cheaply before any rank starts
+(missing or corrupt manifest, another model or dtype, missing, truncated or corrupt shards)
+and raises :class:`KVError` with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..parallel.ring import chunk_bounds
+
+FORMAT = "treeattn-kv/1"
+MANIFEST = "manifest.json"
+TOKENS = "tokens.safetensors"
+
+
+class KVError(ValueError):
+    """A saved cache that cannot be used here; the message is one line for the user."""
+
+
+def shard_name(cp_index: int, tp_index: int) -> str:
+    return f"kv-c{cp_index}-t{tp_index}.safetensors"
+
+
+def ids_sha256(ids) -> str:
+    return hashlib.sha256(torch.as_tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- model identity
+
+_VOLATILE = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "attn_implementation"}
+
+
+def model_identity(model_dir) -> dict:
+    """What makes two checkpoints the same model for a cache: the architecture (config, without
+    bookkeeping keys) and a weights fingerprint (every weight file's header, size and 16 samples
+    of its bytes; fast at any size)."""
+    d = Path(model_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    arch = {k: v for k, v in cfg.items() if k not in _VOLATILE}
+    h = hashlib.sha256()
+    for f in sorted(list(d.glob("*.safetensors")) + list(d.glob("*.bin"))):
+        size = f.stat().st_size
+        h.update(f.name.encode() + str(size).encode())
+        with open(f, "rb") as fh:
+            if f.suffix == ".safetensors":
+                n = struct.unpack("<Q", fh.read(8))[0]
+                h.update(fh.read(min(n, 1 << 24)))
+            for i in range(16):
+                fh.seek(size * i // 16)
+                h.update(fh.read(4096))
+    return {"model_type": cfg.get("model_type"),
+            "config_sha256": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest(),
+            "weights_fingerprint": h.hexdigest()}
+
+
+# ---------------------------------------------------------------- saving (on the ranks)
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+
+
+def _write_streamed(path: Path, entries, metadata: dict) -> None:
+    """Write a safetensors file whose tensors come a piece at a time: ``entries`` is a list of
+    ``(name, dtype, shape, pieces)`` where ``pieces()`` yields contiguous tensors (on any device)
+    whose bytes, in order, are the tensor's. The header is known up front (shapes and dtypes),
+    so the file is written front to back straight from the cache's own memory (a device cache
+    through one pinned host buffer): a save adds no copy of the shard to the host, whatever its
+    size."""
+    import numpy as np
+
+    header, off = {"__metadata__": metadata}, 0
+    for name, dtype, shape, _ in entries:
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    staging = None  # pinned host bytes a device piece is copied through, reused
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for _, _, _, pieces in entries:
+            for t in pieces():
+                nbytes = t.numel() * t.element_size()
+                if t.device.type != "cpu":
+                    if staging is None or staging.numel() < nbytes:
+                        staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    staging[:nbytes].view(t.dtype).view(t.shape).copy_(t)
+                    t = staging[:nbytes]
+                f.write(np.asarray(t.view(torch.uint8).view(-1)).data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rows(t, n: int):
+    """The bytes of ``t[:, :, :n]`` (``t [B, H, capacity, d]``) as contiguous pieces, no copy."""
+    def pieces():
+        for b in range(t.shape[0]):
+            for h in range(t.shape[1]):
+                yield t[b, h, :n]
+    return pieces
+
+
+def save_shard(tmp: Path, cache, *, cp_index: int, tp_index: int, head0: int) -> None:
+    """This rank's shard into ``tmp`` (written to a temporary name, then renamed), streamed
+    from the cache's memory (:func:`_write_streamed`)."""
+    n = int(cache.host_length[0])
+    shape = (cache.batch, cache.kv_heads, n, cache.head_dim)
+    entries = []
+    for i in range(cache.num_layers):
+        entries.append((f"k.{i}", cache.dtype, shape, _rows(cache.k[i], n)))
+        entries.append((f"v.{i}", cache.dtype, shape, _rows(cache.v[i], n)))
+    entries.append(("pos", torch.int64, (n,), lambda: iter([cache.pos[0, :n]])))
+    meta = {"cp_index": str(cp_index), "tp_index": str(tp_index), "kv_heads": f"{head0}:{head0 + cache.kv_heads}",
+            "format": "pt"}
+    final = tmp / shard_name(cp_index, tp_index)
+    _write_streamed(Path(str(final) + ".tmp"), entries, meta)
+    os.replace(str(final) + ".tmp", final)
+
+
+def finish_save(tmp: Path, target: Path, *, ids, identity: dict, dtype: str, shapes: dict, mesh: dict,
+                composition: dict) -> dict:
+    """Rank 0, after every rank wrote its shard: the token ids, the manifest, then the rename
+    into place (an older cache at ``target`` is replaced only once the new one is complete)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file({"ids": torch.as_tensor(list(ids), dtype=torch.int64)}, str(tmp / TOKENS))
+    shards = []
+    for f in sorted(tmp.glob("kv-c*-t*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            m = s.metadata()
+            h0, h1 = map(int, m["kv_heads"].split(":"))
+            n = s.get_slice("pos").get_shape()[0]
+        shards.append({"file": f.name, "cp_index": int(m["cp_index"]), "tp_index": int(m["tp_index"]),
+                       "kv_heads": [h0, h1], "tokens": n})
+    manifest = {"format": FORMAT, "treeattn": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "model": identity, "dtype": dtype, **shapes, "mesh": mesh, "composition": composition,
+                "tokens": {"count": len(ids), "sha256": ids_sha256(ids)}, "shards": shards}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    old = None
+    if target.exists():
+        old = target.with_name(target.name + f".old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return manifest
+
+
+# ---------------------------------------------------------------- validation (before any rank)
+
+def _check_safetensors(f: Path) -> dict:
+    """The header of a complete safetensors file, or KVError naming what is wrong with it."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if n > size:
+                raise ValueError
+            header = json.loads(fh.read(n))
+    except FileNotFoundError:
+        raise KVError(f"saved cache: {f.name} is missing from {f.parent}") from None
+    except (OSError, ValueError, struct.error):
+        raise KVError(f"saved cache: {f} is corrupt (unreadable safetensors header)") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise KVError(f"saved cache: {f} is truncated or corrupt ({size} bytes, the header says {8 + n + end})")
+    return header
+
+
+def validate(kv_dir, *, identity: dict, dtype: str, shapes: dict) -> dict:
+    """The manifest of the cache in ``kv_dir`` after checking it fits this run; KVError otherwise."""
+    d = Path(kv_dir)
+    if not d.is_dir():
+        raise KVError(f"saved cache not found: {d}")
+    try:
+        m = json.loads((d / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise KVError(f"{d} has no {MANIFEST}: not a saved treeattn cache, or its save did not finish") from None
+    except (OSError, ValueError):
+        raise KVError(f"{d / MANIFEST} is corrupt (not JSON)") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise KVError(f"{d / MANIFEST}: not a {FORMAT} manifest")
+    if m.get("model") != identity:
+        saved = (m.get("model") or {}).get("model_type")
+        raise KVError(f"{d} was saved from another model ({saved}, config or weights differ from "
+                      f"{identity.get('model_type')} here)")
+    if m.get("dtype") != dtype:
+        raise KVError(f"{d} holds a {m.get('dtype')} cache; this run is {dtype} (pass --dtype {m.get('dtype')})")
+    for key in ("layers", "kv_heads", "head_dim"):
+        if m.get(key) != shapes[key]:
+            raise KVError(f"{d}: {key} {m.get(key)} does not match the model's {shapes[key]}")
+    ids = load_ids(d)
+    if len(ids) != m["tokens"]["count"] or ids_sha256(ids) != m["tokens"]["sha256"]:
+        raise KVError(f"{d / TOKENS} does not match the manifest's token count and hash")
+    covered = 0
+    for s in m["shards"]:
+        if not _plain_name(s.get("file")):  # only files of this directory are ever read
+            raise KVError(f"{d / MANIFEST}: shard {str(s.get('file'))[:80]!r} is not a plain file name in {d}")
+        header = _check_safetensors(d / s["file"])
+        want = {f"{kind}.{i}" for kind in "kv" for i in range(shapes["layers"])} | {"pos"}
+        if not want <= set(header):
+            raise KVError(f"saved cache: {s['file']} lacks tensors {sorted(want - set(header))[:3]}")
+        if header["pos"]["shape"] != [s["tokens"]] or header["k.0"]["shape"][2] != s["tokens"]:
+            raise KVError(f"saved cache: {s['file']} does not match the manifest")
+        if s["tp_index"] == 0:
+            covered += s["tokens"]
+    if covered != m["tokens"]["count"]:
+        raise KVError(f"{d}: the shards hold {covered} positions, the manifest {m['tokens']['count']}")
+    return m
+
+
+def _plain_name(name) -> bool:
+    """A file name of the cache directory itself: no separator, no parent, nothing odd."""
+    import re
+
+    return isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name) is not None \
+        and ".." not in name
+
+
+def load_ids(d: Path) -> list[int]:
+    from safetensors.torch import load_file
+
+    _check_safetensors(Path(d) / TOKENS)
+    try:
+        return load_file(str(Path(d) / TOKENS))["ids"].tolist()
+    except Exception:
+        raise KVError(f"{Path(d) / TOKENS} is corrupt") from None
+
+
+# ---------------------------------------------------------------- loading (on the ranks)
+
+def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: int) -> list[int]:
+    """Fill ``cache`` with this rank's part of a saved cache under the current mesh: positions
+    ``chunk_bounds(n, cp)[cp_index]`` (contiguous, balanced) and KV heads ``head0 ..
+    head0 + cache.kv_heads``, taken from whichever saved shards hold them, one layer at a time
+    (the host holds one layer of this rank's part, never the part whole). Returns every rank's
+    token count (the same on all ranks)."""
+    from safetensors import safe_open
+
+    d = Path(kv_dir)
+    n = manifest["tokens"]["count"]
+    b = chunk_bounds(n, cp)
+    lo, hi = b[cp_index], b[cp_index + 1]
+    h0, h1 = head0, head0 + cache.kv_heads
+    by_cp: dict[int, list] = {}
+    for s in manifest["shards"]:
+        by_cp.setdefault(s["cp_index"], []).append(s)
+    sources = []  # per saved sequence shard: (its files holding my heads, contiguous read [a, z), picks)
+    pos_parts = []
+    for c in sorted(by_cp):
+        entries = sorted((s for s in by_cp[c] if s["kv_heads"][0] < h1 and s["kv_heads"][1] > h0),
+                         key=lambda s: s["kv_heads"][0])
+        with safe_open(str(d / entries[0]["file"]), "pt") as f:
+            pos = f.get_tensor("pos")
+        idx = ((pos >= lo) & (pos < hi)).nonzero().flatten()
+        if idx.numel() == 0:
+            continue
+        a, z = int(idx[0]), int(idx[-1]) + 1
+        sources.append((entries, a, z, idx - a))  # the selected positions inside the read [a, z)
+        pos_parts.append(pos[idx])
+    pos = torch.cat(pos_parts) if pos_parts else torch.zeros(0, dtype=torch.int64)
+    order = torch.argsort(pos)  # keys in position order (the kernels skip whole blocks by position)
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(order.numel())  # where each selected position goes in the shard
+    counts = [b[i + 1] - b[i] for i in range(cp)]
+    cache.begin_fill(pos[order], counts)
+    first = 0
+    with contextlib.ExitStack() as stack:
+        for entries, a, z, span in sources:  # each saved piece straight into its slots and heads
+            files = [stack.enter_context(safe_open(str(d / s["file"]), "pt")) for s in entries]
+            slots = slot[first:first + span.numel()]
+            first += span.numel()
+            whole = span.numel() == z - a
+            for layer in range(cache.num_layers):
+                for s, f in zip(entries, files):
+                    s0 = max(h0, s["kv_heads"][0]) - s["kv_heads"][0]
+                    s1 = min(h1, s["kv_heads"][1]) - s["kv_heads"][0]
+                    at = slice(s["kv_heads"][0] + s0 - h0, s["kv_heads"][0] + s1 - h0)  # my heads it holds
+                    k = f.get_slice(f"k.{layer}")[:, s0:s1, a:z, :]
+                    v = f.get_slice(f"v.{layer}")[:, s0:s1, a:z, :]
+                    if not whole:
+                        k, v = k[:, :, span], v[:, :, span]
+                    cache.fill_layer(layer, k, v, slots, at)
+                    del k, v
+    return counts

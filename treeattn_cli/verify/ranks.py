@@ -1,0 +1,93 @@
+"""The checks of ``treeattn check`` that need ranks: every merge scheme and ring decode over this
+run's ranks against the one-rank oracle (and bit-identical on every rank), and a tiny random
+model through ``generate``'s real path against transformers' greedy decode (CUDA graph on and off
+on GPUs)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .kernels import TOL, _NAMES, _record, rel_err
+
+
+def dist_rank(ctx, seed: int):
+    """Rank function: every merge scheme and ring decode over this run's ranks vs the one-rank
+    oracle (the reference on the whole cache); rank 0 returns the records."""
+    from treeattn_kernels import partial_attention, partial_attention_ref
+
+    from ..parallel.comm import make_comm
+    from ..parallel.ring import chunk_bounds, ring_decode
+
+    dev = torch.device(ctx.device)
+    p = ctx.world
+    half = max(1, p // 2)
+    comms = {s: make_comm(s) for s in ("allreduce", "allgather", "tree")}
+    comms["hierarchical"] = make_comm("hierarchical", [list(range(half)), list(range(half, p))]
+                                      if p > 1 else [[0]])
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        B, H_kv, G, d, N = 2, 2, 4, 64, 4099
+        q, k, v = (torch.randn(*s, generator=gen).to(dev, dt) for s in
+                   ((B, G * H_kv, 1, d), (B, H_kv, N, d), (B, H_kv, N, d)))
+        ref_o, ref_l = partial_attention_ref(q.float(), k.float(), v.float())
+        b = chunk_bounds(N, p)
+        ks, vs = k[:, :, b[ctx.rank]:b[ctx.rank + 1]], v[:, :, b[ctx.rank]:b[ctx.rank + 1]]
+        o_i, lse_i = partial_attention(q, ks, vs, out_dtype=torch.float32)
+        lens = [b[i + 1] - b[i] for i in range(p)]
+        runs = {f"merge/{s}": (lambda c=c: c.merge(o_i, lse_i)) for s, c in comms.items()}
+        runs["ring-decode"] = lambda: ring_decode(comms["allreduce"], q, ks, vs, shard_lens=lens)
+        for path, fn in runs.items():
+            t0 = time.perf_counter()
+            o, lse = fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            secs = time.perf_counter() - t0
+            err = max(rel_err(o.to(dt), ref_o), rel_err(lse, ref_l))
+            every = comms["allgather"].all_gather(torch.cat([o.float(), lse.float()[..., None]], -1))
+            same = all(torch.equal(every[0], e) for e in every)
+            rec = _record(path, f"{p} ranks G={G} d={d} N={N} {_NAMES[dt]} B={B}", err, TOL[dt], secs,
+                          "" if same else "results differ between ranks")
+            if not same:
+                rec["verdict"] = "FAIL"
+            out.append(rec)
+    return out if ctx.rank == 0 else None
+
+
+def generate_checks(nproc: int, backend: str, devices: list[str], workdir: Path) -> list[dict]:
+    """A tiny random Llama (GQA) through ``generate``'s real path on these ranks vs
+    transformers' greedy decode on the CPU, with the CUDA graph on and off on GPUs."""
+    from ..parallel.launch import run_local
+    from ..engine.engine import rank_generate
+    from ..engine.job import GenerateJob
+    from .tiny import hf_greedy, make_model
+
+    model = make_model("llama", workdir / "tiny-llama", head_dim=32, hidden_size=128,
+                       num_attention_heads=4, num_key_value_heads=2)
+    ids = [(7 * i + 3) % 250 for i in range(61)]
+    want = hf_greedy(model, ids, 16)
+    graph_modes = (False, True) if devices[0].startswith("cuda") else (False,)
+    out = []
+    for graph in graph_modes:
+        t0 = time.perf_counter()
+        toks, note = [], ""
+        try:
+            res = run_local(rank_generate, nproc, GenerateJob(str(model), ids, max_new_tokens=16, dtype="float32",
+                                                              cuda_graph=graph),
+                            backend=backend, devices=devices, timeout_s=120,
+                            on_event=lambda r, kind, v: toks.append(v) if kind == "token" else None)
+            if graph and not res[0].get("cuda_graph"):
+                note = res[0].get("note", "the CUDA graph was not used")
+        except Exception as e:
+            note = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        same = toks == want and not note
+        rec = {"path": f"generate/{'cuda-graph' if graph else 'eager'}",
+               "case": f"tiny llama, {nproc} ranks, 61+16 tokens", "max_err": None, "tol": None,
+               "seconds": round(time.perf_counter() - t0, 3), "verdict": "pass" if same else "FAIL",
+               "note": note or ("" if same else f"token ids differ from transformers at "
+                                             f"{next((i for i, (a, b) in enumerate(zip(toks, want)) if a != b), len(toks))}")}
+        out.append(rec)
+    return out
