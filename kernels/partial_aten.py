@@ -22,6 +22,7 @@ from .partial_ref import _emit, add_sink, check_inputs, partial_attention_ref
 _OP_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _OP_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 _LN2 = math.log(2.0)
+_SMALL_RAGGED = 1 << 22  # B·H·Q·N up to which a ragged batch runs as one masked fallback call
 _LSE_BASE: dict = {}  # (device type, dtype) -> factor that makes the op's LSE natural-log, or None
 
 
@@ -154,6 +155,11 @@ def _fused(op, q, k, v, scale, causal, kv_len, kw, slow, out, lse_out, sink):
     k, v = k.to(q.dtype), v.to(q.dtype)
     if kv_len is None or bool((kv_len >= N).all()):
         o, lse = _one(op, q, k, v, scale, causal)
+    elif not causal and B > 1 and B * H * Q * N <= _SMALL_RAGGED:
+        # many short sequences of different lengths (a batch's own tokens): one masked, batched
+        # call of the fallback beats one fused call per sequence (8 sequences of 7-40 keys, 9
+        # heads: 0.29 ms against 0.67 ms, median, one core of the 2-core CI machine)
+        return slow(q, k, v, **kw)
     else:  # ragged batch: each sequence on its own valid prefix
         o = torch.zeros(B, H, Q, d, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, Q), -math.inf, device=q.device)

@@ -387,3 +387,53 @@ def graph_agreement(ctx, job, fail):
         ctx.emit = real
     state = eng.world.all_gather_values([dec.graph is not None, dec.use_graph])
     return (answers[0], state.tolist(), dec.graph_note) if ctx.rank == 0 else None
+
+
+def engine_batch(ctx, job, doc, questions, slots, new, route=None):
+    """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op);
+    rank 0 returns the token ids per question (question order) and the batch_done event."""
+    from treeattn_cli.engine.decode import Sampling
+    from treeattn_cli.engine.engine import Engine
+
+    got, done = {}, []
+    real = ctx.emit
+    ctx.emit = lambda kind, p: got.__setitem__(p[0], p[1]["token_ids"]) if kind == "banswer" else \
+        (done.append(p) if kind == "batch_done" else None)
+    try:
+        Engine(ctx, job).serve([{"op": "append", "ids": doc},
+                                {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
+                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": []}, {"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return ([got.get(i) for i in range(len(questions))], done) if ctx.rank == 0 else None
+
+
+def engine_batch_interrupted(ctx, job, doc, questions, slots, new, after):
+    """The batch op, interrupted (as Ctrl-C does, through the store) once rank 0 has streamed
+    ``after`` tokens: rank 0 returns {question: (token ids, stop reason)} of the answers that
+    ended, and the batch_done event."""
+    from treeattn_cli.engine.decode import Sampling
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.parallel import comm as C
+
+    got, done, seen = {}, [], [0]
+
+    def emit(kind, p):
+        if kind == "btoken":
+            seen[0] += 1
+            if seen[0] == after:
+                C.post_interrupt(C._state["store"], 7)
+        elif kind == "banswer":
+            got[p[0]] = (p[1]["token_ids"], p[1]["stop_reason"])
+        elif kind == "batch_done":
+            done.append(p)
+
+    real, ctx.emit = ctx.emit, emit
+    try:
+        Engine(ctx, job).serve([{"op": "append", "ids": doc},
+                                {"op": "batch", "seq": 7, "questions": questions, "slots": slots, "max_new_tokens": new,
+                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "interruptible": True},
+                                {"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return (got, done) if ctx.rank == 0 else None

@@ -142,3 +142,28 @@ def test_gpu_decode_bench_skips_contexts_that_do_not_fit():
     free_after_weights = int(79.1 * GiB) - int(14.96 * GiB)
     assert not fits(cache_bytes(cfg, 524288 + 29), free_after_weights)
     assert fits(cache_bytes(cfg, 131072 + 29), free_after_weights)
+
+
+def test_batched_decode_over_a_shared_document():
+    """--shared --batch 1,8: B query rows against one document shard per rank. The merge moves
+    B times the bytes of one query; the ring still moves the document once per step, whatever
+    B; the projection reads the document's cache once per step for all B, so tokens/s grows
+    almost linearly with B (8B, 128K keys, 8 H100s)."""
+    recs = json.loads(run("--nproc", "2", "--seq-len", "600", "--shared", "--batch", "1,8", "--scheme", "allreduce",
+                          *SHAPE, "--json").stdout)
+    spec = BenchSpec(heads=8, kv_heads=2, head_dim=32, layers=1, shared=True)
+    by = {(x["method"], x["batch"]): x for x in recs}
+    assert set(by) == {(m, b) for m in ("tree", "ring", "single") for b in (1, 8)} and all(x["shared"] for x in recs)
+    for b in (1, 8):
+        assert by["tree", b]["bytes_per_step"] == expected_bytes("tree", "allreduce", 2, spec, 600, batch=b)
+        assert by["ring", b]["bytes_per_step"] == expected_bytes("ring", "ring", 2, spec, 600, batch=b)
+    assert by["tree", 8]["bytes_per_step"] == 8 * by["tree", 1]["bytes_per_step"]
+    assert by["ring", 8]["bytes_per_step"] == by["ring", 1]["bytes_per_step"]  # the document, once
+    sim = json.loads(run("--simulate", "dgx-h100", "--model-shape", "llama-3.1-8b", "--gpus", "8", "--seq-len", "128K",
+                         "--tp", "1", "--batch", "1,8,64", "--shared", "--json").stdout)
+    kv = {r["batch"]: r["kv_ms"] for r in sim}
+    rate = {r["batch"]: r["tokens_per_s"] for r in sim}
+    assert kv[1] == kv[8] == kv[64] and rate[64] > 40 * rate[1]
+    alone = json.loads(run("--simulate", "dgx-h100", "--model-shape", "llama-3.1-8b", "--gpus", "8", "--seq-len", "128K",
+                           "--tp", "1", "--batch", "8", "--json").stdout)
+    assert alone[0]["kv_ms"] == 8 * kv[8]  # eight documents of their own: eight times the reads

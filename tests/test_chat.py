@@ -244,9 +244,11 @@ def test_a_closed_pipe_ends_the_run_quietly(setup, tmp_path):
     rank is left, and generate's --output still holds the text so far."""
     import subprocess
 
-    model, doc, qs, _ = setup
+    model, doc, _, _ = setup
+    many = tmp_path / "many.txt"  # answers keep coming long after the reader has gone
+    many.write_text("\n".join(QUESTIONS * 20) + "\n")
     common = ["--model", str(model), "--prompt-file", str(doc), "--no-chat", "--nproc", "2", "--dtype", "float32"]
-    for cmd in (["chat", *common, "--questions", str(qs), "--json", "--max-new-tokens", str(NEW)],
+    for cmd in (["chat", *common, "--questions", str(many), "--batch", "2", "--json", "--max-new-tokens", str(NEW)],
                 ["generate", *common, "--max-new-tokens", "200", "--output", str(tmp_path / "out.txt")]):
         p = subprocess.Popen([TREEATTN, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL)

@@ -207,7 +207,8 @@ def bench(
     methods: str = typer.Option("tree,ring,single", help="Comma list of tree, ring, single."),
     scheme: str = typer.Option("auto", help="Tree merge scheme(s): auto (the layout's), all, or a comma list."),
     seq_len: str = typer.Option("16384", help="Comma list of total KV lengths (16K, 1M allowed)."),
-    batch: int = typer.Option(1, help="Batch size."),
+    batch: str = typer.Option("1", help="Batch size, or a comma list (the decode sweep and --simulate run each)."),
+    shared: bool = typer.Option(False, help="The batch's sequences share one document (chat --batch): B query rows against one cache."),
     heads: int = typer.Option(32, help="Query heads (default: Llama-3.1-8B)."),
     kv_heads: int = typer.Option(8, help="KV heads."),
     head_dim: int = typer.Option(128, help="Head dimension."),
@@ -243,7 +244,7 @@ def bench(
             tp = "8"  # the whole-model prefill projection: tensor parallel inside each 8-GPU node
         with report.sweep_progress(enabled=sys.stderr.isatty() and not (simulate or kernel or model)) as progress:
             recs = bench_command(BenchOptions(
-                methods=methods, scheme=scheme, seq_len=seq_len, batch=batch, heads=heads,
+                methods=methods, scheme=scheme, seq_len=seq_len, batch=batch, shared=shared, heads=heads,
                 kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, nproc=nproc, backend=backend,
                 device=device, layers=layers, iters=iters, warmup=warmup, simulate=simulate, gpus=gpus,
                 kernel=kernel, model=model, new_tokens=new_tokens, layout=layout, tp=tp,
@@ -276,13 +277,14 @@ def chat(
     conversation: bool = typer.Option(False, help="Keep the turns (default: each question against the document alone)."),
     chat_template: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Wrap document and question in the chat template (default: if the tokenizer has one)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON record per answer (generate's fields and the question)."),
+    batch: int = typer.Option(8, help="Questions from --questions or a pipe that decode together over the shared document (typed ones and --conversation: one at a time)."),
     **flags,
 ):
     """Prefill a long document once, then answer many questions about it."""
     from .cli.options import ChatOptions
 
     opts = _check_first(ChatOptions(prompt_file=prompt_file, questions=questions, conversation=conversation,
-                                    chat=chat_template, json=json_out, **flags))
+                                    chat=chat_template, json=json_out, batch=batch, **flags))
     from .cli.chat import chat_command
 
     _run(chat_command, opts, terminated_message=False)

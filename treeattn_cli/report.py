@@ -61,6 +61,12 @@ class GenerateView:
         elif kind == "done":
             self.summary = dict(payload)
 
+    def begin_stream(self) -> None:
+        """Start streaming to stdout now (what has come so far first): the answer whose turn it is
+        when several decode together and print in question order."""
+        self.stream = True
+        self._flush_text()
+
     def _progress(self, done, total):
         if not self.want_progress:
             return
@@ -133,6 +139,13 @@ def stats_line(rec: dict) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+def batch_line(info: dict) -> str:
+    """The numbers of a batch of answers: how many, their tokens, wall time, aggregate rate."""
+    secs = info["seconds"]
+    return (f"[batch of {info['answers']} answers, {info['slots']} at a time: {info['new_tokens']:,} new tokens "
+            f"in {secs:.2f} s, {info['new_tokens'] / secs if secs else 0:,.1f} tok/s aggregate]")
+
+
 def stdout_closed() -> int:
     """Standard output's reader went away (``| head``): point stdout at /dev/null, so nothing
     else fails on it (nor does the interpreter's last flush), and return the exit status of a
@@ -200,7 +213,7 @@ def print_topology(rec: dict, as_json: bool = False, file=None) -> None:
             con.print(f"profile saved to {rec['saved']} (use: generate --layout {rec['saved']})")
 
 
-BENCH_FIELDS = ["method", "scheme", "nproc", "seq_len", "batch", "heads", "kv_heads", "head_dim",
+BENCH_FIELDS = ["method", "scheme", "nproc", "seq_len", "batch", "shared", "heads", "kv_heads", "head_dim",
                 "dtype", "layers", "step_ms_median", "step_ms_p10", "step_ms_p90", "bytes_per_step",
                 "collectives_per_step", "peak_mem_bytes", "simulated", "device"]
 
@@ -219,19 +232,23 @@ def print_bench(records, as_json=False, file=None) -> None:
         print(json.dumps(records), file=file)
         return
     sim = bool(records and records[0].get("simulated"))
-    t = Table(title="decode step: tree vs ring vs single" + (" (simulated)" if sim else ""))
-    for c in ("N", "p", "method", "scheme", "ms", "p10–p90", "bytes", "coll", "mem", "ring ÷"):
+    shared = bool(records and records[0].get("shared"))
+    t = Table(title="decode step: tree vs ring vs single" + (", B sequences over one shared document" if shared else "")
+              + (" (simulated)" if sim else ""))
+    for c in ("N", "B", "p", "method", "scheme", "ms", "p10–p90", "bytes", "coll", "mem", "ring ÷", "tok/s"):
         t.add_column(c, justify="right")
-    ring = {(r["seq_len"], r["nproc"]): r["step_ms_median"] for r in records if r["method"] == "ring"}
+    ring = {(r["seq_len"], r["nproc"], r["batch"]): r["step_ms_median"] for r in records if r["method"] == "ring"}
     for r in records:
         spread = f"{r['step_ms_p10']:.2f}–{r['step_ms_p90']:.2f}" if "step_ms_p10" in r else ""
-        base = ring.get((r["seq_len"], r["nproc"]))
+        base = ring.get((r["seq_len"], r["nproc"], r["batch"]))
         ratio = f"×{base / r['step_ms_median']:.1f}" if base and r["method"] != "ring" and r["step_ms_median"] > 0 else ""
-        t.add_row(_fmt_tokens(r["seq_len"]), str(r["nproc"]), r["method"], str(r.get("scheme", "")),
+        rate = f"{r['batch'] * 1e3 / r['step_ms_median']:,.0f}" if r["step_ms_median"] else ""
+        t.add_row(_fmt_tokens(r["seq_len"]), str(r["batch"]), str(r["nproc"]), r["method"], str(r.get("scheme", "")),
                   f"{r['step_ms_median']:.3f}", spread, _fmt_bytes(r.get("bytes_per_step", 0)),
-                  str(r.get("collectives_per_step", "")), _fmt_bytes(r.get("peak_mem_bytes", 0)), ratio)
+                  str(r.get("collectives_per_step", "")), _fmt_bytes(r.get("peak_mem_bytes", 0)), ratio, rate)
     if records:
-        t.caption = records[0].get("device", "") + ("; mem = KV per rank" if sim else "; ring ÷ = ring's step time / this row's")
+        t.caption = records[0].get("device", "") + ("; mem = KV per rank" if sim else "; ring ÷ = ring's step time / this row's") \
+            + "; tok/s = B / step time (attention only)"
     _console(file).print(t)
 
 
@@ -371,14 +388,15 @@ def print_mesh_projection(records, as_json=False, file=None) -> None:
         print(json.dumps(records, indent=1), file=file)
         return
     first = records[0] if records else {}
+    shared = " sharing one document" if first.get("shared") else ""
     t = Table(title=f"decode step of {first.get('model', '?')} on a (cp x tp) mesh (simulated, "
-                    f"{first.get('profile', '?')}, B={first.get('batch', 1)}, {first.get('dtype', '')})")
-    for col in ("GPUs", "tokens", "tp", "cp", "merge", "step ms", "weights ms", "KV ms", "TP all-reduce ms",
-                "merge ms", "GB/GPU", "fits", "best"):
+                    f"{first.get('profile', '?')}, B sequences{shared}, {first.get('dtype', '')})")
+    for col in ("GPUs", "tokens", "B", "tp", "cp", "merge", "step ms", "tok/s", "weights ms", "KV ms",
+                "TP all-reduce ms", "merge ms", "GB/GPU", "fits", "best"):
         t.add_column(col, justify="right")
     for r in records:
-        t.add_row(str(r["nproc"]), _fmt_tokens(r["seq_len"]), str(r["tp"]), str(r["cp"]), r["scheme"],
-                  f"{r['step_ms_median']:.2f}", f"{r['weights_ms']:.2f}", f"{r['kv_ms']:.2f}",
+        t.add_row(str(r["nproc"]), _fmt_tokens(r["seq_len"]), str(r["batch"]), str(r["tp"]), str(r["cp"]), r["scheme"],
+                  f"{r['step_ms_median']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['weights_ms']:.2f}", f"{r['kv_ms']:.2f}",
                   f"{r['tp_allreduce_ms']:.2f}", f"{r['merge_ms']:.2f}", f"{r['mem_per_gpu_gb']:.1f}",
                   "yes" if r["fits"] else "no", "*" if r.get("best") else "",
                   style=None if r["fits"] else "dim")

@@ -22,21 +22,25 @@ from .spec import DTYPES, BenchSpec, device_name, pct, timed_then_counted
 
 
 def bench_rank(ctx, spec: BenchSpec):
-    """Rank function (``launch.run_local``): rank 0 returns the records."""
+    """Rank function (``launch.run_local``): rank 0 returns the records. With ``spec.shared``
+    the B sequences of a case share one document: their queries are B rows against one cache
+    (``q [1, H, B, d]``), as ``chat --batch`` decodes; else each sequence has its own cache."""
     dev = torch.device(ctx.device)
     dt = DTYPES[spec.dtype]
     stats = Stats()
     base = make_comm("allreduce", stats=stats)
     comms = {}
-    for s in {s for m, s, _ in spec.cases() if m == "tree"}:
+    for s in {s for m, s, _, _ in spec.cases() if m == "tree"}:
         comms[s] = make_comm(s, spec.groups, spec.inner, spec.outer, stats=stats) if s != "allreduce" else base
     p, r = base.world, base.rank
-    B, H, Hk, d, L = spec.batch, spec.heads, spec.kv_heads, spec.head_dim, spec.layers
-    gen = torch.Generator(device=dev).manual_seed(1234)  # the same q on every rank
-    q = torch.randn(B, H, 1, d, generator=gen, device=dev, dtype=torch.float32).to(dt)
+    H, Hk, d, L = spec.heads, spec.kv_heads, spec.head_dim, spec.layers
     records = []
     cases = spec.cases()
-    for ci, (method, scheme, N) in enumerate(cases):
+    for ci, (method, scheme, N, B) in enumerate(cases):
+        gen = torch.Generator(device=dev).manual_seed(1234 + B)  # the same q on every rank
+        qshape = (1, H, B, d) if spec.shared else (B, H, 1, d)
+        q = torch.randn(*qshape, generator=gen, device=dev, dtype=torch.float32).to(dt)
+        caches = 1 if spec.shared else B
         bounds = chunk_bounds(N, p)
         lens = [bounds[i + 1] - bounds[i] for i in range(p)]
         n_local = N if method == "single" else lens[r]
@@ -44,7 +48,7 @@ def bench_rank(ctx, spec: BenchSpec):
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
-        k = torch.randn(B, Hk, n_local if active else 0, d, device=dev, dtype=torch.float32).to(dt)
+        k = torch.randn(caches, Hk, n_local if active else 0, d, device=dev, dtype=torch.float32).to(dt)
         v = torch.randn_like(k)
         comm = comms.get(scheme, base)
 
@@ -70,21 +74,24 @@ def bench_rank(ctx, spec: BenchSpec):
             col = everyone[:, len(times):]
             records.append({
                 "method": method, "scheme": scheme or ("ring" if method == "ring" else "none"),
-                "nproc": p if method != "single" else 1, "seq_len": N, "batch": B, "heads": H,
-                "kv_heads": Hk, "head_dim": d, "dtype": spec.dtype, "layers": L,
+                "nproc": p if method != "single" else 1, "seq_len": N, "batch": B, "shared": spec.shared,
+                "heads": H, "kv_heads": Hk, "head_dim": d, "dtype": spec.dtype, "layers": L,
                 "step_ms_median": statistics.median(ms), "step_ms_p10": pct(ms, 10),
                 "step_ms_p90": pct(ms, 90), "bytes_per_step": int(col[:, 2].max()),
                 "collectives_per_step": int(col[:, 1].max()), "peak_mem_bytes": int(col[:, 0].max()),
                 "device": device_name(dev), "simulated": False,
             })
             ctx.send("case", (ci + 1, len(cases)))
-        k = v = None  # free this case's cache before the next one
+        q = k = v = None  # free this case's cache before the next one
     return records if r == 0 else None
 
 
-def expected_bytes(method: str, scheme: str, p: int, spec: BenchSpec, seq_len: int, rank: int = 0) -> int:
+def expected_bytes(method: str, scheme: str, p: int, spec: BenchSpec, seq_len: int, rank: int = 0,
+                   batch: int | None = None) -> int:
     """Bytes this rank hands to collectives per step, by formula (tests check the counters)."""
-    B, H, Hk, d, L = spec.batch, spec.heads, spec.kv_heads, spec.head_dim, spec.layers
+    B = batch if batch is not None else spec.batch
+    H, Hk, d, L = spec.heads, spec.kv_heads, spec.head_dim, spec.layers
+    caches = 1 if spec.shared else B
     if p == 1 or method == "single":
         return 0
     if method == "tree" and scheme == "allreduce":
@@ -94,5 +101,5 @@ def expected_bytes(method: str, scheme: str, p: int, spec: BenchSpec, seq_len: i
     if method == "ring":
         esize = DTYPES[spec.dtype].itemsize
         cap = -(-seq_len // p)  # the largest shard: blocks are padded to it
-        return L * (p - 1) * (2 * B * Hk * cap * d * esize + 8 * B)
+        return L * (p - 1) * (2 * caches * Hk * cap * d * esize + 8 * caches)
     raise ValueError((method, scheme))

@@ -36,29 +36,31 @@ def simulate(profile_name: str, gpus: list[int], spec, attn_s_per_byte: float | 
     if s_per_byte is None:
         raise ValueError(f"profile {prof.name} has no memory_bandwidth_gbps: cannot price local attention")
     esize = DTYPES[spec.dtype].itemsize
-    B, H, Hk, d, L = spec.batch, spec.heads, spec.kv_heads, spec.head_dim, spec.layers
+    H, Hk, d, L = spec.heads, spec.kv_heads, spec.head_dim, spec.layers
     out = []
     for p in gpus:
         links = [["X" if i == j else (intra if i // per_node == j // per_node else "NET")
                   for j in range(p)] for i in range(p)]
         topo = Topology([GPU(i) for i in range(p)], links, [[0] * p for _ in range(p)],
                         [[True] * p for _ in range(p)], "simulated")
-        lay = Lo.choose_layout(topo, prof, batch=B, heads=H, head_dim=d, layers=1)
         ring_link = prof.link("NET" if p > per_node else intra)
-        for N in spec.seq_lens:
-            shard = 2 * B * Hk * (N / p) * d * esize
-            t_attn = shard * s_per_byte
-            tree = L * (t_attn + lay.per_layer_s)
-            xfer = ring_link.alpha_s + shard * ring_link.beta_s
-            ring = L * (t_attn + (p - 1) * max(t_attn, xfer))
-            base = {"nproc": p, "seq_len": N, "batch": B, "heads": H, "kv_heads": Hk, "head_dim": d,
-                    "dtype": spec.dtype, "layers": L, "simulated": True, "profile": prof.name,
-                    "device": f"simulated {prof.name}", "peak_mem_bytes": int(shard)}
-            out.append({**base, "method": "tree", "scheme": lay.scheme, "step_ms_median": tree * 1e3,
-                        "bytes_per_step": L * sum(Lo.message_bytes(B, H, d).values()),
-                        "collectives_per_step": L * 2, "groups": len(lay.groups)})
-            out.append({**base, "method": "ring", "scheme": "ring", "step_ms_median": ring * 1e3,
-                        "bytes_per_step": int(L * (p - 1) * shard), "collectives_per_step": L * (p - 1)})
+        for B in spec.batches or [spec.batch]:
+            lay = Lo.choose_layout(topo, prof, batch=B, heads=H, head_dim=d, layers=1)
+            caches = 1 if spec.shared else B  # a shared document is read once for all B queries
+            for N in spec.seq_lens:
+                shard = 2 * caches * Hk * (N / p) * d * esize
+                t_attn = shard * s_per_byte
+                tree = L * (t_attn + lay.per_layer_s)
+                xfer = ring_link.alpha_s + shard * ring_link.beta_s
+                ring = L * (t_attn + (p - 1) * max(t_attn, xfer))
+                base = {"nproc": p, "seq_len": N, "batch": B, "shared": spec.shared, "heads": H, "kv_heads": Hk,
+                        "head_dim": d, "dtype": spec.dtype, "layers": L, "simulated": True, "profile": prof.name,
+                        "device": f"simulated {prof.name}", "peak_mem_bytes": int(shard)}
+                out.append({**base, "method": "tree", "scheme": lay.scheme, "step_ms_median": tree * 1e3,
+                            "bytes_per_step": L * sum(Lo.message_bytes(B, H, d).values()),
+                            "collectives_per_step": L * 2, "groups": len(lay.groups)})
+                out.append({**base, "method": "ring", "scheme": "ring", "step_ms_median": ring * 1e3,
+                            "bytes_per_step": int(L * (p - 1) * shard), "collectives_per_step": L * (p - 1)})
     return out
 
 
@@ -88,10 +90,13 @@ def model_shape(name: str) -> ModelShape:
 
 
 def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: list[int], shape: str, *,
-                  batch: int = 1, dtype: str = "bfloat16") -> list[dict]:
+                  batch: int = 1, shared: bool = False, dtype: str = "bfloat16") -> list[dict]:
     """Predicted decode step of a whole model for every (GPUs, tokens, tp) with tp | GPUs,
     tp | H_kv and tp <= GPUs per node; ``fits`` says whether weights + KV fit each GPU's memory
-    and ``best`` marks the fastest fitting (tp, cp) per (GPUs, tokens)."""
+    and ``best`` marks the fastest fitting (tp, cp) per (GPUs, tokens). ``batch`` sequences per
+    step; ``shared``: they share one document of N tokens (its cache read once per step for all
+    of them; their own few tokens are not priced), else each has N tokens of its own.
+    ``tokens_per_s``: the step's tokens (``batch``) over its time."""
     from ..topology import layout as Lo
     from ..topology.layout import ring_allreduce_s
     from ..parallel.mesh import Mesh
@@ -116,17 +121,18 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
                 cp = mesh.cp
                 nodes = [str(r // per_node) for r in range(p)]
                 lay = cp_layout(mesh, nodes, prof.path, heads=m.heads, head_dim=m.head_dim, layers=m.layers,
-                                intra=intra) if cp > 1 else None
+                                intra=intra, batch=batch) if cp > 1 else None
                 w = m.params * esize / tp
-                kv = 2 * m.layers * (m.kv_heads // tp) * m.head_dim * math.ceil(N / cp) * batch * esize
+                kv = 2 * m.layers * (m.kv_heads // tp) * m.head_dim * math.ceil(N / cp) * (1 if shared else batch) * esize
                 t_w, t_kv = w / prof.memory_bandwidth, kv / prof.memory_bandwidth
                 t_ar = ring_allreduce_s(tp, batch * m.hidden * esize, prof.link(intra)) if tp > 1 else 0.0
                 t_merge = lay.per_layer_s if lay else 0.0
                 step = t_w + t_kv + m.layers * (2 * t_ar + t_merge)
                 rows.append({
                     "method": "tree", "simulated": True, "profile": prof.name, "model": shape, "nproc": p,
-                    "tp": tp, "cp": cp, "seq_len": N, "batch": batch, "dtype": dtype,
+                    "tp": tp, "cp": cp, "seq_len": N, "batch": batch, "shared": shared, "dtype": dtype,
                     "scheme": lay.scheme if lay else "none", "step_ms_median": step * 1e3,
+                    "tokens_per_s": batch / step,
                     "weights_ms": t_w * 1e3, "kv_ms": t_kv * 1e3, "tp_allreduce_ms": 2 * m.layers * t_ar * 1e3,
                     "merge_ms": m.layers * t_merge * 1e3, "mem_per_gpu_gb": (w + kv) / 1e9,
                     "fits": prof.memory_bytes is None or w + kv <= prof.memory_bytes,

@@ -15,7 +15,8 @@ class BenchOptions:
     methods: str = "tree,ring,single"
     scheme: str = "auto"  # auto | all | comma list
     seq_len: str = "16384"
-    batch: int = 1
+    batch: str = "1"  # a comma list: the decode sweep and projections run each B
+    shared: bool = False  # the B sequences share one document (chat --batch's cascade attention)
     heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
@@ -64,7 +65,8 @@ def make_spec(o: BenchOptions, kind: str, nproc: int) -> BenchSpec:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ValueError(f"--methods takes a comma list of {', '.join(METHODS)}, got {o.methods!r}")
-    for flag, v in (("--batch", o.batch), ("--heads", o.heads), ("--kv-heads", o.kv_heads),
+    batches = parse_ints("--batch", str(o.batch))
+    for flag, v in (("--heads", o.heads), ("--kv-heads", o.kv_heads),
                     ("--head-dim", o.head_dim), ("--layers", o.layers), ("--iters", o.iters)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
@@ -85,7 +87,8 @@ def make_spec(o: BenchOptions, kind: str, nproc: int) -> BenchSpec:
         if any(s not in SCHEMES for s in schemes):
             raise ValueError(f"--scheme takes auto, all or a comma list of {', '.join(SCHEMES)}")
     return BenchSpec(methods=methods, schemes=schemes, seq_lens=parse_ints("--seq-len", o.seq_len),
-                     batch=o.batch, heads=o.heads, kv_heads=o.kv_heads, head_dim=o.head_dim,
+                     batch=batches[0], batches=batches, shared=o.shared, heads=o.heads, kv_heads=o.kv_heads,
+                     head_dim=o.head_dim,
                      dtype=dtype, layers=o.layers, iters=o.iters, warmup=o.warmup,
                      groups=lay.groups if lay.scheme == "hierarchical" else [list(range(nproc))],
                      inner=lay.inner or "allreduce", outer=lay.outer or "tree")
@@ -108,15 +111,16 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
     if o.simulate:
         from .projection import simulate, simulate_mesh
 
-        spec = BenchSpec(seq_lens=parse_ints("--seq-len", o.seq_len), batch=o.batch, heads=o.heads,
-                         kv_heads=o.kv_heads, head_dim=o.head_dim,
+        batches = parse_ints("--batch", str(o.batch))
+        spec = BenchSpec(seq_lens=parse_ints("--seq-len", o.seq_len), batch=batches[0], batches=batches,
+                         shared=o.shared, heads=o.heads, kv_heads=o.kv_heads, head_dim=o.head_dim,
                          dtype=o.dtype if o.dtype != "auto" else "bfloat16", layers=o.layers)
         if o.heads % o.kv_heads:
             raise ValueError(f"--heads ({o.heads}) must be a multiple of --kv-heads ({o.kv_heads})")
         if o.tp != "1" or o.model_shape:
-            return simulate_mesh(o.simulate, parse_ints("--gpus", o.gpus), spec.seq_lens,
-                                 parse_ints("--tp", o.tp), o.model_shape or "llama-3.1-8b", batch=o.batch,
-                                 dtype=spec.dtype)
+            return [r for b in batches for r in simulate_mesh(
+                o.simulate, parse_ints("--gpus", o.gpus), spec.seq_lens, parse_ints("--tp", o.tp),
+                o.model_shape or "llama-3.1-8b", batch=b, shared=o.shared, dtype=spec.dtype)]
         return simulate(o.simulate, parse_ints("--gpus", o.gpus), spec)
     counts = parse_ints("--nproc", o.nproc) if o.nproc else [None]
     kind, backend, n, devices = plan_devices(o.device, o.backend, counts[0])

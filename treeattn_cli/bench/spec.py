@@ -20,7 +20,9 @@ class BenchSpec:
     methods: list = field(default_factory=lambda: list(METHODS))
     schemes: list = field(default_factory=lambda: ["allreduce"])
     seq_lens: list = field(default_factory=lambda: [16384])
-    batch: int = 1
+    batch: int = 1  # the first of ``batches``: what the modes without a batch sweep use
+    batches: list = field(default_factory=lambda: [1])  # decode harness and projections: one case per B
+    shared: bool = False  # the B sequences share one document (cascade attention: B query rows, one cache)
     heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
@@ -33,13 +35,15 @@ class BenchSpec:
     outer: str = "tree"
 
     def cases(self):
+        """``(method, scheme, N, B)`` of every case of the decode sweep."""
         out = []
         for n in self.seq_lens:
-            for m in self.methods:
-                if m == "tree":
-                    out += [("tree", s, n) for s in self.schemes]
-                else:
-                    out.append((m, None, n))
+            for b in self.batches:
+                for m in self.methods:
+                    if m == "tree":
+                        out += [("tree", s, n, b) for s in self.schemes]
+                    else:
+                        out.append((m, None, n, b))
         return out
 
 

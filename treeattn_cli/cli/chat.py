@@ -24,7 +24,7 @@ import threading
 from ..parallel import comm as C
 from ..parallel import launch
 from . import prompt as P
-from ..report import GenerateView, stats_line, stdout_closed
+from ..report import GenerateView, batch_line, stats_line, stdout_closed
 from .options import ChatOptions
 from .prepare import prepare_run
 
@@ -205,6 +205,9 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
         _save(client, o.save_kv, save_meta, quiet)
     turns = (manifest or {}).get("composition", {}).get("turns", 0) if manifest else 0
     cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
+    info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind)
+    if o.batch > 1 and not o.conversation and (o.questions is not None or not sys.stdin.isatty()):
+        return _batch(o, run, client, composition, cached, job.eos_ids, info)
     total, last_reason = cached, None
     for q in _question_source(o):
         cmd = q.strip()
@@ -233,9 +236,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
         except ValueError as e:
             print(f"treeattn: error: {e}", file=sys.stderr)
             continue
-        info = dict(question=q, nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0],
-                    dtype=run.dtype, device=run.kind)
-        rec = _answer(o, client, tok, ids, job.eos_ids, info,
+        rec = _answer(o, client, tok, ids, job.eos_ids, {"question": q, **info},
                       drop_pending=last_reason == "eos" and composition["kind"] == "chat-document")
         if o.conversation:
             total += len(ids) + rec["new_tokens"]
@@ -269,6 +270,80 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool) -> 
     rec = {**view.finish(), **info}
     _show(o, rec)
     return rec
+
+
+def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> None:
+    """Questions from a file or a pipe, ``--batch`` of them decoding together over the document
+    (the engine's ``batch`` request). Answers stream and print in question order: the first
+    unanswered question's text streams as it comes, the later ones' wait their turn; each gets
+    its record (or stats line) as usual, and a line of aggregate numbers ends the batch."""
+    tok = run.tokenizer
+    questions, ids_list = [], []
+    for q in _question_source(o):
+        cmd = q.strip()
+        if cmd in ("/exit", "/quit"):
+            break
+        if cmd.startswith("/"):
+            print(f"treeattn: error: {cmd.split()[0]} is not a question; with --batch only /exit is "
+                  "understood (--batch 1 answers one at a time)", file=sys.stderr)
+            continue
+        try:
+            ids = P.question_ids(tok, q, composition)
+            run.check_fits(cached + len(ids), o.max_new_tokens, "the document and the question")
+        except ValueError as e:
+            print(f"treeattn: error: {e}", file=sys.stderr)
+            continue
+        questions.append(q)
+        ids_list.append(ids)
+    if not questions:
+        return
+    n = len(questions)
+    views = [GenerateView(tok, stream=False, progress=False) for _ in range(n)]
+    records: list = [None] * n
+    cur = [0]
+
+    def show(i, rec):
+        views[i].summary = {k: v for k, v in rec.items() if k != "token_ids"}
+        _show(o, {**views[i].finish(), "question": questions[i], **info})
+
+    def advance():
+        while cur[0] < n and records[cur[0]] is not None:
+            show(cur[0], records[cur[0]])
+            cur[0] += 1
+            if cur[0] < n and not o.json:
+                views[cur[0]].begin_stream()
+
+    def on_event(kind, payload):
+        if kind == "btoken":
+            views[payload[0]].on_event(0, "token", payload[1])
+        elif kind == "banswer":
+            records[payload[0]] = payload[1]
+            advance()
+
+    if not o.json:
+        views[0].begin_stream()
+    seq = client.post(op="batch", seq=client.seq, questions=ids_list, slots=o.batch, max_new_tokens=o.max_new_tokens,
+                      stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True,
+                      sampling={"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed})
+    try:
+        while True:
+            try:
+                done = client.wait("batch_done", on_event=on_event)
+                break
+            except launch.Terminated:
+                raise
+            except KeyboardInterrupt:  # end every answer where it is; questions not begun are not asked
+                client.interrupt(seq)
+    except launch.Terminated:
+        for i in range(cur[0], n):  # what each begun answer had, in order
+            if views[i].ids:
+                _show(o, {**views[i].finish(stop_reason="terminated"), "question": questions[i], **info})
+        raise
+    for i in range(cur[0], n):  # after Ctrl-C: the answers that exist, in order
+        if records[i] is not None:
+            show(i, records[i])
+    if not o.quiet:
+        print(batch_line(done), file=sys.stderr)
 
 
 def _show(o, rec: dict) -> None:

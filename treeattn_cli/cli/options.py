@@ -118,6 +118,8 @@ def check_flags(o: GenerateOptions) -> None:
         raise ValueError(f"--nproc must be >= 1, got {o.nproc}")
     if not o.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {o.timeout}")
+    if getattr(o, "batch", 1) < 1:
+        raise ValueError(f"--batch must be >= 1, got {o.batch}")
     for flag, val, choices in (("--backend", o.backend, ("auto", "nccl", "gloo")),
                                ("--device", o.device, ("auto", "cuda", "cpu")),
                                ("--dtype", o.dtype, ("auto", "float32", "bfloat16", "float16")),
@@ -133,3 +135,4 @@ class ChatOptions(GenerateOptions):
 
     conversation: bool = False  # keep the turns (default: every question against the document alone)
     questions: str | None = None  # a file of questions, one per line ('-': standard input)
+    batch: int = 8  # questions from a file or a pipe decoding together (typed ones: one at a time)

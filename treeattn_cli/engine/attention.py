@@ -30,8 +30,10 @@ class AttentionContext:
 
     ``phase``: ``"prefill"`` (this rank's piece of a prompt segment, cut as ``pieces``, global
     positions), ``"replicated"`` (a segment shorter than the sequence shards, every rank computing
-    all of it at ``positions``; rank ``owner`` keeps its K/V) or ``"decode"`` (one new token per
-    sequence, every rank computing it).
+    all of it at ``positions``; rank ``owner`` keeps its K/V), ``"decode"`` (one new token per
+    sequence, every rank computing it) or ``"cascade"`` (many sequences over one shared
+    document: ``cache`` holds the document, ``tail`` each sequence's own tokens; ``rows`` of the
+    tail at ``positions [R, T]``, one token each (``step``) or several (an extension)).
     """
 
     comm: Comm
@@ -44,6 +46,9 @@ class AttentionContext:
     owner: int = 0  # replicated: the rank that keeps the segment's K/V
     on_layer: object = None  # prefill progress callback(layer_index)
     decode_method: str = "tree"  # "ring": the KV-rotating baseline (bench)
+    tail: ShardedKVCache | None = None  # cascade: every sequence's own tokens, batch = slots
+    rows: list = field(default_factory=list)  # cascade: the tail rows (sequences) of this forward
+    step: bool = True  # cascade: one token per sequence (tail.begin_step) or an extension (begin_extend)
 
 
 # Arguments of a model's forward that transformers passes on to every attention call and that
@@ -102,6 +107,8 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
         cache.append_chunk(layer, key, value, ctx.positions)
         if ctx.on_layer is not None:
             ctx.on_layer(layer)
+    elif ctx.phase == "cascade":
+        return _cascade(ctx, layer, query, key, value, scaling, window, softcap, sink), None
     elif ctx.phase == "replicated":
         o, lse = _replicated(ctx, layer, query, key, value, scaling, window, softcap, sink)
         B, H, T, d = query.shape
@@ -146,6 +153,39 @@ def _sinks(module, s_aux, heads: int):
         raise UnsupportedAttention(f"model type '{_model_type(module)}': {s.numel()} attention sink logits "
                                    f"for {heads} query heads on this rank")
     return s
+
+
+def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
+    """Cascade attention (DESIGN.md §11): ``q [R, H, T, d]`` of R sequences that share one
+    document. Their rows go against this rank's document shard in one call — the R·T query
+    rows of a KV head meet each K/V tile once, so the shard is read once for all of them — and
+    each sequence's rows against its own tokens in the tail (causal); the two partials merge by
+    LSE, then across ranks in one merge for the whole batch. Returns ``[R, T, H, d]``."""
+    R, H, T, d = q.shape
+    doc, tail, comm = ctx.cache, ctx.tail, ctx.comm
+    pos = ctx.positions  # [R, T] global positions of the queries (-1: padding)
+    dk, dv, dlen, dpos = doc.view(layer)  # [1, H_kv, N, d]: the document, never copied per sequence
+    rows = q.transpose(0, 1).reshape(1, H, R * T, d)  # [1, H, R·T, d]: sequences as query rows
+    kw = dict(q_pos=pos.reshape(R * T), k_pos=dpos, window=window) if window is not None else {}
+    o_d, l_d = partial_attention(rows, dk, dv, scale=scale, kv_len=dlen, softcap=softcap,
+                                 out_dtype=torch.float32, **kw)
+    o_d = o_d.view(H, R, T, d).transpose(0, 1)  # [R, H, T, d]
+    l_d = l_d.view(H, R, T).transpose(0, 1)  # [R, H, T]
+    if ctx.step:  # one token per sequence, placed by tail.begin_step
+        tk, tv, tlen = tail.update(layer, k_new, v_new)
+        tpos = tail.pos[:, : tk.shape[2]]
+    else:
+        tail.extend(layer, k_new, v_new)
+        tk, tv, tlen, tpos = tail.view_rows(layer, ctx.rows, extended=True)
+    kw = dict(q_pos=pos, k_pos=tpos, window=window) if (T > 1 or window is not None) else {}
+    o_t, l_t = partial_attention(q, tk, tv, scale=scale, kv_len=tlen, softcap=softcap,
+                                 out_dtype=torch.float32, **kw)
+    o, lse = merge_pair(o_d, l_d, o_t, l_t)
+    if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
+        o, lse = add_sink(o, lse, sink)
+    out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
+    comm.merge(o, lse, out=out.transpose(1, 2))
+    return out
 
 
 def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):

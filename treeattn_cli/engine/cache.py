@@ -53,6 +53,7 @@ class ShardedKVCache:
         self._slot = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._kv_len = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._view_len = 0
+        self._ext_added = torch.zeros(batch, dtype=torch.int64)  # tokens of the extension under way
         self.reserve(capacity)
 
     # -- capacity -----------------------------------------------------------------------
@@ -106,17 +107,23 @@ class ShardedKVCache:
             self.host_length += C
 
     # -- decode -------------------------------------------------------------------------
-    def place(self) -> torch.Tensor:
+    def place(self, active=None) -> torch.Tensor:
         """Owner rank of the next token of each sequence: ``[B]`` (fewest tokens, lowest rank
-        on ties); updates every rank's view of the counts."""
+        on ties); updates every rank's view of the counts. ``active [B]`` (host bool): only
+        those sequences get a token (the others' counts stay)."""
         owner = torch.argmin(self.counts, dim=1)  # first minimum = lowest rank
-        self.counts[torch.arange(self.batch), owner] += 1
+        add = torch.ones(self.batch, dtype=torch.int64) if active is None else torch.as_tensor(active).to(torch.int64)
+        self.counts[torch.arange(self.batch), owner] += add
         return owner
 
-    def begin_step(self, positions) -> torch.Tensor:
+    def begin_step(self, positions, active=None) -> torch.Tensor:
         """Start a decode step whose new tokens have global ``positions [B]``; returns
-        ``store [B] bool`` (host), whether this rank keeps each sequence's new token."""
-        store = self.place() == self.rank  # host
+        ``store [B] bool`` (host), whether this rank keeps each sequence's new token.
+        ``active [B]`` (host bool, default all): a sequence that is not active this step (a
+        free slot of a batch) keeps its token nowhere (every rank writes it off)."""
+        store = self.place(active) == self.rank  # host
+        if active is not None:
+            store &= torch.as_tensor(active, dtype=torch.bool)
         # Grow by the largest shard of any rank (every rank holds the same counts): capacities
         # then change on the same step everywhere, so a static decode step's CUDA graph is
         # recaptured together (a capture runs the step's collectives) and shapes stay equal.
@@ -150,6 +157,71 @@ class ShardedKVCache:
         """Advance lengths after the last layer of the step."""
         self.length += self._store
         self.host_length += self._store_host.to(torch.int64)
+
+    # -- several tokens per sequence (a batch's questions, verified drafts) -----------------
+    def begin_extend(self, rows, positions) -> None:
+        """Start appending several tokens to some sequences, every rank computing all of them:
+        ``rows`` (sequence indices), ``positions [len(rows), T]`` (host, global; -1 marks a
+        padding token, kept nowhere). Each token goes to the rank holding the fewest tokens of
+        its sequence at that point (ties: the lowest), like decode tokens, so a sequence's
+        tokens spread evenly over the ranks; this rank writes its own with :meth:`extend` (one
+        call per layer) and :meth:`view_rows` returns what the step attends to."""
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        b_idx, i_idx, t_idx, slot_idx = [], [], [], []
+        for i, b in enumerate(rows):
+            held = int(self.host_length[b])
+            for t in range(positions.shape[1]):
+                if positions[i, t] < 0:
+                    continue
+                owner = int(torch.argmin(self.counts[b]))
+                self.counts[b, owner] += 1
+                if owner == self.rank:
+                    b_idx.append(b)
+                    i_idx.append(i)
+                    t_idx.append(t)
+                    slot_idx.append(held)
+                    held += 1
+        self.reserve(int(self.counts.max()))  # by the largest shard of any rank: the same everywhere
+        dev = self.device
+        self._ext = [torch.tensor(x, dtype=torch.int64, device=dev) for x in (b_idx, i_idx, t_idx, slot_idx)]
+        self._ext_rows = list(rows)
+        if b_idx:
+            self.pos[self._ext[0], self._ext[3]] = positions.to(dev)[self._ext[1], self._ext[2]]
+        self._ext_added = torch.bincount(torch.tensor(b_idx, dtype=torch.int64), minlength=self.batch) \
+            if b_idx else torch.zeros(self.batch, dtype=torch.int64)
+
+    def extend(self, layer: int, k_new, v_new) -> None:
+        """This rank's share of the extension's K/V, ``k_new, v_new [len(rows), H_kv, T, d]``
+        (the lengths advance at :meth:`end_extend`)."""
+        b, i, t, slot = self._ext
+        if b.numel():
+            self.k[layer][b, :, slot] = k_new[i, :, t].to(self.dtype)
+            self.v[layer][b, :, slot] = v_new[i, :, t].to(self.dtype)
+
+    def end_extend(self) -> None:
+        """After the last layer: the extension's tokens count."""
+        self.length += self._ext_added.to(self.device)
+        self.host_length += self._ext_added
+        self._ext_added = torch.zeros(self.batch, dtype=torch.int64)
+
+    def view_rows(self, layer: int, rows, extended: bool = False):
+        """``(k, v [R, H_kv, L, d], kv_len [R], pos [R, L])`` of sequences ``rows``, including
+        the current extension's tokens (written but not yet counted) when ``extended``."""
+        lens = self.host_length[rows] + (self._ext_added[rows] if extended else 0)
+        L = int(lens.max()) if len(rows) else 0
+        if list(rows) == list(range(self.batch)):
+            k, v, pos = self.k[layer][:, :, :L], self.v[layer][:, :, :L], self.pos[:, :L]
+        else:
+            idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.device)
+            k, v, pos = self.k[layer][idx, :, :L], self.v[layer][idx, :, :L], self.pos[idx, :L]
+        return k, v, lens.to(self.device), pos
+
+    def reset_rows(self, rows) -> None:
+        """Empty sequences ``rows`` (a batch slot that takes the next question)."""
+        for b in rows:
+            self.length[b] = 0
+            self.host_length[b] = 0
+            self.counts[b] = 0
 
     # -- marks, and whole shards (saved caches) ---------------------------------------
     def mark(self):

@@ -10,6 +10,10 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
   and ending with an ``answer`` event (its stats); rank 0 also stops when the launcher posts an
   interrupt for request ``i``. ``keep``: the answer stays in the cache (its last token is fed
   with the next append), else the caller rolls back;
+* ``{"op": "batch", "questions": [[...], ...], "slots": n, "max_new_tokens": n, "sampling": {...},
+  "stop": [...], "eos_ids": [...]}``: answer many questions after the document, ``slots`` at a
+  time (continuous batching over the shared document, ``batch.py``), streaming ``btoken`` and
+  ``banswer`` events; the document's cache is unchanged;
 * ``{"op": "mark", "name": s}`` / ``{"op": "rollback", "name": s}``: remember the cache's
   lengths / return to them (nothing copied);
 * ``{"op": "save", "dir": d, "nonce": s, ...}`` / ``{"op": "load", "dir": d, "manifest": {...}}``:
@@ -194,6 +198,34 @@ class Engine:
         }
         if self.lead:
             self.ctx.send("answer", {**self.summary, "token_ids": toks})
+
+    def _op_batch(self, req):
+        """Many questions after the document, ``req["slots"]`` decoding together (``batch.py``);
+        rank 0 streams ``btoken (question, token)`` and ``banswer (question, record)`` events and
+        ends with ``batch_done``. The document's cache is read, never changed."""
+        from .batch import BatchDecoder
+
+        qs = [list(q) for q in req["questions"]]
+        stop_check = None
+        if self.lead:
+            if self._tok is None and req.get("stop"):
+                self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
+            stop_check = _stop_check(self._tok, req.get("stop") or [], set(req.get("eos_ids") or []))
+        bd = BatchDecoder(self.dec, slots=max(1, min(req["slots"], len(qs))),
+                          capacity=max(map(len, qs)) + req["max_new_tokens"])
+        seq = req.get("seq", 0)
+        t0 = time.perf_counter()
+        answers = bd.run(qs, max_new_tokens=req["max_new_tokens"], sampling=Sampling(**req["sampling"]),
+                         stop_check=stop_check,
+                         interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
+                         on_token=lambda qi, tok: self.ctx.send("btoken", (qi, tok)),
+                         on_answer=lambda qi, rec: self.ctx.send("banswer", (qi, rec)))
+        done = [a for a in answers if a is not None]
+        if done:
+            self.summary = done[-1]
+        if self.lead:
+            self.ctx.send("batch_done", {"answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
+                                         "seconds": time.perf_counter() - t0, "slots": bd.slots})
 
     def _op_mark(self, req):
         self.marks[req["name"]] = (self.cache.mark(), len(self.ids), self.logits, self.ready, self.pending)

@@ -311,7 +311,7 @@ def plan_for_run(kind: str, nranks: int, *, heads: int, head_dim: int, layers: i
 
 
 def cp_layout(mesh, nodes: list[str], profile: str | None, *, heads: int, head_dim: int,
-              layers: int, intra: str = "LOOPBACK"):
+              layers: int, intra: str = "LOOPBACK", batch: int = 1):
     """The merge layout of the cp groups of ``mesh`` (``parallel.mesh.Mesh``) whose ranks span nodes
     (``nodes[r]``: rank r's node), in cp-local indices: links inside a node are ``intra`` (the
     local fabric's class), across nodes the profile's ``NET``; the cost model picks a flat
@@ -324,4 +324,4 @@ def cp_layout(mesh, nodes: list[str], profile: str | None, *, heads: int, head_d
     topo = Topology([GPU(i) for i in range(n)], links, [[0] * n for _ in range(n)],
                     [[True] * n for _ in range(n)], "nodes")
     prof = load_profile(profile or ("cpu-gloo" if intra == "LOOPBACK" else "dgx-h100"))
-    return choose_layout(topo, prof, heads=heads // mesh.tp, head_dim=head_dim, layers=layers)
+    return choose_layout(topo, prof, batch=batch, heads=heads // mesh.tp, head_dim=head_dim, layers=layers)

@@ -1,0 +1,86 @@
+"""Many questions about one document at once (continuous batching over the shared, sharded
+document): every answer equals transformers' greedy decode of document + that question alone,
+for any number of ranks, tp, batch size, sliding-window and sink models, and questions of very
+different lengths; sampling, stops, Ctrl-C and --save-kv behave per question."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import dist_cases
+from helpers import cli
+from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.parallel.launch import run_local
+from treeattn_cli.verify import tiny as tiny_models
+
+NEW = 6
+DOC = [(13 * i + 5) % 230 + 20 for i in range(53)]
+QS = [[(29 * i + 11 + j) % 230 + 20 for i in range(n)] for j, n in enumerate([1, 7, 2, 23, 3, 1, 11])]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    kinds = {"llama": 3, "gemma2": 4, "gpt_oss": 5}  # plain GQA; window + softcap; sinks + windows
+    out = {k: tiny_models.make_model(k, root / k, seed=s) for k, s in kinds.items()}
+    return out, {k: [tiny_models.hf_greedy(m, DOC + q, NEW) for q in QS] for k, m in out.items()}
+
+
+@pytest.mark.parametrize("world,tp,slots", [(1, 1, 3), (3, 1, 4), (4, 2, 2)], ids=["1-rank", "3-ranks", "tp2-cp2"])
+def test_batched_answers_equal_each_question_alone(models, world, tp, slots):
+    """Seven questions of 1 to 23 tokens, fewer slots than questions (slots free up and take the
+    next question), on one rank, three, and tp 2 x cp 2."""
+    paths, want = models
+    kinds = ("llama", "gemma2", "gpt_oss") if world == 3 else ("llama",)
+    for kind in kinds:
+        job = GenerateJob(str(paths[kind]), [], dtype="float32", max_new_tokens=NEW, tp=tp)
+        if kind == "gpt_oss" and tp > 1:
+            continue
+        got, done = run_local(dist_cases.engine_batch, world, job, DOC, QS, slots, NEW, timeout_s=120)[0]
+        assert got == want[kind], kind
+        assert done[0]["answers"] == len(QS) and done[0]["new_tokens"] == NEW * len(QS)
+
+
+def test_ctrl_c_ends_the_batch_and_keeps_the_answers_so_far(models):
+    """An interrupt after five streamed tokens: the answers under way end there (each a prefix of
+    its full answer, stop reason interrupted), the questions not begun are not asked."""
+    paths, want = models
+    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    got, done = run_local(dist_cases.engine_batch_interrupted, 2, job, DOC, QS, 3, NEW, 5, timeout_s=60)[0]
+    assert set(got) == {0, 1, 2} and done[0]["answers"] == 3
+    for qi, (toks, reason) in got.items():
+        assert reason == "interrupted" and toks and toks == want["llama"][qi][: len(toks)]
+
+
+def test_chat_batch_equals_one_at_a_time(models, tmp_path):
+    """Through `treeattn chat`: --batch 3 and --batch 1 print the same records in question order
+    (greedy, and sampling with each question's own seed stream), a stop string ends one answer
+    only, and --save-kv saves the document alone."""
+    paths, _ = models
+    doc = tmp_path / "doc.txt"
+    doc.write_text("a ledger of seven bridges and the tolls each one asks, kept since the flood. " * 3)
+    qs = tmp_path / "qs.txt"
+    qs.write_text("x\nwhich bridge asks the most?\nab\nand why was the ledger kept at all, after the flood?\n")
+    common = ["--model", str(paths["llama"]), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
+              "--dtype", "float32", "--max-new-tokens", "8", "--nproc", "2", "--json"]
+
+    def recs(*extra):
+        r = cli("chat", *common, *extra)
+        assert r.exit_code == 0, r.output
+        return [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+
+    one, many = recs("--batch", "1"), recs("--batch", "3", "--save-kv", str(tmp_path / "kv"))
+    assert [r["question"] for r in many] == [r["question"] for r in one] and len(one) == 4
+    assert [r["token_ids"] for r in many] == [r["token_ids"] for r in one]
+    assert all(r["prefill_method"] == "batched" for r in many)
+    m = json.loads((tmp_path / "kv" / "manifest.json").read_text())
+    assert m["tokens"]["count"] == many[0]["context_tokens"] - many[0]["prompt_tokens"]  # the document only
+    stop = one[1]["text"][2:4]  # ends the second answer early (and any other that says it)
+    a, b = recs("--batch", "1", "--stop", stop), recs("--batch", "3", "--stop", stop)
+    assert [(r["token_ids"], r["stop_reason"]) for r in a] == [(r["token_ids"], r["stop_reason"]) for r in b]
+    assert b[1]["stop_reason"] == "stop" and b[1]["token_ids"] == one[1]["token_ids"][: len(b[1]["token_ids"])]
+    sampled = ("--temperature", "0.9", "--seed", "11")
+    a, b = recs("--batch", "1", *sampled), recs("--batch", "4", *sampled)
+    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
