@@ -389,7 +389,7 @@ def graph_agreement(ctx, job, fail):
     return (answers[0], state.tolist(), dec.graph_note) if ctx.rank == 0 else None
 
 
-def engine_batch(ctx, job, doc, questions, slots, new, route=None):
+def engine_batch(ctx, job, doc, questions, slots, new, speculate="off"):
     """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op);
     rank 0 returns the token ids per question (question order) and the batch_done event."""
     from treeattn_cli.engine.decode import Sampling
@@ -402,7 +402,8 @@ def engine_batch(ctx, job, doc, questions, slots, new, route=None):
     try:
         Engine(ctx, job).serve([{"op": "append", "ids": doc},
                                 {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
-                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": []}, {"op": "stop"}])
+                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate},
+                                {"op": "stop"}])
     finally:
         ctx.emit = real
     return ([got.get(i) for i in range(len(questions))], done) if ctx.rank == 0 else None

@@ -186,7 +186,7 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_pat
         at = len(buf)
         os.write(fd, b"and now the rest\r")
         assert until(lambda b: prompt(b, at), 60), bytes(buf[-500:])
-        assert b"200 new tokens]" in buf[at:] and b"interrupted" not in buf[at:]
+        assert b" 200 new tokens" in buf[at:] and b"interrupted" not in buf[at:]
         os.write(fd, b"\x04")
         for _ in range(100):
             until(lambda b: False, 0.1)

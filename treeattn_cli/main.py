@@ -228,6 +228,8 @@ def bench(
     model_shape: Optional[str] = typer.Option(None, help="With --simulate: project a whole model's decode step on a (cp x tp) mesh: llama-3.1-8b | llama-3.1-70b | llama-3.1-405b."),
     prefill: bool = typer.Option(False, help="Causal prefill attention per sharding (balanced, contiguous, single) instead of decode; with --simulate, a whole model's prefill."),
     mfu: float = typer.Option(0.5, help="With --simulate --prefill: the fraction of the profile's peak FLOP/s that compute runs at."),
+    acceptance: Optional[float] = typer.Option(None, help="With --simulate --model-shape: also price speculative decoding, each draft kept with this probability (e.g. 0.7, as `generate --json` reports)."),
+    draft_k: int = typer.Option(8, help="With --acceptance: drafts per verify step."),
     new_tokens: int = typer.Option(16, help="Model-level mode: tokens decoded per run."),
     json_out: bool = typer.Option(False, "--json", help="Print the records as a JSON list."),
     csv: Optional[str] = typer.Option(None, help="Also write the records as CSV."),
@@ -248,7 +250,8 @@ def bench(
                 kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, nproc=nproc, backend=backend,
                 device=device, layers=layers, iters=iters, warmup=warmup, simulate=simulate, gpus=gpus,
                 kernel=kernel, model=model, new_tokens=new_tokens, layout=layout, tp=tp,
-                model_shape=model_shape, prefill=prefill, mfu=mfu), on_progress=progress)
+                model_shape=model_shape, prefill=prefill, mfu=mfu, acceptance=acceptance, draft_k=draft_k),
+                on_progress=progress)
         if prefill:
             report.print_prefill(recs, as_json=json_out)
         elif simulate and (tp != "1" or model_shape):

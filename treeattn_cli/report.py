@@ -134,6 +134,9 @@ def stats_line(rec: dict) -> str:
     if rec.get("decode_tokens_per_s"):
         parts.append(f"decode {rec['decode_tokens_per_s']:,.1f} tok/s")
     parts.append(f"{rec.get('new_tokens', 0)} new tokens")
+    spec = rec.get("speculation") or {}
+    if spec.get("drafted"):
+        parts.append(f"{spec['accepted']}/{spec['drafted']} drafts accepted ({spec['accepted'] / spec['drafted']:.0%})")
     if rec.get("stop_reason") in ("interrupted", "terminated", "error"):
         parts.append(rec["stop_reason"])
     return "[" + ", ".join(parts) + "]"
@@ -391,15 +394,24 @@ def print_mesh_projection(records, as_json=False, file=None) -> None:
     shared = " sharing one document" if first.get("shared") else ""
     t = Table(title=f"decode step of {first.get('model', '?')} on a (cp x tp) mesh (simulated, "
                     f"{first.get('profile', '?')}, B sequences{shared}, {first.get('dtype', '')})")
-    for col in ("GPUs", "tokens", "B", "tp", "cp", "merge", "step ms", "tok/s", "weights ms", "KV ms",
-                "TP all-reduce ms", "merge ms", "GB/GPU", "fits", "best"):
+    spec = "acceptance" in first
+    cols = ["GPUs", "tokens", "B", "tp", "cp", "merge", "step ms", "tok/s", "weights ms", "KV ms",
+            "TP all-reduce ms", "merge ms", "GB/GPU", "fits", "best"]
+    if spec:
+        cols[8:8] = ["verify ms", "tok/s spec.", "× spec."]
+    for col in cols:
         t.add_column(col, justify="right")
     for r in records:
-        t.add_row(str(r["nproc"]), _fmt_tokens(r["seq_len"]), str(r["batch"]), str(r["tp"]), str(r["cp"]), r["scheme"],
-                  f"{r['step_ms_median']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['weights_ms']:.2f}", f"{r['kv_ms']:.2f}",
-                  f"{r['tp_allreduce_ms']:.2f}", f"{r['merge_ms']:.2f}", f"{r['mem_per_gpu_gb']:.1f}",
-                  "yes" if r["fits"] else "no", "*" if r.get("best") else "",
-                  style=None if r["fits"] else "dim")
+        cells = [str(r["nproc"]), _fmt_tokens(r["seq_len"]), str(r["batch"]), str(r["tp"]), str(r["cp"]), r["scheme"],
+                 f"{r['step_ms_median']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['weights_ms']:.2f}", f"{r['kv_ms']:.2f}",
+                 f"{r['tp_allreduce_ms']:.2f}", f"{r['merge_ms']:.2f}", f"{r['mem_per_gpu_gb']:.1f}",
+                 "yes" if r["fits"] else "no", "*" if r.get("best") else ""]
+        if spec:
+            cells[8:8] = [f"{r['verify_ms']:.2f}", f"{r['spec_tokens_per_s']:,.0f}", f"×{r['spec_gain']:.2f}"]
+        t.add_row(*cells, style=None if r["fits"] else "dim")
+    if spec:
+        t.caption = (f"speculation: {first['draft_k']} drafts per step, each kept with probability {first['acceptance']}; "
+                     "a verify reads what a step reads and computes draft_k + 1 rows")
     _console(file).print(t)
 
 

@@ -89,14 +89,26 @@ def model_shape(name: str) -> ModelShape:
     return MODEL_SHAPES[name]
 
 
+def speculation_gain(acceptance: float, k: int) -> float:
+    """Tokens a verify of ``k`` drafts yields when each draft is kept with probability
+    ``acceptance`` (until the first rejected one), plus the model's own token."""
+    a = min(max(acceptance, 0.0), 0.999999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
 def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: list[int], shape: str, *,
-                  batch: int = 1, shared: bool = False, dtype: str = "bfloat16") -> list[dict]:
+                  batch: int = 1, shared: bool = False, dtype: str = "bfloat16",
+                  acceptance: float | None = None, draft_k: int = 8) -> list[dict]:
     """Predicted decode step of a whole model for every (GPUs, tokens, tp) with tp | GPUs,
     tp | H_kv and tp <= GPUs per node; ``fits`` says whether weights + KV fit each GPU's memory
     and ``best`` marks the fastest fitting (tp, cp) per (GPUs, tokens). ``batch`` sequences per
     step; ``shared``: they share one document of N tokens (its cache read once per step for all
     of them; their own few tokens are not priced), else each has N tokens of its own.
-    ``tokens_per_s``: the step's tokens (``batch``) over its time."""
+    ``tokens_per_s``: the step's tokens (``batch``) over its time. ``acceptance``: also price
+    speculative decoding with ``draft_k`` drafts per sequence kept with that probability each: a
+    verify step reads the same weights and cache as a decode step, moves ``draft_k + 1`` times
+    the merge and all-reduce bytes, and computes ``draft_k + 1`` rows (at the profile's peak
+    FLOP/s); ``spec_tokens_per_s`` and ``spec_gain`` (over plain decode) come with it."""
     from ..topology import layout as Lo
     from ..topology.layout import ring_allreduce_s
     from ..parallel.mesh import Mesh
@@ -128,6 +140,17 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
                 t_ar = ring_allreduce_s(tp, batch * m.hidden * esize, prof.link(intra)) if tp > 1 else 0.0
                 t_merge = lay.per_layer_s if lay else 0.0
                 step = t_w + t_kv + m.layers * (2 * t_ar + t_merge)
+                spec = {}
+                if acceptance is not None:
+                    fed = batch * (draft_k + 1)  # query rows of a verify step
+                    lay_v = cp_layout(mesh, nodes, prof.path, heads=m.heads, head_dim=m.head_dim, layers=m.layers,
+                                      intra=intra, batch=fed) if cp > 1 else None
+                    t_ar_v = ring_allreduce_s(tp, fed * m.hidden * esize, prof.link(intra)) if tp > 1 else 0.0
+                    t_rows = 2 * m.params / tp * fed / prof.flops if prof.flops else 0.0
+                    verify = max(t_w + t_kv, t_rows) + m.layers * (2 * t_ar_v + (lay_v.per_layer_s if lay_v else 0.0))
+                    tokens = batch * speculation_gain(acceptance, draft_k)
+                    spec = {"acceptance": acceptance, "draft_k": draft_k, "verify_ms": verify * 1e3,
+                            "spec_tokens_per_s": tokens / verify, "spec_gain": (tokens / verify) / (batch / step)}
                 rows.append({
                     "method": "tree", "simulated": True, "profile": prof.name, "model": shape, "nproc": p,
                     "tp": tp, "cp": cp, "seq_len": N, "batch": batch, "shared": shared, "dtype": dtype,
@@ -136,7 +159,7 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
                     "weights_ms": t_w * 1e3, "kv_ms": t_kv * 1e3, "tp_allreduce_ms": 2 * m.layers * t_ar * 1e3,
                     "merge_ms": m.layers * t_merge * 1e3, "mem_per_gpu_gb": (w + kv) / 1e9,
                     "fits": prof.memory_bytes is None or w + kv <= prof.memory_bytes,
-                    "device": f"simulated {prof.name}",
+                    "device": f"simulated {prof.name}", **spec,
                 })
             ok = [r for r in rows if r["fits"]]
             if ok:

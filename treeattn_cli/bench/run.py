@@ -37,6 +37,8 @@ class BenchOptions:
     tp: str = "1"  # model mode: ranks per tensor-parallel group; --simulate: a comma list to compare
     model_shape: str | None = None  # --simulate: a known model's shape (projection.MODEL_SHAPES)
     prefill: bool = False  # causal prefill attention per sharding (prefill.py) instead of decode
+    acceptance: float | None = None  # --simulate --model-shape: price speculative decoding at this draft acceptance
+    draft_k: int = 8  # ... with this many drafts per step
     mfu: float = 0.5  # --simulate --prefill: the fraction of peak FLOP/s compute runs at
 
 
@@ -111,6 +113,11 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
     if o.simulate:
         from .projection import simulate, simulate_mesh
 
+        if o.acceptance is not None and not 0 <= o.acceptance < 1:
+            raise ValueError(f"--acceptance must be in [0, 1), got {o.acceptance}")
+        if o.draft_k < 1:
+            raise ValueError(f"--draft-k must be >= 1, got {o.draft_k}")
+
         batches = parse_ints("--batch", str(o.batch))
         spec = BenchSpec(seq_lens=parse_ints("--seq-len", o.seq_len), batch=batches[0], batches=batches,
                          shared=o.shared, heads=o.heads, kv_heads=o.kv_heads, head_dim=o.head_dim,
@@ -120,7 +127,8 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
         if o.tp != "1" or o.model_shape:
             return [r for b in batches for r in simulate_mesh(
                 o.simulate, parse_ints("--gpus", o.gpus), spec.seq_lens, parse_ints("--tp", o.tp),
-                o.model_shape or "llama-3.1-8b", batch=b, shared=o.shared, dtype=spec.dtype)]
+                o.model_shape or "llama-3.1-8b", batch=b, shared=o.shared, dtype=spec.dtype,
+                acceptance=o.acceptance, draft_k=o.draft_k)]
         return simulate(o.simulate, parse_ints("--gpus", o.gpus), spec)
     counts = parse_ints("--nproc", o.nproc) if o.nproc else [None]
     kind, backend, n, devices = plan_devices(o.device, o.backend, counts[0])

@@ -40,6 +40,8 @@ ANSWER_FLAGS = (
     Flag("top_p", float, 1.0, "Nucleus sampling mass in (0, 1] (1 = off)."),
     Flag("seed", int, 0, "Random seed for sampling (every answer starts from it)."),
     Flag("stop", List[str], [], "Stop an answer when this text appears (repeatable)."),
+    Flag("speculate", str, "auto", "Draft tokens from the document and the answer (n-gram lookup) and verify "
+         "them in one step: off | auto (adapts; off when sampling) | ngram:K. Output is unchanged."),
 )
 RUN_FLAGS = (
     Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory)."),
@@ -99,6 +101,7 @@ class GenerateOptions:
     load_kv: str | None = None  # continue a saved KV cache with the prompt
     quiet: bool = False  # no stats line on stderr
     prefill_sharding: str = "balanced"  # or "contiguous": how prefill segments are cut (engine/prefill.py)
+    speculate: str = "auto"  # off | auto | ngram:K (engine/speculate.py)
 
 
 def check_flags(o: GenerateOptions) -> None:
@@ -118,6 +121,7 @@ def check_flags(o: GenerateOptions) -> None:
         raise ValueError(f"--nproc must be >= 1, got {o.nproc}")
     if not o.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {o.timeout}")
+    _speculation(o.speculate)
     if getattr(o, "batch", 1) < 1:
         raise ValueError(f"--batch must be >= 1, got {o.batch}")
     for flag, val, choices in (("--backend", o.backend, ("auto", "nccl", "gloo")),
@@ -136,3 +140,14 @@ class ChatOptions(GenerateOptions):
     conversation: bool = False  # keep the turns (default: every question against the document alone)
     questions: str | None = None  # a file of questions, one per line ('-': standard input)
     batch: int = 8  # questions from a file or a pipe decoding together (typed ones: one at a time)
+
+
+def _speculation(text: str) -> None:
+    """``--speculate``'s grammar, checked without importing torch (engine/speculate.py parses
+    it for the run)."""
+    t = (text or "").strip().lower()
+    if t in ("off", "auto"):
+        return
+    if t.startswith("ngram:") and t[6:].isdigit() and 1 <= int(t[6:]) <= 64:
+        return
+    raise ValueError(f"--speculate takes off, auto or ngram:K with 1 <= K <= 64, got {text!r}")

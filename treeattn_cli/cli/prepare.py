@@ -101,7 +101,7 @@ class Run:
                            prefill_chunk=o.prefill_chunk, trust_remote_code=o.trust_remote_code,
                            allow_pickle=o.allow_pickle, reference=self.reference, tp=o.tp,
                            auto_layout=o.scheme == "auto", layout_profile=o.layout,
-                           prefill_sharding=o.prefill_sharding, tp_plan=self.tp_plan,
+                           prefill_sharding=o.prefill_sharding, speculate=o.speculate, tp_plan=self.tp_plan,
                            tp_heads_split=self.tp_heads_split, **kw)
 
     def identity(self) -> dict:

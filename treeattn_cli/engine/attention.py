@@ -29,8 +29,9 @@ class AttentionContext:
     """What our attention needs beyond the layer's q/k/v (one per rank, reused every step).
 
     ``phase``: ``"prefill"`` (this rank's piece of a prompt segment, cut as ``pieces``, global
-    positions), ``"replicated"`` (a segment shorter than the sequence shards, every rank computing
-    all of it at ``positions``; rank ``owner`` keeps its K/V), ``"decode"`` (one new token per
+    positions), ``"replicated"`` (a segment shorter than the sequence shards, or a speculative
+    step, every rank computing all of it at ``positions``, each token kept by one rank: an
+    extension of the cache, ``cache.begin_extend``), ``"decode"`` (one new token per
     sequence, every rank computing it) or ``"cascade"`` (many sequences over one shared
     document: ``cache`` holds the document, ``tail`` each sequence's own tokens; ``rows`` of the
     tail at ``positions [R, T]``, one token each (``step``) or several (an extension)).
@@ -43,7 +44,6 @@ class AttentionContext:
     positions: object = None  # prefill: this rank's positions [n_r]
     cache_lens: list = field(default_factory=list)  # prefill: every rank's cached tokens before the segment
     method: str = "pass-kv"  # prefill with a cache: "pass-kv" (the cache travels) or "pass-q" (queries do)
-    owner: int = 0  # replicated: the rank that keeps the segment's K/V
     on_layer: object = None  # prefill progress callback(layer_index)
     decode_method: str = "tree"  # "ring": the KV-rotating baseline (bench)
     tail: ShardedKVCache | None = None  # cascade: every sequence's own tokens, batch = slots
@@ -189,25 +189,26 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
 
 
 def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
-    """This rank's partial for a segment every rank computes (``q [B, H, n, d]``): its cached
-    shard, and on the owner also the segment's own keys (causal); the owner then keeps them.
-    Rank 0 carries the sink (the same queries on every rank: it joins the merge once)."""
+    """This rank's partial for a segment every rank computes (``q [1, H, n, d]``): its cached
+    shard, and the segment's tokens this rank keeps (causal; written now). Rank 0 carries the
+    sink (the same queries on every rank: it joins the merge once)."""
     cache, pos = ctx.cache, ctx.positions
-    k, v, kv_len, k_pos = cache.view(layer)
+    k, v, kv_len, k_pos = cache.view(layer)  # the shard before this segment
     kw = dict(q_pos=pos, k_pos=k_pos, window=window) if window is not None else {}
     o, lse = partial_attention(q, k, v, scale=scale, kv_len=kv_len, softcap=softcap, out_dtype=torch.float32,
                                sink=sink if ctx.comm.rank == 0 else None, **kw)
     stats = ctx.comm.stats
+    B, H, n, d = q.shape
     if stats.enabled:
-        B, H, n, d = q.shape
         stats.add_flops(flops(B, H, d, n, k.shape[2], "full"))
-    if ctx.comm.rank == ctx.owner:
-        po, pl = partial_attention(q, k_new, v_new, scale=scale, q_pos=pos, k_pos=pos, window=window,
+    cache.extend(layer, k_new, v_new)
+    nk, nv, npos = cache.extension_view(layer, 0)  # the new tokens this rank keeps: [1, H_kv, m, d]
+    if nk.shape[2]:
+        po, pl = partial_attention(q, nk, nv, scale=scale, q_pos=pos, k_pos=npos, window=window,
                                    softcap=softcap, out_dtype=torch.float32)
         o, lse = merge_pair(o, lse, po, pl)
-        cache.append_chunk(layer, k_new, v_new, pos)
         if stats.enabled:
-            stats.add_flops(flops(B, H, d, n, n, "causal"))
+            stats.add_flops(flops(B, H, d, n, nk.shape[2], "full"))
     return o, lse
 
 

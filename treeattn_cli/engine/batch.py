@@ -35,7 +35,6 @@ _ALL_STOPPED = -2  # the launcher interrupted the batch
 class _Slot:
     question: int  # index into the batch's questions
     prompt: int  # tokens of the question
-    position: int  # global position of the next token to feed
     gen: object  # rank 0: the slot's sampling generator
     t_start: float  # when the question entered its slot
     t_batch: float  # when the batch began (time to first token counts from there)
@@ -43,6 +42,9 @@ class _Slot:
     tokens: list = field(default_factory=list)
     t_first: float | None = None
     t_last: float | None = None
+    spec: object = None  # rank 0: the answer's speculation policy and counts (speculate.Speculation)
+    fed: bool = False  # its latest forward was a decode step or a verify (timed), not its prefill
+    drafter: object = None  # rank 0: its n-gram drafter over the document, the question and the answer
 
 
 class BatchDecoder:
@@ -60,78 +62,109 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def run(self, questions: list[list[int]], *, max_new_tokens: int, sampling: Sampling,
-            stop_check=None, interrupted=None, on_token=None, on_answer=None) -> list[dict]:
+            stop_check=None, interrupted=None, on_token=None, on_answer=None, speculate: str = "off",
+            drafter=None) -> list[dict]:
         """Answer every question; returns (on every rank) one summary per question, in order.
         Rank 0 only: ``stop_check(ids) -> reason | None``, ``interrupted() -> bool``,
-        ``on_token(question, token)``, ``on_answer(question, summary)`` as each answer ends."""
+        ``on_token(question, token)``, ``on_answer(question, summary)`` as each answer ends, and
+        ``drafter(question tokens) -> speculate.Drafter`` over the document and the question when
+        ``speculate`` is not off: each slot then drafts, and accepts, on its own (a step with
+        drafts feeds every busy slot's last token and drafts as one extension of the tail)."""
+        from .speculate import Speculation, accept
+
         dec, S = self.dec, self.slots
         lead = dec.world.rank == 0
+        kmax = max(Speculation.for_answer(speculate, sampling).k, 1)
         queue = deque(range(len(questions)))
         slots: list[_Slot | None] = [None] * S
-        logits = None  # rank 0: [S, V], the latest logits of every slot that has some
+        rows: list = [None] * S  # rank 0: each ready slot's logits of its fed rows [k + 1, V]
+        drafts: list[list[int]] = [[] for _ in range(S)]  # fed after each slot's last token, latest forward
         ready = [False] * S
         out: list[dict | None] = [None] * len(questions)
         t0 = time.perf_counter()
-        msg = torch.zeros(S + 1, 2, dtype=torch.int64, device=dec.device)
+        width = 3 + 2 * (kmax + 1)  # per slot: emitted, stop code, drafts, emitted tokens, next drafts
+        msg = torch.zeros(S + 1, width, dtype=torch.int64, device=dec.device)
         while True:
             free = [b for b in range(S) if slots[b] is None]
             new = []
             while free and queue:
                 b = free.pop(0)
                 qi = queue.popleft()
-                slots[b] = _Slot(qi, len(questions[qi]), self.doc_tokens + len(questions[qi]),
+                slots[b] = _Slot(qi, len(questions[qi]),
                                  torch.Generator(device=dec.device).manual_seed(sampling.seed) if lead else None,
                                  time.perf_counter(), t0)
+                if lead:
+                    slots[b].spec = Speculation.for_answer(speculate, sampling)
+                    slots[b].drafter = drafter(questions[qi]) if drafter and slots[b].spec.mode != "off" else None
                 new.append(b)
             if new:
                 lg = self._prefill(new, [questions[slots[b].question] for b in new])
-                for b in new:
+                for i, b in enumerate(new):
                     slots[b].prefill_s = time.perf_counter() - slots[b].t_start
-                logits = self._place(logits, lg, new)
-                for b in new:
-                    ready[b] = True
+                    rows[b] = lg[i:i + 1] if lead else None
+                    ready[b], drafts[b] = True, []
             if not any(slots):
                 break
-            if lead:  # every ready slot's next token and whether its answer ends
-                msg.fill_(_IDLE)
+            if lead:  # every ready slot's tokens (several when drafts were accepted), stop, next drafts
+                msg.zero_()
                 stop_all = interrupted is not None and interrupted()
                 for b in range(S):
                     if not ready[b]:
                         continue
                     s = slots[b]
-                    tok = int(sample(logits[b:b + 1], sampling, s.gen)[0])
-                    s.tokens.append(tok)
-                    reason = stop_check(s.tokens) if stop_check else None
-                    if reason is None and stop_all:
-                        reason = "interrupted"
-                    if reason is None and len(s.tokens) == max_new_tokens:
-                        reason = "length"
-                    msg[b, 0], msg[b, 1] = tok, STOP_IDS[reason]
+                    emitted = accept(rows[b], drafts[b], sampling, s.gen) if drafts[b] else \
+                        [int(sample(rows[b], sampling, s.gen)[0])]
+                    s.spec.observe(len(drafts[b]), len(emitted) - 1, spent if s.fed else None)
+                    final, reason = [], None
+                    for tok in emitted:
+                        s.tokens.append(tok)
+                        final.append(tok)
+                        reason = stop_check(s.tokens) if stop_check else None
+                        if reason is None and stop_all:
+                            reason = "interrupted"
+                        if reason is None and len(s.tokens) == max_new_tokens:
+                            reason = "length"
+                        if reason is not None:
+                            break
+                    nxt = []
+                    if reason is None and s.drafter is not None:
+                        s.drafter.extend(final)
+                        nxt = s.drafter.draft(min(s.spec.want(), max_new_tokens - len(s.tokens) - 1, kmax))
+                    msg[b, 0], msg[b, 1], msg[b, 2] = len(final), STOP_IDS[reason], len(nxt)
+                    msg[b, 3:3 + len(final)] = torch.tensor(final)
+                    msg[b, 4 + kmax:4 + kmax + len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
                 msg[S, 0] = _ALL_STOPPED if stop_all else 0
             dec.world.broadcast(msg, src=0)
-            rows = msg.tolist()
+            table = msg.tolist()
             now = time.perf_counter()
             going = [False] * S
+            nxt_all: list[list[int]] = [[] for _ in range(S)]
             for b in range(S):
                 if not ready[b]:
                     continue
                 s = slots[b]
-                tok, reason = rows[b][0], STOP_CODES[rows[b][1]]
+                n_out, code, n_next = table[b][:3]
+                final = table[b][3:3 + n_out]
+                reason = STOP_CODES[code]
+                if drafts[b]:  # the slot's last forward fed its token and drafts: keep what was emitted, less one
+                    self.tail.truncate_extension(b, keep=n_out)
                 if not lead:
-                    s.tokens.append(tok)
+                    s.tokens += final
                 s.t_first = s.t_first or now
                 s.t_last = now
                 if lead and on_token is not None:
-                    on_token(s.question, tok)
+                    for tok in final:
+                        on_token(s.question, tok)
                 if reason is None:
                     going[b] = True
+                    nxt_all[b] = table[b][4 + kmax:4 + kmax + n_next]
                     continue
                 out[s.question] = self._summary(s, reason)
                 if lead and on_answer is not None:
                     on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens)})
                 slots[b] = None
             ready = [False] * S
-            if rows[S][0] == _ALL_STOPPED:  # Ctrl-C: the answers so far end; the rest are not started
+            if table[S][0] == _ALL_STOPPED:  # Ctrl-C: the answers so far end; the rest are not started
                 queue.clear()
                 for b in range(S):
                     if slots[b] is not None:  # busy but not ready this round: nothing pending
@@ -141,14 +174,27 @@ class BatchDecoder:
                                                           "token_ids": list(slots[b].tokens)})
                         slots[b] = None
                 break
+            spent = None
             if any(going):
-                lg = self._step([slots[b].tokens[-1] if going[b] else 0 for b in range(S)],
-                                [slots[b].position if going[b] else 0 for b in range(S)], going)
-                for b in range(S):
-                    if going[b]:
-                        slots[b].position += 1
-                        ready[b] = True
-                logits = lg if lead else None
+                busy = [b for b in range(S) if going[b]]
+                t_step = time.perf_counter()
+                at = {b: self.doc_tokens + slots[b].prompt + len(slots[b].tokens) - 1 for b in busy}  # last token's
+                if any(nxt_all[b] for b in busy):  # drafts to verify: one extension of every busy slot
+                    feeds = [[slots[b].tokens[-1]] + nxt_all[b] for b in busy]
+                    lg = self._extend(busy, feeds, [at[b] for b in busy])
+                    for i, b in enumerate(busy):
+                        rows[b] = lg[i, :len(feeds[i])] if lead else None
+                else:
+                    lg = self._step([slots[b].tokens[-1] if going[b] else 0 for b in range(S)],
+                                    [at.get(b, 0) for b in range(S)], going)
+                    for b in busy:
+                        rows[b] = lg[b:b + 1] if lead else None
+                for b in busy:
+                    ready[b], drafts[b] = True, nxt_all[b]
+                    slots[b].fed = True
+                if lead and rows[busy[0]] is not None:
+                    rows[busy[0]][-1, 0].item()  # the forward is done once its logits can be read
+                spent = time.perf_counter() - t_step
         return out
 
     def _summary(self, s: _Slot, reason) -> dict:
@@ -158,7 +204,8 @@ class BatchDecoder:
                 "ttft_s": (s.t_first or s.t_start) - s.t_batch, "prefill_s": s.prefill_s,
                 "prefill_tokens_per_s": s.prompt / s.prefill_s if s.prefill_s else None,
                 "decode_tokens_per_s": (n - 1) / decode_s if decode_s else None,
-                "stop_reason": reason, "prefill_method": "batched"}
+                "stop_reason": reason, "prefill_method": "batched",
+                "speculation": s.spec.record() if s.spec is not None else None}
 
     def _place(self, logits, lg, rows):
         """Rank 0: the logits of ``rows`` into the per-slot table."""
@@ -183,6 +230,18 @@ class BatchDecoder:
         self.tail.begin_extend(rows, pos)
         return self._forward(ids, pos, rows, step=False, finish=self.tail.end_extend)
 
+    def _extend(self, rows: list[int], feeds: list[list[int]], positions: list[int]):
+        """Each slot of ``rows`` feeds its last token and its drafts (right-padded to the longest,
+        padding kept nowhere): logits of every fed row, ``[len(rows), T, V]``."""
+        T = max(len(f) for f in feeds)
+        ids = torch.zeros(len(rows), T, dtype=torch.int64)
+        pos = torch.full((len(rows), T), -1, dtype=torch.int64)
+        for i, (f, p) in enumerate(zip(feeds, positions)):
+            ids[i, :len(f)] = torch.tensor(f)
+            pos[i, :len(f)] = torch.arange(p, p + len(f))
+        self.tail.begin_extend(rows, pos)
+        return self._forward(ids, pos, rows, step=False, finish=self.tail.end_extend, keep=T)
+
     def _step(self, tokens: list[int], positions: list[int], going: list[bool]):
         """One token for every slot that goes on (the others are written off): logits ``[S, V]``."""
         self.tail.begin_step(torch.tensor(positions), active=going)
@@ -190,14 +249,15 @@ class BatchDecoder:
         return self._forward(torch.tensor(tokens)[:, None], pos, list(range(self.slots)), step=True,
                              finish=self.tail.end_step)
 
-    def _forward(self, ids, pos, rows, *, step: bool, finish):
+    def _forward(self, ids, pos, rows, *, step: bool, finish, keep: int = 1):
         dec = self.dec
         actx = dec.actx
         dev = dec.device
         pos_dev = pos.to(dev)
         actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_dev
         try:
-            logits = dec._forward(ids.to(dev), pos_dev.clamp(min=self.doc_tokens), want_logits=dec.comm.rank == 0)
+            logits = dec._forward(ids.to(dev), pos_dev.clamp(min=self.doc_tokens), want_logits=dec.comm.rank == 0,
+                                  rows=keep)
         finally:
             actx.phase, actx.tail = "decode", None
         finish()

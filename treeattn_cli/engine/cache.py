@@ -54,6 +54,7 @@ class ShardedKVCache:
         self._kv_len = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._view_len = 0
         self._ext_added = torch.zeros(batch, dtype=torch.int64)  # tokens of the extension under way
+        self._ext_owners: dict = {}
         self.reserve(capacity)
 
     # -- capacity -----------------------------------------------------------------------
@@ -168,12 +169,15 @@ class ShardedKVCache:
         call per layer) and :meth:`view_rows` returns what the step attends to."""
         positions = torch.as_tensor(positions, dtype=torch.int64)
         b_idx, i_idx, t_idx, slot_idx = [], [], [], []
+        self._ext_owners = {}  # sequence -> the owner rank of each of its new tokens, in order
         for i, b in enumerate(rows):
             held = int(self.host_length[b])
+            owners = self._ext_owners.setdefault(b, [])
             for t in range(positions.shape[1]):
                 if positions[i, t] < 0:
                     continue
                 owner = int(torch.argmin(self.counts[b]))
+                owners.append(owner)
                 self.counts[b, owner] += 1
                 if owner == self.rank:
                     b_idx.append(b)
@@ -204,6 +208,13 @@ class ShardedKVCache:
         self.host_length += self._ext_added
         self._ext_added = torch.zeros(self.batch, dtype=torch.int64)
 
+    def extension_view(self, layer: int, b: int):
+        """``(k, v [1, H_kv, m, d], pos [m])``: the tokens of the extension under way that this
+        rank keeps for sequence ``b`` (written by :meth:`extend`, not yet counted)."""
+        start, m = int(self.host_length[b]), int(self._ext_added[b])
+        return (self.k[layer][b:b + 1, :, start:start + m], self.v[layer][b:b + 1, :, start:start + m],
+                self.pos[b, start:start + m])
+
     def view_rows(self, layer: int, rows, extended: bool = False):
         """``(k, v [R, H_kv, L, d], kv_len [R], pos [R, L])`` of sequences ``rows``, including
         the current extension's tokens (written but not yet counted) when ``extended``."""
@@ -215,6 +226,16 @@ class ShardedKVCache:
             idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.device)
             k, v, pos = self.k[layer][idx, :, :L], self.v[layer][idx, :, :L], self.pos[idx, :L]
         return k, v, lens.to(self.device), pos
+
+    def truncate_extension(self, b: int, keep: int) -> None:
+        """Keep only the first ``keep`` tokens the latest extension gave sequence ``b`` (rejected
+        drafts go): each rank forgets its own share of the rest, the newest it holds."""
+        for owner in self._ext_owners.get(b, [])[keep:]:
+            self.counts[b, owner] -= 1
+            if owner == self.rank:
+                self.length[b] -= 1
+                self.host_length[b] -= 1
+        self._ext_owners[b] = self._ext_owners.get(b, [])[:keep]
 
     def reset_rows(self, rows) -> None:
         """Empty sequences ``rows`` (a batch slot that takes the next question)."""

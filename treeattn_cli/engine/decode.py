@@ -37,12 +37,9 @@ class Timings:
     decode_s: float = 0.0
 
 
-def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
-    """``logits [B, V]`` -> token ids ``[B]`` (greedy, or temperature / top-k / top-p)."""
-    logits = logits.float()
-    if s.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / s.temperature
+def process_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """``logits [..., V]`` as the sampler sees them: temperature, then top-k, then top-p (fp32)."""
+    logits = logits.float() / s.temperature
     if s.top_k and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -52,7 +49,14 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> to
         drop = cum - torch.softmax(srt, dim=-1) >= s.top_p  # keep the smallest set reaching top_p
         srt = srt.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, srt)
-    probs = torch.softmax(logits, dim=-1)
+    return logits
+
+
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+    """``logits [B, V]`` -> token ids ``[B]`` (greedy, or temperature / top-k / top-p)."""
+    if s.temperature == 0:
+        return logits.float().argmax(dim=-1)
+    probs = torch.softmax(process_logits(logits, s), dim=-1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # on the logits' device
 
 
@@ -111,10 +115,13 @@ class Decoder:
         self.q_heads = self.cache.kv_heads * group  # query heads this rank attends with
         self.window = getattr(cfg, "sliding_window", None)
 
-    def _forward(self, ids, positions, want_logits: bool):
+    def _forward(self, ids, positions, want_logits: bool, rows: int = 1):
+        """The model on ``ids [B, T]``: the last position's logits ``[B, V]`` (``rows`` > 1: the
+        last ``rows`` positions', ``[B, rows, V]``) where ``want_logits``, else None."""
         kw = dict(input_ids=ids, position_ids=positions, use_cache=False, treeattn_ctx=self.actx)
         if want_logits:
-            return self.model(**kw, logits_to_keep=1).logits[:, -1].float()  # [B, V]
+            logits = self.model(**kw, logits_to_keep=rows).logits
+            return (logits[:, -1] if rows == 1 else logits[:, -rows:]).float()
         self.base(**kw)
         return None
 
@@ -186,38 +193,54 @@ class Decoder:
             logits = self.comm.broadcast(buf.contiguous(), src=last_owner)
         return logits if r == 0 else None
 
-    def _prefill_replicated(self, ids: torch.Tensor, on_progress=None):
-        """Append ``ids [B, n]``, ``n`` shorter than the number of sequence shards (a short
-        question after a cached document): every rank runs the model on all ``n`` tokens, as in
-        a decode step with ``n`` query rows. Each rank attends them to its own shard; the rank
-        holding the fewest tokens (ties: the lowest) also keeps their K/V and attends them
-        causally; the partials merge like a decode step's (``comm.merge``, one per layer). No
-        rank is left without work in a relay, and every shard is attended. Returns the last
-        position's logits ``[B, V]`` on rank 0."""
+    def _prefill_replicated(self, ids: torch.Tensor, on_progress=None, rows: int = 1, record: bool = True):
+        """Append ``ids [1, n]``, ``n`` shorter than the number of sequence shards (a short
+        question after a cached document) or a speculative step's rows: every rank runs the
+        model on all ``n`` tokens, as in a decode step with ``n`` query rows, and attends them to
+        its own shard; each token is kept by the rank holding the fewest tokens at that point,
+        like a decode token (so shards stay within a token of each other), and each rank also
+        attends the new tokens it keeps, causally; the partials merge like a decode step's
+        (``comm.merge``, one per layer). No rank is left without work in a relay, and every
+        shard is attended. Returns the last position's logits ``[1, V]`` (the last ``rows``
+        positions', ``[1, rows, V]``) on the cp group's rank 0."""
         B, n = ids.shape
         start = self.total
-        counts = self.cache.counts[0].tolist()
-        owner = min(range(len(counts)), key=lambda i: (counts[i], i))
-        counts[owner] += n
-        self.cache.reserve(max(counts))  # the same on every rank (see cache.py)
-        pos = torch.arange(start, start + n, device=self.device)
+        positions = torch.arange(start, start + n)
+        self.cache.begin_extend([0], positions[None])  # every rank places every token the same way
+        pos = positions.to(self.device)
         stats = self.comm.stats
         was, stats.enabled = stats.enabled, True
         stats.reset()
-        self.actx.phase, self.actx.positions, self.actx.owner = "replicated", pos, owner
+        self.actx.phase, self.actx.positions = "replicated", pos
         if on_progress is not None:
             L = self.cache.num_layers
             self.actx.on_layer = lambda layer: on_progress(n * (layer + 1) // L, n)
         try:
-            logits = self._forward(ids.to(self.device), pos[None].expand(B, -1), want_logits=self.comm.rank == 0)
+            logits = self._forward(ids.to(self.device), pos[None].expand(B, -1), want_logits=self.comm.rank == 0,
+                                   rows=rows)
         finally:
             self.actx.on_layer, self.actx.phase = None, "decode"
-        self.segments.append({"tokens": n, "cached": start, "method": "replicated", "sharding": "replicated",
-                              "flops": stats.flops, "bytes": stats.bytes_sent})
+        self.cache.end_extend()
+        if record:
+            self.segments.append({"tokens": n, "cached": start, "method": "replicated", "sharding": "replicated",
+                                  "flops": stats.flops, "bytes": stats.bytes_sent})
         stats.reset()
         stats.enabled = was
-        self.cache.set_counts(counts)
         return logits
+
+    @torch.inference_mode()
+    def verify(self, tokens: list[int]):
+        """A speculative step: the last emitted token and its drafts, fed together after what
+        the cache holds (``len(tokens)`` query rows, causal among themselves, against every
+        shard); their logits ``[len(tokens), V]`` on the cp group's rank 0. The rows not kept
+        are dropped with :meth:`keep_verified`."""
+        logits = self._prefill_replicated(torch.tensor([tokens]), rows=len(tokens), record=False)
+        return logits[0] if logits is not None else None
+
+    @torch.inference_mode()
+    def keep_verified(self, n: int) -> None:
+        """Keep only the first ``n`` tokens the latest :meth:`verify` appended (lengths only)."""
+        self.cache.truncate_extension(0, keep=n)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, position: int):
@@ -274,7 +297,7 @@ class Decoder:
         return self._graph_out
 
     def decode(self, logits, *, max_new_tokens: int, sampling: Sampling, stop_check=None,
-               interrupted=None, timings=None):
+               interrupted=None, timings=None, speculation=None, context=None):
         """Yield ``(token_id, stop_reason)`` pairs (batch 1) from the logits of the last token in
         the cache; the last pair's reason is not None. The last token is sampled but not fed
         to the model (the cache holds everything before it).
@@ -282,33 +305,73 @@ class Decoder:
         On rank 0 only: ``stop_check(ids_so_far) -> reason | None`` (EOS, stop strings) and
         ``interrupted() -> bool`` (Ctrl-C in chat: reason ``"interrupted"``); rank 0's decision
         travels with the token, so every rank stops on the same step.
+
+        ``speculation`` (``speculate.Speculation``, default off) with ``context`` (the tokens in
+        the cache, or a ``speculate.Drafter`` over them; rank 0): each step may feed drafts from
+        the context after the last token and
+        emit several tokens (``speculate.accept``); rank 0 sends the step's tokens, the stop
+        decision and the next drafts in one broadcast, and every rank drops the rejected
+        drafts' K/V (lengths only).
         """
+        from .speculate import Drafter, Speculation, accept
+
         t = timings or Timings()
+        spec = speculation or Speculation()
         r = self.world.rank
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if r == 0 else None
+        drafter = None
+        if r == 0 and spec.mode != "off":
+            drafter = context if isinstance(context, Drafter) else Drafter(context or [])
         n = self.total
         out: list[int] = []
-        msg = torch.zeros(2, dtype=torch.int64, device=self.device)
-        t_first = None
-        for i in range(max_new_tokens):
-            if r == 0:
-                tok = int(sample(logits, sampling, gen)[0])
-                out.append(tok)
-                reason = stop_check(out) if stop_check else None
-                if reason is None and interrupted is not None and interrupted():
-                    reason = "interrupted"
-                if reason is None and len(out) == max_new_tokens:
-                    reason = "length"
-                msg[0], msg[1] = tok, STOP_IDS[reason]
+        kmax = max(spec.k, 1)
+        msg = torch.zeros(3 + 2 * (kmax + 1), dtype=torch.int64, device=self.device)
+        drafts: list[int] = []  # fed after the last token in the latest forward
+        t_first = t_step = None  # t_step: when the latest forward began (rank 0 prices drafts with its time)
+        while True:
+            if r == 0:  # the step's tokens (several when drafts were accepted), the stop, the next drafts
+                emitted = accept(logits, drafts, sampling, gen) if drafts else [int(sample(logits, sampling, gen)[0])]
+                spec.observe(len(drafts), len(emitted) - 1,  # the forward's time: ends once its logits are read
+                             time.perf_counter() - t_step if t_step is not None else None)
+                final, reason = [], None
+                for tok in emitted:
+                    out.append(tok)
+                    final.append(tok)
+                    reason = stop_check(out) if stop_check else None
+                    if reason is None and interrupted is not None and interrupted():
+                        reason = "interrupted"
+                    if reason is None and len(out) == max_new_tokens:
+                        reason = "length"
+                    if reason is not None:
+                        break
+                nxt = []
+                if reason is None and drafter is not None:
+                    drafter.extend(final)
+                    nxt = drafter.draft(min(spec.want(), max_new_tokens - len(out) - 1, kmax))
+                msg.zero_()
+                msg[0], msg[1], msg[2] = len(final), STOP_IDS[reason], len(nxt)
+                msg[3:3 + len(final)] = torch.tensor(final)
+                msg[3 + kmax + 1:3 + kmax + 1 + len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
             self.world.broadcast(msg, src=0)
-            tok, reason = int(msg[0]), STOP_CODES[int(msg[1])]
+            head = msg[:3].tolist()
+            final = msg[3:3 + head[0]].tolist()
+            reason = STOP_CODES[head[1]]
+            nxt = msg[3 + kmax + 1:3 + kmax + 1 + head[2]].tolist()
+            if drafts:  # the verify fed the last token and its drafts: keep what was emitted, minus the last
+                self.keep_verified(len(final))
             if t_first is None:
                 t_first = time.perf_counter()
                 t.ttft_s = t_first - t.start
-            yield tok, reason
+            if r != 0:
+                out += final
+            for i, tok in enumerate(final):
+                yield tok, reason if i == len(final) - 1 else None
             if reason is not None:
                 break
-            logits = self.step(torch.tensor([tok]), n + i)
+            pos = n + len(out) - 1  # where the last emitted token goes
+            t_step = time.perf_counter()
+            logits = self.verify([final[-1]] + nxt) if nxt else self.step(torch.tensor([final[-1]]), pos)
+            drafts = nxt
         t.decode_s = time.perf_counter() - (t_first or time.perf_counter())
 
     def generate(self, ids: torch.Tensor, *, max_new_tokens: int, sampling: Sampling,

@@ -38,6 +38,7 @@ from ..parallel import comm as C
 from .attention import AttentionContext
 from .cache import ShardedKVCache
 from .decode import Decoder, Sampling, Timings
+from .speculate import Speculation
 from ..parallel.mesh import Mesh, check_tp_within_nodes
 from ..topology.layout import cp_layout
 from .model import load_model, load_tokenizer, pick_dtype, shapes, weight_bytes
@@ -53,7 +54,8 @@ def generate_requests(job) -> list[dict]:
     if job.save_kv:
         reqs.append({"op": "mark", "name": "prompt"})
     reqs.append({"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "stop": list(job.stop),
-                 "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False})
+                 "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False,
+                 "speculate": job.speculate})
     if job.save_kv:
         reqs += [{"op": "rollback", "name": "prompt"},
                  {"op": "save", "dir": job.save_kv, **job.save_meta}]
@@ -132,6 +134,7 @@ class Engine:
         self.appended = (0, 0.0, 0.0)  # tokens, seconds, start time of the last append
         self.summary: dict | None = None
         self.methods: list[str] = []  # how the last append's segments met the cache (prefill.plan)
+        self._doc_drafter = None  # rank 0: speculation's n-gram index of the cached tokens
         self._tok = None
 
     # -- requests ----------------------------------------------------------------------
@@ -178,10 +181,13 @@ class Engine:
         timings = Timings(start=t0)
         timings.prefill_s = prefill_s
         toks, reason = [], None
+        sampling = Sampling(**req["sampling"])
+        spec = Speculation.for_answer(req.get("speculate", "off"), sampling)
         for tok, reason in self.dec.decode(self.logits, max_new_tokens=req["max_new_tokens"],
-                                           sampling=Sampling(**req["sampling"]), stop_check=stop_check,
+                                           sampling=sampling, stop_check=stop_check,
                                            interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
-                                           timings=timings):
+                                           timings=timings, speculation=spec,
+                                           context=self._drafter() if self.lead and spec.mode != "off" else None):
             toks.append(tok)
             if self.lead:
                 self.ctx.send("token", tok)
@@ -195,9 +201,21 @@ class Engine:
             "prefill_tokens_per_s": n_prompt / prefill_s if prefill_s else None,
             "decode_tokens_per_s": (count - 1) / timings.decode_s if count > 1 and timings.decode_s else None,
             "stop_reason": reason, "prefill_method": "+".join(self.methods) or None,
+            "speculation": spec.record(),
         }
         if self.lead:
             self.ctx.send("answer", {**self.summary, "token_ids": toks})
+
+    def _drafter(self, own=()):
+        """Rank 0: a drafter over the tokens in the cache (then ``own``). The index of a long
+        document is built once and shared: later answers and every slot of a batch index only
+        what follows it."""
+        from .speculate import Drafter
+
+        base = self._doc_drafter
+        if base is None or len(base.tokens) > len(self.ids) or base.tokens != self.ids[:len(base.tokens)]:
+            base = self._doc_drafter = Drafter(self.ids)
+        return Drafter(self.ids[len(base.tokens):] + list(own), base=base)
 
     def _op_batch(self, req):
         """Many questions after the document, ``req["slots"]`` decoding together (``batch.py``);
@@ -216,7 +234,8 @@ class Engine:
         seq = req.get("seq", 0)
         t0 = time.perf_counter()
         answers = bd.run(qs, max_new_tokens=req["max_new_tokens"], sampling=Sampling(**req["sampling"]),
-                         stop_check=stop_check,
+                         stop_check=stop_check, speculate=req.get("speculate", "off"),
+                         drafter=self._drafter if self.lead else None,
                          interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
                          on_token=lambda qi, tok: self.ctx.send("btoken", (qi, tok)),
                          on_answer=lambda qi, rec: self.ctx.send("banswer", (qi, rec)))

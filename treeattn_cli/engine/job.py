@@ -43,6 +43,7 @@ class GenerateJob:
     save_meta: dict = field(default_factory=dict)  # identity, composition, nonce of the save
     reserve: int | None = None  # tokens to make room for up front (default: prompt + answer)
     prefill_sharding: str = "balanced"  # or "contiguous" (prefill.py): how segments are cut
+    speculate: str = "auto"  # off | auto | ngram:K: drafts from the context, verified (speculate.py)
 
     @property
     def reserve_tokens(self) -> int:
