@@ -170,7 +170,8 @@ def capacity_trace(ctx, model_dir, n_prompt, new_tokens):
     recaptured when it changes, so every rank must change it on the same step)."""
     from treeattn_cli.engine.attention import AttentionContext
     from treeattn_cli.engine.cache import ShardedKVCache
-    from treeattn_cli.engine.decode import Decoder, Sampling
+    from treeattn_cli.engine.decode import Decoder
+    from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.model import load_model, shapes
 
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
@@ -234,7 +235,8 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
     from treeattn_cli.parallel import comm as C
     from treeattn_cli.engine.attention import AttentionContext
     from treeattn_cli.engine.cache import ShardedKVCache
-    from treeattn_cli.engine.decode import Decoder, Sampling
+    from treeattn_cli.engine.decode import Decoder
+    from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.parallel.mesh import Mesh
     from treeattn_cli.engine.model import load_model, shapes
 
@@ -344,7 +346,7 @@ def graph_agreement(ctx, job, fail):
     import contextlib
 
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.decode import Sampling
+    from treeattn_cli.engine.sampling import Sampling
 
     eng = Engine(ctx, job)
     dec = eng.dec
@@ -392,7 +394,7 @@ def graph_agreement(ctx, job, fail):
 def engine_batch(ctx, job, doc, questions, slots, new, speculate="off"):
     """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op);
     rank 0 returns the token ids per question (question order) and the batch_done event."""
-    from treeattn_cli.engine.decode import Sampling
+    from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.engine import Engine
 
     got, done = {}, []
@@ -413,7 +415,7 @@ def engine_batch_interrupted(ctx, job, doc, questions, slots, new, after):
     """The batch op, interrupted (as Ctrl-C does, through the store) once rank 0 has streamed
     ``after`` tokens: rank 0 returns {question: (token ids, stop reason)} of the answers that
     ended, and the batch_done event."""
-    from treeattn_cli.engine.decode import Sampling
+    from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.parallel import comm as C
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dist_cases
-from treeattn_cli.engine.decode import Sampling
+from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.engine.job import GenerateJob
 from treeattn_cli.engine.speculate import AUTO_K, PAUSE, Drafter, Speculation, accept, parse
 from treeattn_cli.parallel.launch import run_local

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import dist_cases
 from treeattn_cli.verify import tiny as tiny_models
-from treeattn_cli.engine.decode import Sampling
+from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.engine.model import load_tokenizer
 from treeattn_cli.engine.job import GenerateJob

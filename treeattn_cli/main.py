@@ -14,7 +14,8 @@ from typing import Optional
 import typer
 
 from . import __version__
-from .cli.options import ANSWER_FLAGS, CACHE_FLAGS, MODEL_FLAGS, REPORT_FLAGS, RUN_FLAGS
+from .cli.options import (ANSWER_FLAGS, CACHE_FLAGS, MODEL_FLAGS, REPORT_FLAGS, RUN_FLAGS, SERVE_FLAGS,
+                          SPECULATE_FLAGS)
 
 app = typer.Typer(
     add_completion=False,
@@ -99,7 +100,7 @@ def _run(command, opts, *, terminated_message: bool) -> None:
 
 
 @app.command()
-@with_flags(MODEL_FLAGS, ANSWER_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
+@with_flags(MODEL_FLAGS, ANSWER_FLAGS, SPECULATE_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
 def generate(
     prompt: Optional[str] = typer.Option(None, help="The prompt text."),
     prompt_file: Optional[str] = typer.Option(None, help="Read the prompt from a file ('-': standard input)."),
@@ -273,7 +274,7 @@ def bench(
 
 
 @app.command()
-@with_flags(MODEL_FLAGS, ANSWER_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
+@with_flags(MODEL_FLAGS, ANSWER_FLAGS, SPECULATE_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
 def chat(
     prompt_file: Optional[str] = typer.Option(None, help="The document ('-': standard input), prefilled once; questions follow."),
     questions: Optional[str] = typer.Option(None, help="Answer each line of this file in order, then exit ('-': standard input)."),
@@ -291,6 +292,24 @@ def chat(
     from .cli.chat import chat_command
 
     _run(chat_command, opts, terminated_message=False)
+
+
+@app.command()
+@with_flags(SERVE_FLAGS, MODEL_FLAGS, SPECULATE_FLAGS, RUN_FLAGS, REPORT_FLAGS)
+def serve(**flags):
+    """Serve the model over OpenAI's API (chat and completions, streamed), with a document cache."""
+    from .cli.options import ServeOptions, check_serve_flags
+
+    opts = ServeOptions(**flags)
+    try:
+        check_serve_flags(opts)
+    except ValueError as e:
+        if opts.debug:
+            raise
+        raise typer.Exit(_report(e))
+    from .cli.serve import serve_command
+
+    _run(serve_command, opts, terminated_message=False)
 
 
 @app.command()

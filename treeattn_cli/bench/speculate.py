@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import time
 
 import torch
 
@@ -39,6 +38,14 @@ def document(tokenizer, n_tokens: int) -> str:
     return "\n\n".join(out)
 
 
+def _prompt(tokenizer, text: str) -> list[int]:
+    """The tokens ``generate --chat`` would make of ``text`` (``--no-chat`` without a template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(text)["input_ids"]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+
 def time_transformers_lookup(model_dir, ids, new_tokens, lookup: int):
     """transformers' greedy ``generate`` (SDPA) with ``prompt_lookup_num_tokens=lookup`` (0: off):
     decode ms per token after the first, and the token ids."""
@@ -57,14 +64,12 @@ def time_transformers_lookup(model_dir, ids, new_tokens, lookup: int):
 
 
 def speculate_bench(model=None, doc_tokens=2000, new_tokens=128, nproc=1) -> list[dict]:
-    from ..cli.prompt import build_ids
-
     model_dir = M.resolve(model)
     tok = M.load_tokenizer(model_dir)
     doc = document(tok, doc_tokens)
     records = []
     for name, question in REQUESTS.items():
-        ids = build_ids(tok, f"{doc}\n\n{question}", chat=bool(getattr(tok, "chat_template", None)))
+        ids = _prompt(tok, f"{doc}\n\n{question}")
         runs = {}
         for spec in SPECS:
             r = time_treeattn(model_dir, ids, new_tokens, nproc, speculate=spec)

@@ -17,49 +17,16 @@ returns to the document; ``/save DIR`` saves the cache. SIGTERM stops everything
 from __future__ import annotations
 
 import json
-import queue
 import sys
-import threading
 
-from ..parallel import comm as C
 from ..parallel import launch
 from . import prompt as P
 from ..report import GenerateView, batch_line, stats_line, stdout_closed
+from .engine_client import ResidentEngine
 from .options import ChatOptions
 from .prepare import prepare_run
 
 HELP = "/exit (or Ctrl-D) leaves · /reset returns to the document · /save DIR saves the cache · Ctrl-C stops an answer"
-
-
-class EngineClient:
-    """The launcher's handle on the running engine: post requests, read rank 0's events."""
-
-    def __init__(self, store, events: "queue.Queue", failed):
-        self.store, self.events, self.failed = store, events, failed
-        self.seq = 0
-
-    def post(self, **req) -> int:
-        seq = self.seq
-        C.post_request(self.store, seq, req)
-        self.seq += 1
-        return seq
-
-    def interrupt(self, seq: int) -> None:
-        C.post_interrupt(self.store, seq)
-
-    def wait(self, kind: str, on_event=None):
-        """Events until one of ``kind`` (returned); the ranks' failure is raised here."""
-        while True:
-            try:
-                what, payload = self.events.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if what == "__end__":
-                raise self.failed() or launch.LaunchError("the ranks stopped")
-            if on_event is not None:
-                on_event(what, payload)
-            if what == kind:
-                return payload
 
 
 def _question_source(o: ChatOptions):
@@ -131,32 +98,10 @@ def chat_command(o: ChatOptions) -> int:
 
 
 def _session(o, run, job, composition, doc_ids, manifest, save_meta) -> int:
-    from ..engine.engine import rank_engine
-
-    events: queue.Queue = queue.Queue()
-    started, abort, box = threading.Event(), threading.Event(), {}
-
-    def ranks():
-        try:
-            launch.run_local(rank_engine, run.nproc, job, backend=run.backend, devices=run.devices,
-                             timeout_s=o.timeout, on_event=lambda r, k, v: events.put((k, v)),
-                             on_start=lambda store: (box.setdefault("store", store), started.set()),
-                             abort=abort)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            box["error"] = e
-        finally:
-            started.set()
-            events.put(("__end__", None))
-
-    launch.warm_forkserver()  # from this (main) thread: the fork server dies with its thread
-    t = threading.Thread(target=ranks, name="treeattn-ranks", daemon=True)
-    t.start()
-    started.wait()
-    client = EngineClient(box.get("store"), events, lambda: box.get("error"))
+    engine = ResidentEngine(run, job, o.timeout)
     code = 0
     try:
-        if client.store is None:  # the ranks never started
-            raise box.get("error") or launch.LaunchError("the ranks did not start")
+        client = engine.start()
         _converse(o, run, job, client, composition, doc_ids, manifest, save_meta)
         client.post(op="stop")
     except launch.Terminated:
@@ -170,13 +115,10 @@ def _session(o, run, job, composition, doc_ids, manifest, save_meta) -> int:
     except BrokenPipeError:  # `| head`: the reader has enough; stop the ranks quietly
         code = stdout_closed()
     finally:
-        if code:
-            abort.set()
-        t.join(timeout=30 if not code else 10)
-        if t.is_alive():
-            abort.set()
-            t.join(10)
-    err = box.get("error")
+        if engine.thread is not None:
+            engine.thread.join(timeout=30 if not code else 0)
+        engine.stop(now=True)
+    err = engine.error
     if not code and err is not None and not isinstance(err, launch.Stopped):
         print(f"treeattn: error: {err}", file=sys.stderr)
         code = 1

@@ -40,8 +40,19 @@ ANSWER_FLAGS = (
     Flag("top_p", float, 1.0, "Nucleus sampling mass in (0, 1] (1 = off)."),
     Flag("seed", int, 0, "Random seed for sampling (every answer starts from it)."),
     Flag("stop", List[str], [], "Stop an answer when this text appears (repeatable)."),
+)
+SPECULATE_FLAGS = (
     Flag("speculate", str, "auto", "Draft tokens from the document and the answer (n-gram lookup) and verify "
          "them in one step: off | auto (adapts; off when sampling) | ngram:K. Output is unchanged."),
+)
+SERVE_FLAGS = (
+    Flag("host", str, "127.0.0.1", "Address to listen on (loopback only unless you say otherwise)."),
+    Flag("port", int, 8000, "Port to listen on."),
+    Flag("served_model_name", Optional[str], None, "The model's name in the API (default: the model directory's)."),
+    Flag("api_key", Optional[str], None, "Require 'Authorization: Bearer KEY' on /v1 requests."),
+    Flag("cache_dir", Optional[str], None, "Save each document's sharded KV cache here as it is made (a restart finds them)."),
+    Flag("cache_bytes", int, 8 << 30, "Bytes of documents' KV cache each rank keeps in memory (least recently used leave first)."),
+    Flag("batch", int, 8, "Requests about one document that decode together."),
 )
 RUN_FLAGS = (
     Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory)."),
@@ -131,6 +142,27 @@ def check_flags(o: GenerateOptions) -> None:
                                ("--prefill-sharding", o.prefill_sharding, ("balanced", "contiguous"))):
         if val not in choices:
             raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {val!r}")
+
+
+@dataclass
+class ServeOptions(GenerateOptions):
+    """``treeattn serve``: generate's flags that apply, and the server's."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    cache_dir: str | None = None
+    cache_bytes: int = 8 << 30  # per rank
+    batch: int = 8
+
+
+def check_serve_flags(o: ServeOptions) -> None:
+    check_flags(o)
+    if not 0 < o.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {o.port}")
+    if o.cache_bytes < 0:
+        raise ValueError(f"--cache-bytes must be >= 0, got {o.cache_bytes}")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.mesh import check_tp
-from ..engine.decode import Sampling
+from ..engine.sampling import Sampling
 from ..engine.job import GenerateJob, plan_devices
 from ..engine.model import shapes
 from ..verify.family import probe_model

@@ -179,3 +179,48 @@ def question_ids(tokenizer, question: str, composition: dict, *, next_turn: bool
     if not tokenizer(question, add_special_tokens=False)["input_ids"]:
         raise PromptError(f"the question has no tokens after tokenization with {type(tokenizer).__name__}")
     return ids
+
+
+# ---------------------------------------------------------------- a request: its document part
+
+def _split_tokens(tokenizer, text: str, cut: int, *, special: bool) -> tuple[list[int], int]:
+    """The tokens of ``text`` exactly as a whole-text tokenization gives them, and how many of
+    them lie wholly before character ``cut`` (-1: none)."""
+    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    if cut < 0:
+        return ids, 0
+    n = 0
+    for a, b in enc["offset_mapping"]:
+        if b > cut and b > a:  # the first token that reaches past the cut (special tokens are (0, 0))
+            break
+        n += 1
+    return ids, n
+
+
+def split_completion(tokenizer, prompt: str) -> tuple[list[int], int]:
+    """``(ids, d)``: the prompt's tokens as ``generate --no-chat`` makes them, and the length of
+    its document part: the tokens before its last paragraph break (0: none), which a server can
+    cache and later requests that start with the same text can continue."""
+    cut = prompt.rfind("\n\n")
+    return _split_tokens(tokenizer, prompt, cut + 2 if cut >= 0 else -1, special=True)
+
+
+def split_chat(tokenizer, messages: list[dict]) -> tuple[list[int], int]:
+    """``(ids, d)``: the tokens of ``messages`` through the chat template (with the assistant's
+    turn opened, as ``generate --chat`` tokenizes them) and the length of their document part:
+    everything up to the last paragraph break of the last user message (0: none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("this model's tokenizer has no chat template: use /v1/completions")
+    text = _render(tokenizer, messages)
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want)
+    last = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+    content = last.get("content") if last else None
+    cut = -1
+    if isinstance(content, str) and "\n\n" in content and text.rfind(content) >= 0:
+        cut = text.rfind(content) + content.rfind("\n\n") + 2
+    ids, d = _split_tokens(tokenizer, text, cut, special=False)
+    if ids != want:  # the rendered text does not tokenize to the template's tokens: no document part
+        return want, 0
+    return ids, d

@@ -25,10 +25,23 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import ShardedKVCache
-from .decode import STOP_CODES, STOP_IDS, Sampling, sample
+from .sampling import STOP_CODES, STOP_IDS, Sampling, sample
 
 _IDLE = -1  # a slot with nothing to report this round
 _ALL_STOPPED = -2  # the launcher interrupted the batch
+KMAX = 64  # the most drafts a step may carry per slot (speculate.parse's bound)
+WIDTH = 3 + 2 * (KMAX + 1)  # per slot: tokens out, stop code, drafts, the tokens, the next drafts
+
+
+@dataclass
+class Question:
+    """One question of a batch: its tokens and how to answer it (rank 0 holds ``stop_check``)."""
+
+    ids: list
+    max_new_tokens: int
+    sampling: Sampling
+    speculate: str = "off"
+    stop_check: object = None
 
 
 @dataclass
@@ -45,6 +58,7 @@ class _Slot:
     spec: object = None  # rank 0: the answer's speculation policy and counts (speculate.Speculation)
     fed: bool = False  # its latest forward was a decode step or a verify (timed), not its prefill
     drafter: object = None  # rank 0: its n-gram drafter over the document, the question and the answer
+    cancelled: bool = False
 
 
 class BatchDecoder:
@@ -61,44 +75,53 @@ class BatchDecoder:
                                    capacity=-(-capacity // cp) + 2)
 
     @torch.inference_mode()
-    def run(self, questions: list[list[int]], *, max_new_tokens: int, sampling: Sampling,
-            stop_check=None, interrupted=None, on_token=None, on_answer=None, speculate: str = "off",
-            drafter=None) -> list[dict]:
+    def run(self, questions: list[Question], *, drafter=None, interrupted=None, feed=None, make_question=None,
+            on_token=None, on_answer=None) -> list[dict]:
         """Answer every question; returns (on every rank) one summary per question, in order.
-        Rank 0 only: ``stop_check(ids) -> reason | None``, ``interrupted() -> bool``,
-        ``on_token(question, token)``, ``on_answer(question, summary)`` as each answer ends, and
-        ``drafter(question tokens) -> speculate.Drafter`` over the document and the question when
-        ``speculate`` is not off: each slot then drafts, and accepts, on its own (a step with
-        drafts feeds every busy slot's last token and drafts as one extension of the tail)."""
+
+        Rank 0 only: each question's ``stop_check(ids) -> reason | None``; ``interrupted() ->
+        bool`` (Ctrl-C: every answer ends); ``feed() -> (new questions, cancelled indices)``
+        polled each step (questions that join, as raw requests ``make_question`` turns into
+        :class:`Question` on every rank; answers to cancel); ``on_token(question, token)``;
+        ``on_answer(question, summary)`` as each answer ends; ``drafter(question tokens) ->
+        speculate.Drafter`` over the document and the question, for questions that speculate:
+        each slot then drafts, and accepts, on its own (a step with drafts feeds every busy
+        slot's last token and drafts as one extension of the tail)."""
         from .speculate import Speculation, accept
 
         dec, S = self.dec, self.slots
         lead = dec.world.rank == 0
-        kmax = max(Speculation.for_answer(speculate, sampling).k, 1)
         queue = deque(range(len(questions)))
         slots: list[_Slot | None] = [None] * S
         rows: list = [None] * S  # rank 0: each ready slot's logits of its fed rows [k + 1, V]
         drafts: list[list[int]] = [[] for _ in range(S)]  # fed after each slot's last token, latest forward
         ready = [False] * S
         out: list[dict | None] = [None] * len(questions)
+        cancelled: set = set()
         t0 = time.perf_counter()
-        width = 3 + 2 * (kmax + 1)  # per slot: emitted, stop code, drafts, emitted tokens, next drafts
-        msg = torch.zeros(S + 1, width, dtype=torch.int64, device=dec.device)
+        spent = None  # seconds of the latest timed forward (speculation prices drafts with it)
+        msg = torch.zeros(S + 1, WIDTH, dtype=torch.int64, device=dec.device)
+
+        def finish(s: _Slot, reason):
+            out[s.question] = self._summary(s, reason)
+            if lead and on_answer is not None:
+                on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens)})
+
         while True:
             free = [b for b in range(S) if slots[b] is None]
             new = []
             while free and queue:
                 b = free.pop(0)
                 qi = queue.popleft()
-                slots[b] = _Slot(qi, len(questions[qi]),
-                                 torch.Generator(device=dec.device).manual_seed(sampling.seed) if lead else None,
-                                 time.perf_counter(), t0)
+                q = questions[qi]
+                slots[b] = _Slot(qi, len(q.ids), torch.Generator(device=dec.device).manual_seed(q.sampling.seed)
+                                 if lead else None, time.perf_counter(), t0)
                 if lead:
-                    slots[b].spec = Speculation.for_answer(speculate, sampling)
-                    slots[b].drafter = drafter(questions[qi]) if drafter and slots[b].spec.mode != "off" else None
+                    slots[b].spec = Speculation.for_answer(q.speculate, q.sampling)
+                    slots[b].drafter = drafter(q.ids) if drafter and slots[b].spec.mode != "off" else None
                 new.append(b)
             if new:
-                lg = self._prefill(new, [questions[slots[b].question] for b in new])
+                lg = self._prefill(new, [questions[slots[b].question].ids for b in new])
                 for i, b in enumerate(new):
                     slots[b].prefill_s = time.perf_counter() - slots[b].t_start
                     rows[b] = lg[i:i + 1] if lead else None
@@ -108,34 +131,47 @@ class BatchDecoder:
             if lead:  # every ready slot's tokens (several when drafts were accepted), stop, next drafts
                 msg.zero_()
                 stop_all = interrupted is not None and interrupted()
+                news = feed() if feed is not None else ([], [])
                 for b in range(S):
                     if not ready[b]:
                         continue
-                    s = slots[b]
-                    emitted = accept(rows[b], drafts[b], sampling, s.gen) if drafts[b] else \
-                        [int(sample(rows[b], sampling, s.gen)[0])]
+                    s, q = slots[b], questions[slots[b].question]
+                    emitted = accept(rows[b], drafts[b], q.sampling, s.gen) if drafts[b] else \
+                        [int(sample(rows[b], q.sampling, s.gen)[0])]
                     s.spec.observe(len(drafts[b]), len(emitted) - 1, spent if s.fed else None)
                     final, reason = [], None
                     for tok in emitted:
                         s.tokens.append(tok)
                         final.append(tok)
-                        reason = stop_check(s.tokens) if stop_check else None
+                        reason = q.stop_check(s.tokens) if q.stop_check else None
                         if reason is None and stop_all:
                             reason = "interrupted"
-                        if reason is None and len(s.tokens) == max_new_tokens:
+                        if reason is None and s.question in cancelled | set(news[1]):
+                            reason = "cancelled"
+                        if reason is None and len(s.tokens) == q.max_new_tokens:
                             reason = "length"
                         if reason is not None:
                             break
                     nxt = []
                     if reason is None and s.drafter is not None:
                         s.drafter.extend(final)
-                        nxt = s.drafter.draft(min(s.spec.want(), max_new_tokens - len(s.tokens) - 1, kmax))
+                        nxt = s.drafter.draft(min(s.spec.want(), q.max_new_tokens - len(s.tokens) - 1, KMAX))
                     msg[b, 0], msg[b, 1], msg[b, 2] = len(final), STOP_IDS[reason], len(nxt)
                     msg[b, 3:3 + len(final)] = torch.tensor(final)
-                    msg[b, 4 + kmax:4 + kmax + len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
+                    msg[b, 4 + KMAX:4 + KMAX + len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
                 msg[S, 0] = _ALL_STOPPED if stop_all else 0
+                msg[S, 1] = 1 if news[0] or news[1] else 0
             dec.world.broadcast(msg, src=0)
             table = msg.tolist()
+            if table[S][1]:  # questions joined or were cancelled: every rank learns them
+                joined, gone = dec.world.broadcast_object(news if lead else None, src=0)
+                questions += [make_question(q) for q in joined]
+                out += [None] * len(joined)
+                queue.extend(range(len(questions) - len(joined), len(questions)))
+                cancelled |= set(gone)
+                for qi in [qi for qi in queue if qi in cancelled]:  # not begun: answered empty
+                    queue.remove(qi)
+                    finish(_Slot(qi, len(questions[qi].ids), None, time.perf_counter(), t0), "cancelled")
             now = time.perf_counter()
             going = [False] * S
             nxt_all: list[list[int]] = [[] for _ in range(S)]
@@ -157,21 +193,16 @@ class BatchDecoder:
                         on_token(s.question, tok)
                 if reason is None:
                     going[b] = True
-                    nxt_all[b] = table[b][4 + kmax:4 + kmax + n_next]
+                    nxt_all[b] = table[b][4 + KMAX:4 + KMAX + n_next]
                     continue
-                out[s.question] = self._summary(s, reason)
-                if lead and on_answer is not None:
-                    on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens)})
+                finish(s, reason)
                 slots[b] = None
             ready = [False] * S
             if table[S][0] == _ALL_STOPPED:  # Ctrl-C: the answers so far end; the rest are not started
                 queue.clear()
                 for b in range(S):
                     if slots[b] is not None:  # busy but not ready this round: nothing pending
-                        out[slots[b].question] = self._summary(slots[b], "interrupted")
-                        if lead and on_answer is not None:
-                            on_answer(slots[b].question, {**out[slots[b].question],
-                                                          "token_ids": list(slots[b].tokens)})
+                        finish(slots[b], "interrupted")
                         slots[b] = None
                 break
             spent = None
@@ -207,19 +238,9 @@ class BatchDecoder:
                 "stop_reason": reason, "prefill_method": "batched",
                 "speculation": s.spec.record() if s.spec is not None else None}
 
-    def _place(self, logits, lg, rows):
-        """Rank 0: the logits of ``rows`` into the per-slot table."""
-        if self.dec.world.rank != 0:
-            return None
-        if logits is None:
-            logits = torch.zeros(self.slots, lg.shape[-1], dtype=lg.dtype, device=lg.device)
-        logits[rows] = lg
-        return logits
-
     def _prefill(self, rows: list[int], prompts: list[list[int]]):
         """Every token of the questions entering slots ``rows``, in one forward (left-padded to
         the longest, padding kept nowhere); their last position's logits ``[len(rows), V]``."""
-        dec = self.dec
         T = max(len(p) for p in prompts)
         ids = torch.zeros(len(rows), T, dtype=torch.int64)
         pos = torch.full((len(rows), T), -1, dtype=torch.int64)

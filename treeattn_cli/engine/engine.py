@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -37,7 +38,8 @@ from treeattn_kernels import use_reference
 from ..parallel import comm as C
 from .attention import AttentionContext
 from .cache import ShardedKVCache
-from .decode import Decoder, Sampling, Timings
+from .decode import Decoder, Timings
+from .sampling import Sampling
 from .speculate import Speculation
 from ..parallel.mesh import Mesh, check_tp_within_nodes
 from ..topology.layout import cp_layout
@@ -135,6 +137,7 @@ class Engine:
         self.summary: dict | None = None
         self.methods: list[str] = []  # how the last append's segments met the cache (prefill.plan)
         self._doc_drafter = None  # rank 0: speculation's n-gram index of the cached tokens
+        self.docs = OrderedDict()  # serve: document key -> (cache, its tokens, saved on disk), least recent first
         self._tok = None
 
     # -- requests ----------------------------------------------------------------------
@@ -220,23 +223,39 @@ class Engine:
     def _op_batch(self, req):
         """Many questions after the document, ``req["slots"]`` decoding together (``batch.py``);
         rank 0 streams ``btoken (question, token)`` and ``banswer (question, record)`` events and
-        ends with ``batch_done``. The document's cache is read, never changed."""
-        from .batch import BatchDecoder
+        ends with ``batch_done``. The document's cache is read, never changed.
 
-        qs = [list(q) for q in req["questions"]]
-        stop_check = None
-        if self.lead:
-            if self._tok is None and req.get("stop"):
-                self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
-            stop_check = _stop_check(self._tok, req.get("stop") or [], set(req.get("eos_ids") or []))
-        bd = BatchDecoder(self.dec, slots=max(1, min(req["slots"], len(qs))),
-                          capacity=max(map(len, qs)) + req["max_new_tokens"])
+        A question is a list of token ids, or ``{"ids": [...], ...}`` with its own
+        ``max_new_tokens``, ``sampling``, ``stop``, ``eos_ids``, ``speculate`` (default: the
+        request's). With ``"open": True`` more questions may join while the batch runs
+        (``comm.post_join``) and any may be cancelled (``comm.post_cancel``); the batch ends when
+        every question it took is answered, and ``batch_done`` says how many joins it took."""
+        from .batch import BatchDecoder, Question
+
+        defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate")}
+
+        def question(q) -> Question:
+            spec = {**defaults, **({} if isinstance(q, list) else q)}
+            ids = list(q if isinstance(q, list) else q["ids"])
+            stop_check = None
+            if self.lead:
+                if self._tok is None and spec.get("stop"):
+                    self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
+                stop_check = _stop_check(self._tok, spec.get("stop") or [], set(spec.get("eos_ids") or []))
+            return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
+                            spec.get("speculate") or "off", stop_check)
+
+        qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
+        feed = None
+        if req.get("open") and self.lead:
+            feed = C.BatchFeed(seq)
+        bd = BatchDecoder(self.dec, slots=max(1, req["slots"] if req.get("open") else min(req["slots"], len(qs))),
+                          capacity=max([len(q.ids) + q.max_new_tokens for q in qs] or [64]))
         t0 = time.perf_counter()
-        answers = bd.run(qs, max_new_tokens=req["max_new_tokens"], sampling=Sampling(**req["sampling"]),
-                         stop_check=stop_check, speculate=req.get("speculate", "off"),
-                         drafter=self._drafter if self.lead else None,
+        answers = bd.run(qs, drafter=self._drafter if self.lead else None, make_question=question,
                          interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
+                         feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,
                          on_token=lambda qi, tok: self.ctx.send("btoken", (qi, tok)),
                          on_answer=lambda qi, rec: self.ctx.send("banswer", (qi, rec)))
         done = [a for a in answers if a is not None]
@@ -244,7 +263,70 @@ class Engine:
             self.summary = done[-1]
         if self.lead:
             self.ctx.send("batch_done", {"answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
-                                         "seconds": time.perf_counter() - t0, "slots": bd.slots})
+                                         "seconds": time.perf_counter() - t0, "slots": bd.slots,
+                                         "joins": feed.taken if feed else 0})
+
+    def _op_doc(self, req):
+        """Make the document ``req["key"]`` (tokens ``req["ids"]``) the cached prefix later
+        requests continue (the server's document cache): from memory if this engine holds it,
+        else from ``req["dir"]/key`` (a saved cache), else by prefill. Documents are kept in
+        memory least recently used first within ``req["budget"]`` bytes per rank; one pushed out
+        is saved to ``req["dir"]`` first (``req["save_meta"]``), so it can come back, then
+        dropped. Rank 0 reports ``doc_ready`` with where it came from and what left memory."""
+        from pathlib import Path
+
+        from . import kvstore
+
+        t0 = time.perf_counter()
+        key, ids = req["key"], list(req["ids"])
+        docs = self.docs
+        source = "memory"
+        if key in docs:
+            docs.move_to_end(key)
+        else:
+            cache = self._new_cache(len(ids))
+            self._activate(cache, [])
+            saved = Path(req["dir"]) / key if req.get("dir") else None
+            if saved is not None and (saved / kvstore.MANIFEST).exists():
+                manifest = req.get("manifest") or {}
+                kvstore.load_into(saved, manifest, cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index,
+                                  head0=self.head0)
+                source = "disk"
+            elif ids:
+                self.dec.prefill(torch.tensor([ids], dtype=torch.int64), req.get("piece"))
+                source = "prefill"
+            docs[key] = (cache, ids, source == "disk")
+        cache, ids, on_disk = docs[key]
+        saved = False
+        if req.get("save") and req.get("dir") and ids and not on_disk:  # write-through: a restart keeps it
+            self._save_cache(cache, ids, Path(req["dir"]) / key, {**req["save_meta"], "nonce": key[:8]})
+            docs[key] = (cache, ids, True)
+            saved = True
+        self._activate(cache, ids)
+        evicted, spilled = [], []
+        budget = req.get("budget")
+        while budget is not None and len(docs) > 1 and sum(c.nbytes() for c, _, _ in docs.values()) > budget:
+            old = next(iter(docs))  # least recently used; never the one just made current
+            c, old_ids, on_disk = docs.pop(old)
+            if req.get("dir") and not on_disk and old_ids:
+                self._save_cache(c, old_ids, Path(req["dir"]) / old, {**req["save_meta"], "nonce": old[:8]})
+                spilled.append(old)
+            evicted.append(old)
+        if self.lead:
+            self.ctx.send("doc_ready", {"key": key, "source": source, "tokens": len(ids), "saved": saved,
+                                        "seconds": time.perf_counter() - t0, "evicted": evicted, "spilled": spilled,
+                                        "resident_bytes": sum(c.nbytes() for c, _, _ in docs.values())})
+
+    def _new_cache(self, tokens: int) -> ShardedKVCache:
+        c = self.cache
+        return ShardedKVCache(c.num_layers, 1, c.kv_heads, c.head_dim, dtype=c.dtype, device=c.device, rank=c.rank,
+                              world=c.world, capacity=math.ceil(tokens / self.mesh.cp) + 2, static=c.static)
+
+    def _activate(self, cache, ids) -> None:
+        """Continue ``cache`` (holding ``ids``) from now on."""
+        self.cache = self.dec.cache = self.dec.actx.cache = cache
+        self.ids = list(ids)
+        self.pending, self.logits, self.ready = None, None, False
 
     def _op_mark(self, req):
         self.marks[req["name"]] = (self.cache.mark(), len(self.ids), self.logits, self.ready, self.pending)
@@ -256,28 +338,34 @@ class Engine:
         self.logits, self.ready, self.pending = logits, ready, pending
 
     def _op_save(self, req):
+        t0 = time.perf_counter()
+        self._save_cache(self.cache, self.ids, Path(req["dir"]), req)
+        if self.lead:
+            self.ctx.send("saved", {"dir": str(req["dir"]), "tokens": len(self.ids),
+                                    "seconds": time.perf_counter() - t0})
+
+    def _save_cache(self, cache, ids, target: Path, meta: dict) -> None:
+        """Every rank's shard of ``cache`` (holding ``ids``) to ``target`` (kvstore.py):
+        written under a temporary name, renamed once complete; ``meta``: identity, composition,
+        nonce."""
         from . import kvstore
 
-        t0 = time.perf_counter()
-        target = Path(req["dir"])
-        tmp = target.with_name(f"{target.name}.partial-{req['nonce']}")
+        tmp = target.with_name(f"{target.name}.partial-{meta['nonce']}")
         if self.lead:
             tmp.mkdir(parents=True, exist_ok=True)
         self.world.barrier()
         if self.heads_split or self.mesh.tp_index == 0:  # tp peers with the same heads: one writes
-            kvstore.save_shard(tmp, self.cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index,
+            kvstore.save_shard(tmp, cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index,
                                head0=self.head0)
         self.world.barrier()
         if self.lead:
             sh = self.shapes
-            kvstore.finish_save(tmp, target, ids=self.ids, identity=req["identity"],
+            kvstore.finish_save(tmp, target, ids=ids, identity=meta["identity"],
                                 dtype=str(self.dtype).replace("torch.", ""),
                                 shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"],
                                         "head_dim": sh["head_dim"]},
                                 mesh={"nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp},
-                                composition=req.get("composition", {}))
-            self.ctx.send("saved", {"dir": str(target), "tokens": len(self.ids),
-                                    "seconds": time.perf_counter() - t0})
+                                composition=meta.get("composition", {}))
         self.world.barrier()  # the cache is in place before anyone goes on
 
     def _op_load(self, req):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode import Sampling
+from .sampling import Sampling
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode import Sampling, process_logits
+from .sampling import Sampling, process_logits
 
 NGRAMS = (3, 2)  # n-gram sizes tried, longest first (a 1-gram matches too much to be worth a verify)
 AUTO_K = (2, 16)  # auto: the fewest and most drafts per step

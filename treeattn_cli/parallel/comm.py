@@ -603,3 +603,46 @@ def interrupted(seq: int) -> bool:
     """Whether the launcher asked to stop request ``seq`` (rank 0 checks once per token)."""
     store = _state["store"]
     return store is not None and store.check([f"{_KEY}/int/{seq}"])
+
+
+def post_join(store, seq: int, j: int, questions: list) -> None:
+    """The launcher's ``j``-th addition of ``questions`` to the open batch request ``seq``."""
+    import json
+
+    store.set(f"{_KEY}/batch/{seq}/join/{j}", json.dumps(questions))
+
+
+def post_cancel(store, seq: int, c: int, indices: list[int]) -> None:
+    """The launcher's ``c``-th cancellation: questions ``indices`` of batch ``seq`` end now."""
+    import json
+
+    store.set(f"{_KEY}/batch/{seq}/cancel/{c}", json.dumps(indices))
+
+
+class BatchFeed:
+    """Rank 0's view of an open batch: the joins and cancellations the launcher posted since the
+    last look, in order (one key check each per step)."""
+
+    def __init__(self, seq: int):
+        self.seq, self.taken, self._cancels = seq, 0, 0
+
+    def _next(self, kind: str, i: int):
+        import json
+
+        key = f"{_KEY}/batch/{self.seq}/{kind}/{i}"
+        store = _state["store"]
+        return json.loads(store.get(key)) if store is not None and store.check([key]) else None
+
+    def joins(self) -> list:
+        out = []
+        while (got := self._next("join", self.taken)) is not None:
+            out += got
+            self.taken += 1
+        return out
+
+    def cancels(self) -> list[int]:
+        out = []
+        while (got := self._next("cancel", self._cancels)) is not None:
+            out += got
+            self._cancels += 1
+        return out

@@ -1,0 +1,297 @@
+"""OpenAI's wire format over a ``serve.Server`` (``srv``: what it serves, ``submit`` a request,
+``scheduler.cancel`` one): ``GET /health``, ``GET /v1/models``,
+``POST /v1/chat/completions``, ``POST /v1/completions``, streamed as server-sent events ending
+with ``[DONE]``, with ``usage`` (``prompt_tokens_details.cached_tokens``: the document tokens
+found in the cache). Requests are checked here: a malformed one gets HTTP 400 with an OpenAI
+error object, an unknown model 404, a missing or wrong key 401, a server whose ranks are lost 503.
+Parameters treeattn does not honour are refused with 400, never ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .prompt import PromptError, split_chat, split_completion
+
+# parameters a client may send at their default (the official client and others often do);
+# any other value is refused: treeattn would not honour it
+_DEFAULTS = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
+             "logprobs": (None, False), "top_logprobs": (None, 0), "n": (None, 1), "best_of": (None, 1),
+             "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "response_format": (None,),
+             "functions": (None, [])}
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "interrupted": "stop", "cancelled": "stop"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def _error(status: int, message: str, param=None, code=None, kind="invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def _number(body, name, lo, hi, default, integer=False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}", name)
+    if not lo <= v <= hi:
+        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return v
+
+
+def _stops(body) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise BadRequest("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    return stop
+
+
+def _content(m, i) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return "".join(p["text"] for p in c)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def _messages(body) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise BadRequest(f"messages[{i}] must be an object with a role of system, user or assistant",
+                             f"messages[{i}].role")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": _content(m, i)})
+    return out
+
+
+def _common(srv, body, chat: bool) -> dict:
+    """The sampling and limits of a request, checked; BadRequest otherwise."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != srv.name:
+        raise BadRequest(f"The model `{model}` does not exist (this server serves `{srv.name}`)", "model", 404,
+                         "model_not_found")
+    for name, allowed in _DEFAULTS.items():
+        if name in body and body[name] not in allowed:
+            raise BadRequest(f"'{name}' is not supported by treeattn (exact greedy or sampled decoding only)", name)
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, limit, 1, 1 << 30, None, integer=True)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    return {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 0.0, 2.0, 0.0),  # greedy unless asked
+            "top_p": _number(body, "top_p", 1e-9, 1.0, 1.0), "seed": _number(body, "seed", -(1 << 62), 1 << 62, 0,
+                                                                                integer=True),
+            "stop": _stops(body), "stream": stream, "usage_in_stream": bool(opts.get("include_usage"))}
+
+
+class _Reply:
+    """A request's events from the scheduler (on its thread) into this request's event loop."""
+
+    def __init__(self, loop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def __call__(self, kind, payload):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+
+
+class _Text:
+    """The answer's text as tokens arrive: what can be sent now (held back: a tail that may turn
+    into a stop string, an incomplete UTF-8 sequence), and the final text cut at the stop."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tok, self.stop, self.ids, self.sent = tokenizer, stop, [], 0
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def _cut(self, text: str) -> tuple[str, bool]:
+        at = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        return (text[:at], True) if at >= 0 else (text, False)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text, stopped = self._cut(self.tok.decode(self.ids, skip_special_tokens=True))
+        ready = len(text) if stopped else max(self.sent, len(text) - self.hold)
+        while ready > self.sent and text[ready - 1] == "\ufffd":
+            ready -= 1
+        out = text[self.sent:ready]
+        self.sent = max(self.sent, ready)
+        return out
+
+    def finish(self) -> tuple[str, str, bool]:
+        """(the rest to send, the whole text, whether a stop string ended it)."""
+        text, stopped = self._cut(self.tok.decode(self.ids, skip_special_tokens=True))
+        rest = text[self.sent:]
+        self.sent = len(text)
+        return rest, text, stopped
+
+
+def build_app(srv) -> FastAPI:
+    app = FastAPI(title="treeattn", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if srv.o.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {srv.o.api_key}":
+                return _error(401, "Incorrect or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
+                              kind="authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if srv.failed:
+            return JSONResponse({"status": "error", "reason": srv.failed}, status_code=503)
+        return {"status": "ok", "model": srv.name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": srv.name, "object": "model", "created": srv.created,
+                                            "owned_by": "treeattn"}]}
+
+    async def answer(request: Request, chat: bool):
+        if srv.failed:
+            return _error(503, f"the server's ranks are gone: {srv.failed}", kind="server_error")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return _error(400, "the request body is not valid JSON")
+        try:
+            p = _common(srv, body, chat)
+            tok = srv.tokenizer
+            if chat:
+                ids, doc = split_chat(tok, _messages(body))
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if not isinstance(prompt, str) or not prompt:
+                    raise BadRequest("'prompt' must be a non-empty string", "prompt")
+                ids, doc = split_completion(tok, prompt)
+            default = 16 if not chat else min(512, max(1, (srv.context or 4096) - len(ids)))
+            max_tokens = p["max_tokens"] or default
+            if srv.context and len(ids) + max_tokens > srv.context:
+                raise BadRequest(f"This model's maximum context length is {srv.context} tokens; the request has "
+                                 f"{len(ids)} prompt tokens and asks for {max_tokens} more", "max_tokens",
+                                 code="context_length_exceeded")
+        except BadRequest as e:
+            return _error(e.status, str(e), e.param, e.code)
+        except PromptError as e:
+            return _error(400, str(e))
+        reply = _Reply(asyncio.get_running_loop())
+        job = srv.submit(ids, doc, max_tokens=max_tokens, stop=p["stop"], deliver=reply,
+                         sampling={"temperature": p["temperature"], "top_k": 0, "top_p": p["top_p"], "seed": p["seed"]})
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        text = _Text(srv.tokenizer, p["stop"])
+        meta = {"cached": 0}
+
+        def usage(n):
+            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n,
+                    "prompt_tokens_details": {"cached_tokens": meta["cached"]}}
+
+        def chunk(delta: str | None, finish=None, first=False):
+            created = int(time.time())
+            if chat:
+                d = ({"role": "assistant", "content": ""} if first else {}) | ({"content": delta} if delta else {})
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.name,
+                        "choices": [{"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}]}
+            return {"id": rid, "object": "text_completion", "created": created, "model": srv.name,
+                    "choices": [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]}
+
+        async def events():
+            """The job's events; a client gone cancels the job."""
+            try:
+                while True:
+                    try:
+                        kind, payload = await asyncio.wait_for(reply.queue.get(), 0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            srv.scheduler.cancel(job)
+                            return
+                        continue
+                    if kind == "document":
+                        meta["cached"] = payload["cached"]
+                        continue
+                    yield kind, payload
+                    if kind in ("done", "error"):
+                        return
+            except asyncio.CancelledError:  # the client went away mid-stream
+                srv.scheduler.cancel(job)
+                raise
+
+        if p["stream"]:
+            async def sse():
+                yield f"data: {json.dumps(chunk(None, first=True))}\n\n"
+                async for kind, payload in events():
+                    if kind == "token":
+                        piece = text.add(payload)
+                        if piece:
+                            yield f"data: {json.dumps(chunk(piece))}\n\n"
+                    elif kind == "error":
+                        err = {"error": {"message": payload, "type": "server_error", "param": None, "code": None}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                        break
+                    else:
+                        rest, _, stopped = text.finish()
+                        finish = "stop" if stopped else _FINISH.get(payload.get("stop_reason"), "stop")
+                        yield f"data: {json.dumps(chunk(rest or None, finish))}\n\n"
+                        if p["usage_in_stream"]:
+                            last = chunk(None)
+                            last["choices"] = []
+                            last["usage"] = usage(len(payload.get("token_ids", [])))
+                            yield f"data: {json.dumps(last)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        record = None
+        async for kind, payload in events():
+            if kind == "error":
+                return _error(503, payload, kind="server_error")
+            if kind == "done":
+                record = payload
+        if record is None:  # the client went away
+            return _error(499, "the client closed the request")
+        for t in record.get("token_ids", []):
+            text.add(t)
+        _, whole, stopped = text.finish()
+        finish = "stop" if stopped else _FINISH.get(record.get("stop_reason"), "stop")
+        n = len(record.get("token_ids", []))
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": whole}, "finish_reason": finish,
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": whole, "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": srv.name, "choices": [choice], "usage": usage(n)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, chat=False)
+
+    return app

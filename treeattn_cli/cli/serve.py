@@ -1,0 +1,358 @@
+"""``treeattn serve``: the resident engine behind an OpenAI-compatible HTTP server (the launcher side).
+
+The ranks start once and load the model once (``engine_client.ResidentEngine``); requests come
+through FastAPI (``openai_api.py``) and a scheduler thread turns them into engine requests:
+
+* every request is tokenized as ``generate`` would (chat through the template) and split into
+  a *document* part — the text before the last paragraph break of its prompt (of its last user
+  message) — and the rest, its *question*;
+* the document cache (:class:`DocIndex`): a request whose tokens begin with a cached document
+  continues that document's sharded KV cache; a new document is prefilled once (``doc`` op) and
+  kept in the ranks' memory, least recently used first within ``--cache-bytes`` per rank, and,
+  with ``--cache-dir``, saved there in the saved-KV format as it is made, so a restart finds it;
+* requests for the same document decode together (the engine's open ``batch``: continuous
+  batching over the shared document; latecomers join the running batch), each answer exactly
+  the one the request gets alone; other documents take their turn;
+* a client that disconnects cancels its request; a lost rank turns ``/health`` and every request
+  into 503 with the reason; SIGTERM or Ctrl-C stops accepting, ends the answers under way within
+  seconds, and stops the ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..parallel import comm as C
+from ..parallel import launch
+from .options import ServeOptions
+
+MIN_DOCUMENT = 32  # tokens: a shorter document part is not worth a cache entry
+
+
+@dataclass
+class Job:
+    """One request in flight: its tokens, where its document part ends, how to answer it, and
+    where its events go (``deliver(kind, payload)``, called from the scheduler thread)."""
+
+    ids: list
+    doc: int  # tokens of the document part (0: none)
+    max_tokens: int
+    sampling: dict
+    stop: list
+    speculate: str
+    deliver: object
+    key: str = ""  # the document (cache entry) it continues
+    cached: int = 0  # document tokens it found in the cache
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    index: int | None = None  # its question index in the running batch
+    finished: bool = False
+
+
+class DocIndex:
+    """The document cache as the launching process tracks it: key -> tokens, and whether the
+    ranks hold it in memory and whether it is saved in the cache directory."""
+
+    def __init__(self, cache_dir: Path | None):
+        self.dir = cache_dir
+        self.entries: dict[str, dict] = {}
+
+    @staticmethod
+    def key_of(ids) -> str:
+        return hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()[:24]
+
+    def scan(self, run) -> int:
+        """Saved documents of this model in the cache directory (a restart keeps them)."""
+        from ..engine.kvstore import KVError, load_ids
+
+        if self.dir is None or not self.dir.is_dir():
+            return 0
+        for d in sorted(self.dir.iterdir()):
+            if not d.is_dir() or ".partial-" in d.name:
+                continue
+            try:
+                manifest = run.load_kv(str(d))
+                ids = load_ids(d)
+            except (KVError, ValueError):  # another model's, or damaged: not ours to use
+                continue
+            if self.key_of(ids) == d.name:
+                self.entries[d.name] = {"ids": ids, "resident": False, "disk": True, "manifest": manifest}
+        return len(self.entries)
+
+    def match(self, ids, doc: int) -> tuple[str, int]:
+        """The document a request of tokens ``ids`` (document part: the first ``doc``) continues:
+        the longest cached one its tokens begin with, else its own document part (a new entry
+        once prefilled), else none ("", 0)."""
+        best, n = "", 0
+        for key, e in self.entries.items():
+            m = len(e["ids"])
+            if n < m <= len(ids) - 1 and ids[:m] == e["ids"]:
+                best, n = key, m
+        if n:
+            return best, n
+        if doc >= MIN_DOCUMENT:
+            return self.key_of(ids[:doc]), doc
+        return "", 0
+
+
+class Scheduler(threading.Thread):
+    """Turns jobs into engine requests, one document at a time (see the module's docstring)."""
+
+    def __init__(self, server):
+        super().__init__(name="treeattn-scheduler", daemon=True)
+        self.server = server
+        self.pending: deque[Job] = deque()
+        self.cv = threading.Condition()
+        self.stopping = False
+        self.current: str | None = None  # the document the engine continues now
+        self.batch_seq: int | None = None
+
+    def submit(self, job: Job) -> None:
+        with self.cv:
+            self.pending.append(job)
+            self.cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled.set()
+        with self.cv:
+            self.cv.notify()
+
+    def shutdown(self) -> None:
+        """Stop taking jobs; the batch under way ends at its next step (its answers so far kept)."""
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+        if self.batch_seq is not None:
+            try:
+                self.server.client.interrupt(self.batch_seq)
+            except Exception:
+                pass
+
+    def run(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    while not self.pending and not self.stopping:
+                        self.cv.wait()
+                    if self.stopping:
+                        break
+                    first = self.pending.popleft()
+                    group = [first] + [j for j in self.pending if j.key == first.key]
+                    for j in group[1:]:
+                        self.pending.remove(j)
+                group = [j for j in group if not self._drop_cancelled(j)]
+                if group:
+                    self._serve(group)
+        except launch.LaunchError as e:
+            self.server.fail(str(e))
+        except Exception as e:  # noqa: BLE001 - a broken scheduler must not hang the clients
+            self.server.fail(f"{type(e).__name__}: {e}")
+        finally:
+            reason = self.server.failed or "the server is shutting down"
+            with self.cv:
+                for j in self.pending:
+                    if not j.finished:
+                        j.finished = True
+                        j.deliver("error", reason)
+                self.pending.clear()
+
+    def _drop_cancelled(self, j: Job) -> bool:
+        if j.cancelled.is_set() and not j.finished:
+            j.finished = True
+            j.deliver("done", {"token_ids": [], "stop_reason": "cancelled"})
+            return True
+        return False
+
+    def _document(self, key: str, doc_ids: list) -> str:
+        """Make ``key`` the engine's document; returns where it came from (memory, disk, prefill)."""
+        srv = self.server
+        index = srv.docs
+        e = index.entries.get(key)
+        if self.current == key:
+            return "memory"
+        req = {"op": "doc", "key": key, "ids": doc_ids, "budget": srv.o.cache_bytes, "piece": srv.o.prefill_chunk}
+        if srv.docs.dir is not None:
+            req.update(dir=str(srv.docs.dir), save=True, save_meta=srv.save_meta)
+            if e is not None and e.get("disk") and not e.get("resident"):
+                req["manifest"] = e["manifest"]
+        srv.client.post(**req)
+        info = srv.client.wait("doc_ready")
+        self.current = key
+        if key:
+            index.entries[key] = {**(e or {}), "ids": doc_ids, "resident": True,
+                                  "disk": bool(info.get("saved") or (e or {}).get("disk"))}
+            if info.get("saved"):
+                index.entries[key]["manifest"] = srv.run.load_kv(str(srv.docs.dir / key))
+        for old in info.get("evicted", []):
+            if old in index.entries:
+                index.entries[old]["resident"] = False
+                if not index.entries[old].get("disk"):
+                    del index.entries[old]
+        return info["source"]
+
+    def _question(self, j: Job) -> dict:
+        return {"ids": j.ids[j.cached:], "max_new_tokens": j.max_tokens, "sampling": j.sampling, "stop": j.stop,
+                "eos_ids": self.server.eos_ids, "speculate": j.speculate}
+
+    def _serve(self, group: list[Job]) -> None:
+        srv = self.server
+        key = group[0].key
+        first = group[0]
+        source = self._document(key, first.ids[:first.cached])
+        for j in group:
+            j.deliver("document", {"source": source, "cached": j.cached if source != "prefill" else 0})
+        by_index: dict[int, Job] = {}
+        for i, j in enumerate(group):
+            j.index, by_index[i] = i, j
+        seq = srv.client.post(op="batch", seq=srv.client.seq, questions=[self._question(j) for j in group],
+                              slots=srv.o.batch, open=True, interruptible=True)
+        self.batch_seq = seq
+        joins: list[list[Job]] = []
+        cancels = 0
+        sent_cancel: set[int] = set()
+        n = len(group)
+        try:
+            while True:
+                with self.cv:  # latecomers for this document join the running batch
+                    late = [j for j in self.pending if j.key == key and not j.cancelled.is_set()] \
+                        if not self.stopping else []
+                    for j in late:
+                        self.pending.remove(j)
+                if late:
+                    C.post_join(srv.client.store, seq, len(joins), [self._question(j) for j in late])
+                    joins.append(late)
+                    for j in late:
+                        j.index, by_index[n] = n, j
+                        n += 1
+                        j.deliver("document", {"source": "memory", "cached": j.cached})
+                gone = [i for i, j in by_index.items() if j.cancelled.is_set() and i not in sent_cancel
+                        and not j.finished]
+                if gone:
+                    C.post_cancel(srv.client.store, seq, cancels, gone)
+                    cancels += 1
+                    sent_cancel.update(gone)
+                got = srv.client.next_event(0.05)
+                if got is None:
+                    continue
+                kind, payload = got
+                if kind == "btoken":
+                    by_index[payload[0]].deliver("token", payload[1])
+                elif kind == "banswer":
+                    j = by_index[payload[0]]
+                    j.finished = True
+                    j.deliver("done", payload[1])
+                elif kind == "batch_done":
+                    for late in joins[payload.get("joins", 0):]:  # joined too late for this batch: next one
+                        with self.cv:
+                            self.pending.extendleft(reversed(late))
+                    return
+        finally:
+            self.batch_seq = None
+
+
+class Server:
+    """The ranks, the document cache, the scheduler and the HTTP app of one ``treeattn serve``."""
+
+    def __init__(self, o: ServeOptions, run, job):
+        from .engine_client import ResidentEngine
+
+        self.o, self.run = o, run
+        self.tokenizer = run.tokenizer
+        self.eos_ids = list(job.eos_ids)
+        self.context = run.context
+        self.engine = ResidentEngine(run, job, o.timeout)
+        self.client = None
+        self.docs = DocIndex(Path(o.cache_dir) if o.cache_dir else None)
+        self.save_meta = None
+        self._failed: str | None = None
+        self.scheduler = Scheduler(self)
+        self.name = o.served_model_name or (Path(str(o.model)).name if o.model else "SmolLM2-135M-Instruct")
+        self.created = int(time.time())
+
+    def start(self) -> None:
+        if self.docs.dir is not None:
+            self.docs.dir.mkdir(parents=True, exist_ok=True)
+            self.save_meta = {"identity": self.run.identity(), "composition": {"kind": "raw"}}
+            found = self.docs.scan(self.run)
+            if found and not self.o.quiet:
+                print(f"[document cache: {found} saved document(s) in {self.docs.dir}]", file=sys.stderr)
+        self.client = self.engine.start()
+        self.scheduler.start()
+
+    def submit(self, ids, doc: int, *, max_tokens: int, sampling: dict, stop: list, deliver) -> Job:
+        """A request of tokens ``ids`` (its document part: the first ``doc``) into the queue;
+        ``deliver(kind, payload)`` receives its events."""
+        key, cached = self.docs.match(ids, doc)
+        job = Job(ids=ids, doc=doc, max_tokens=max_tokens, sampling=sampling, stop=stop, speculate=self.o.speculate,
+                  deliver=deliver, key=key, cached=cached)
+        self.scheduler.submit(job)
+        return job
+
+    def fail(self, reason: str) -> None:
+        self._failed = self._failed or reason
+
+    @property
+    def failed(self) -> str | None:
+        """Why the server cannot answer (a lost rank, a broken scheduler), or None."""
+        if self._failed is None and self.engine.thread is not None and not self.engine.thread.is_alive():
+            err = self.engine.error
+            self._failed = str(err) if err is not None else "the ranks stopped"
+        return self._failed
+
+    def stop(self) -> None:
+        self.scheduler.shutdown()
+        self.scheduler.join(timeout=15)
+        self.engine.stop(now=self.scheduler.is_alive() or self.failed is not None)
+
+
+def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """What to warn about before listening: an address beyond this machine with no key."""
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.") or api_key:
+        return None
+    return f"serving on {host} without --api-key: anyone who can reach port {port} can use the model"
+
+
+def serve_command(o: ServeOptions) -> int:
+    """Run ``treeattn serve`` until SIGTERM or Ctrl-C; returns the exit status."""
+    try:
+        import uvicorn  # noqa: F401
+
+        from .openai_api import build_app
+    except ImportError:
+        raise ValueError("treeattn serve needs FastAPI and uvicorn: pip install 'treeattn[serve]'") from None
+    import uvicorn
+
+    from .prepare import prepare_run
+
+    if launch.under_torchrun():
+        raise ValueError("serve starts its own local ranks; it does not run under torchrun")
+    run = prepare_run(o)
+    o.max_new_tokens = o.max_new_tokens or 256
+    job = run.job(o, [], reserve=max(run.context or 4096, 64))
+    srv = Server(o, run, job)
+    warning = bind_warning(o.host, o.port, o.api_key)
+    if warning:
+        print(f"treeattn: warning: {warning}", file=sys.stderr)
+    srv.start()
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: end the answers under way now
+            srv.scheduler.shutdown()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(build_app(srv), host=o.host, port=o.port, log_level="warning",
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = _Server(config)
+    if not o.quiet:
+        print(f"treeattn serve: {srv.name} on http://{o.host}:{o.port}/v1 ({run.nproc} {run.kind} rank(s); "
+              f"Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        srv.stop()
+    return 0 if not srv.failed else 1
