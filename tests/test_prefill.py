@@ -7,7 +7,7 @@ import pytest
 
 import dist_cases
 from treeattn_cli.verify import tiny as tiny_models
-from treeattn_cli.engine.decode import Sampling
+from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.engine.prefill import pairs, plan, shard, size
 from treeattn_cli.engine.job import GenerateJob

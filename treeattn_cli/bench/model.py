@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..engine import model as M
-from ..engine.decode import Sampling
+from ..engine.sampling import Sampling
 from ..parallel.launch import run_local
 from ..paths import demo_document
 from ..engine.engine import rank_generate
