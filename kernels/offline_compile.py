@@ -11,8 +11,15 @@ prefill slices (causal, windowed, pass-Q), KV lengths from 1 to 1M (every split 
 launch code chooses), and the fused merge kernels. Runtime integers are not specialised, so
 the configurations share a few dozen compiled kernels; each is checked once.
 
-Per compiled kernel: registers, spill bytes, shared memory (LDS) against the target's limit.
+Per compiled kernel: registers, spill bytes, shared memory (LDS) against the target's limit,
+K/V tiles in flight (the software pipeline's buffers, read from the TTGIR) and CTAs per SM.
 ``resources`` is also what ``python -m treeattn_cli.bench.kernel --tune`` reports on a real GPU.
+
+And the decode launches the runtime makes for Llama-3.1-8B and -70B at tp 1 and 8 over 8K, 32K
+and 128K keys per rank (:func:`decode_report`): the split kernel's tiles in flight, CTAs per SM
+and what limits them, its grid against the SMs (also under a CUDA graph planned on twice the
+length), and the bytes it keeps in flight against what the memory system needs (Little's law:
+bandwidth x latency); :data:`RULES` are the ones CI asserts.
 
     python -m treeattn_kernels.offline_compile --target sm_90 [--json]
 
@@ -33,13 +40,31 @@ import time
 
 import torch
 
-from .targets import TARGETS, Target, compile_only
+from .targets import TARGETS, Target, compile_only, occupancy
 
 HEAD_DIMS = (64, 128, 256)
 GROUPS = tuple(range(1, 9))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KV_LENS = (1, 63, 64, 65, 1000, 4096, 32768, 131072, 1 << 20)  # every split count from 1 to the cap
 SPILL_BOUND = 0  # bytes of spilled registers (local memory / scratch) a kernel may use
+# Decode shapes of the report: (query heads, KV heads, head dim) per model, tp degrees, keys per rank.
+MODELS = {"llama-3.1-8b": (32, 8, 128), "llama-3.1-70b": (64, 8, 128)}
+DECODE_TPS = (1, 8)
+DECODE_KEYS = (8192, 32768, 131072)
+# CTAs per SM of the decode split kernel before issue 23 (num_stages=2, one K/V buffer), at
+# the Llama-8B shape: (plain decode, sliding-window decode). Plain: register-bound at 3 on sm_90
+# (137 registers) and 4 on sm_80 (128), LDS-bound at 1 on gfx942 (34,816 B); window: 200 and
+# 216 registers (2 CTAs), gfx942 4 workgroups (unpipelined, 16 KiB of LDS).
+BASELINE_CTAS = {"sm_80": (4, 2), "sm_90": (3, 2), "gfx942": (1, 4)}
+RULES = {
+    "tiles": "CUDA: >= 2 K/V tiles in flight per CTA, at no fewer CTAs per SM than before",
+    "grid": "a full wave (CTAs >= SMs), or every split within its pipeline (the whole shard "
+            "requested in the first round trip); under a CUDA graph planned on 2x the length, "
+            "every split has work",
+    "littles_law": "bytes in flight >= bandwidth x latency (or the whole shard)",
+    "lds": "gfx942: <= 32 KiB of LDS, >= 2 workgroups per CU",
+    "spills": "no spills",
+}
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -140,6 +165,121 @@ def narrow_base_offsets(ck) -> list[str]:
     return sorted(set(found) & args)
 
 
+def pipeline_depth(ck) -> int:
+    """K/V tiles in flight per CTA: the buffers of the multi-buffered K and V tiles
+    (``ttg.local_alloc : () -> !ttg.memdesc<S x BLOCK_N x BLOCK_D x ...>`` in the TTGIR: the
+    software pipeline keeps ``S`` tiles requested ahead of the one it consumes); 1 for a loop
+    that loads and then computes each tile."""
+    ttgir = ck.asm.get("ttgir", "")
+    allocs = r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x[a-z]"  # S x rows x cols x dtype
+    depths = [int(x) for x in re.findall(allocs, ttgir)]
+    return min(depths) if depths else 1
+
+
+def sass_pipeline(ck) -> dict:
+    """CUDA evidence of the pipeline in the machine code: asynchronous copies (``LDGSTS``,
+    cp.async) and the most copy groups a wait leaves outstanding (``DEPBAR.LE SB0, N``)."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                              timeout=60, check=True).stdout
+    waits = [int(x, 16) for x in re.findall(r"DEPBAR\.LE\s+SB0,\s*0x([0-9a-f]+)", sass)]
+    return {"async_copies": sass.count("LDGSTS"), "max_outstanding_groups": max(waits, default=0)}
+
+
+def _live_splits(splits: int, blocks: int) -> int:
+    """Splits with work when ``blocks`` blocks of live keys are cut into ``splits`` balanced
+    runs, as the split kernel cuts them on the device."""
+    return sum(1 for s in range(splits) if (s + 1) * blocks // splits > s * blocks // splits)
+
+
+def decode_shapes():
+    """``(model, tp, keys per rank, H, H_kv, d)`` per rank of the report's decode launches."""
+    for (model, (H, H_kv, d)), tp, N in itertools.product(MODELS.items(), DECODE_TPS, DECODE_KEYS):
+        yield model, tp, N, H // tp, max(1, H_kv // tp), d
+
+
+def _decode_launch(H, H_kv, d, capacity, dtype=torch.bfloat16, window=None):
+    """The runtime's decode call on one rank (``attention.py``): HF's transposed query, the
+    static cache ``[1, H_kv, capacity + 1, d]`` viewed to ``capacity``, lengths on the device,
+    fp32 partials; a sliding-window layer also passes the step's and the cache's positions."""
+    from .partial_triton import partial_attention_triton
+
+    q = _meta(1, 1, H, d, dtype=dtype).transpose(1, 2)
+    k, v = _cache_kv(1, H_kv, capacity, d, dtype), _cache_kv(1, H_kv, capacity, d, dtype)
+    kw = {}
+    if window:
+        kw = dict(window=window, k_pos_sorted=True, q_pos=_meta(1, 1, dtype=torch.int64),
+                  k_pos=_meta(1, capacity + 1, dtype=torch.int64)[:, :capacity])
+    partial_attention_triton(q, k, v, kv_len=_meta(1, dtype=torch.int64),
+                             out=_meta(1, H, 1, d, dtype=torch.float32), **kw)
+
+
+def decode_report(target: Target, dtype=torch.bfloat16) -> list[dict]:
+    """The split kernel of every decode launch of :func:`decode_shapes` on ``target``, judged by
+    :data:`RULES`: one record per shape (and one for a sliding-window layer of Llama-8B)."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    need = target.bytes_in_flight_needed
+    out, judged = [], {}
+    with compile_only(target) as compiled:
+        def split_of(fn):
+            before = len(compiled)
+            fn()
+            return next((ck, grid) for name, ck, grid in compiled[before:] if name == "_split_kernel")
+
+        shapes = [(m, tp, N, H, Hk, d, None) for m, tp, N, H, Hk, d in decode_shapes()]
+        shapes.append(("llama-3.1-8b", 1, 131072, 32, 8, 128, 4096))  # a sliding-window layer
+        for model, tp, N, H, H_kv, d, window in shapes:
+            ck, grid = split_of(lambda: _decode_launch(H, H_kv, d, N, dtype, window))
+            _, graph_grid = split_of(lambda: _decode_launch(H, H_kv, d, 2 * N, dtype, window))
+            if id(ck) not in judged:
+                res = resources(ck, target)
+                res["tiles_in_flight"] = pipeline_depth(ck)
+                res["occupancy"] = occupancy(target, res["regs"], res["shared_bytes"], res["num_warps"])
+                if target.backend == "cuda":
+                    res.update(sass_pipeline(ck))
+                judged[id(ck)] = res
+            res = judged[id(ck)]
+            bn = _constexprs(ck)["BLOCK_N"]
+            depth, ctas_sm = res["tiles_in_flight"], res["occupancy"]["ctas"]
+            splits, ctas = grid[1], grid[0] * grid[1]
+            blocks = -(-N // bn)
+            per_split = -(-blocks // splits)
+            tile = 2 * bn * d * esize  # one K and one V tile
+            shard = 2 * H_kv * N * d * esize
+            resident = min(ctas, ctas_sm * target.n_sms)
+            in_flight = min(shard, resident * min(depth, per_split) * tile)
+            live = _live_splits(graph_grid[1], blocks)
+            rec = {
+                "model": model, "tp": tp, "keys": N, "heads": H, "kv_heads": H_kv, "head_dim": d,
+                "window": window, "block_n": bn, "num_stages": res["num_stages"], "num_warps": res["num_warps"],
+                "regs": res["regs"], "spill_bytes": res["spill_bytes"], "shared_bytes": res["shared_bytes"],
+                "tiles_in_flight": depth, "ctas_per_sm": ctas_sm, "occupancy": res["occupancy"],
+                "async_copies": res.get("async_copies"), "max_outstanding_groups": res.get("max_outstanding_groups"),
+                "keys_walked": min(N, window + bn) if window else N,
+                "splits": splits, "grid_ctas": ctas, "n_sms": target.n_sms, "blocks_per_split": per_split,
+                "waves": round(ctas / (target.n_sms * max(1, ctas_sm)), 3),
+                "graph_splits": graph_grid[1], "graph_live_splits": live,
+                "tile_bytes": tile, "shard_bytes": shard,
+                "bytes_in_flight": in_flight, "bytes_in_flight_per_sm": round(in_flight / target.n_sms),
+                "bytes_needed": round(need), "bytes_needed_per_sm": round(need / target.n_sms),
+                "littles_margin": round(in_flight / min(need, shard), 2) if need else None,
+            }
+            rec["checks"] = {
+                "tiles": target.backend != "cuda"
+                or (depth >= 2 and ctas_sm >= BASELINE_CTAS.get(target.name, (1, 1))[bool(window)]),
+                "grid": (ctas >= target.n_sms or per_split <= depth) and live == min(graph_grid[1], blocks),
+                "littles_law": need == 0 or in_flight >= min(need, shard),
+                "lds": not target.is_hip or (res["shared_bytes"] <= 32768 and ctas_sm >= 2),
+                "spills": res["spill_bytes"] <= SPILL_BOUND,
+            }
+            out.append(rec)
+    return out
+
+
 def decode_growth(target: Target, tokens: int = 8192, d: int = 128, dtype=torch.bfloat16) -> int:
     """Distinct kernels eager decode compiles while a shard grows from 1 to ``tokens`` keys
     (Llama-3.1-8B's shape on one rank): the split count and the length change every step."""
@@ -179,6 +319,8 @@ def compile_all(target: Target, calls=None) -> dict:
                 rec = {"kernel": name, "target": target.name, "first_config": label, "grid": list(grid),
                        "constexprs": _constexprs(ck)}
                 rec.update(resources(ck, target))
+                rec["tiles_in_flight"] = pipeline_depth(ck)
+                rec["ctas_per_sm"] = occupancy(target, rec["regs"], rec["shared_bytes"], rec["num_warps"])["ctas"]
                 rec["narrow_base_offsets"] = narrow_base_offsets(ck)
                 kernels.append(rec)
 
@@ -193,8 +335,9 @@ def compile_all(target: Target, calls=None) -> dict:
                     unweigh_fused(packed, lse, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
                 record(label, merge)
     growth = decode_growth(target) if calls is None else None
+    decode = decode_report(target) if calls is None else None
     return {"target": target.name, "configs": n, "kernels": kernels, "errors": errors,
-            "decode_growth_kernels": growth, "seconds": round(time.perf_counter() - t0, 1)}
+            "decode_growth_kernels": growth, "decode": decode, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def _constexprs(ck) -> dict:
@@ -228,10 +371,34 @@ def main(argv=None) -> int:
         for k in res["kernels"]:
             print(f"  {'ok ' if k['ok'] else 'BAD'} {k['kernel']:<16} regs={k['regs']} spill={k['spill_bytes']} "
                   f"shared={k['shared_bytes']}/{k['max_shared']} warps={k['num_warps']} "
-                  f"stages={k['num_stages']}  {k['first_config']}")
+                  f"stages={k['num_stages']} tiles={k['tiles_in_flight']} ctas/sm={k['ctas_per_sm']}  "
+                  f"{k['first_config']}")
         for e in res["errors"]:
             print(f"  ERROR {e['config']}: {e['error']}")
-    return 0 if not res["errors"] and all(k["ok"] for k in res["kernels"]) else 1
+        print_decode(res)
+    decode_ok = all(all(r["checks"].values()) for r in res["decode"] or ())
+    return 0 if not res["errors"] and all(k["ok"] for k in res["kernels"]) and decode_ok else 1
+
+
+def print_decode(res) -> None:
+    """The decode report as a table: one line per model, tp and keys per rank."""
+    t = TARGETS.get(res["target"])
+    sm = "CU" if t and t.is_hip else "SM"
+    print(f"\ndecode split kernel on {res['target']}"
+          + (f" ({t.n_sms} {sm}s; Little's law: {t.mem_bw / 1e12:.2f} TB/s x {t.mem_latency_s * 1e6:.1f} us = "
+             f"{t.bytes_in_flight_needed / 1e6:.2f} MB in flight, {t.bytes_in_flight_needed / t.n_sms / 1024:.1f} "
+             f"KiB per {sm})" if t and t.mem_bw else ""))
+    print(f"  {'model':<14} {'tp':>2} {'keys':>7} {'win':>5} {'BN':>3} {'st':>2} {'regs':>4} {'shared':>7} "
+          f"{'tiles':>5} {'CTA/SM':>6} {'splits':>6} {'grid':>5} {'graph':>9} {'KiB/SM':>7} {'need':>5} "
+          f"{'margin':>6}  checks")
+    for r in res["decode"] or ():
+        bad = [k for k, ok in r["checks"].items() if not ok]
+        print(f"  {r['model']:<14} {r['tp']:>2} {r['keys']:>7} {str(r['window'] or '-'):>5} {r['block_n']:>3} "
+              f"{r['num_stages']:>2} {r['regs']:>4} {r['shared_bytes']:>7} {r['tiles_in_flight']:>5} "
+              f"{r['ctas_per_sm']:>6} {r['splits']:>6} {r['grid_ctas']:>5} "
+              f"{str(r['graph_live_splits']) + '/' + str(r['graph_splits']):>9} "
+              f"{r['bytes_in_flight_per_sm'] / 1024:>7.1f} {r['bytes_needed_per_sm'] / 1024:>5.1f} "
+              f"{str(r['littles_margin']):>6}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@
 Two launches:
   1. ``_split_kernel``: one program per (batch, KV head, split). It loads each K/V block of
      its split once for all ``G = H / H_kv`` query heads of the group (times Q query rows),
-     runs an online softmax in base 2, and writes a per-split partial ``(o, lse)``.
+     runs an online softmax in base 2, and writes a per-split partial ``(o, lse)``. The split
+     count is planned on the host from the capacity (CUDA graphs keep their shapes); each
+     program cuts its run of blocks from the live length on the device, and, with positions
+     sorted, from the window: a search over the positions, not a walk. The K/V loads are
+     software-pipelined (``num_stages=3``: two tiles in flight per CTA).
   2. ``_reduce_kernel``: one program per (batch, head, query row) merges the splits with the
      LSE math of DESIGN.md §2 and writes ``o`` in q's dtype and ``lse`` (natural log, fp32).
 
@@ -40,8 +44,40 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Runtime integers that change from call to call (lengths, split counts, group sizes) are
 # never specialised: one compiled kernel serves every N, so eager decode does not recompile as
 # the cache grows. Strides stay specialised (a unit stride gives vectorised loads).
-_RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "split_len", "window", "has_len",
+_RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "window", "has_len", "sorted_pos",
                  "sqpb", "sqpq", "skpb", "skpn"]  # position strides: 0 or 1 either way
+SEARCH_FANOUT = 256  # positions one round of the window search reads: 3 rounds reach 16M keys
+
+
+@triton.jit
+def _live_range(KPOS, kp_base, skpn, n_end, lo_pos, hi_pos, use_lo, FANOUT: tl.constexpr):
+    """``[lo, hi)``: the keys of ``[0, n_end)`` whose positions (ascending) lie in
+    ``[lo_pos, hi_pos]`` (``lo`` is 0 unless ``use_lo``). Two searches run side by side, each a
+    ``FANOUT``-way search (one round trip reads ``FANOUT`` sampled positions and narrows the
+    range ``FANOUT``-fold): ``ceil(log_FANOUT n)`` dependent loads, not ``log2 n``."""
+    jj = tl.arange(0, FANOUT).to(tl.int64)
+    a_lo = n_end * 0  # first key with position >= lo_pos
+    a_hi = tl.where(use_lo, n_end, a_lo)
+    b_lo = n_end * 0  # first key with position > hi_pos
+    b_hi = n_end
+    while (a_lo < a_hi) | (b_lo < b_hi):
+        a_step = tl.maximum((a_hi - a_lo + FANOUT - 1) // FANOUT, 1)
+        b_step = tl.maximum((b_hi - b_lo + FANOUT - 1) // FANOUT, 1)
+        ia = a_lo + jj * a_step  # (FANOUT,) int64 sample indices
+        ib = b_lo + jj * b_step
+        oka = ia < a_hi
+        okb = ib < b_hi
+        pa = tl.load(KPOS + kp_base + ia * skpn, mask=oka, other=0)
+        pb = tl.load(KPOS + kp_base + ib * skpn, mask=okb, other=0)
+        # sorted: the samples before the target are a prefix of ca (cb) samples, so the first
+        # key at the target lies after sample ca - 1 and at or before sample ca
+        ca = tl.sum((oka & (pa < lo_pos)).to(tl.int32), 0)
+        cb = tl.sum((okb & (pb <= hi_pos)).to(tl.int32), 0)
+        a_hi = tl.minimum(a_hi, a_lo + ca * a_step)
+        a_lo = tl.where(ca > 0, a_lo + (ca - 1) * a_step + 1, a_lo)
+        b_hi = tl.minimum(b_hi, b_lo + cb * b_step)
+        b_lo = tl.where(cb > 0, b_lo + (cb - 1) * b_step + 1, b_lo)
+    return a_lo, b_lo
 
 
 # Position and length arrays are sliced at any offset (query slices): no alignment variants.
@@ -52,12 +88,13 @@ def _split_kernel(
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     sqpb, sqpq, skpb, skpn,
-    N, H_KV, G, NQ, NSPLIT, split_len, qk_scale, window, softcap, has_len,
+    N, H_KV, G, NQ, NSPLIT, qk_scale, window, softcap, has_len, sorted_pos,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_POS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_POS: tl.constexpr, UPCAST: tl.constexpr, FANOUT: tl.constexpr,
 ):
-    # window (0: none), softcap (0: none) and has_len are runtime values tested once per block:
-    # one compiled kernel per tile shape serves every model, and none of them costs a recompile.
+    # window (0: none), softcap (0: none), has_len and sorted_pos are runtime values tested
+    # once per program or block: one compiled kernel per tile shape serves every model, and
+    # none of them costs a recompile.
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     # 64-bit batch and head indices: b * stride_b reaches 2^31 for large caches (batch 3 at 1M
@@ -78,11 +115,13 @@ def _split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
+    # The keys this (batch, KV head) attends to: [lo, hi), read on the device (the live
+    # length kv_len, not the capacity N a CUDA graph was captured with) ...
     n_end = N
     if has_len:
         n_end = tl.minimum(N, tl.load(KVLEN + b).to(tl.int32))
-    start = pid_s * split_len
-    stop = tl.minimum(start + split_len, n_end)
+    lo = n_end * 0
+    hi = n_end
     k_base = K + b * skb + hk * skh  # this (batch, KV head)'s keys; 64-bit offsets
     v_base = V + b * svb + hk * svh
     nn = tl.arange(0, BLOCK_N)
@@ -90,6 +129,14 @@ def _split_kernel(
         qpos = tl.load(QPOS + b * sqpb + qi * sqpq, mask=row_ok, other=0)  # (BLOCK_M,)
         q_hi = tl.max(tl.where(row_ok, qpos, -(1 << 62)), 0)  # latest query of the tile
         q_lo = tl.min(tl.where(row_ok, qpos, 1 << 62), 0)  # earliest
+        if sorted_pos:  # ... narrowed to the window and the causal end by their positions
+            lo, hi = _live_range(KPOS, b * skpb, skpn, n_end, q_lo - window + 1, q_hi, window > 0, FANOUT)
+    # ... and cut into NSPLIT runs of whole blocks, balanced (every split has work whenever
+    # there are at least NSPLIT blocks, however far the capacity is from the length)
+    lo = lo // BLOCK_N * BLOCK_N
+    nblk = tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0).to(tl.int64)
+    start = lo + ((pid_s * nblk) // NSPLIT).to(tl.int32) * BLOCK_N
+    stop = tl.minimum(lo + (((pid_s + 1) * nblk) // NSPLIT).to(tl.int32) * BLOCK_N, hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -97,51 +144,53 @@ def _split_kernel(
     for n0 in range(start, stop, BLOCK_N):
         offs = n0 + nn
         n_ok = offs < stop
-        live = True
         if HAS_POS:
             kpos = tl.load(KPOS + b * skpb + offs * skpn, mask=n_ok, other=0)
-            # skip a block no query of the tile can see (all keys in the future, or all out
-            # of the sliding window): only its positions are read, never its K/V
-            live = tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi
+            # a block no query of the tile can see (all keys in the future, or all out of the
+            # sliding window: unsorted positions) has its K/V loads masked off: no bytes move.
+            # The loads stay unconditional (its math runs, on zeros, masked) because a load
+            # under an `if` is not software-pipelined: two dependent round trips per block.
+            # (Compared as (BLOCK_N,) vectors: the interpreter mistypes a vector & scalar mask.)
+            live = nn * 0 + tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi
             if window > 0:
-                live = live & (tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
-        if live:
-            nb = tl.cast(n0, tl.int64)
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + nb * skn + nn[:, None] * skn + dd[None, :] * skd,
-                        mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            v = tl.load(v_base + nb * svn + nn[:, None] * svn + dd[None, :] * svd,
-                        mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if UPCAST:  # fp32 operands: full precision, not TF32
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
-            else:
-                s = tl.dot(q, tl.trans(k))
-            if softcap > 0:
-                # natural units: s = softcap * tanh(scale * q.k / softcap); tanh(x) = 1 - 2/(e^{2x}+1)
-                x = s * (qk_scale / _LOG2E_C) / softcap
-                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
-            else:
-                s = s * qk_scale  # qk_scale = scale * log2(e): base-2 scores
-            vis = row_ok[:, None] & n_ok[None, :]
-            if HAS_POS:
-                diff = qpos[:, None] - kpos[None, :]
-                vis = vis & (diff >= 0)
-                if window > 0:
-                    vis = vis & (diff < window)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+                live = live & (nn * 0 + tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
+            n_ok = n_ok & live
+        nb = tl.cast(n0, tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + nb * skn + nn[:, None] * skn + dd[None, :] * skd,
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_base + nb * svn + nn[:, None] * svn + dd[None, :] * svd,
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if UPCAST:  # fp32 operands: full precision, not TF32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if softcap > 0:
+            # natural units: s = softcap * tanh(scale * q.k / softcap); tanh(x) = 1 - 2/(e^{2x}+1)
+            x = s * (qk_scale / _LOG2E_C) / softcap
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
+        else:
+            s = s * qk_scale  # qk_scale = scale * log2(e): base-2 scores
+        vis = row_ok[:, None] & n_ok[None, :]
+        if HAS_POS:
+            diff = qpos[:, None] - kpos[None, :]
+            vis = vis & (diff >= 0)
+            if window > 0:
+                vis = vis & (diff < window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -190,14 +239,52 @@ def _reduce_kernel(OP, LP, O, LSE, SINK, sob, soh, soq, sod, slb, slh, slq, H, N
              tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")))
 
 
-def choose_splits(B: int, H_kv: int, N: int, n_sms: int, block_n: int, min_blocks: int = 4) -> int:
-    """Split count for the KV axis: enough programs to fill ~2 waves of SMs, no split under
-    ``min_blocks`` blocks of keys (below that the reduce costs more than it saves)."""
+def choose_splits(B: int, H_kv: int, N: int, n_sms: int, block_n: int, min_blocks: int = 4,
+                  depth: int = 2) -> int:
+    """Split count for the KV axis of ``N`` keys (the capacity under a CUDA graph: the kernel
+    cuts the *live* length into this many runs on the device).
+
+    Two waves of CTAs over the SMs (a second CTA per SM computes while the first waits), with no
+    split under ``min_blocks`` blocks (below that the reduce costs more than it saves); but never
+    less than one full wave while the shard has the blocks for it: ``splits >= min(one wave,
+    blocks / depth)``. ``depth`` is the kernel's K/V tiles in flight per CTA; a split shorter
+    than that leaves its pipeline part empty, so a shard too short for a full wave (Llama-8B at
+    tp 8 over 8K keys: 128 blocks of 64 for 132 SMs) is cut into runs of ``depth`` blocks:
+    every byte of it is requested in the first memory round trip, which is all Little's law
+    asks of it."""
     if N <= 0:
         return 1
-    want = math.ceil(2 * n_sms / max(1, B * H_kv))
-    most = max(1, math.ceil(N / (block_n * min_blocks)))
-    return int(max(1, min(want, most, 128)))
+    blocks = triton.cdiv(N, block_n)
+    bh = max(1, B * H_kv)
+    splits = min(triton.cdiv(2 * n_sms, bh), blocks // min_blocks)
+    splits = max(splits, min(triton.cdiv(n_sms, bh), triton.cdiv(blocks, max(1, depth))))
+    return int(max(1, splits))
+
+
+def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool) -> tuple[int, int]:
+    """``(BLOCK_N, num_stages)`` of the split kernel's K/V tiles on ``target``.
+
+    Tiles are software-pipelined with ``num_stages=3``: two K/V tiles in flight per CTA (the
+    next one loads while this one computes). For 16-bit inputs the block is the largest of
+    64/32/16 keys whose two K+V buffers leave room for the residency the registers allow
+    anyway: 3 CTAs per SM on CUDA (a 4-warp decode tile needs ~140 registers; sm_90: 64 keys;
+    sm_80, 164 KB per SM: 32) and 2 workgroups per CU on ROCm (gfx942: 32 KiB of LDS each,
+    counting the 16 x 64 probability tile a 64-key block stages through LDS; d = 128: 32 keys).
+    On ROCm, query slices (more than 16 rows: prefill) keep ``num_stages=2``: the stream
+    pipeliner already loads the next tile into registers while this one computes, and a third
+    stage doubles their compile time for little. fp32's ieee-precision dot keeps its operands
+    in registers: 32 keys, and on gfx942 (64 KiB of LDS) not multi-buffered."""
+    if target.backend == "interpreter":
+        return 64, 2
+    if upcast:
+        return 32, (1 if target.is_hip else 3)
+    budget = target.sm_shared // 2 if target.is_hip else target.sm_shared // 3 - 8192
+    stages = 2 if target.is_hip and block_m > 16 else 3
+    for bn in (64, 32, 16):
+        staged_p = block_m * bn * esize if target.is_hip and bn >= 64 else 0
+        if 2 * (2 * bn * block_d * esize) + staged_p <= budget:
+            return bn, stages
+    return 16, 2
 
 
 def max_rows(d: int, dtype) -> int:
@@ -214,13 +301,18 @@ class SplitPlan:
     """Launch parameters of the split kernel for one call (and of its reduce)."""
 
     splits: int
-    split_len: int
+    split_len: int  # keys per split at the full length N (the kernel cuts the live length)
     block_m: int
     block_n: int
     block_d: int
     num_warps: int
     num_stages: int
     upcast: bool
+
+    @property
+    def depth(self) -> int:
+        """K/V tiles in flight per CTA (the software pipeline's buffers): ``num_stages - 1``."""
+        return max(1, self.num_stages - 1)
 
 
 def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target: Target, *,
@@ -236,29 +328,37 @@ def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target:
     block_d = max(16, triton.next_power_of_2(d))
     gpu_fp32 = upcast and target.backend != "interpreter"
     # Tile rules checked by the offline compile (no spills, shared memory / LDS within the
-    # target's limit): fp32's ieee-precision dot keeps its operands in registers, so half the
-    # key block and twice the weight; heavy tiles spread over 8 warps on CUDA; on ROCm a
-    # wavefront is 64 lanes, so 4 of them already hold the tile, and on gfx942 (64 KiB of LDS)
-    # fp32 and d = 256 tiles are not multi-buffered.
-    block_n = block_n or (32 if gpu_fp32 else 64)
-    if num_stages is None:
-        num_stages = 1 if target.is_hip and (upcast or block_d > 128) else 2
+    # target's limit, tiles in flight and residency): see kv_tile; heavy tiles spread over 8
+    # warps on CUDA; on ROCm a wavefront is 64 lanes, so 4 of them already hold the tile.
+    bn, stages = kv_tile(target, block_m, block_d, dtype.itemsize, upcast)
+    block_n = block_n or bn
+    num_stages = num_stages or stages
     heavy = block_m * block_d * (2 if gpu_fp32 else 1) >= 4096
     num_warps = num_warps or (8 if heavy and not target.is_hip else 4)
-    splits = num_splits or choose_splits(B, H_kv, N, target.n_sms, block_n)
-    split_len = triton.cdiv(triton.cdiv(max(N, 1), splits), block_n) * block_n
-    splits = triton.cdiv(max(N, 1), split_len)
+    blocks = triton.cdiv(max(N, 1), block_n)
+    splits = min(num_splits or choose_splits(B, H_kv, N, target.n_sms, block_n, depth=max(1, num_stages - 1)),
+                 blocks)
+    split_len = triton.cdiv(blocks, splits) * block_n
     return SplitPlan(splits, split_len, block_m, block_n, block_d, num_warps, num_stages, upcast)
 
 
 def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                              window=None, softcap=None, sink=None, out=None, lse_out=None,
-                             num_splits=None, block_n=None, num_warps=None, num_stages=None):
+                             num_splits=None, block_n=None, num_warps=None, num_stages=None,
+                             k_pos_sorted=False):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
     The kernel is built for decode (a group's ``G·Q`` query rows in one tile); more rows than
     :func:`max_rows` are processed in query slices. ``num_splits``, ``block_n``, ``num_warps``
     and ``num_stages`` override the automatic choice of :func:`plan_split` (tests, tuning).
+
+    ``k_pos_sorted``: the caller promises that ``k_pos`` ascends over each sequence's valid
+    keys (``[0, kv_len)``), as a rank's cache stores them. Each program then finds the first key
+    inside the sliding window of its earliest query, and the first key after its latest
+    query, by a search over the positions on the device (a few dependent loads), and splits only
+    the keys between them: a window layer reads the window, not the shard. Without it (the
+    default: any key order) every block's positions are read and blocks no query sees are
+    skipped (their K/V never loaded).
     """
     B, H, Q, d, H_kv, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     if window is not None and q_pos is None:
@@ -285,7 +385,8 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     step = max(1, max_rows(d, q.dtype) // G)
     if Q > step:  # long query blocks (prefill): slices of rows the tile can hold
-        kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, sink=sink, **tuning)
+        kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, sink=sink,
+                  k_pos_sorted=k_pos_sorted, **tuning)
         for a in range(0, Q, step):
             b = min(Q, a + step)
             partial_attention_triton(q[:, :, a:b], k, v, q_pos=None if q_pos is None else q_pos[..., a:b],
@@ -312,11 +413,11 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
         q, k, v, qp, kp, kvl, op, lp,
         *q.stride(), *k.stride(), *v.stride(),
         sqpb, sqpq, skpb, skpn,
-        N, H_kv, G, Q, plan.splits, plan.split_len, scale * LOG2E,
+        N, H_kv, G, Q, plan.splits, scale * LOG2E,
         int(window) if window is not None else 0,
-        float(softcap) if softcap is not None else 0.0, int(kv_len is not None),
+        float(softcap) if softcap is not None else 0.0, int(kv_len is not None), int(bool(k_pos_sorted)),
         HEAD_D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        HAS_POS=has_pos, UPCAST=plan.upcast,
+        HAS_POS=has_pos, UPCAST=plan.upcast, FANOUT=SEARCH_FANOUT,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     sk = sink.to(device=dev, dtype=torch.float32).contiguous() if sink is not None else lp  # placeholder: unused

@@ -6,6 +6,11 @@ each target's compiler is run for real, once per target in its own process, on e
 configuration the runtime picks (``treeattn_kernels.offline_compile``), and the compiled
 binaries are checked: no spills, shared memory / LDS within the target's limit, 64-bit base
 offsets, and no recompiles while a shard grows.
+
+And the decode launches of Llama-3.1-8B / -70B at tp 1 and 8 over 8K-128K keys per rank
+(``decode_report``, issue 23): two K/V tiles in flight per CTA on CUDA at no loss of CTAs per
+SM (H3), a grid that fills the machine and splits that follow the live length (H4), bytes in
+flight against Little's law, and two workgroups per CU on gfx942 (H10).
 """
 
 from __future__ import annotations
@@ -81,16 +86,101 @@ def test_eager_decode_does_not_recompile_as_the_shard_grows(compiled, target):
 
 
 def test_plan_rules():
-    """The tile rules the compiled kernels were checked with (decode at Llama-3.1-8B's shape on
-    H100: 33 splits x 8 KV heads ~ 2 waves of 132 SMs; fp32 on gfx942 single-buffered)."""
+    """The tile rules the compiled kernels were checked with (decode at Llama-3.1-8B's shape:
+    33 splits x 8 KV heads ~ 2 waves of 132 SMs, two 64-key K/V tiles in flight on H100, 32-key
+    tiles on A100 and MI300X; fp32 on gfx942 single-buffered)."""
     import torch
 
     import treeattn_kernels.partial_triton as pt
     from treeattn_kernels.targets import TARGETS as T
 
     plan = pt.plan_split(1, 8, 4, 1, 1 << 20, 128, torch.bfloat16, T["sm_90"])
-    assert (plan.block_m, plan.block_n, plan.num_warps) == (16, 64, 4)
+    assert (plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, plan.depth) == (16, 64, 4, 3, 2)
     assert plan.splits == pt.choose_splits(1, 8, 1 << 20, 132, 64) == 33
+    assert pt.plan_split(1, 8, 4, 1, 1 << 17, 128, torch.bfloat16, T["sm_80"]).block_n == 32
+    amd = pt.plan_split(1, 8, 4, 1, 1 << 17, 128, torch.bfloat16, T["gfx942"])
+    assert (amd.block_n, amd.num_stages) == (32, 3)
     hip = pt.plan_split(1, 8, 4, 1, 4096, 256, torch.float32, T["gfx942"])
     assert hip.num_stages == 1 and hip.block_n == 32
     assert pt.max_rows(128, torch.float32) == 16 and pt.max_rows(128, torch.bfloat16) == 64
+
+
+def test_split_counts_fill_the_machine():
+    """H4 on the plan alone (no compiler): for every decode shape of the report and every
+    target, a full wave of CTAs, or (a shard too short for one: 8K keys at tp 8) runs no
+    longer than the kernel's pipeline, so the whole shard is requested at once; from 32K keys
+    per rank on, always a full wave."""
+    import torch
+
+    import treeattn_kernels.partial_triton as pt
+    from treeattn_kernels.offline_compile import decode_shapes
+    from treeattn_kernels.targets import TARGETS as T
+
+    for t in T.values():
+        for model, tp, N, H, H_kv, d in decode_shapes():
+            plan = pt.plan_split(1, H_kv, H // H_kv, 1, N, d, torch.bfloat16, t)
+            ctas, blocks = H_kv * plan.splits, -(-N // plan.block_n)
+            per_split = -(-blocks // plan.splits)
+            assert ctas >= t.n_sms or per_split <= plan.depth, (t.name, model, tp, N, plan)
+            if N >= 32768:
+                assert ctas >= t.n_sms, (t.name, model, tp, N, plan)
+
+
+def _decode(compiled, target, window=False):
+    recs = [r for r in compiled[target]["decode"] if bool(r["window"]) == window]
+    assert recs
+    return recs
+
+
+def test_decode_report_covers_the_shapes(compiled):
+    for target in TARGETS:
+        got = {(r["model"], r["tp"], r["keys"]) for r in _decode(compiled, target)}
+        assert got == {(m, tp, n) for m in ("llama-3.1-8b", "llama-3.1-70b") for tp in (1, 8)
+                       for n in (8192, 32768, 131072)}
+        assert len(_decode(compiled, target, window=True)) == 1
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_decode_keeps_two_tiles_in_flight(compiled, target):
+    """H3: the K/V loads are software-pipelined two tiles deep (two buffers in the TTGIR,
+    cp.async copies whose wait leaves the next tile's groups outstanding in the SASS), at no
+    fewer CTAs per SM than the single-buffered kernel had (plain decode and window layers)."""
+    from treeattn_kernels.offline_compile import BASELINE_CTAS
+
+    for window in (False, True):
+        for r in _decode(compiled, target, window):
+            assert r["tiles_in_flight"] >= 2, r
+            assert r["async_copies"] > 0 and r["max_outstanding_groups"] >= 2, r
+            assert r["ctas_per_sm"] >= BASELINE_CTAS[target][window], (r["ctas_per_sm"], r["occupancy"])
+            assert r["checks"]["tiles"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_decode_grid_fills_the_machine(compiled, target):
+    """H4: at least one full wave of CTAs over the SMs, or, where the shard is too short (8K keys
+    at tp 8), runs that fit the pipeline, so the whole shard is in flight at once; and under a
+    CUDA graph planned on twice the length, every split still has work (split lengths follow
+    the live length on the device)."""
+    for r in _decode(compiled, target):
+        assert r["grid_ctas"] >= r["n_sms"] or r["blocks_per_split"] <= r["tiles_in_flight"], r
+        if r["keys"] >= 32768:
+            assert r["grid_ctas"] >= r["n_sms"], r
+        assert r["graph_live_splits"] == r["graph_splits"], r
+        assert r["checks"]["grid"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_decode_bytes_in_flight_meet_littles_law(compiled, target):
+    """Bytes in flight (resident CTAs x tiles in flight x K+V tile) cover the memory system's
+    bandwidth x latency, or the whole shard when it is smaller than that."""
+    for r in compiled[target]["decode"]:
+        assert r["bytes_needed"] > 0 and r["littles_margin"] >= 1.0, r
+        assert r["spill_bytes"] == 0 and r["checks"]["spills"], r
+
+
+def test_gfx942_fits_two_workgroups_per_cu(compiled):
+    """H10: the decode split kernel takes at most 32 KiB of LDS on MI300X (64 KiB per CU), so
+    two workgroups share a CU, without spills."""
+    for r in compiled["gfx942"]["decode"]:
+        assert r["shared_bytes"] <= 32768 and r["ctas_per_sm"] >= 2 and r["spill_bytes"] == 0, r
+        assert r["tiles_in_flight"] >= 2, r

@@ -345,3 +345,98 @@ def test_reference_bounds_its_memory_by_rows_and_keys(monkeypatch):
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
     assert 0 < biggest[0] <= 4096 // (G * H_kv), biggest[0]  # a slice of rows x one key block, never Q x N
+
+
+# ---- issue 23: split lengths follow the live length; window layers read the window --------
+
+@pytest.mark.parametrize("num_splits", [3, 5])
+def test_triton_splits_follow_the_live_length(monkeypatch, num_splits):
+    """Splits are planned on the capacity (a CUDA graph's shapes) but cut from the live length
+    on the device: with 1000 keys of capacity and 300 live, every split gets work (the split
+    length used to be the capacity's: half the splits exited at once)."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+
+    seen = {}
+    real = pt.launch
+
+    def spy(kernel, grid, *args, **kw):
+        if kernel is pt._split_kernel:
+            seen["lp"] = args[7]  # the per-split lse partials [B, H, Q, NSPLIT]
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(pt, "launch", spy)
+    B, G, H_kv, N, d = 2, 4, 1, 1000, 64
+    q, k, v = make(B, G * H_kv, H_kv, 1, N, d, torch.float32)
+    kv_len = torch.tensor([300, 1000])
+    o, lse = pt.partial_attention_triton(q, k, v, kv_len=kv_len, num_splits=num_splits)
+    lp = seen["lp"]
+    assert lp.shape[-1] == num_splits
+    assert torch.isfinite(lp).all(), lp[:, 0, 0]  # 300 keys = 5 blocks >= splits: none empty
+    o_ref, lse_ref = partial_attention_ref(q, k, v, kv_len=kv_len)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+
+
+@pytest.mark.parametrize("Q,N,window,gaps,ragged,q_off", [
+    (1, 3000, 77, 3, True, 3),  # a rank's chunks: ascending positions with gaps
+    (3, 700, 50, 2, False, -400),  # queries inside the shard: later keys are in their future
+    (5, 700, None, 2, True, -100),  # causal only: the search bounds the causal end
+    (1, 700, 10, 1, False, -800),  # no key visible
+])
+def test_triton_sorted_positions_search(Q, N, window, gaps, ragged, q_off):
+    """``k_pos_sorted``: each program finds its live keys by a search over the ascending
+    positions; the same answer as the reference whatever the queries see."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+
+    B, G, H_kv, d = 2, 2, 2, 32
+    q, k, v = make(B, G * H_kv, H_kv, Q, N, d, torch.float32)
+    k_pos = torch.sort(torch.randperm(N * gaps)[:N]).values if gaps > 1 else torch.arange(N)
+    top = int(k_pos[-1]) + q_off
+    q_pos = torch.arange(top - Q + 1, top + 1)
+    kv_len = torch.tensor([N, N // 3]) if ragged else None
+    o, lse = pt.partial_attention_triton(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
+                                         k_pos_sorted=True)
+    o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+
+
+def test_triton_window_layers_read_the_window_not_the_shard(monkeypatch):
+    """H6: with positions sorted per rank (``k_pos_sorted``), a sliding-window decode reads a
+    few hundred sampled positions and the window's K/V, not the shard: every load the
+    interpreted kernel makes is counted. Without the promise (any key order) it reads every
+    position, and still no K/V outside the window (those loads are masked off)."""
+    pytest.importorskip("triton")
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    import treeattn_kernels.partial_triton as pt
+
+    count = {}
+    real = interp.InterpreterBuilder.create_masked_load
+
+    def counting(self, ptrs, mask, other, *a, **kw):
+        kind = "pos" if str(ptrs.get_element_ty()) == "int64" else \
+            "kv" if mask.data.ndim == 2 and mask.data.shape[0] == 64 else "other"
+        count[kind] = count.get(kind, 0) + int(np.count_nonzero(mask.data))
+        return real(self, ptrs, mask, other, *a, **kw)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", counting)
+    reads = {}
+    for srt, N in ((True, 60000), (False, 4000)):  # the walk is slow in the interpreter: a shorter shard
+        B, G, H_kv, d, window = 1, 4, 1, 16, 100
+        q, k, v = make(B, G * H_kv, H_kv, 1, N, d, torch.float32)
+        k_pos, q_pos = torch.arange(N), torch.tensor([N - 1])
+        o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window)
+        count.clear()
+        o, lse = pt.partial_attention_triton(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, k_pos_sorted=srt,
+                                             block_n=64)
+        assert_close(o, o_ref, torch.float32, "o")
+        assert_close(lse, lse_ref, torch.float32, "lse")
+        reads[srt] = dict(count, N=N)
+    kv_rows = 2 * (window + 2 * 64)  # K and V rows of the window's blocks
+    assert reads[True]["kv"] <= kv_rows * d and reads[False]["kv"] <= kv_rows * d, reads
+    assert reads[True]["pos"] < reads[True]["N"] // 8, reads  # a search, not a walk
+    assert reads[False]["pos"] >= reads[False]["N"], reads  # the walk the search replaces

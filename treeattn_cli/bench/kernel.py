@@ -111,16 +111,18 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
 
 
 def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", device=None,
-         iters=20, warmup=5, copy_bw=None):
+         iters=20, warmup=5, copy_bw=None, on_seq_len=None):
     """Sweep the Triton kernel's launch parameters per N: block size, warps, stages and split
     count (×½, ×1, ×2 the automatic choice). Each record carries the resource report of the
-    configuration's binary (registers, spill bytes, shared memory: the same reader as the
-    offline compile of CI, ``offline_compile.resources``), and ``best`` marks the fastest."""
+    configuration's binary (registers, spill bytes, shared memory, K/V tiles in flight and CTAs
+    per SM: the same reader as the offline compile of CI, ``offline_compile``); ``best`` marks
+    the fastest and ``default`` the configuration the runtime picks itself. ``on_seq_len(recs)``
+    gets each length's records as soon as they are done."""
     import itertools
 
     from treeattn_kernels import partial_triton as pt
-    from treeattn_kernels.offline_compile import resources
-    from treeattn_kernels.targets import target_of
+    from treeattn_kernels.offline_compile import pipeline_depth, resources
+    from treeattn_kernels.targets import occupancy, target_of
 
     device = torch.device(device or "cuda")
     dt = DTYPES[dtype]
@@ -130,9 +132,10 @@ def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat
     out = []
     for N in seq_lens:
         q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
+        auto = pt.plan_split(batch, kv_heads, heads // kv_heads, 1, N, head_dim, dt, target)
         recs = []
         for bn, warps, stages, mult in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (0.5, 1, 2)):
-            splits = max(1, int(pt.choose_splits(batch, kv_heads, N, sms, bn) * mult))
+            splits = max(1, int(pt.choose_splits(batch, kv_heads, N, sms, bn, depth=max(1, stages - 1)) * mult))
             fn = lambda: pt.partial_attention_triton(q, k, v, num_splits=splits, block_n=bn,  # noqa: E731
                                                      num_warps=warps, num_stages=stages)
             try:
@@ -141,14 +144,20 @@ def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat
                 recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
                              "splits": splits, "error": f"{type(e).__name__}"})
                 continue
-            use = resources(pt.LAST_LAUNCH["split"], target)
+            ck = pt.LAST_LAUNCH["split"]
+            use = resources(ck, target)
             recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
                          "splits": splits, "time_us": med * 1e6, "frac_copy_bw": kv_bytes / med / copy_bw,
                          "regs": use["regs"], "spill_bytes": use["spill_bytes"],
-                         "shared_bytes": use["shared_bytes"]})
+                         "shared_bytes": use["shared_bytes"], "tiles_in_flight": pipeline_depth(ck),
+                         "ctas_per_sm": occupancy(target, use["regs"], use["shared_bytes"], warps)["ctas"],
+                         "default": (bn, warps, stages, splits) == (auto.block_n, auto.num_warps, auto.num_stages,
+                                                                    auto.splits)})
         ok = [r for r in recs if "time_us" in r]
         if ok:
             min(ok, key=lambda r: r["time_us"])["best"] = True
+        if on_seq_len is not None:
+            on_seq_len(recs)
         out += recs
         q = k = v = None  # free this length's tensors before the next
     return out
@@ -176,11 +185,13 @@ def main(argv=None):
     if a.tune:
         import json
 
-        recs = tune([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
-                    kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype, iters=a.iters, warmup=a.warmup)
-        for r in recs:
-            if r.get("best") or a.json:
-                print(json.dumps(r))
+        def show(recs):  # each length as soon as it is swept: a run stopped later keeps it
+            for r in recs:
+                if r.get("best") or r.get("default") or a.json:
+                    print(json.dumps(r), flush=True)
+
+        tune([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
+             head_dim=a.head_dim, dtype=a.dtype, iters=a.iters, warmup=a.warmup, on_seq_len=show)
         return
     recs = kernel_bench([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
                         kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,

@@ -1,0 +1,170 @@
+"""``python -m treeattn_cli.bench.gpu_report``: the one command for every GPU measurement.
+
+On CPU: without a GPU it writes a report saying so, every GPU step skipped, quickly, exit 0;
+the time budget is shared out so the steps fit it (a fake clock and fake steps); a step that
+overruns is stopped at its limit; and each step's command is one its script accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from treeattn_cli.bench import gpu_report as gr
+
+
+def test_without_a_gpu_every_gpu_step_is_skipped(tmp_path):
+    env_out = tmp_path / "rep"
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "treeattn_cli.bench.gpu_report", "--out", str(env_out)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60
+    rep = json.loads((env_out / "report.json").read_text())
+    assert rep["gpu_count"] == 0 and "no GPU" in rep["note"]
+    steps = {s["name"]: s for s in rep["steps"]}
+    assert steps["devices"]["status"] == "pass"
+    gpu_steps = [s for n, s in steps.items() if n != "devices"]
+    assert {s["name"] for s in gpu_steps} == {"check", "pytest-gpu", "kernel", "kernel-tune", "decode", "prefill",
+                                               "check-ranks"}
+    assert all(s["status"] == "skipped" and s["reason"] == "no GPU" for s in gpu_steps), gpu_steps
+    md = (env_out / "report.md").read_text()
+    assert "GPUs: **none**" in md and "no GPU found" in md
+    assert "| kernel-tune | skipped |" in md
+
+
+def _fake_steps():
+    """Steps whose 'command' says how long they take: ``want`` seconds."""
+    mk = lambda name, want, cap, floor, gpus=1: gr.Step(name, name, ["want", want], cap_s=cap, floor_s=floor,  # noqa: E731
+                                                         min_gpus=gpus, parse=lambda text, d: {"out": text})
+    return [mk("a", 100, 50, 10), mk("b", 5, 30, 10), mk("c", 5, 30, 10, gpus=2), mk("d", 5, 30, 10)]
+
+
+@pytest.mark.parametrize("budget,expect", [
+    # a: min(cap 50, budget - floors of b and d); b: what is left but d's floor; c needs 2 GPUs
+    (80, {"a": ("timeout", 50), "b": ("pass", 20), "c": ("skipped", None), "d": ("pass", 25)}),
+    (60, {"a": ("timeout", 40), "b": ("pass", 10), "c": ("skipped", None), "d": ("pass", 15)}),
+    # a cannot get its floor after reserving the others': it takes what is left; they are skipped
+    (25, {"a": ("timeout", 25), "b": ("skipped", None), "c": ("skipped", None), "d": ("skipped", None)}),
+])
+def test_the_budget_is_shared_out(tmp_path, monkeypatch, budget, expect):
+    now = [0.0]
+
+    def fake_run(argv, timeout_s, log, env):
+        want = argv[1]
+        took = min(want, timeout_s)
+        now[0] += took
+        return (None if want > timeout_s else 0), json.dumps({"took": took}), took
+
+    monkeypatch.setattr(gr, "_run", fake_run)
+    rep = gr.run_report(tmp_path, budget, steps=_fake_steps(), devices={"count": 1, "gpus": []},
+                        clock=lambda: now[0])
+    got = {s["name"]: (s["status"], s["timeout_s"]) for s in rep["steps"]}
+    assert got == expect
+    assert rep["elapsed_s"] <= budget
+    by = {s["name"]: s for s in rep["steps"]}
+    assert by["c"]["reason"] == "needs 2 GPUs, this machine has 1"
+    if by["b"]["status"] == "pass":
+        assert by["b"]["summary"] == {"out": json.dumps({"took": 5})}
+    else:
+        assert by["b"]["reason"].startswith("out of budget")
+    assert json.loads((tmp_path / "report.json").read_text())["steps"][0]["name"] == "a"
+    assert "| a | timeout |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_step_past_its_limit_is_stopped(tmp_path):
+    """A real subprocess: stopped (with everything in its process group) at its limit, the
+    report records why, and the next step still runs."""
+    steps = [gr.Step("sleeper", "sleeps", [sys.executable, "-c", "import time; time.sleep(60)"], cap_s=2, floor_s=1),
+             gr.Step("after", "prints", [sys.executable, "-c", "print('[{\"x\": 1}]')"], cap_s=30, floor_s=1,
+                     parse=lambda text, d: {"records": gr._records(text)}),
+             gr.Step("broken", "fails", [sys.executable, "-c", "import sys; sys.exit('no luck')"], cap_s=30, floor_s=1)]
+    t0 = time.perf_counter()
+    rep = gr.run_report(tmp_path, 60, steps=steps, devices={"count": 1, "gpus": []})
+    assert time.perf_counter() - t0 < 30
+    by = {s["name"]: s for s in rep["steps"]}
+    assert by["sleeper"]["status"] == "timeout" and "limit of 2 s" in by["sleeper"]["reason"]
+    assert by["after"]["status"] == "pass" and by["after"]["summary"] == {"records": [{"x": 1}]}
+    assert by["broken"]["status"] == "fail" and "no luck" in by["broken"]["reason"]
+    assert (tmp_path / "logs" / "after.out").read_text().strip() == '[{"x": 1}]'
+
+
+def test_output_parsers(tmp_path):
+    assert gr._json_values('warning: x\n[\n {"a": 1}\n]\n') == [[{"a": 1}]]
+    assert gr._records('{"context": 1}\nnoise\n{"ttft_prompt": 2, "prefill_s": 0.5}') == \
+        [{"context": 1}, {"ttft_prompt": 2, "prefill_s": 0.5}]
+    chk = gr.parse_check(json.dumps([{"path": "generate/cuda-graph", "verdict": "FAIL", "note": "x"},
+                                     {"path": "kernels/triton", "verdict": "pass"}]), tmp_path)
+    assert chk["failed"] == ["generate/cuda-graph"] and chk["verdicts"] == {"FAIL": 1, "pass": 1}
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "pytest-gpu.xml").write_text(
+        '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.test_gpu" name="t1"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="t2"/></testsuite></testsuites>')
+    j = gr.parse_junit("", tmp_path)
+    assert (j["passed"], j["failures"], j["skipped"], j["failed_tests"]) == (2, 1, 1, ["tests.test_gpu::t1"])
+    tune = gr.parse_tune("\n".join(json.dumps(r) for r in (
+        {"seq_len": 8, "block_n": 64, "time_us": 5.0, "best": True},
+        {"seq_len": 8, "block_n": 32, "time_us": 6.0, "default": True}, {"seq_len": 8, "error": "OutOfResources"})),
+        tmp_path)
+    assert tune["by_seq_len"][8]["best"]["block_n"] == 64 and tune["by_seq_len"][8]["default"]["time_us"] == 6.0
+    assert tune["by_seq_len"][8]["errors"] == 1
+
+
+def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
+    """The options each step passes exist: the scripts parse them (their work is stubbed)."""
+    from typer.testing import CliRunner
+
+    import treeattn_cli.bench.kernel as kb
+    import treeattn_cli.bench.run as br
+    import treeattn_cli.cli.check as cc
+    from treeattn_cli.bench import gpu_decode
+    from treeattn_cli.main import app
+
+    calls = []
+    monkeypatch.setattr(kb, "tune", lambda *a, **k: calls.append(("tune", a, k)) or [])
+    monkeypatch.setattr(kb, "kernel_bench", lambda *a, **k: calls.append(("kernel", a, k)) or [])
+    monkeypatch.setattr(cc, "check_command", lambda **k: calls.append(("check", k)) or [])
+    monkeypatch.setattr(br, "bench_command", lambda o, on_progress=None: calls.append(("bench", o)) or [])
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(kb, "copy_bandwidth", stop)
+    for st in gr.default_steps(4, tmp_path):
+        argv = [str(x) for x in st.argv]
+        if argv[1:3] == ["-m", "treeattn_cli.main"]:
+            res = CliRunner().invoke(app, argv[3:])
+            assert res.exit_code == 0, (st.name, res.output)
+        elif argv[2] == "treeattn_cli.bench.kernel":
+            kb.main(argv[3:])
+        elif argv[2] == "treeattn_cli.bench.gpu_decode":
+            with pytest.raises(Stop):  # its options parsed; then it measures the GPU's bandwidth
+                gpu_decode.main(argv[3:])
+        else:
+            assert argv[2] == "pytest" and "-m" in argv[3:] and "gpu" in argv and "-x" not in argv, argv
+    kinds = [c[0] for c in calls]
+    assert kinds.count("check") == 2 and kinds.count("bench") == 1 and "tune" in kinds and "kernel" in kinds
+    checks = [c[1] for c in calls if c[0] == "check"]
+    assert [c["nproc"] for c in checks] == [1, 4]
+    bench = next(c[1] for c in calls if c[0] == "bench")
+    assert bench.prefill
+
+
+def test_pytest_counts_of_a_run_stopped_early(tmp_path):
+    """No JUnit XML (pytest was stopped at its limit): the ``-v`` lines printed so far."""
+    text = ("tests/test_gpu.py::test_a[1] PASSED                 [  1%]\n"
+            "tests/test_gpu.py::test_b FAILED                    [  2%]\n"
+            "tests/test_gpu.py::test_c SKIPPED (needs 2 GPUs)    [  3%]\n")
+    j = gr.parse_junit(text, tmp_path)
+    assert (j["tests"], j["passed"], j["failures"], j["skipped"], j["complete"]) == (3, 1, 1, 1, False)
+    assert j["failed_tests"] == ["tests/test_gpu.py::test_b"]

@@ -1,0 +1,439 @@
+"""Every GPU measurement the project owes, in one command, into one report.
+
+    python -m treeattn_cli.bench.gpu_report --out DIR [--budget-s 540]
+
+On whatever GPUs the machine has, one subprocess per step, each under its own time limit so the
+whole run fits the budget (540 s: inside 10 minutes on one H100), and a failure or a timeout is
+recorded and the next step runs:
+
+- ``devices``: the GPUs, their memory, the CUDA/HIP runtime and driver;
+- ``check``: ``treeattn check --json`` on one GPU (kernels, merges, ``generate`` eager and with
+  the CUDA graph against transformers);
+- ``check-ranks``: with two or more GPUs, ``treeattn check --nproc N`` (merges and CUDA-graph
+  decode across N ranks over NCCL);
+- ``pytest-gpu``: ``pytest -m gpu tests`` (no ``-x``; the JUnit XML counted);
+- ``kernel``: the decode kernel against SDPA and flex_attention, and its fraction of the
+  measured copy bandwidth (``bench/kernel.py``);
+- ``decode``: Llama-3.1-8B-shaped decode ms/token (random weights, CUDA graph) against the
+  memory floor and transformers' eager step, and the time to first token (``gpu_decode.py``);
+- ``prefill``: ``treeattn bench --prefill`` over every GPU;
+- ``kernel-tune``: the launch-parameter sweep (``--tune``): the best configuration per length
+  and the runtime's own, with registers, spills, shared memory, tiles in flight, CTAs per SM.
+
+Writes ``DIR/report.json``, ``DIR/report.md`` and every step's output under ``DIR/logs/``.
+Without a GPU it says so in the report, marks every GPU step skipped and exits 0 within
+seconds. Exit status: 1 if a step failed or timed out, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+DEFAULT_BUDGET_S = 540.0
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/ lives here in a checkout)
+_PY = sys.executable
+_CLI = [_PY, "-m", "treeattn_cli.main"]
+
+_DEVICES_SNIPPET = r"""
+import json, torch
+out = {"available": torch.cuda.is_available(), "count": 0, "gpus": [],
+       "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+if out["available"]:
+    out["count"] = torch.cuda.device_count()
+    for i in range(out["count"]):
+        p = torch.cuda.get_device_properties(i)
+        out["gpus"].append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                            "sms": p.multi_processor_count,
+                            "capability": getattr(p, "gcnArchName", None) or f"{p.major}.{p.minor}"})
+try:
+    out["driver"] = open("/proc/driver/nvidia/version").read().splitlines()[0]
+except OSError:
+    out["driver"] = None
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class Step:
+    """One measurement: a command, its time limit (``cap_s``; never less than ``floor_s`` or
+    it is skipped for want of budget), how many GPUs it needs, and a parser of its output
+    into the report's key numbers (``parse(stdout, out_dir) -> dict``)."""
+
+    name: str
+    what: str
+    argv: list
+    cap_s: float
+    floor_s: float = 20.0
+    min_gpus: int = 1
+    parse: Optional[Callable] = None
+    env: dict = field(default_factory=dict)
+    unavailable: str = ""  # why this step cannot run here at all (e.g. no tests/ folder)
+
+
+# ------------------------------------------------------------------ output parsers
+
+def _json_values(text: str) -> list:
+    """Every JSON value printed on stdout: the whole text, or JSON lines, or a JSON document
+    starting at the first line that opens one (warnings may come first)."""
+    text = text.strip()
+    if not text:
+        return []
+    try:
+        return [json.loads(text)]
+    except ValueError:
+        pass
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(("[", "{")):
+            try:
+                return [json.loads("\n".join(lines[i:]))]
+            except ValueError:
+                break
+    vals = []
+    for line in lines:
+        line = line.strip()
+        if line.startswith(("{", "[")):
+            try:
+                vals.append(json.loads(line))
+            except ValueError:
+                pass
+    return vals
+
+
+def _records(text: str) -> list[dict]:
+    out = []
+    for v in _json_values(text):
+        out += v if isinstance(v, list) else [v]
+    return [r for r in out if isinstance(r, dict)]
+
+
+def parse_devices(text: str, out_dir: Path) -> dict:
+    vals = _json_values(text)
+    return vals[0] if vals and isinstance(vals[0], dict) else {}
+
+
+def parse_check(text: str, out_dir: Path) -> dict:
+    recs = _records(text)
+    verdicts = {}
+    for r in recs:
+        verdicts[r.get("verdict", "?")] = verdicts.get(r.get("verdict", "?"), 0) + 1
+    return {"records": len(recs), "verdicts": verdicts,
+            "failed": sorted({r["path"] for r in recs if r.get("verdict") == "FAIL"}),
+            "graph": [f"{r['path']}: {r['verdict']}" + (f" ({r['note']})" if r.get("note") else "")
+                      for r in recs if "graph" in r.get("path", "")]}
+
+
+def parse_junit(text: str, out_dir: Path) -> dict:
+    """pytest's JUnit XML; for a run stopped at its limit (no XML yet), its ``-v`` lines."""
+    path = out_dir / "logs" / "pytest-gpu.xml"
+    if not path.exists():
+        results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.M)
+        count = {k: sum(1 for _, v in results if v == k) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+        return {"tests": len(results), "passed": count["PASSED"], "failures": count["FAILED"],
+                "errors": count["ERROR"], "skipped": count["SKIPPED"], "complete": False,
+                "failed_tests": [t for t, v in results if v in ("FAILED", "ERROR")][:20]}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    count["passed"] = count["tests"] - count["failures"] - count["errors"] - count["skipped"]
+    count["complete"] = True
+    count["failed_tests"] = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
+                             if c.find("failure") is not None or c.find("error") is not None][:20]
+    return count
+
+
+def parse_kernel(text: str, out_dir: Path) -> dict:
+    rows = {}
+    for r in _records(text):
+        if "time_us_median" in r:
+            rows.setdefault(r["seq_len"], {})[r["method"]] = {
+                "us": round(r["time_us_median"], 1), "gbps": round(r["gbps"], 1),
+                "frac_copy_bw": round(r["frac_copy_bw"], 3)}
+    return {"by_seq_len": rows}
+
+
+def parse_tune(text: str, out_dir: Path) -> dict:
+    recs = [r for r in _records(text) if "seq_len" in r]
+    out = {}
+    for n in sorted({r["seq_len"] for r in recs}):
+        mine = [r for r in recs if r["seq_len"] == n]
+        best = next((r for r in mine if r.get("best")), None)
+        default = next((r for r in mine if r.get("default")), None)
+        keep = ("block_n", "num_warps", "num_stages", "splits", "time_us", "frac_copy_bw", "regs",
+                "spill_bytes", "shared_bytes", "tiles_in_flight", "ctas_per_sm")
+        out[n] = {"configs": len(mine), "errors": sum("error" in r for r in mine),
+                  "best": {k: best.get(k) for k in keep} if best else None,
+                  "default": {k: default.get(k) for k in keep} if default else None}
+    return {"by_seq_len": out}
+
+
+def parse_decode(text: str, out_dir: Path) -> dict:
+    rows, ttft = [], None
+    for r in _records(text):
+        if "context" in r:
+            rows.append({k: r.get(k) for k in ("context", "treeattn_ms", "floor_ms", "fraction_of_floor",
+                                               "transformers_ms", "compiled_static_ms", "cuda_graph", "note")})
+        elif "ttft_prompt" in r:
+            ttft = r
+    return {"decode": rows, "ttft": ttft}
+
+
+def parse_prefill(text: str, out_dir: Path) -> dict:
+    return {"cases": [{k: r.get(k) for k in ("method", "nproc", "seq_len", "step_ms_median", "flops_max_over_mean")}
+                      for r in _records(text) if "step_ms_median" in r]}
+
+
+# ------------------------------------------------------------------ the steps
+
+def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
+    """The owed measurements, in the order they run (correctness first, then speed; the long
+    tuning sweep last), with time limits meant to fit one H100 in :data:`DEFAULT_BUDGET_S`."""
+    junit = out_dir / "logs" / "pytest-gpu.xml"
+    steps = [
+        Step("check", "treeattn check on one GPU: kernels, merges, generate eager and CUDA graph vs transformers",
+             [*_CLI, "check", "--nproc", "1", "--json", "--quiet"], cap_s=150, parse=parse_check),
+        Step("check-ranks", "treeattn check over every GPU as ranks: merges and CUDA-graph decode with NCCL",
+             [*_CLI, "check", "--nproc", str(max(2, n_gpus)), "--json", "--quiet"], cap_s=150, min_gpus=2,
+             parse=parse_check),
+        Step("pytest-gpu", "pytest -m gpu tests (every device test, no -x)",
+             [_PY, "-m", "pytest", "-m", "gpu", "-v", "--durations=10", "-p", "no:cacheprovider",
+             f"--junitxml={junit}", str(ROOT / "tests")], cap_s=200, parse=parse_junit,
+             unavailable="" if (ROOT / "tests").is_dir() else f"no tests/ folder beside the package ({ROOT})"),
+        Step("kernel", "decode kernel vs SDPA / flex_attention, fraction of copy bandwidth (Llama-8B shape)",
+             [_PY, "-m", "treeattn_cli.bench.kernel", "--seq-len", "8192,32768,131072", "--json"],
+             cap_s=120, parse=parse_kernel),  # flex_attention compiles once per length
+        Step("decode", "Llama-3.1-8B-shaped decode ms/token (CUDA graph) vs memory floor and transformers; TTFT",
+             [_PY, "-m", "treeattn_cli.bench.gpu_decode", "--contexts", "32768,131072", "--steps", "20",
+              "--ttft", "32768", "--skip-compiled"], cap_s=150, parse=parse_decode),
+        Step("prefill", "causal prefill attention per sharding over every GPU (treeattn bench --prefill)",
+             [*_CLI, "bench", "--prefill", "--seq-len", "16384,65536", "--json"], cap_s=90, parse=parse_prefill),
+        Step("kernel-tune", "launch-parameter sweep of the split kernel (block, warps, stages, splits)",
+             [_PY, "-m", "treeattn_cli.bench.kernel", "--tune", "--seq-len", "32768,131072", "--iters", "10",
+              "--warmup", "3", "--json"], cap_s=150, parse=parse_tune),
+    ]
+    return steps
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("treeattn", "torch", "triton", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _run(argv, timeout_s: float, log: Path, env: dict) -> tuple:
+    """Run ``argv`` in its own process group with a time limit; returns ``(returncode or None
+    on timeout, stdout, seconds)``. Output goes to ``log.out`` / ``log.err`` as it comes."""
+    t0 = time.perf_counter()
+    with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
+        p = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True,
+                             cwd=str(ROOT) if (ROOT / "pyproject.toml").exists() else None)
+        try:
+            rc = p.wait(timeout=max(0.1, timeout_s))
+        except subprocess.TimeoutExpired:
+            rc = None
+            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(p.pid, sig)  # the step and every rank it started
+                except ProcessLookupError:
+                    break
+                try:
+                    p.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+    return rc, log.with_suffix(".out").read_text(errors="replace"), time.perf_counter() - t0
+
+
+def _tail(path: Path, n: int = 400) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return ""
+
+
+def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devices=None, only=None,
+               clock=time.perf_counter) -> dict:
+    """Run every step that fits, write ``report.json`` and ``report.md`` under ``out_dir`` and
+    return the report. ``only``: the names of the steps to run; ``steps`` and ``devices`` (the
+    ``devices`` step's answer) replace the defaults (tests).
+
+    Time: each step runs under ``min(its cap, what the budget leaves after the later steps'
+    floors)``; an earlier step (they run in priority order) that would get less than its own
+    floor takes what is left instead, and a step that cannot get its floor is skipped."""
+    out_dir = Path(out_dir).resolve()  # the steps run from the repository: absolute paths
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    start = clock()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the real GPU
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    rep = {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "host": platform.node(), "budget_s": budget_s, "versions": _versions(), "steps": []}
+
+    if devices is None:  # the devices step: its own process, so this one never holds a GPU context
+        rc, text, secs = _run([_PY, "-c", _DEVICES_SNIPPET], min(60.0, budget_s), out_dir / "logs" / "devices", env)
+        devices = parse_devices(text, out_dir) if rc == 0 else {}
+        rep["steps"].append({"name": "devices", "what": "GPUs, runtime and driver", "status": "pass" if rc == 0 else
+                             ("timeout" if rc is None else "fail"), "seconds": round(secs, 1),
+                             "reason": "" if rc == 0 else _tail(out_dir / "logs" / "devices.err"),
+                             "summary": devices})
+    n_gpus = int(devices.get("count") or 0)
+    rep["devices"] = devices
+    rep["gpu_count"] = n_gpus
+    if not n_gpus:
+        rep["note"] = ("no GPU found (torch.cuda.is_available() is False): no GPU measurement was possible "
+                       "on this machine; every GPU step is skipped")
+    steps = default_steps(n_gpus, out_dir) if steps is None else steps
+    if only is not None:
+        steps = [s for s in steps if s.name in only]
+
+    for i, st in enumerate(steps):
+        rec = {"name": st.name, "what": st.what, "command": " ".join(map(str, st.argv)), "status": "skipped",
+               "seconds": 0.0, "timeout_s": None, "reason": "", "summary": {}}
+        rep["steps"].append(rec)
+        if n_gpus < st.min_gpus:
+            rec["reason"] = "no GPU" if not n_gpus else f"needs {st.min_gpus} GPUs, this machine has {n_gpus}"
+            continue
+        if st.unavailable:
+            rec["reason"] = st.unavailable
+            continue
+        left = budget_s - (clock() - start)
+        later = sum(s.floor_s for s in steps[i + 1:] if n_gpus >= s.min_gpus and not s.unavailable)
+        limit = min(st.cap_s, left - later)
+        if limit < st.floor_s:
+            limit = min(st.cap_s, left)  # what the later steps would get anyway; never past the budget
+            if limit < st.floor_s:
+                rec["reason"] = f"out of budget: {max(0.0, left):.0f} s left of {budget_s:.0f} s"
+                continue
+        rec["timeout_s"] = round(limit, 1)
+        rc, text, secs = _run(st.argv, limit, out_dir / "logs" / st.name, {**env, **st.env})
+        rec["seconds"] = round(secs, 1)
+        rec["returncode"] = rc
+        if rc is None:
+            rec["status"], rec["reason"] = "timeout", f"stopped at its limit of {limit:.0f} s"
+        else:
+            rec["status"] = "pass" if rc == 0 else "fail"
+            if rc != 0:
+                rec["reason"] = f"exit status {rc}: " + _tail(out_dir / "logs" / f"{st.name}.err", 300)
+        if st.parse is not None:
+            try:
+                rec["summary"] = st.parse(text, out_dir)
+            except Exception as e:  # a parser's failure is a result too, never the end of the report
+                rec["summary"] = {"parse_error": f"{type(e).__name__}: {e}"[:200]}
+    rep["elapsed_s"] = round(clock() - start, 1)
+    (out_dir / "report.json").write_text(json.dumps(rep, indent=1, default=str))
+    (out_dir / "report.md").write_text(markdown(rep))
+    return rep
+
+
+# ------------------------------------------------------------------ Markdown
+
+def _fmt(v, nd=3):
+    if isinstance(v, float):
+        return f"{v:.{nd}g}"
+    return "-" if v is None else str(v)
+
+
+def _key_numbers(step: dict) -> str:
+    s, name = step.get("summary") or {}, step["name"]
+    if not s:
+        return ""
+    if "parse_error" in s:
+        return f"unparsed output: {s['parse_error']}"
+    if name == "devices":
+        return "; ".join(f"{g['name']} ({g['memory_gib']} GiB, {g['sms']} SMs)" for g in s.get("gpus", [])) or "none"
+    if name.startswith("check"):
+        bad = s.get("failed") or []
+        return f"{s.get('records', 0)} checks {s.get('verdicts', {})}" + (f"; FAILED: {', '.join(bad)}" if bad else "")
+    if name == "pytest-gpu":
+        return (f"{s.get('passed', 0)} passed, {s.get('failures', 0)} failed, {s.get('errors', 0)} errors, "
+                f"{s.get('skipped', 0)} skipped")
+    if name == "kernel":
+        return "; ".join(f"{n}: {m['treeattn']['us']} us, {m['treeattn']['frac_copy_bw']:.0%} of copy BW"
+                         for n, m in s.get("by_seq_len", {}).items() if "treeattn" in m)
+    if name == "kernel-tune":
+        parts = []
+        for n, r in s.get("by_seq_len", {}).items():
+            b, d = r.get("best") or {}, r.get("default") or {}
+            parts.append(f"{n}: default {_fmt(d.get('time_us'))} us, best {_fmt(b.get('time_us'))} us "
+                         f"(BN {b.get('block_n')}, {b.get('num_warps')} warps, {b.get('num_stages')} stages, "
+                         f"{b.get('splits')} splits)")
+        return "; ".join(parts)
+    if name == "decode":
+        parts = [f"{r['context']}: {_fmt(r['treeattn_ms'])} ms/token ({_fmt(r.get('fraction_of_floor'))} of floor "
+                 f"{_fmt(r['floor_ms'])} ms; transformers {_fmt(r.get('transformers_ms'))} ms)"
+                 for r in s.get("decode", [])]
+        if s.get("ttft"):
+            parts.append(f"TTFT {s['ttft']['ttft_prompt']} tokens: {_fmt(s['ttft']['prefill_s'])} s")
+        return "; ".join(parts)
+    if name == "prefill":
+        return "; ".join(f"{c['method']} x{c['nproc']} {c['seq_len']}: {_fmt(c['step_ms_median'])} ms"
+                         for c in s.get("cases", []))
+    return json.dumps(s)[:300]
+
+
+def markdown(rep: dict) -> str:
+    """The report for people: what ran where, each step's status, time and key numbers."""
+    dev = rep.get("devices") or {}
+    gpus = dev.get("gpus") or []
+    v = rep.get("versions", {})
+    lines = ["# treeattn GPU report", "",
+             f"- created: {rep['created']} on `{rep['host']}`",
+             "- GPUs: " + (", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in gpus) if gpus else "**none**"),
+             f"- runtime: CUDA {dev.get('cuda')}, HIP {dev.get('hip')}; driver: {dev.get('driver') or '-'}",
+             "- versions: " + ", ".join(f"{k} {v[k]}" for k in v),
+             f"- budget {rep['budget_s']:.0f} s, elapsed {rep.get('elapsed_s', 0):.0f} s", ""]
+    if rep.get("note"):
+        lines += [f"> {rep['note']}", ""]
+    lines += ["| step | status | seconds | limit s | key numbers |", "| --- | --- | ---: | ---: | --- |"]
+    for s in rep["steps"]:
+        info = _key_numbers(s) or s.get("reason", "")
+        if s.get("reason") and s["status"] != "pass" and info != s["reason"]:
+            info = f"{s['reason']}; {info}" if info else s["reason"]
+        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.0f} | {_fmt(s.get('timeout_s'))} | "
+                     f"{info.replace('|', '/').replace(chr(10), ' ')} |")
+    lines += ["", "Commands:", ""]
+    lines += [f"- `{s['name']}`: {s.get('what', '')} — `{s.get('command', '')}`"
+              for s in rep["steps"] if s.get("command")]
+    lines += ["", "Raw output of every step: `logs/<step>.out` and `.err`; every number: `report.json`.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for report.json, report.md and logs/")
+    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                    help=f"wall-clock budget of the whole run (default {DEFAULT_BUDGET_S:.0f})")
+    ap.add_argument("--only", default=None, help="comma list of steps to run (default: all)")
+    a = ap.parse_args(argv)
+    only = None
+    if a.only:
+        only = {s.strip() for s in a.only.split(",") if s.strip()}
+        names = [s.name for s in default_steps(2, Path(a.out))]
+        if only - set(names):
+            ap.error(f"unknown step(s) {sorted(only - set(names))}; steps: {', '.join(names)}")
+    rep = run_report(a.out, a.budget_s, only=only)
+    print(markdown(rep))
+    return 1 if any(s["status"] in ("fail", "timeout") for s in rep["steps"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
