@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .partial_ref import add_sink, partial_attention_ref
+from .partial_ref import add_sink, dequantize, partial_attention_ref
 
-__all__ = ["partial_attention", "partial_attention_ref", "add_sink", "triton_available", "use_reference",
-           "reference_only"]
+__all__ = ["partial_attention", "partial_attention_ref", "add_sink", "dequantize", "triton_available",
+           "use_reference", "reference_only"]
 
 _REFERENCE = {"on": False}
 
@@ -40,8 +40,8 @@ def triton_available() -> bool:
 
 
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                      window=None, softcap=None, sink=None, out=None, lse_out=None, out_dtype=None,
-                      impl: str = "auto"):
+                      window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
+                      k_pos_sorted: bool = False, out=None, lse_out=None, out_dtype=None, impl: str = "auto"):
     """Partial attention of ``q [B, H, Q, d]`` to one KV shard ``k, v [B, H_kv, N, d]``.
 
     Returns ``(o [B, H, Q, d] in q.dtype, lse [B, H, Q] fp32, natural log)``; rows with no
@@ -52,6 +52,12 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     ``out_dtype``: the dtype of ``o`` when no ``out`` is given (default q's); partials that are
     merged later stay fp32, so a merge of p shards rounds once, like one device. ``sink [H]``:
     learned sink logits folded into this partial (give them to one partial of a merge only).
+    ``k_scale, v_scale [B, H_kv, N, G]``: ``k`` and ``v`` are fp8, each token's row scaled by
+    G factors, one per ``d / G`` channels (an fp8 KV cache, :func:`dequantize`); the reference
+    dequantizes one key block at a time, the other paths up front.
+    ``k_pos_sorted``: the caller promises ``k_pos`` ascends over each sequence's valid keys (a
+    cache's positions do): the Triton kernel then searches a sliding window's first key instead
+    of walking the shard; the other paths do not need it.
     """
     if out is None and out_dtype is not None:
         out = torch.empty(*q.shape, dtype=out_dtype, device=q.device)
@@ -67,17 +73,25 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
             impl = "aten" if G * q.shape[2] > MAX_ROWS else "triton"
         else:
             impl = "aten" if q.device.type == "cpu" else "torch"
+    if k_scale is not None and impl != "torch":  # the fused and Triton paths take the rows dequantized
+        k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
+    elif k_scale is not None:
+        kw.update(k_scale=k_scale, v_scale=v_scale)
     if impl in ("aten", "cpu"):
         from .partial_aten import partial_attention_aten
 
         slow = None
         if q.is_cuda and triton_available():
-            from .partial_triton import partial_attention_triton as slow
+            import functools
+
+            from .partial_triton import partial_attention_triton
+
+            slow = functools.partial(partial_attention_triton, k_pos_sorted=k_pos_sorted)
         return partial_attention_aten(q, k, v, fallback=slow, **kw)
     if impl == "torch":
         return partial_attention_ref(q, k, v, **kw)
     if impl == "triton":
         from .partial_triton import partial_attention_triton
 
-        return partial_attention_triton(q, k, v, **kw)
+        return partial_attention_triton(q, k, v, k_pos_sorted=k_pos_sorted, **kw)
     raise ValueError(f"unknown kernel impl {impl!r} (expected auto, triton, aten, cpu or torch)")

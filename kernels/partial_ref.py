@@ -74,8 +74,17 @@ def add_sink(o, lse, sink):
     return o * torch.exp(lse - new)[..., None], new
 
 
+def dequantize(x8, scale, dtype=torch.float32):
+    """fp8 rows ``x8 [..., N, d]`` with their scales ``scale [..., N, G]`` (one per ``d / G``
+    channels of each row) as ``dtype``."""
+    G = scale.shape[-1]
+    x = x8.float().unflatten(-1, (G, -1)) * scale.float()[..., None]  # [..., N, G, d / G]
+    return x.flatten(-2).to(dtype)
+
+
 def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                          window=None, softcap=None, sink=None, out=None, lse_out=None):
+                          window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
+                          out=None, lse_out=None):
     """Attention of ``q`` to one KV shard, returning the un-merged partial ``(o, lse)``.
 
     Args:
@@ -90,6 +99,9 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
         sink: ``[H]`` learned sink logits (gpt-oss) folded into this partial: each adds
             ``exp(sink[h])`` to head h's denominator. Give them to exactly one partial of a
             merge (they count once per query, not once per shard).
+        k_scale, v_scale: ``[B, H_kv, N, G]`` scales of fp8 ``k`` and ``v`` (an fp8 KV cache),
+            one per ``d / G`` channels of each row (:func:`dequantize`): dequantized one key
+            block at a time.
         out, lse_out: optional preallocated ``[B, H, Q, d]`` (q's dtype) / ``[B, H, Q]`` fp32
             tensors to write into (any strides, e.g. a view of the layer's output).
 
@@ -120,7 +132,10 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
             acc_o, acc_l = None, None  # running partial of this slice over the key blocks
             for n0 in range(0, N, nb):
                 n1 = min(N, n0 + nb)
-                bo, bl = _block(rows, k[:, :, n0:n1], v[:, :, n0:n1], scale, softcap,
+                kb, vb = k[:, :, n0:n1], v[:, :, n0:n1]
+                if k_scale is not None:
+                    kb, vb = dequantize(kb, k_scale[:, :, n0:n1]), dequantize(vb, v_scale[:, :, n0:n1])
+                bo, bl = _block(rows, kb, vb, scale, softcap,
                                 key_mask(B, q1 - q0, n1 - n0, q.device, qp,
                                          None if k_pos is None else k_pos[..., n0:n1], kv_len, window, k_start=n0),
                                 B, H_kv, G, q1 - q0)

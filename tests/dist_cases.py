@@ -338,6 +338,38 @@ def engine_sessions(ctx, sessions):
     return out if ctx.rank == 0 else None
 
 
+def engine_sessions_full(ctx, sessions):
+    """Like :func:`engine_sessions`; rank 0 returns per session ``{"answers": [decode answers'
+    token ids], "batch": [batch answers' token ids, in question order], "records": [events of
+    kind saved/loaded/done]}``."""
+    from treeattn_cli.engine.engine import Engine
+
+    out = []
+    for job, requests, route in sessions:
+        got = {"answers": [], "batch": {}, "records": []}
+
+        def emit(kind, payload, got=got):
+            if kind == "answer":
+                got["answers"].append(payload["token_ids"])
+            elif kind == "banswer":
+                got["batch"][payload[0]] = payload[1]["token_ids"]
+            elif kind in ("saved", "loaded"):
+                got["records"].append((kind, payload))
+
+        real = ctx.emit
+        ctx.emit = emit
+        try:
+            eng = Engine(ctx, job)
+            eng.dec.route = route
+            summary = eng.serve(requests)
+        finally:
+            ctx.emit = real
+        got["batch"] = [got["batch"][i] for i in sorted(got["batch"])]
+        got["summary"] = summary
+        out.append(got)
+    return out if ctx.rank == 0 else None
+
+
 def graph_agreement(ctx, job, fail):
     """CUDA-graph decode on CPU ranks with stand-ins for the CUDA graph API (a "capture" runs
     the step eagerly, a "replay" runs it again): ``fail`` = "capture" makes rank 1's capture

@@ -232,6 +232,10 @@ def bench(
     acceptance: Optional[float] = typer.Option(None, help="With --simulate --model-shape: also price speculative decoding, each draft kept with this probability (e.g. 0.7, as `generate --json` reports)."),
     draft_k: int = typer.Option(8, help="With --acceptance: drafts per verify step."),
     new_tokens: int = typer.Option(16, help="Model-level mode: tokens decoded per run."),
+    kv_dtype: str = typer.Option("auto", help="KV cache storage: auto | bfloat16 | float16 | float32 | fp8 (the decode "
+                                 "sweep, model mode and --simulate read the cache as stored)."),
+    max_context: bool = typer.Option(False, help="With --simulate: the longest context that fits --gpus GPUs for "
+                                     "--model-shape (default 8B and 70B) with bf16 and fp8 KV (or --kv-dtype)."),
     json_out: bool = typer.Option(False, "--json", help="Print the records as a JSON list."),
     csv: Optional[str] = typer.Option(None, help="Also write the records as CSV."),
     plot: Optional[str] = typer.Option(None, help="Also write a PNG: step time vs sequence length per method."),
@@ -251,9 +255,12 @@ def bench(
                 kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, nproc=nproc, backend=backend,
                 device=device, layers=layers, iters=iters, warmup=warmup, simulate=simulate, gpus=gpus,
                 kernel=kernel, model=model, new_tokens=new_tokens, layout=layout, tp=tp,
-                model_shape=model_shape, prefill=prefill, mfu=mfu, acceptance=acceptance, draft_k=draft_k),
+                model_shape=model_shape, prefill=prefill, mfu=mfu, acceptance=acceptance, draft_k=draft_k,
+                kv_dtype=kv_dtype, max_context=max_context),
                 on_progress=progress)
-        if prefill:
+        if max_context:
+            report.print_max_context(recs, as_json=json_out)
+        elif prefill:
             report.print_prefill(recs, as_json=json_out)
         elif simulate and (tp != "1" or model_shape):
             report.print_mesh_projection(recs, as_json=json_out)
@@ -318,15 +325,30 @@ def check(
     device: str = typer.Option("auto", help="auto | cuda | cpu."),
     backend: str = typer.Option("auto", help="auto | nccl | gloo."),
     kernels_only: bool = typer.Option(False, help="Only the kernel checks (what generate runs once per machine)."),
+    kv_dtype: Optional[str] = typer.Option(None, help="Instead: measure how storing the KV cache as this dtype "
+                                           "(fp8, bfloat16, float16) moves the model's predictions on --prompt-file "
+                                           "against its own dtype (top-1 agreement, mean KL, greedy agreement)."),
+    prompt_file: Optional[str] = typer.Option(None, help="With --kv-dtype: the document to measure on."),
+    model: Optional[str] = typer.Option(None, help="With --kv-dtype: the model (default: the embedded demo model)."),
+    dtype: str = typer.Option("auto", help="With --kv-dtype: the model's dtype (auto | float32 | bfloat16 | float16)."),
+    max_new_tokens: int = typer.Option(32, help="With --kv-dtype: greedy tokens compared after the document."),
+    max_tokens: Optional[int] = typer.Option(None, help="With --kv-dtype: measure the document's first N tokens "
+                                             "(one device holds both caches)."),
+    trust_remote_code: bool = typer.Option(False, help="Allow a model's own Python code from its repository."),
+    allow_pickle: bool = typer.Option(False, help="Allow pickled .bin weights (they can run code)."),
     json_out: bool = typer.Option(False, "--json", help="Print the records as JSON."),
     quiet: bool = typer.Option(False, help="No progress lines."),
     debug: bool = typer.Option(False, help="Show full tracebacks."),
 ):
-    """Check every path this machine takes (kernels, merges, ring, generate) against its reference."""
+    """Check every path this machine takes (kernels, merges, ring, generate) against its reference;
+    with --kv-dtype, how a lossy KV cache moves the model's predictions on your document."""
     from . import report
     from .cli.check import check_command
 
     _quiet_libraries()
+    if kv_dtype is not None:
+        raise typer.Exit(_fidelity(kv_dtype, prompt_file, model, dtype, device, max_new_tokens, max_tokens,
+                                   trust_remote_code, allow_pickle, json_out, quiet, debug))
     try:
         if nproc is not None and nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -340,6 +362,25 @@ def check(
     if not quiet or json_out:
         report.print_check(recs, as_json=json_out)
     raise typer.Exit(1 if any(r["verdict"] == "FAIL" for r in recs) else 0)
+
+
+def _fidelity(kv_dtype, prompt_file, model, dtype, device, max_new_tokens, max_tokens, trust_remote_code,
+              allow_pickle, json_out, quiet, debug) -> int:
+    """``check --kv-dtype``: 0 when the lossy cache stays within the thresholds, 1 when it drifts."""
+    from . import report
+    from .cli.check import fidelity_command
+
+    try:
+        say = None if quiet else (lambda what: typer.echo(f"treeattn check: {what}", err=True))
+        rec = fidelity_command(kv_dtype=kv_dtype, prompt_file=prompt_file, model=model, dtype=dtype, device=device,
+                               new_tokens=max_new_tokens, max_tokens=max_tokens, trust_remote_code=trust_remote_code,
+                               allow_pickle=allow_pickle, on_progress=say)
+    except Exception as e:
+        if debug:
+            raise
+        return _report(e)
+    report.print_fidelity(rec, as_json=json_out)
+    return 0 if rec["ok"] else 1
 
 
 def main() -> None:

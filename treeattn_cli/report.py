@@ -263,6 +263,15 @@ def _fmt_tokens(n: int) -> str:
     return str(n)
 
 
+def _fmt_count(n: int) -> str:
+    """A token count as 3.39M / 512K / 900 (binary units, like --seq-len's 1M)."""
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f}M"
+    if n >= 1 << 10:
+        return f"{n / (1 << 10):.0f}K"
+    return str(n)
+
+
 def _console(file):
     """A console for ``file``: a terminal's own width, 140 columns when redirected."""
     return Console(file=file, width=None if getattr(file, "isatty", lambda: False)() else 140)
@@ -346,6 +355,30 @@ def print_check(records, as_json=False, file=None) -> None:
     _console(file).print(t)
 
 
+def print_fidelity(rec: dict, as_json=False, file=None) -> None:
+    """``check --kv-dtype``: agreement of the lossy cache with the model's own dtype, and a verdict."""
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps(rec, indent=1), file=file)
+        return
+    th = rec["thresholds"]
+    t = Table(title=f"KV fidelity: {rec['kv_dtype']} against {rec['reference']}, {rec['tokens']} tokens of "
+                    f"{rec['document']} ({rec['device']})")
+    for col, just in (("measure", "left"), ("value", "right"), ("threshold", "right")):
+        t.add_column(col, justify=just)
+    t.add_row("top-1 agreement over the document", f"{rec['top1_agreement']:.4f}", f">= {th['top1_agreement']}")
+    t.add_row("mean KL (nats)", f"{rec['kl_mean']:.5f}", f"<= {th['kl_mean']}")
+    t.add_row(f"greedy agreement, {rec['greedy_tokens']} tokens", f"{rec['greedy_agreement']:.3f}", "-")
+    t.add_row("greedy tokens equal before the first difference", str(rec["greedy_prefix"]), "-")
+    b = rec["kv_bytes_per_token"]
+    t.add_row("KV bytes per token (one rank holds all)", f"{b['test']} vs {b['reference']} "
+              f"({b['test'] / b['reference']:.3f}x)", "-")
+    t.caption = (f"within the thresholds: {rec['kv_dtype']} KV is fit for this model on documents like this one" if rec["ok"] else
+                 f"drifts beyond the thresholds: prefer --kv-dtype {rec['reference']} for this model")
+    t.caption_justify = "left"
+    _console(file).print(t)
+
+
 def print_prefill(records, as_json=False, file=None) -> None:
     """``bench --prefill`` (measured: per sharding, the slowest rank's time and the FLOP balance)
     or ``--prefill --simulate`` (a whole model's prefill time and parallel efficiency)."""
@@ -412,6 +445,25 @@ def print_mesh_projection(records, as_json=False, file=None) -> None:
     if spec:
         t.caption = (f"speculation: {first['draft_k']} drafts per step, each kept with probability {first['acceptance']}; "
                      "a verify reads what a step reads and computes draft_k + 1 rows")
+    _console(file).print(t)
+
+
+def print_max_context(records, as_json=False, file=None) -> None:
+    """``bench --simulate --max-context``: the longest context that fits, per model, GPUs, KV dtype, tp."""
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps(records, indent=1), file=file)
+        return
+    first = records[0] if records else {}
+    t = Table(title=f"longest context that fits (simulated, {first.get('profile', '?')}, weights "
+                    f"{first.get('dtype', '?')}, {first.get('reserve_gb', 0):.0f} GB per GPU kept for the rest)")
+    for col in ("model", "GPUs", "KV", "bytes/token", "tp", "cp", "weights GB/GPU", "KV room GB/GPU",
+                "max context", "best"):
+        t.add_column(col, justify="left" if col in ("model", "KV") else "right")
+    for r in records:
+        t.add_row(r["model"], str(r["nproc"]), r["kv_dtype"], f"{r['kv_bytes_per_token']:,}", str(r["tp"]),
+                  str(r["cp"]), f"{r['weights_gb_per_gpu']:.1f}", f"{r['kv_room_gb_per_gpu']:.1f}",
+                  _fmt_count(r["max_context"]), "*" if r.get("best") else "", style=None if r.get("best") else "dim")
     _console(file).print(t)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from treeattn_kernels import partial_attention
 
+from ..engine.kvquant import KVQuant
 from ..parallel.comm import Stats, make_comm
 from ..parallel.ring import chunk_bounds, ring_decode
 from .spec import DTYPES, BenchSpec, device_name, pct, timed_then_counted
@@ -51,19 +52,29 @@ def bench_rank(ctx, spec: BenchSpec):
         k = torch.randn(caches, Hk, n_local if active else 0, d, device=dev, dtype=torch.float32).to(dt)
         v = torch.randn_like(k)
         comm = comms.get(scheme, base)
+        attend, kv_bytes = partial_attention, 2 * k.numel() * k.element_size()
+        if spec.kv_dtype == "fp8":  # stored as the engine stores it; queries and outputs rotated per step
+            quant = KVQuant(d, dev)
+            (k8, ks), (v8, vs) = quant.quantize(k), quant.quantize(v)
+            kv_bytes = 2 * (k8.numel() * k8.element_size() + ks.numel() * ks.element_size())
+
+            def attend(q, k, v):  # noqa: F811 - the fp8 cache's read
+                o, lse = partial_attention(quant.rotate(q), k8, v8, k_scale=ks, v_scale=vs)
+                return quant.unrotate(o), lse
+
+            k, v = quant.restore(k8, ks).to(dt), quant.restore(v8, vs).to(dt)  # the ring baseline's blocks
 
         def step():
             for _ in range(L):
                 if method == "ring":
                     ring_decode(comm, q, k, v, shard_lens=lens)
                 elif method == "tree":
-                    o, lse = partial_attention(q, k, v)
+                    o, lse = attend(q, k, v)
                     comm.merge(o, lse)
                 elif active:
-                    partial_attention(q, k, v)
+                    attend(q, k, v)
 
         times = timed_then_counted(base, dev, step, spec, stats)
-        kv_bytes = 2 * k.numel() * k.element_size()
         mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else kv_bytes + stats.peak_mem_bytes
         everyone = base.all_gather_values(times + [mem, stats.collectives, stats.bytes_sent,
                                                    stats.peak_mem_bytes])  # [world, iters + 4]
@@ -75,14 +86,14 @@ def bench_rank(ctx, spec: BenchSpec):
             records.append({
                 "method": method, "scheme": scheme or ("ring" if method == "ring" else "none"),
                 "nproc": p if method != "single" else 1, "seq_len": N, "batch": B, "shared": spec.shared,
-                "heads": H, "kv_heads": Hk, "head_dim": d, "dtype": spec.dtype, "layers": L,
+                "heads": H, "kv_heads": Hk, "head_dim": d, "dtype": spec.dtype, "kv_dtype": spec.kv_dtype, "layers": L,
                 "step_ms_median": statistics.median(ms), "step_ms_p10": pct(ms, 10),
                 "step_ms_p90": pct(ms, 90), "bytes_per_step": int(col[:, 2].max()),
                 "collectives_per_step": int(col[:, 1].max()), "peak_mem_bytes": int(col[:, 0].max()),
                 "device": device_name(dev), "simulated": False,
             })
             ctx.send("case", (ci + 1, len(cases)))
-        q = k = v = None  # free this case's cache before the next one
+        q = k = v = attend = None  # free this case's cache before the next one
     return records if r == 0 else None
 
 

@@ -30,10 +30,10 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def time_treeattn(model_dir, ids, new_tokens, nproc, dtype="float32", scheme="allreduce",
-                  decode_method="tree", tp=1, speculate="off"):
+                  decode_method="tree", tp=1, speculate="off", kv_dtype="auto"):
     job = GenerateJob(model_dir=str(model_dir), prompt_ids=ids, max_new_tokens=new_tokens,
                       sampling=Sampling(), dtype=dtype, scheme=scheme, decode_method=decode_method, tp=tp,
-                      speculate=speculate)
+                      speculate=speculate, kv_dtype=kv_dtype)
     toks = []
     res = run_local(rank_generate, nproc, job, on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
     s = res[0]
@@ -43,7 +43,8 @@ def time_treeattn(model_dir, ids, new_tokens, nproc, dtype="float32", scheme="al
             "scheme": scheme if decode_method == "tree" else "ring", "nproc": nproc, "tp": tp,
             "prefill_s": s["prefill_s"], "decode_ms_per_token": decode_ms,
             "weight_bytes": s["weight_bytes"], "peak_rss_bytes": s.get("peak_rss_bytes"),
-            "speculation": s.get("speculation"), "token_ids": toks}
+            "speculation": s.get("speculation"), "kv_dtype": s.get("kv_dtype"),
+            "kv_bytes_per_token": s.get("kv_bytes_per_token"), "token_ids": toks}
 
 
 class _Clock:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..engine.kvdtypes import token_bytes
 from .spec import DTYPES
 
 
@@ -98,7 +99,7 @@ def speculation_gain(acceptance: float, k: int) -> float:
 
 def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: list[int], shape: str, *,
                   batch: int = 1, shared: bool = False, dtype: str = "bfloat16",
-                  acceptance: float | None = None, draft_k: int = 8) -> list[dict]:
+                  acceptance: float | None = None, draft_k: int = 8, kv_dtype: str = "auto") -> list[dict]:
     """Predicted decode step of a whole model for every (GPUs, tokens, tp) with tp | GPUs,
     tp | H_kv and tp <= GPUs per node; ``fits`` says whether weights + KV fit each GPU's memory
     and ``best`` marks the fastest fitting (tp, cp) per (GPUs, tokens). ``batch`` sequences per
@@ -108,7 +109,9 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
     speculative decoding with ``draft_k`` drafts per sequence kept with that probability each: a
     verify step reads the same weights and cache as a decode step, moves ``draft_k + 1`` times
     the merge and all-reduce bytes, and computes ``draft_k + 1`` rows (at the profile's peak
-    FLOP/s); ``spec_tokens_per_s`` and ``spec_gain`` (over plain decode) come with it."""
+    FLOP/s); ``spec_tokens_per_s`` and ``spec_gain`` (over plain decode) come with it.
+    ``kv_dtype``: how the cache is stored (``auto``: ``dtype``; fp8 with its scales), which sets
+    the bytes each step reads and what fits."""
     from ..topology import layout as Lo
     from ..topology.layout import ring_allreduce_s
     from ..parallel.mesh import Mesh
@@ -122,6 +125,8 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
     intra = next((c for c in ("NVSWITCH", "XGMI", "NVLINK", "PIX", "PXB", "PHB", "NODE", "SYS", "LOOPBACK")
                   if c in prof.links), "NET")
     esize = DTYPES[dtype].itemsize
+    kv_name = dtype if kv_dtype == "auto" else kv_dtype
+    kv_token = token_bytes(kv_name, m.layers, m.kv_heads, m.head_dim)  # all layers and heads
     out = []
     for p in gpus:
         for N in seq_lens:
@@ -135,7 +140,7 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
                 lay = cp_layout(mesh, nodes, prof.path, heads=m.heads, head_dim=m.head_dim, layers=m.layers,
                                 intra=intra, batch=batch) if cp > 1 else None
                 w = m.params * esize / tp
-                kv = 2 * m.layers * (m.kv_heads // tp) * m.head_dim * math.ceil(N / cp) * (1 if shared else batch) * esize
+                kv = kv_token // tp * math.ceil(N / cp) * (1 if shared else batch)
                 t_w, t_kv = w / prof.memory_bandwidth, kv / prof.memory_bandwidth
                 t_ar = ring_allreduce_s(tp, batch * m.hidden * esize, prof.link(intra)) if tp > 1 else 0.0
                 t_merge = lay.per_layer_s if lay else 0.0
@@ -154,6 +159,7 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
                 rows.append({
                     "method": "tree", "simulated": True, "profile": prof.name, "model": shape, "nproc": p,
                     "tp": tp, "cp": cp, "seq_len": N, "batch": batch, "shared": shared, "dtype": dtype,
+                    "kv_dtype": kv_name,
                     "scheme": lay.scheme if lay else "none", "step_ms_median": step * 1e3,
                     "tokens_per_s": batch / step,
                     "weights_ms": t_w * 1e3, "kv_ms": t_kv * 1e3, "tp_allreduce_ms": 2 * m.layers * t_ar * 1e3,
@@ -165,6 +171,48 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
             if ok:
                 min(ok, key=lambda r: r["step_ms_median"])["best"] = True
             out += rows
+    return out
+
+
+RESERVE_BYTES = 4 << 30  # per GPU, besides weights and KV: CUDA context, NCCL buffers, activations, logits
+
+
+def max_context(profile_name: str, gpus: list[int], shapes: list[str], kv_dtypes: list[str],
+                tps: list[int] | None = None, dtype: str = "bfloat16") -> list[dict]:
+    """The longest context whose KV cache fits ``gpus`` GPUs of a profile next to the weights
+    (``dtype``, split ``tp`` ways) and :data:`RESERVE_BYTES`, per model shape, KV dtype and tp:
+    each GPU holds ``1/tp`` of the weights and ``1/GPUs`` of every token's KV (``tp`` splits
+    the KV heads, ``cp`` the tokens), so more tp leaves more room. ``best`` marks the tp with
+    the longest context per (shape, GPUs, KV dtype)."""
+    from ..topology import layout as Lo
+
+    prof = Lo.load_profile(profile_name)
+    if not prof.memory_bytes:
+        raise ValueError(f"profile {prof.name} has no memory_gb: cannot size the cache")
+    per_node = prof.gpus_per_node or 8
+    esize = DTYPES[dtype].itemsize
+    out = []
+    for shape in shapes:
+        m = model_shape(shape)
+        for p in gpus:
+            for kv in kv_dtypes:
+                kv_name = dtype if kv == "auto" else kv
+                per_token = token_bytes(kv_name, m.layers, m.kv_heads, m.head_dim)
+                rows = []
+                for tp in tps or [1, 2, 4, 8]:
+                    if p % tp or m.kv_heads % tp or m.heads % tp or tp > per_node:
+                        continue
+                    w = m.params * esize / tp
+                    room = prof.memory_bytes - w - RESERVE_BYTES
+                    tokens = max(0, int(room * p // per_token)) if room > 0 else 0
+                    rows.append({"simulated": True, "profile": prof.name, "model": shape, "nproc": p, "tp": tp,
+                                 "cp": p // tp, "dtype": dtype, "kv_dtype": kv_name, "kv_bytes_per_token": per_token,
+                                 "weights_gb_per_gpu": w / 1e9, "kv_room_gb_per_gpu": max(room, 0) / 1e9,
+                                 "max_context": tokens, "reserve_gb": RESERVE_BYTES / 1e9,
+                                 "device": f"simulated {prof.name}"})
+                if rows:
+                    max(rows, key=lambda r: r["max_context"])["best"] = True
+                out += rows
     return out
 
 

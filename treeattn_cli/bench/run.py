@@ -40,6 +40,8 @@ class BenchOptions:
     acceptance: float | None = None  # --simulate --model-shape: price speculative decoding at this draft acceptance
     draft_k: int = 8  # ... with this many drafts per step
     mfu: float = 0.5  # --simulate --prefill: the fraction of peak FLOP/s compute runs at
+    kv_dtype: str = "auto"  # the KV cache's storage: auto | bfloat16 | float16 | float32 | fp8
+    max_context: bool = False  # --simulate: the longest context that fits, per model shape and KV dtype
 
 
 def parse_ints(flag: str, text: str) -> list[int]:
@@ -91,7 +93,7 @@ def make_spec(o: BenchOptions, kind: str, nproc: int) -> BenchSpec:
     return BenchSpec(methods=methods, schemes=schemes, seq_lens=parse_ints("--seq-len", o.seq_len),
                      batch=batches[0], batches=batches, shared=o.shared, heads=o.heads, kv_heads=o.kv_heads,
                      head_dim=o.head_dim,
-                     dtype=dtype, layers=o.layers, iters=o.iters, warmup=o.warmup,
+                     dtype=dtype, kv_dtype=o.kv_dtype, layers=o.layers, iters=o.iters, warmup=o.warmup,
                      groups=lay.groups if lay.scheme == "hierarchical" else [list(range(nproc))],
                      inner=lay.inner or "allreduce", outer=lay.outer or "tree")
 
@@ -108,6 +110,19 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
         return simulate_prefill(o.simulate, parse_ints("--gpus", o.gpus), parse_ints("--seq-len", o.seq_len),
                                 o.model_shape or "llama-3.1-405b", tp=parse_ints("--tp", o.tp)[0], mfu=o.mfu,
                                 dtype=o.dtype if o.dtype != "auto" else "bfloat16")
+    from ..engine.kvdtypes import KV_DTYPES
+
+    if o.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {o.kv_dtype!r}")
+    if o.max_context:
+        from .projection import max_context
+
+        if not o.simulate:
+            raise ValueError("--max-context is a projection: give --simulate PROFILE (e.g. dgx-h100)")
+        shapes = [o.model_shape] if o.model_shape else ["llama-3.1-8b", "llama-3.1-70b"]
+        kvs = [o.kv_dtype] if o.kv_dtype != "auto" else ["bfloat16", "fp8"]
+        return max_context(o.simulate, parse_ints("--gpus", o.gpus), shapes, kvs,
+                           parse_ints("--tp", o.tp) if o.tp != "1" else None)  # default: every tp that divides
     if o.prefill:
         return prefill_mode(o, on_progress)
     if o.simulate:
@@ -128,7 +143,7 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
             return [r for b in batches for r in simulate_mesh(
                 o.simulate, parse_ints("--gpus", o.gpus), spec.seq_lens, parse_ints("--tp", o.tp),
                 o.model_shape or "llama-3.1-8b", batch=b, shared=o.shared, dtype=spec.dtype,
-                acceptance=o.acceptance, draft_k=o.draft_k)]
+                acceptance=o.acceptance, draft_k=o.draft_k, kv_dtype=o.kv_dtype)]
         return simulate(o.simulate, parse_ints("--gpus", o.gpus), spec)
     counts = parse_ints("--nproc", o.nproc) if o.nproc else [None]
     kind, backend, n, devices = plan_devices(o.device, o.backend, counts[0])
@@ -200,11 +215,11 @@ def model_mode(o: BenchOptions, n: int, tp: int = 1) -> list[dict]:
         ids = prompt_ids(tok, N)
         for m in methods:
             if m == "single":
-                r = time_treeattn(model_dir, ids, o.new_tokens, 1)
+                r = time_treeattn(model_dir, ids, o.new_tokens, 1, kv_dtype=o.kv_dtype)
             elif m == "ring":
-                r = time_treeattn(model_dir, ids, o.new_tokens, n, decode_method="ring")
+                r = time_treeattn(model_dir, ids, o.new_tokens, n, decode_method="ring", kv_dtype=o.kv_dtype)
             else:
-                r = time_treeattn(model_dir, ids, o.new_tokens, n, tp=tp,
+                r = time_treeattn(model_dir, ids, o.new_tokens, n, tp=tp, kv_dtype=o.kv_dtype,
                                   scheme="allreduce" if o.scheme in ("auto", "all") else o.scheme)
             r.pop("token_ids", None)
             out.append({**r, "method": m, "seq_len": N, "model": str(model_dir), "simulated": False,

@@ -147,7 +147,8 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
         _save(client, o.save_kv, save_meta, quiet)
     turns = (manifest or {}).get("composition", {}).get("turns", 0) if manifest else 0
     cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
-    info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind)
+    info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind,
+                kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
     if o.batch > 1 and not o.conversation and (o.questions is not None or not sys.stdin.isatty()):
         return _batch(o, run, client, composition, cached, job.eos_ids, info)
     total, last_reason = cached, None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ..engine.kvdtypes import KV_DTYPES
 from ..parallel.schemes import SCHEMES
 
 
@@ -63,6 +64,9 @@ RUN_FLAGS = (
     Flag("backend", str, "auto", "auto | nccl | gloo."),
     Flag("device", str, "auto", "auto | cuda | cpu."),
     Flag("dtype", str, "auto", "auto | float32 | bfloat16 | float16."),
+    Flag("kv_dtype", str, "auto", "KV cache storage: auto (the model's dtype) | bfloat16 | float16 | float32 | fp8 "
+         "(e4m3, rotated, a scale per token and head: about half of bf16; measure it with "
+         "`treeattn check --kv-dtype fp8 --prompt-file DOC`)."),
     Flag("scheme", str, "auto",
          "Merge scheme: auto (the layout `treeattn topo` chooses) | allreduce | allgather | tree | hierarchical."),
     Flag("layout", Optional[str], None, "Interconnect profile for the layout choice: a built-in name or a YAML path "
@@ -99,6 +103,7 @@ class GenerateOptions:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
+    kv_dtype: str = "auto"  # the KV cache's storage: auto | bfloat16 | float16 | float32 | fp8 (engine/kvquant.py)
     scheme: str = "auto"
     output: str | None = None
     json: bool = False
@@ -138,6 +143,7 @@ def check_flags(o: GenerateOptions) -> None:
     for flag, val, choices in (("--backend", o.backend, ("auto", "nccl", "gloo")),
                                ("--device", o.device, ("auto", "cuda", "cpu")),
                                ("--dtype", o.dtype, ("auto", "float32", "bfloat16", "float16")),
+                               ("--kv-dtype", o.kv_dtype, KV_DTYPES),
                                ("--scheme", o.scheme, ("auto", *SCHEMES)),
                                ("--prefill-sharding", o.prefill_sharding, ("balanced", "contiguous"))):
         if val not in choices:

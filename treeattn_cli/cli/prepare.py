@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,16 +87,24 @@ class Run:
     context: int | None  # the model's context, tokens
     shapes: dict
     dtype: str  # the run's dtype name, as a saved cache records it
+    kv_dtype: str  # how the KV cache is stored (engine/kvquant.storage): a dtype name or fp8_e4m3fn(uz)
     plan: tuple  # (scheme, groups, inner, outer) of the merge, over a cp group
     reference: bool  # the fast kernels failed their self-check: the reference path
     tp_plan: dict | None = None  # with --tp: None (the model's own plan) or ours
     tp_heads_split: bool = True
+    notes: list = field(default_factory=list)  # lines for the user once every check has passed
 
     def job(self, o, ids, **kw) -> GenerateJob:
+        """What every rank is told; called once the run is settled (every check passed), so the
+        notes the user should read before ranks start are said here, once."""
+        for line in self.notes:
+            print(f"treeattn: note: {line}", file=sys.stderr)
+        self.notes = []
         scheme, groups, inner, outer = self.plan
         return GenerateJob(model_dir=str(self.model_dir), prompt_ids=ids, max_new_tokens=o.max_new_tokens,
                            sampling=Sampling(o.temperature, o.top_k, o.top_p, o.seed), stop=list(o.stop),
                            eos_ids=_eos_ids(self.model_dir, self.config, self.tokenizer), dtype=o.dtype,
+                           kv_dtype=o.kv_dtype,
                            scheme=scheme, groups=groups, inner=inner or "allreduce", outer=outer or "tree",
                            prefill_chunk=o.prefill_chunk, trust_remote_code=o.trust_remote_code,
                            allow_pickle=o.allow_pickle, reference=self.reference, tp=o.tp,
@@ -104,18 +112,32 @@ class Run:
                            prefill_sharding=o.prefill_sharding, speculate=o.speculate, tp_plan=self.tp_plan,
                            tp_heads_split=self.tp_heads_split, **kw)
 
+    def kv_bytes_per_token(self, tp: int) -> int:
+        """Bytes of KV one token takes on all ranks together (tp peers that attend with every
+        head each hold a copy), scales included."""
+        from ..engine.kvdtypes import token_bytes
+
+        sh = self.shapes
+        return token_bytes(self.kv_dtype, sh["num_layers"], sh["kv_heads"], sh["head_dim"]) * \
+            (1 if self.tp_heads_split else tp)
+
     def identity(self) -> dict:
         from ..engine.kvstore import model_identity
 
         return model_identity(self.model_dir)
 
-    def load_kv(self, path: str) -> dict:
-        """The validated manifest of a saved cache for this run (KVError: exit 2)."""
-        from ..engine.kvstore import validate
+    def load_kv(self, path: str, note: bool = True) -> dict:
+        """The validated manifest of a saved cache for this run (KVError: exit 2); ``note``: one
+        line on stderr when its KV storage is converted to this run's ``--kv-dtype``."""
+        from ..engine.kvstore import conversion, validate
 
         sh = self.shapes
-        return validate(path, identity=self.identity(), dtype=self.dtype,
-                        shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]})
+        m = validate(path, identity=self.identity(), dtype=self.dtype,
+                     shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]})
+        line = conversion(m, self.kv_dtype)
+        if note and line:
+            print(f"treeattn: note: {path}: {line}", file=sys.stderr)
+        return m
 
     def save_meta(self, path: str, composition: dict) -> dict:
         """Where ``--save-kv`` writes, checked now (exit 2), and what the manifest records."""
@@ -144,16 +166,31 @@ def prepare_run(o: GenerateOptions) -> Run:
     check_flags(o)
     kind, be, n, devices = plan_devices(o.device, o.backend, o.nproc)
     dtype = M.pick_dtype(o.dtype, torch.device(devices[0]))
+    from ..engine.kvquant import storage
     model_dir = M.resolve(o.model, allow_pickle=o.allow_pickle)  # None: the embedded demo model
     config = M.load_config(model_dir, o.trust_remote_code)
     probe_model(config, o.trust_remote_code)  # our attention against transformers', once per family and config
     tok = M.load_tokenizer(model_dir, o.trust_remote_code)
     sh = shapes(config)
+    kv_name = storage(o.kv_dtype, dtype, torch.device(devices[0]), sh["head_dim"])[2]  # fp8 on sm_80: one line
     check_tp(o.tp, sh["heads"], sh["kv_heads"], n)
     tp_plan, split = _tp_plan(config, o.tp, o.trust_remote_code)
     plan = _merge_plan(o, kind, n // o.tp, config, o.tp if split else 1)  # over a cp group
+    notes = [_fidelity_note(model_dir, kv_name)] if kv_name.startswith("fp8") else []
     return Run(kind, be, n, devices, model_dir, config, tok, M.context_length(config), sh,
-               str(dtype).replace("torch.", ""), plan, _kernels_failed(devices[0]), tp_plan, split)
+               str(dtype).replace("torch.", ""), kv_name, plan, _kernels_failed(devices[0]), tp_plan, split,
+               [x for x in notes if x])
+
+
+def _fidelity_note(model_dir, kv_name: str) -> str | None:
+    """A line when no fidelity check of this lossy KV storage is recorded for this model."""
+    from ..engine.kvstore import model_identity
+    from ..verify.fidelity import recorded
+
+    if recorded(model_identity(model_dir), kv_name) is None:
+        return (f"{kv_name} KV is not exact and no fidelity check is recorded for this model: "
+                "`treeattn check --kv-dtype fp8 --prompt-file DOC` measures it on your document")
+    return None
 
 
 def _tp_plan(config, tp: int, trust_remote_code: bool):

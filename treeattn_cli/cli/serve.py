@@ -76,7 +76,7 @@ class DocIndex:
             if not d.is_dir() or ".partial-" in d.name:
                 continue
             try:
-                manifest = run.load_kv(str(d))
+                manifest = run.load_kv(str(d), note=False)
                 ids = load_ids(d)
             except (KVError, ValueError):  # another model's, or damaged: not ours to use
                 continue
@@ -187,7 +187,7 @@ class Scheduler(threading.Thread):
             index.entries[key] = {**(e or {}), "ids": doc_ids, "resident": True,
                                   "disk": bool(info.get("saved") or (e or {}).get("disk"))}
             if info.get("saved"):
-                index.entries[key]["manifest"] = srv.run.load_kv(str(srv.docs.dir / key))
+                index.entries[key]["manifest"] = srv.run.load_kv(str(srv.docs.dir / key), note=False)
         for old in info.get("evicted", []):
             if old in index.entries:
                 index.entries[old]["resident"] = False

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeattn_kernels import add_sink, partial_attention
+from treeattn_kernels import add_sink, dequantize, partial_attention
 
 from .cache import ShardedKVCache
 from ..parallel.comm import Comm
@@ -92,15 +92,17 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
     sink = _sinks(module, s_aux, query.shape[1])
     cache, comm = ctx.cache, ctx.comm
     if ctx.phase == "prefill":
+        key, value = cache.as_stored(key), cache.as_stored(value)  # fp8 or another dtype: as they will be kept
         cached = any(ctx.cache_lens)  # known on every rank: they all take the same path
-        travel = cached and ctx.method == "pass-kv"
+        travel = cached and ctx.method == "pass-kv" and cache.quant is None  # fp8 shards stay with their scales
         if cached:
             k, v, kv_len, pos = cache.view(layer)
         o, lse = ring_prefill(comm, query, key, value, ctx.pieces, scale=scaling, window=window, softcap=softcap,
-                              cache=(k, v) if travel else None, cache_lens=ctx.cache_lens if travel else None)
+                              cache=(k.to(key.dtype), v.to(key.dtype)) if travel else None,
+                              cache_lens=ctx.cache_lens if travel else None)
         if cached and not travel:  # the cache stays; queries visit every rank's shard
             po, pl = ring_pass_q(comm, query, k, v, kv_len, ctx.pieces, k_pos=pos, scale=scaling,
-                                 window=window, softcap=softcap)
+                                 window=window, softcap=softcap, attend=_stored(cache, layer))
             o, lse = merge_pair(o, lse, po, pl)
         if sink is not None:  # these queries' partials over every key are merged: the sink joins once
             o, lse = add_sink(o, lse, sink)
@@ -124,8 +126,14 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
                 raise ValueError("the ring decode baseline does not support sliding-window layers")
             lens = cache.shard_lens()  # every rank's block length, known without a collective
             n = lens[comm.rank]
-            o, lse = ring_decode(comm, query, k[:, :, :n], v[:, :, :n], kv_len, shard_lens=lens,
-                                 scale=scaling, softcap=softcap)
+            q, k, v = query, k[:, :, :n], v[:, :, :n]
+            if cache.quant is not None:  # the baseline rotates plain blocks: dequantized, in the rotated basis
+                ks, vs = cache.scales(layer, n)
+                q, k, v = cache.quant.rotate(q), dequantize(k, ks, q.dtype), dequantize(v, vs, q.dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # another storage dtype: read in the model's
+            o, lse = ring_decode(comm, q, k, v, kv_len, shard_lens=lens, scale=scaling, softcap=softcap)
+            if cache.quant is not None:
+                o = cache.quant.unrotate(o)
             if sink is not None:  # every rank merged all p partials itself
                 o, _ = add_sink(o, lse, sink)
             return o.to(query.dtype).transpose(1, 2).contiguous(), None
@@ -133,14 +141,32 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
         if window is not None:
             q_pos, k_pos = cache.step_positions[:, None], cache.pos[:, : k.shape[2]]
         # the same query on every rank: its sink goes into one rank's partial before the merge
-        o, lse = partial_attention(query, k, v, scale=scaling, kv_len=kv_len, window=window, softcap=softcap,
-                                   sink=sink if comm.rank == 0 else None, q_pos=q_pos, k_pos=k_pos,
-                                   out_dtype=torch.float32)
+        o, lse = _stored(cache, layer)(query, k, v, scale=scaling, kv_len=kv_len, window=window, softcap=softcap,
+                                       sink=sink if comm.rank == 0 else None, q_pos=q_pos, k_pos=k_pos,
+                                       k_pos_sorted=True, out_dtype=torch.float32)  # a cache's positions ascend
         B, H, T, d = query.shape
         out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
         comm.merge(o, lse, out=out.transpose(1, 2))
         return out, None
     return o.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _stored(cache: ShardedKVCache, layer: int, rows=None, extension: bool = False):
+    """``partial_attention`` over ``cache``'s own views as stored (``extension``: over the
+    extension this rank keeps, ``cache.extension_view``). An fp8 cache: the queries turn into
+    its rotated basis, its per-token scales come along, and the output turns back. A cache in
+    another dtype than the model's: its rows are read in the model's dtype (lossless: they were
+    computed in it)."""
+    quant = cache.quant
+
+    def attend(q, k, v, **kw):
+        if quant is None:
+            return partial_attention(q, k.to(q.dtype), v.to(q.dtype), **kw)  # no copy when they agree
+        ks, vs = cache.extension_scales(layer, 0) if extension else cache.scales(layer, k.shape[2], rows)
+        o, lse = partial_attention(quant.rotate(q), k, v, k_scale=ks, v_scale=vs, **kw)
+        return quant.unrotate(o), lse
+
+    return attend
 
 
 def _sinks(module, s_aux, heads: int):
@@ -166,9 +192,9 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     pos = ctx.positions  # [R, T] global positions of the queries (-1: padding)
     dk, dv, dlen, dpos = doc.view(layer)  # [1, H_kv, N, d]: the document, never copied per sequence
     rows = q.transpose(0, 1).reshape(1, H, R * T, d)  # [1, H, R·T, d]: sequences as query rows
-    kw = dict(q_pos=pos.reshape(R * T), k_pos=dpos, window=window) if window is not None else {}
-    o_d, l_d = partial_attention(rows, dk, dv, scale=scale, kv_len=dlen, softcap=softcap,
-                                 out_dtype=torch.float32, **kw)
+    kw = dict(q_pos=pos.reshape(R * T), k_pos=dpos, window=window, k_pos_sorted=True) if window is not None else {}
+    o_d, l_d = _stored(doc, layer)(rows, dk, dv, scale=scale, kv_len=dlen, softcap=softcap,
+                                   out_dtype=torch.float32, **kw)
     o_d = o_d.view(H, R, T, d).transpose(0, 1)  # [R, H, T, d]
     l_d = l_d.view(H, R, T).transpose(0, 1)  # [R, H, T]
     if ctx.step:  # one token per sequence, placed by tail.begin_step
@@ -178,8 +204,8 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
         tail.extend(layer, k_new, v_new)
         tk, tv, tlen, tpos = tail.view_rows(layer, ctx.rows, extended=True)
     kw = dict(q_pos=pos, k_pos=tpos, window=window) if (T > 1 or window is not None) else {}
-    o_t, l_t = partial_attention(q, tk, tv, scale=scale, kv_len=tlen, softcap=softcap,
-                                 out_dtype=torch.float32, **kw)
+    o_t, l_t = _stored(tail, layer, None if ctx.step else ctx.rows)(q, tk, tv, scale=scale, kv_len=tlen,
+                                                                   softcap=softcap, out_dtype=torch.float32, **kw)
     o, lse = merge_pair(o_d, l_d, o_t, l_t)
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
         o, lse = add_sink(o, lse, sink)
@@ -194,9 +220,9 @@ def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
     sink (the same queries on every rank: it joins the merge once)."""
     cache, pos = ctx.cache, ctx.positions
     k, v, kv_len, k_pos = cache.view(layer)  # the shard before this segment
-    kw = dict(q_pos=pos, k_pos=k_pos, window=window) if window is not None else {}
-    o, lse = partial_attention(q, k, v, scale=scale, kv_len=kv_len, softcap=softcap, out_dtype=torch.float32,
-                               sink=sink if ctx.comm.rank == 0 else None, **kw)
+    kw = dict(q_pos=pos, k_pos=k_pos, window=window, k_pos_sorted=True) if window is not None else {}
+    o, lse = _stored(cache, layer)(q, k, v, scale=scale, kv_len=kv_len, softcap=softcap, out_dtype=torch.float32,
+                                   sink=sink if ctx.comm.rank == 0 else None, **kw)
     stats = ctx.comm.stats
     B, H, n, d = q.shape
     if stats.enabled:
@@ -204,8 +230,8 @@ def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
     cache.extend(layer, k_new, v_new)
     nk, nv, npos = cache.extension_view(layer, 0)  # the new tokens this rank keeps: [1, H_kv, m, d]
     if nk.shape[2]:
-        po, pl = partial_attention(q, nk, nv, scale=scale, q_pos=pos, k_pos=npos, window=window,
-                                   softcap=softcap, out_dtype=torch.float32)
+        po, pl = _stored(cache, layer, extension=True)(q, nk, nv, scale=scale, q_pos=pos, k_pos=npos, window=window,
+                                                       k_pos_sorted=True, softcap=softcap, out_dtype=torch.float32)
         o, lse = merge_pair(o, lse, po, pl)
         if stats.enabled:
             stats.add_flops(flops(B, H, d, n, nk.shape[2], "full"))

@@ -72,7 +72,7 @@ class BatchDecoder:
         cp = dec.comm.world
         self.tail = ShardedKVCache(doc.num_layers, slots, doc.kv_heads, doc.head_dim, dtype=doc.dtype,
                                    device=doc.device, rank=doc.rank, world=doc.world,
-                                   capacity=-(-capacity // cp) + 2)
+                                   capacity=-(-capacity // cp) + 2, quant=doc.quant)  # stored like the document
 
     @torch.inference_mode()
     def run(self, questions: list[Question], *, drafter=None, interrupted=None, feed=None, make_question=None,

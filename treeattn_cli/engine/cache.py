@@ -35,13 +35,17 @@ class ShardedKVCache:
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, *,
                  dtype=torch.float32, device="cpu", rank: int = 0, world: int = 1,
-                 capacity: int = 0, static: bool = False):
+                 capacity: int = 0, static: bool = False, quant=None):
         self.num_layers, self.batch, self.kv_heads, self.head_dim = num_layers, batch, kv_heads, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        self.device = torch.device(device)
+        self.quant = quant  # kvquant.KVQuant: keys and values stored as fp8 with per-token scales, rotated
+        self.dtype = quant.dtype if quant is not None else dtype
         self.rank, self.world, self.static = rank, world, static
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.ks: list[torch.Tensor] = []  # fp8: the scales of each (sequence, KV head, token) row, bf16
+        self.vs: list[torch.Tensor] = []
         self.pos = torch.full((batch, 1), -1, dtype=torch.int64, device=self.device)
         self.length = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.host_length = torch.zeros(batch, dtype=torch.int64)  # the same, on the host
@@ -63,15 +67,17 @@ class ShardedKVCache:
         if capacity <= self.capacity:
             return
         new = max(capacity, 2 * self.capacity, _MIN_CAPACITY)
-        shape = (self.batch, self.kv_heads, new + 1, self.head_dim)  # + the write-off slot
         n = self.capacity
-        for store in (self.k, self.v):
+        stores = [(self.k, self.dtype, self.head_dim), (self.v, self.dtype, self.head_dim)]
+        if self.quant is not None:  # fp8: each row's scales, [B, H_kv, capacity + 1, G] bf16
+            stores += [(self.ks, torch.bfloat16, self.quant.groups), (self.vs, torch.bfloat16, self.quant.groups)]
+        for store, dtype, d in stores:
+            shape = (self.batch, self.kv_heads, new + 1, d)  # + the write-off slot
             if not store:
-                store.extend(torch.zeros(shape, dtype=self.dtype, device=self.device)
-                             for _ in range(self.num_layers))
+                store.extend(torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers))
                 continue
             for i, t in enumerate(store):
-                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                grown = torch.zeros(shape, dtype=dtype, device=self.device)
                 grown[:, :, :n] = t[:, :, :n]
                 store[i] = grown
         pos = torch.full((self.batch, new + 1), -1, dtype=torch.int64, device=self.device)
@@ -84,7 +90,46 @@ class ShardedKVCache:
         return int(self.host_length.max()) if self.batch else 0
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.ks + self.vs)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this rank's cache, every layer (fp8: its scales included)."""
+        per = self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        if self.quant is not None:
+            per += 2 * self.quant.groups  # bf16 scales
+        return self.num_layers * 2 * self.kv_heads * per
+
+    def _put(self, layer: int, index, k, v) -> None:
+        """Write keys and values ``k, v [..., d]`` at ``index`` (over the first three dims) of a
+        layer: cast to the cache's dtype, or rounded to fp8 with their scales."""
+        if self.quant is None:
+            self.k[layer][index] = k.to(self.dtype)
+            self.v[layer][index] = v.to(self.dtype)
+            return
+        for x, store, scales in ((k, self.k, self.ks), (v, self.v, self.vs)):
+            x8, scale = self.quant.quantize(x.to(self.device))
+            store[layer][index] = x8
+            scales[layer][index] = scale
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Fresh keys or values ``x`` as this cache will hold them, in ``x``'s dtype: a prefill
+        segment attends its own tokens as stored, so every attention of a run sees the same
+        numbers whichever route it takes."""
+        if self.quant is not None:
+            return self.quant.roundtrip(x)
+        if self.dtype != x.dtype:
+            return x.to(self.dtype).to(x.dtype)
+        return x
+
+    def scales(self, layer: int, L: int, rows=None):
+        """``(k_scale, v_scale [B, H_kv, L, G])`` of an fp8 cache (``rows``: those sequences), else
+        ``(None, None)``."""
+        if self.quant is None:
+            return None, None
+        if rows is None or list(rows) == list(range(self.batch)):
+            return self.ks[layer][:, :, :L], self.vs[layer][:, :, :L]
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.device)
+        return self.ks[layer][idx, :, :L], self.vs[layer][idx, :, :L]
 
     # -- prefill ------------------------------------------------------------------------
     def set_counts(self, counts) -> None:
@@ -100,8 +145,7 @@ class ShardedKVCache:
         C = k.shape[2]
         start = self.max_len
         self.reserve(start + C)
-        self.k[layer][:, :, start:start + C] = k
-        self.v[layer][:, :, start:start + C] = v
+        self._put(layer, (slice(None), slice(None), slice(start, start + C)), k, v)
         if layer == self.num_layers - 1:
             self.pos[:, start:start + C] = torch.as_tensor(positions, device=self.device).expand(self.batch, C)
             self.length += C
@@ -145,8 +189,7 @@ class ShardedKVCache:
     def update(self, layer: int, k_new, v_new):
         """Write this rank's share of the step's K/V (``k_new, v_new [B, H_kv, 1, d]``) and
         return ``(k, v [B, H_kv, L, d], kv_len [B])``, the shard this step attends to."""
-        self.k[layer][self._rows, :, self._slot] = k_new[:, :, 0].to(self.dtype)
-        self.v[layer][self._rows, :, self._slot] = v_new[:, :, 0].to(self.dtype)
+        self._put(layer, (self._rows, slice(None), self._slot), k_new[:, :, 0], v_new[:, :, 0])
         L = self.capacity if self.static else self._view_len
         return self.k[layer][:, :, :L], self.v[layer][:, :, :L], self._kv_len
 
@@ -199,8 +242,7 @@ class ShardedKVCache:
         (the lengths advance at :meth:`end_extend`)."""
         b, i, t, slot = self._ext
         if b.numel():
-            self.k[layer][b, :, slot] = k_new[i, :, t].to(self.dtype)
-            self.v[layer][b, :, slot] = v_new[i, :, t].to(self.dtype)
+            self._put(layer, (b, slice(None), slot), k_new[i, :, t], v_new[i, :, t])
 
     def end_extend(self) -> None:
         """After the last layer: the extension's tokens count."""
@@ -214,6 +256,11 @@ class ShardedKVCache:
         start, m = int(self.host_length[b]), int(self._ext_added[b])
         return (self.k[layer][b:b + 1, :, start:start + m], self.v[layer][b:b + 1, :, start:start + m],
                 self.pos[b, start:start + m])
+
+    def extension_scales(self, layer: int, b: int):
+        """The fp8 scales of :meth:`extension_view`'s tokens: ``(k_scale, v_scale [1, H_kv, m, G])``."""
+        start, m = int(self.host_length[b]), int(self._ext_added[b])
+        return self.ks[layer][b:b + 1, :, start:start + m], self.vs[layer][b:b + 1, :, start:start + m]
 
     def view_rows(self, layer: int, rows, extended: bool = False):
         """``(k, v [R, H_kv, L, d], kv_len [R], pos [R, L])`` of sequences ``rows``, including
@@ -268,13 +315,19 @@ class ShardedKVCache:
         self.host_length.fill_(n)
         self.set_counts(counts)
 
-    def fill_layer(self, layer: int, k, v, slots=None, heads: slice = slice(None)) -> None:
+    def fill_layer(self, layer: int, k, v, slots=None, heads: slice = slice(None), scales=None) -> None:
         """Part of one layer of a :meth:`begin_fill`: ``k, v [B, h, m, d]`` into token slots
-        ``slots [m]`` (default ``0 .. m - 1``) and KV heads ``heads`` of this rank's shard."""
+        ``slots [m]`` (default ``0 .. m - 1``) and KV heads ``heads`` of this rank's shard.
+        ``scales``: ``(k_scale, v_scale [B, h, m])`` when ``k, v`` are already this fp8 cache's
+        stored rows (``[B, h, m, G]``, copied as they are); else they are stored like fresh keys and values."""
         if slots is None:
             slots = slice(0, k.shape[2])
-        self.k[layer][:, heads, slots] = k.to(self.dtype)
-        self.v[layer][:, heads, slots] = v.to(self.dtype)
+        index = (slice(None), heads, slots)
+        if scales is None:
+            self._put(layer, index, k, v)
+            return
+        for x, store in ((k, self.k), (v, self.v), (scales[0], self.ks), (scales[1], self.vs)):
+            store[layer][index] = x.to(store[layer].device)
 
     def view(self, layer: int):
         """``(k, v [B, H_kv, L, d], kv_len [B], pos [B, L])`` of this rank without a new token."""

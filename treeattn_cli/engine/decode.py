@@ -96,10 +96,11 @@ class Decoder:
         return int(self.cache.counts[0].sum())
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, piece: int | None = None, on_progress=None):
+    def prefill(self, ids: torch.Tensor, piece: int | None = None, on_progress=None, rows: int = 1):
         """Append ``ids [B, n]`` to the cache (global positions after the tokens it holds: the
         whole prompt, or a question after a cached document); returns the last position's
-        logits ``[B, V]`` on rank 0 (None elsewhere). ``on_progress(tokens_done, n)`` is called
+        logits ``[B, V]`` on rank 0 (None elsewhere); on one rank, ``rows`` > 1 returns the last
+        ``rows`` positions' ``[B, rows, V]`` (of the last segment; ``verify/fidelity.py``). ``on_progress(tokens_done, n)`` is called
         per layer on rank 0. Each segment is sharded as ``self.sharding`` says (prefill.py);
         with tokens already cached, its queries or the cache travel, whichever moves fewer
         bytes. ``self.segments`` records, per segment: tokens, cached tokens, the method, and
@@ -108,6 +109,8 @@ class Decoder:
 
         B, n = ids.shape
         p, r = self.comm.world, self.comm.rank
+        if rows > 1 and p > 1:
+            raise ValueError("prefill returns more than the last position's logits on one rank only")
         if n < p:  # too short to give every sequence shard a piece: every rank runs all of it
             return self._prefill_replicated(ids, on_progress)
         start = self.total
@@ -122,7 +125,7 @@ class Decoder:
             cache_lens = list(counts)
             method, _ = plan(s1 - s0, sum(cache_lens), p=p, heads=self.q_heads, kv_heads=self.cache.kv_heads,
                              head_dim=self.cache.head_dim, esize=self.cache.k[0].element_size()
-                             if self.cache.k else 4, window=self.window)
+                             if self.cache.k else 4, window=self.window, quantized=self.cache.quant is not None)
             if self.route and sum(cache_lens):
                 method = self.route
             for i in range(p):
@@ -143,7 +146,7 @@ class Decoder:
                 self.actx.positions = pos
                 mine = torch.cat([ids[:, a - start:b - start] for a, b in pieces[r] if b > a], dim=1)
                 out = self._forward(mine.to(self.device), pos[None].expand(B, -1),
-                                    want_logits=(s1 == n and r == owner))
+                                    want_logits=(s1 == n and r == owner), rows=rows)
                 if out is not None:
                     logits = out
             self.segments.append({"tokens": s1 - s0, "cached": sum(cache_lens), "method": method,

@@ -39,6 +39,7 @@ from ..parallel import comm as C
 from .attention import AttentionContext
 from .cache import ShardedKVCache
 from .decode import Decoder, Timings
+from .kvquant import storage
 from .sampling import Sampling
 from .speculate import Speculation
 from ..parallel.mesh import Mesh, check_tp_within_nodes
@@ -121,8 +122,10 @@ class Engine:
         self.heads_split = job.tp_heads_split
         self.kv_heads = sh["kv_heads"] // (mesh.tp if self.heads_split else 1)
         self.head0 = mesh.tp_index * self.kv_heads if self.heads_split else 0
-        self.cache = ShardedKVCache(sh["num_layers"], 1, self.kv_heads, sh["head_dim"], dtype=dtype,
-                                    device=device, rank=self.comm.rank, world=cp, capacity=cap, static=static)
+        kv_dtype, quant, self.kv_name = storage(job.kv_dtype, dtype, device, sh["head_dim"])
+        self.cache = ShardedKVCache(sh["num_layers"], 1, self.kv_heads, sh["head_dim"], dtype=kv_dtype,
+                                    device=device, rank=self.comm.rank, world=cp, capacity=cap, static=static,
+                                    quant=quant)
         self.dec = Decoder(self.model, AttentionContext(self.comm, self.cache, decode_method=job.decode_method),
                            vocab_size=self.model.get_output_embeddings().weight.shape[0], world=self.world,
                            cuda_graph=job.cuda_graph and ctx.backend == "nccl" and job.decode_method == "tree",
@@ -320,7 +323,8 @@ class Engine:
     def _new_cache(self, tokens: int) -> ShardedKVCache:
         c = self.cache
         return ShardedKVCache(c.num_layers, 1, c.kv_heads, c.head_dim, dtype=c.dtype, device=c.device, rank=c.rank,
-                              world=c.world, capacity=math.ceil(tokens / self.mesh.cp) + 2, static=c.static)
+                              world=c.world, capacity=math.ceil(tokens / self.mesh.cp) + 2, static=c.static,
+                              quant=c.quant)
 
     def _activate(self, cache, ids) -> None:
         """Continue ``cache`` (holding ``ids``) from now on."""
@@ -362,6 +366,9 @@ class Engine:
             sh = self.shapes
             kvstore.finish_save(tmp, target, ids=ids, identity=meta["identity"],
                                 dtype=str(self.dtype).replace("torch.", ""),
+                                kv={"kv_dtype": self.kv_name,
+                                    **({"rotation": cache.quant.rotation, "scale_groups": cache.quant.groups}
+                                       if cache.quant is not None else {})},
                                 shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"],
                                         "head_dim": sh["head_dim"]},
                                 mesh={"nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp},
@@ -393,6 +400,8 @@ class Engine:
             "nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp, "nodes": len(set(self.nodes)),
             "weight_bytes": weight_bytes(self.model), "shard_tokens": self.cache.counts[0].tolist(),
             "scheme": self.scheme, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_dtype": self.kv_name,  # bytes of KV one token takes on all ranks together, scales included
+            "kv_bytes_per_token": self.cache.bytes_per_token() * self.mesh.tp,
             "cuda_graph": self.dec.graph is not None,
             "kernels": "reference (the fast kernels failed their self-check)" if self.job.reference else "fast",
             "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],

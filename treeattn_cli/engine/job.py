@@ -21,6 +21,7 @@ class GenerateJob:
     stop: list[str] = field(default_factory=list)
     eos_ids: list[int] = field(default_factory=list)
     dtype: str = "auto"
+    kv_dtype: str = "auto"  # the cache's storage: auto (dtype) | bfloat16 | float16 | float32 | fp8 (kvquant.py)
     scheme: str = "allreduce"
     groups: list | None = None
     inner: str = "allreduce"

@@ -6,7 +6,13 @@ Layout of a saved cache directory::
                             the mesh it was saved from, how prompts continue it, the shard files
     tokens.safetensors      the token ids the cache holds (``ids [n]``, int64)
     kv-c{C}-t{T}.safetensors  one per rank: ``k.{layer}``, ``v.{layer}`` ``[1, H_kv/T, n_C, d]``
-                            and their global positions ``pos [n_C]``
+                            and their global positions ``pos [n_C]``; an fp8 cache adds the
+                            scales ``ks.{layer}``, ``vs.{layer}`` ``[1, H_kv/T, n_C, G]`` (bf16)
+
+The manifest's ``kv_dtype`` is how the rows are stored (``bfloat16``, ..., ``fp8_e4m3fn``,
+``fp8_e4m3fnuz``; fp8 rows are in the rotated basis the manifest's ``rotation`` names). A run
+with another ``--kv-dtype`` converts as it loads (fp8 rows dequantized and turned back, or
+fresh rows rounded to this run's storage): the launcher says so in one line.
 
 Positions are global, so a cache saved on one mesh loads onto another: each loading rank
 takes the positions and KV heads that the new mesh gives it from whichever files hold them.
@@ -80,7 +86,25 @@ def model_identity(model_dir) -> dict:
 
 # ---------------------------------------------------------------- saving (on the ranks)
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ"}
+_FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fnuz": torch.float8_e4m3fnuz}  # kv_dtype -> storage
+KV_NAMES = ("float32", "bfloat16", "float16", *_FP8)
+
+
+def kv_dtype_of(manifest: dict) -> str:
+    """How a saved cache's rows are stored (caches saved before fp8 KV: the model's dtype)."""
+    return manifest.get("kv_dtype") or manifest.get("dtype")
+
+
+def conversion(manifest: dict, kv_name: str) -> str | None:
+    """One line saying how a saved cache's rows become this run's storage ``kv_name``, or None."""
+    saved = kv_dtype_of(manifest)
+    if saved == kv_name:
+        return None
+    how = "rounded to fp8 (lossy)" if kv_name in _FP8 else "dequantized (exact to what was stored)" \
+        if saved in _FP8 else f"cast to {kv_name}"
+    return f"the saved cache holds {saved} KV; this run stores {kv_name} (--kv-dtype): converted as it loads, {how}"
 
 
 def _write_streamed(path: Path, entries, metadata: dict) -> None:
@@ -133,6 +157,10 @@ def save_shard(tmp: Path, cache, *, cp_index: int, tp_index: int, head0: int) ->
     for i in range(cache.num_layers):
         entries.append((f"k.{i}", cache.dtype, shape, _rows(cache.k[i], n)))
         entries.append((f"v.{i}", cache.dtype, shape, _rows(cache.v[i], n)))
+        if cache.quant is not None:  # fp8: each row's scales, [B, H_kv, n, G] bf16
+            sshape = shape[:3] + (cache.quant.groups,)
+            entries.append((f"ks.{i}", torch.bfloat16, sshape, _rows(cache.ks[i], n)))
+            entries.append((f"vs.{i}", torch.bfloat16, sshape, _rows(cache.vs[i], n)))
     entries.append(("pos", torch.int64, (n,), lambda: iter([cache.pos[0, :n]])))
     meta = {"cp_index": str(cp_index), "tp_index": str(tp_index), "kv_heads": f"{head0}:{head0 + cache.kv_heads}",
             "format": "pt"}
@@ -142,7 +170,7 @@ def save_shard(tmp: Path, cache, *, cp_index: int, tp_index: int, head0: int) ->
 
 
 def finish_save(tmp: Path, target: Path, *, ids, identity: dict, dtype: str, shapes: dict, mesh: dict,
-                composition: dict) -> dict:
+                composition: dict, kv: dict | None = None) -> dict:
     """Rank 0, after every rank wrote its shard: the token ids, the manifest, then the rename
     into place (an older cache at ``target`` is replaced only once the new one is complete)."""
     from safetensors import safe_open
@@ -158,7 +186,7 @@ def finish_save(tmp: Path, target: Path, *, ids, identity: dict, dtype: str, sha
         shards.append({"file": f.name, "cp_index": int(m["cp_index"]), "tp_index": int(m["tp_index"]),
                        "kv_heads": [h0, h1], "tokens": n})
     manifest = {"format": FORMAT, "treeattn": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "model": identity, "dtype": dtype, **shapes, "mesh": mesh, "composition": composition,
+                "model": identity, "dtype": dtype, **(kv or {"kv_dtype": dtype}), **shapes, "mesh": mesh, "composition": composition,
                 "tokens": {"count": len(ids), "sha256": ids_sha256(ids)}, "shards": shards}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     old = None
@@ -214,6 +242,18 @@ def validate(kv_dir, *, identity: dict, dtype: str, shapes: dict) -> dict:
     for key in ("layers", "kv_heads", "head_dim"):
         if m.get(key) != shapes[key]:
             raise KVError(f"{d}: {key} {m.get(key)} does not match the model's {shapes[key]}")
+    kv = kv_dtype_of(m)
+    if kv not in KV_NAMES:
+        raise KVError(f"{d} holds KV stored as {str(kv)[:40]!r}, which this version cannot read")
+    fp8 = kv in _FP8
+    if fp8:
+        from .kvquant import rotation_name
+
+        from .kvdtypes import scale_groups
+
+        if m.get("rotation") != rotation_name(shapes["head_dim"]) or m.get("scale_groups") != scale_groups(shapes["head_dim"]):
+            raise KVError(f"{d}: its fp8 rows are in a basis or scale layout this version does not know "
+                          f"({str(m.get('rotation'))[:40]}, {str(m.get('scale_groups'))[:8]} scales per row)")
     ids = load_ids(d)
     if len(ids) != m["tokens"]["count"] or ids_sha256(ids) != m["tokens"]["sha256"]:
         raise KVError(f"{d / TOKENS} does not match the manifest's token count and hash")
@@ -222,7 +262,8 @@ def validate(kv_dir, *, identity: dict, dtype: str, shapes: dict) -> dict:
         if not _plain_name(s.get("file")):  # only files of this directory are ever read
             raise KVError(f"{d / MANIFEST}: shard {str(s.get('file'))[:80]!r} is not a plain file name in {d}")
         header = _check_safetensors(d / s["file"])
-        want = {f"{kind}.{i}" for kind in "kv" for i in range(shapes["layers"])} | {"pos"}
+        kinds = ("k", "v", "ks", "vs") if fp8 else ("k", "v")
+        want = {f"{kind}.{i}" for kind in kinds for i in range(shapes["layers"])} | {"pos"}
         if not want <= set(header):
             raise KVError(f"saved cache: {s['file']} lacks tensors {sorted(want - set(header))[:3]}")
         if header["pos"]["shape"] != [s["tokens"]] or header["k.0"]["shape"][2] != s["tokens"]:
@@ -267,6 +308,14 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
     b = chunk_bounds(n, cp)
     lo, hi = b[cp_index], b[cp_index + 1]
     h0, h1 = head0, head0 + cache.kv_heads
+    saved = kv_dtype_of(manifest)
+    quant = cache.quant
+    raw = quant is not None and quant.name == saved  # fp8 rows copied as stored, with their scales
+    restore = None  # saved fp8 rows this cache stores otherwise: back to the model's basis first
+    if saved in _FP8 and not raw:
+        from .kvquant import KVQuant
+
+        restore = KVQuant(cache.head_dim, "cpu", _FP8[saved])
     by_cp: dict[int, list] = {}
     for s in manifest["shards"]:
         by_cp.setdefault(s["cp_index"], []).append(s)
@@ -303,8 +352,15 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
                     at = slice(s["kv_heads"][0] + s0 - h0, s["kv_heads"][0] + s1 - h0)  # my heads it holds
                     k = f.get_slice(f"k.{layer}")[:, s0:s1, a:z, :]
                     v = f.get_slice(f"v.{layer}")[:, s0:s1, a:z, :]
+                    scales = None
+                    if saved in _FP8:
+                        scales = (f.get_slice(f"ks.{layer}")[:, s0:s1, a:z, :],
+                                  f.get_slice(f"vs.{layer}")[:, s0:s1, a:z, :])
                     if not whole:
                         k, v = k[:, :, span], v[:, :, span]
-                    cache.fill_layer(layer, k, v, slots, at)
-                    del k, v
+                        scales = scales and (scales[0][:, :, span], scales[1][:, :, span])
+                    if restore is not None:
+                        k, v, scales = restore.restore(k, scales[0]), restore.restore(v, scales[1]), None
+                    cache.fill_layer(layer, k, v, slots, at, scales=scales if raw else None)
+                    del k, v, scales
     return counts

@@ -179,7 +179,7 @@ def ring_prefill(comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None
 
 
 def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scale=None, window=None,
-                softcap=None):
+                softcap=None, attend=partial_attention):
     """Attention of every rank's queries to every rank's *cached* shard: queries travel, KV stays.
 
     Each query block (with its running ``(o, lse)``) visits every rank once and comes home:
@@ -189,6 +189,8 @@ def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scal
         q: ``[B, H, n_r, d]`` this rank's queries (its ranges of ``pieces``, concatenated).
         k, v: ``[B, H_kv, N_r, d]`` this rank's cache, ``kv_len [B]`` valid lengths,
             ``k_pos [B, N_r]`` positions (needed with a sliding window).
+        attend: ``partial_attention`` or a stand-in with its signature that reads this rank's
+            cache as it is stored (an fp8 cache's scales and rotation).
     Returns:
         ``(o [B, H, n_r, d] fp32, lse [B, H, n_r] fp32)`` over all ranks' caches.
     """
@@ -201,8 +203,8 @@ def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scal
         qpos = positions(pieces[src], qb.device) if window else None
         if stats.enabled:
             stats.add_flops(flops(qb.shape[0], qb.shape[1], qb.shape[3], qb.shape[2], n_cache, "full"))
-        return partial_attention(qb, k, v, scale=scale, kv_len=kv_len, softcap=softcap, window=window,
-                                 q_pos=qpos, k_pos=k_pos if window else None, out_dtype=torch.float32)
+        return attend(qb, k, v, scale=scale, kv_len=kv_len, softcap=softcap, window=window,
+                      q_pos=qpos, k_pos=k_pos if window else None, out_dtype=torch.float32)
 
     o, lse = local(q, r)
     held = [q.contiguous(), o.contiguous(), lse.contiguous()]
@@ -231,12 +233,13 @@ def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scal
 
 
 def plan(segment: int, cached: int, *, p: int, heads: int, kv_heads: int, head_dim: int, esize: int,
-         window=None) -> tuple[str, dict]:
+         window=None, quantized: bool = False) -> tuple[str, dict]:
     """``("pass-kv" | "pass-q", bytes each would move per rank per layer)`` for a segment of
     ``segment`` tokens after ``cached`` tokens spread over ``p`` ranks. Pass-KV sends every
     rank's cache shard and segment piece around the ring (p - 1 hops); pass-Q sends each
     rank's queries and running partials (fp32) around all p ranks, on top of the segment's own
-    pass-KV. Windows always pass queries (a cache shard is not all in a window)."""
+    pass-KV. Windows always pass queries (a cache shard is not all in a window), and so does an
+    fp8 cache (its shards stay where they are stored, with their scales)."""
     kv_tok = 2 * kv_heads * head_dim * esize
     q_tok = heads * head_dim * esize + heads * head_dim * 4 + heads * 4
     seg_kv = (p - 1) * segment / p * kv_tok
@@ -244,7 +247,7 @@ def plan(segment: int, cached: int, *, p: int, heads: int, kv_heads: int, head_d
             "pass-q": seg_kv + p * segment / p * q_tok}
     if cached == 0:
         return "pass-kv", cost
-    if window is not None:  # even on one rank: ring_prefill sees a cache shard whole
+    if window is not None or quantized:  # even on one rank: ring_prefill sees a cache shard whole, as stored
         return "pass-q", cost
     if p == 1:
         return "pass-kv", cost

@@ -67,11 +67,31 @@ def make_model(kind: str, out: Path, seed: int = 0, **over) -> Path:
     return out
 
 
-def hf_greedy(model_dir: Path, prompt_ids, max_new_tokens: int):
-    """transformers' own greedy generate (SDPA/eager attention): the end-to-end oracle."""
+def rounded_attention(kv_round) -> str:
+    """Register transformers' own eager attention of each model family with keys and values
+    passed through ``kv_round`` first (what a cache that stores them rounded holds: the oracle
+    of ``--kv-dtype``); returns the implementation's name."""
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    def attend(module, query, key, value, attention_mask, **kw):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, kv_round(key).to(key.dtype), kv_round(value).to(value.dtype), attention_mask, **kw)
+
+    AttentionInterface.register("treeattn_kv_rounded", attend)
+    AttentionMaskInterface.register("treeattn_kv_rounded", eager_mask)
+    return "treeattn_kv_rounded"
+
+
+def hf_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, kv_round=None):
+    """transformers' own greedy generate (eager attention): the end-to-end oracle. ``kv_round``:
+    keys and values rounded as a cache of another dtype stores them (:func:`rounded_attention`)."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    attn = rounded_attention(kv_round) if kv_round is not None else "eager"
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
     ids = torch.tensor([prompt_ids])
     out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                      do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
