@@ -73,9 +73,9 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
             impl = "aten" if G * q.shape[2] > MAX_ROWS else "triton"
         else:
             impl = "aten" if q.device.type == "cpu" else "torch"
-    if k_scale is not None and impl != "torch":  # the fused and Triton paths take the rows dequantized
+    if k_scale is not None and impl in ("aten", "cpu"):  # the fused path takes the rows dequantized
         k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
-    elif k_scale is not None:
+    elif k_scale is not None:  # the reference and the Triton kernel read the fp8 rows and their scales
         kw.update(k_scale=k_scale, v_scale=v_scale)
     if impl in ("aten", "cpu"):
         from .partial_aten import partial_attention_aten

@@ -8,8 +8,11 @@ with the wheel's own backends (ptxas for CUDA, LLVM's AMDGPU backend for ROCm) i
 running it. The configurations: head dim 64/128/256, GQA group 1-8, fp32/bf16/fp16, decode
 (Q = 1, a static cache with ragged lengths; sliding window, soft-capping and sinks on and off) and
 prefill slices (causal, windowed, pass-Q), KV lengths from 1 to 1M (every split count the
-launch code chooses), and the fused merge kernels. Runtime integers are not specialised, so
-the configurations share a few dozen compiled kernels; each is checked once.
+launch code chooses), and the fused merge kernels; and, on the targets that store an fp8 KV
+cache (sm_90: e4m3fn, gfx942: e4m3fnuz; the engine refuses fp8 on sm_80), the split kernel
+reading fp8 K/V and their scales (decode and speculation's verify blocks). Runtime integers
+are not specialised, so the configurations share a few dozen compiled kernels; each is
+checked once.
 
 Per compiled kernel: registers, spill bytes, shared memory (LDS) against the target's limit,
 K/V tiles in flight (the software pipeline's buffers, read from the TTGIR) and CTAs per SM.
@@ -19,7 +22,11 @@ And the decode launches the runtime makes for Llama-3.1-8B and -70B at tp 1 and 
 and 128K keys per rank (:func:`decode_report`): the split kernel's tiles in flight, CTAs per SM
 and what limits them, its grid against the SMs (also under a CUDA graph planned on twice the
 length), and the bytes it keeps in flight against what the memory system needs (Little's law:
-bandwidth x latency); :data:`RULES` are the ones CI asserts.
+bandwidth x latency); :data:`RULES` are the ones CI asserts. With an fp8 cache (Llama-8B at tp 1
+and 8, Llama-70B at tp 1 and 8) the same rules, at least two tiles in flight on every target and
+no fewer CTAs resident at once than the bf16 kernel of the same shape, and the bytes read per
+key and head (fp8 rows and their scales) against bf16's (or, on a shard that short, the
+whole shard in flight at once).
 
     python -m treeattn_kernels.offline_compile --target sm_90 [--json]
 
@@ -65,7 +72,25 @@ RULES = {
     "lds": "gfx942: <= 32 KiB of LDS, >= 2 workgroups per CU",
     "spills": "no spills",
 }
-NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+         torch.float8_e4m3fn: "fp8_e4m3fn", torch.float8_e4m3fnuz: "fp8_e4m3fnuz"}
+# The fp8 flavour each target's engine stores (kvquant.fp8_dtype); sm_80 has no fp8 loads and
+# the engine refuses fp8 there, so its kernels are not built for it.
+FP8_KV = {"sm_90": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
+FP8_HEAD_DIMS = (64, 96, 128, 256)  # 96: three scale groups, padded to four in the kernel's tile
+FP8_MODELS = ("llama-3.1-8b", "llama-3.1-70b")  # the decode report's fp8 shapes (GQA groups of 4 and 8)
+
+
+def scale_groups(d: int) -> int:
+    """Scales per fp8 row of a head dim (``engine/kvdtypes.scale_groups``: one per 32 channels,
+    else one): the kernels package imports nothing of the CLI's."""
+    return d // 32 if d % 32 == 0 else 1
+
+
+def kv_row_bytes(d: int, kv_dtype) -> int:
+    """Bytes one key's K (or V) row of one head takes: fp8 rows carry their bf16 scales."""
+    esize = torch.empty(0, dtype=kv_dtype).element_size()
+    return d * esize + (2 * scale_groups(d) if esize == 1 else 0)
 
 
 def _meta(*shape, dtype):
@@ -75,6 +100,52 @@ def _meta(*shape, dtype):
 def _cache_kv(B, H_kv, N, d, dtype):
     """K or V as the static cache holds them: ``[B, H_kv, capacity + 1, d]`` viewed to N."""
     return _meta(B, H_kv, N + 1, d, dtype=dtype)[:, :, :N]
+
+
+def _cache_scales(B, H_kv, N, d):
+    """``dict(k_scale, v_scale)`` of an fp8 cache as it holds them: ``[B, H_kv, capacity + 1,
+    G]`` bf16 viewed to N."""
+    G = scale_groups(d)
+    return {n: _meta(B, H_kv, N + 1, G, dtype=torch.bfloat16)[:, :, :N] for n in ("k_scale", "v_scale")}
+
+
+def fp8_calls(target: Target):
+    """The split kernel over an fp8 cache on ``target`` (none where the engine stores no fp8):
+    decode (plain, and windowed with soft-capping: every flag a compiled kernel depends on),
+    speculation's verify blocks (Q = 8 causal rows) and a query block long enough to be sliced,
+    per head dim (96: three scale groups, padded to four) and group size, with bf16 queries (and
+    fp16 ones at d = 128: the same code, another operand type; each distinct kernel costs
+    seconds of CI). fp32 queries read the cache dequantized up front (one configuration shows
+    it)."""
+    f8 = FP8_KV.get(target.name)
+    if f8 is None:
+        return
+    for d, dt, G in itertools.product(FP8_HEAD_DIMS, (torch.bfloat16, torch.float16), (1, 4, 8)):
+        if dt == torch.float16 and d != 128:
+            continue
+        H_kv = 8 // G
+        for N in (1, 131072):
+            for window, softcap in ((None, None), (1024, 30.0)):
+                q = _meta(1, H_kv * G, 1, d, dtype=dt)
+                kw = dict(kv_len=_meta(1, dtype=torch.int64), window=window, softcap=softcap,
+                          **_cache_scales(1, H_kv, N, d))
+                if window is not None:
+                    kw.update(q_pos=_meta(1, 1, dtype=torch.int64), k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N],
+                              k_pos_sorted=True)
+                yield (f"decode-fp8 d={d} G={G} {NAMES[dt]} {NAMES[f8]} N={N} window={window} softcap={softcap}",
+                       dict(q=q, k=_cache_kv(1, H_kv, N, d, f8), v=_cache_kv(1, H_kv, N, d, f8), **kw))
+        for Q in (8, 301):  # a verify block, and a block sliced into the tile's rows
+            N = 4096
+            q = _meta(1, H_kv * G, Q, d, dtype=dt)
+            yield (f"verify-fp8 d={d} G={G} {NAMES[dt]} {NAMES[f8]} Q={Q}",
+                   dict(q=q, k=_cache_kv(1, H_kv, N, d, f8), v=_cache_kv(1, H_kv, N, d, f8),
+                        kv_len=_meta(1, dtype=torch.int64), q_pos=_meta(1, Q, dtype=torch.int64),
+                        k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N], k_pos_sorted=True,
+                        **_cache_scales(1, H_kv, N, d)))
+    q = _meta(1, 8, 1, 128, dtype=torch.float32)
+    yield (f"decode-fp8 d=128 G=4 fp32 {NAMES[f8]} N=4096 (dequantized up front)",
+           dict(q=q, k=_cache_kv(1, 2, 4096, 128, f8), v=_cache_kv(1, 2, 4096, 128, f8),
+                kv_len=_meta(1, dtype=torch.int64), **_cache_scales(1, 2, 4096, 128)))
 
 
 def decode_calls():
@@ -202,17 +273,19 @@ def decode_shapes():
         yield model, tp, N, H // tp, max(1, H_kv // tp), d
 
 
-def _decode_launch(H, H_kv, d, capacity, dtype=torch.bfloat16, window=None):
+def _decode_launch(H, H_kv, d, capacity, dtype=torch.bfloat16, window=None, kv_dtype=None):
     """The runtime's decode call on one rank (``attention.py``): HF's transposed query, the
     static cache ``[1, H_kv, capacity + 1, d]`` viewed to ``capacity``, lengths on the device,
-    fp32 partials; a sliding-window layer also passes the step's and the cache's positions."""
+    fp32 partials; a sliding-window layer also passes the step's and the cache's positions. An
+    fp8 ``kv_dtype``: the cache's fp8 rows and their scales (``[1, H_kv, capacity + 1, G]``)."""
     from .partial_triton import partial_attention_triton
 
     q = _meta(1, 1, H, d, dtype=dtype).transpose(1, 2)
-    k, v = _cache_kv(1, H_kv, capacity, d, dtype), _cache_kv(1, H_kv, capacity, d, dtype)
-    kw = {}
+    kv_dtype = kv_dtype or dtype
+    k, v = _cache_kv(1, H_kv, capacity, d, kv_dtype), _cache_kv(1, H_kv, capacity, d, kv_dtype)
+    kw = _cache_scales(1, H_kv, capacity, d) if kv_dtype.itemsize == 1 else {}
     if window:
-        kw = dict(window=window, k_pos_sorted=True, q_pos=_meta(1, 1, dtype=torch.int64),
+        kw.update(window=window, k_pos_sorted=True, q_pos=_meta(1, 1, dtype=torch.int64),
                   k_pos=_meta(1, capacity + 1, dtype=torch.int64)[:, :capacity])
     partial_attention_triton(q, k, v, kv_len=_meta(1, dtype=torch.int64),
                              out=_meta(1, H, 1, d, dtype=torch.float32), **kw)
@@ -220,10 +293,14 @@ def _decode_launch(H, H_kv, d, capacity, dtype=torch.bfloat16, window=None):
 
 def decode_report(target: Target, dtype=torch.bfloat16) -> list[dict]:
     """The split kernel of every decode launch of :func:`decode_shapes` on ``target``, judged by
-    :data:`RULES`: one record per shape (and one for a sliding-window layer of Llama-8B)."""
-    esize = torch.empty(0, dtype=dtype).element_size()
+    :data:`RULES`: one record per shape (and one for a sliding-window layer of Llama-8B); and,
+    where the target stores an fp8 cache (:data:`FP8_KV`), one per Llama-8B shape (and window
+    layer) over fp8 K/V, whose CTAs per SM are judged against the ``dtype`` kernel's of the
+    same shape. ``kv_dtype`` names each record's cache; ``bytes_per_key`` is what one key of one
+    KV head costs to read (K and V rows, fp8 with their scales), ``bytes_per_key_vs_bf16``
+    that against a bf16 cache."""
     need = target.bytes_in_flight_needed
-    out, judged = [], {}
+    out, judged, plain = [], {}, {}
     with compile_only(target) as compiled:
         def split_of(fn):
             before = len(compiled)
@@ -232,9 +309,12 @@ def decode_report(target: Target, dtype=torch.bfloat16) -> list[dict]:
 
         shapes = [(m, tp, N, H, Hk, d, None) for m, tp, N, H, Hk, d in decode_shapes()]
         shapes.append(("llama-3.1-8b", 1, 131072, 32, 8, 128, 4096))  # a sliding-window layer
-        for model, tp, N, H, H_kv, d, window in shapes:
-            ck, grid = split_of(lambda: _decode_launch(H, H_kv, d, N, dtype, window))
-            _, graph_grid = split_of(lambda: _decode_launch(H, H_kv, d, 2 * N, dtype, window))
+        runs = [(s, dtype) for s in shapes]
+        if target.name in FP8_KV:
+            runs += [(s, FP8_KV[target.name]) for s in shapes if s[0] in FP8_MODELS]
+        for (model, tp, N, H, H_kv, d, window), kv_dtype in runs:
+            ck, grid = split_of(lambda: _decode_launch(H, H_kv, d, N, dtype, window, kv_dtype))
+            _, graph_grid = split_of(lambda: _decode_launch(H, H_kv, d, 2 * N, dtype, window, kv_dtype))
             if id(ck) not in judged:
                 res = resources(ck, target)
                 res["tiles_in_flight"] = pipeline_depth(ck)
@@ -248,29 +328,42 @@ def decode_report(target: Target, dtype=torch.bfloat16) -> list[dict]:
             splits, ctas = grid[1], grid[0] * grid[1]
             blocks = -(-N // bn)
             per_split = -(-blocks // splits)
-            tile = 2 * bn * d * esize  # one K and one V tile
-            shard = 2 * H_kv * N * d * esize
+            row = kv_row_bytes(d, kv_dtype)
+            tile = 2 * bn * row  # one K and one V tile (fp8: and their scales)
+            shard = 2 * H_kv * N * row
             resident = min(ctas, ctas_sm * target.n_sms)
             in_flight = min(shard, resident * min(depth, per_split) * tile)
             live = _live_splits(graph_grid[1], blocks)
+            key = (model, tp, N, window)
+            if kv_dtype == dtype:
+                plain[key] = (ctas_sm, resident)
+            floor = plain.get(key, (0, 0))[0] if kv_dtype != dtype else \
+                BASELINE_CTAS.get(target.name, (1, 1))[bool(window)]
+            # fp8: the CTAs of this launch resident at once, against the bf16 kernel's at the same
+            # shape (a grid that fits in one wave at fewer CTAs per SM loses nothing; nor does a
+            # shorter grid whose runs put the whole shard in flight at once)
+            resident_floor = plain.get(key, (0, 0))[1] if kv_dtype != dtype else min(ctas, floor * target.n_sms)
             rec = {
                 "model": model, "tp": tp, "keys": N, "heads": H, "kv_heads": H_kv, "head_dim": d,
-                "window": window, "block_n": bn, "num_stages": res["num_stages"], "num_warps": res["num_warps"],
+                "window": window, "kv_dtype": NAMES[kv_dtype], "block_n": bn, "num_stages": res["num_stages"],
+                "num_warps": res["num_warps"],
                 "regs": res["regs"], "spill_bytes": res["spill_bytes"], "shared_bytes": res["shared_bytes"],
-                "tiles_in_flight": depth, "ctas_per_sm": ctas_sm, "occupancy": res["occupancy"],
+                "tiles_in_flight": depth, "ctas_per_sm": ctas_sm, "ctas_floor": floor, "resident_ctas": resident,
+                "resident_floor": resident_floor, "occupancy": res["occupancy"],
                 "async_copies": res.get("async_copies"), "max_outstanding_groups": res.get("max_outstanding_groups"),
                 "keys_walked": min(N, window + bn) if window else N,
                 "splits": splits, "grid_ctas": ctas, "n_sms": target.n_sms, "blocks_per_split": per_split,
                 "waves": round(ctas / (target.n_sms * max(1, ctas_sm)), 3),
                 "graph_splits": graph_grid[1], "graph_live_splits": live,
+                "bytes_per_key": 2 * row, "bytes_per_key_vs_bf16": round(row / kv_row_bytes(d, torch.bfloat16), 4),
                 "tile_bytes": tile, "shard_bytes": shard,
                 "bytes_in_flight": in_flight, "bytes_in_flight_per_sm": round(in_flight / target.n_sms),
                 "bytes_needed": round(need), "bytes_needed_per_sm": round(need / target.n_sms),
                 "littles_margin": round(in_flight / min(need, shard), 2) if need else None,
             }
             rec["checks"] = {
-                "tiles": target.backend != "cuda"
-                or (depth >= 2 and ctas_sm >= BASELINE_CTAS.get(target.name, (1, 1))[bool(window)]),
+                "tiles": (target.backend != "cuda" or (depth >= 2 and ctas_sm >= floor)) if kv_dtype == dtype
+                else depth >= 2 and (resident >= resident_floor or in_flight >= shard),
                 "grid": (ctas >= target.n_sms or per_split <= depth) and live == min(graph_grid[1], blocks),
                 "littles_law": need == 0 or in_flight >= min(need, shard),
                 "lds": not target.is_hip or (res["shared_bytes"] <= 32768 and ctas_sm >= 2),
@@ -325,7 +418,8 @@ def compile_all(target: Target, calls=None) -> dict:
                 kernels.append(rec)
 
         for label, kw in itertools.chain(calls or (), decode_calls() if calls is None else (),
-                                         prefill_calls() if calls is None else ()):
+                                         prefill_calls() if calls is None else (),
+                                         fp8_calls(target) if calls is None else ()):
             record(label, lambda kw=kw: partial_attention_triton(**kw))
         if calls is None:
             for label, d, dt in merge_calls():
@@ -388,12 +482,13 @@ def print_decode(res) -> None:
           + (f" ({t.n_sms} {sm}s; Little's law: {t.mem_bw / 1e12:.2f} TB/s x {t.mem_latency_s * 1e6:.1f} us = "
              f"{t.bytes_in_flight_needed / 1e6:.2f} MB in flight, {t.bytes_in_flight_needed / t.n_sms / 1024:.1f} "
              f"KiB per {sm})" if t and t.mem_bw else ""))
-    print(f"  {'model':<14} {'tp':>2} {'keys':>7} {'win':>5} {'BN':>3} {'st':>2} {'regs':>4} {'shared':>7} "
-          f"{'tiles':>5} {'CTA/SM':>6} {'splits':>6} {'grid':>5} {'graph':>9} {'KiB/SM':>7} {'need':>5} "
-          f"{'margin':>6}  checks")
+    print(f"  {'model':<14} {'tp':>2} {'keys':>7} {'win':>5} {'KV':>12} {'B/key':>5} {'BN':>3} {'st':>2} "
+          f"{'regs':>4} {'shared':>7} {'tiles':>5} {'CTA/SM':>6} {'splits':>6} {'grid':>5} {'graph':>9} "
+          f"{'KiB/SM':>7} {'need':>5} {'margin':>6}  checks")
     for r in res["decode"] or ():
         bad = [k for k, ok in r["checks"].items() if not ok]
-        print(f"  {r['model']:<14} {r['tp']:>2} {r['keys']:>7} {str(r['window'] or '-'):>5} {r['block_n']:>3} "
+        print(f"  {r['model']:<14} {r['tp']:>2} {r['keys']:>7} {str(r['window'] or '-'):>5} {r['kv_dtype']:>12} "
+              f"{r['bytes_per_key']:>5} {r['block_n']:>3} "
               f"{r['num_stages']:>2} {r['regs']:>4} {r['shared_bytes']:>7} {r['tiles_in_flight']:>5} "
               f"{r['ctas_per_sm']:>6} {r['splits']:>6} {r['grid_ctas']:>5} "
               f"{str(r['graph_live_splits']) + '/' + str(r['graph_splits']):>9} "

@@ -7,7 +7,12 @@ Two launches:
      count is planned on the host from the capacity (CUDA graphs keep their shapes); each
      program cuts its run of blocks from the live length on the device, and, with positions
      sorted, from the window: a search over the positions, not a walk. The K/V loads are
-     software-pipelined (``num_stages=3``: two tiles in flight per CTA).
+     software-pipelined (``num_stages=3``: two tiles in flight per CTA). An fp8 cache
+     (``k_scale``/``v_scale``, DESIGN.md §11) is read as stored: the program loads the fp8 K/V
+     tiles and their per-row scales (bf16, ``SCALE_G`` per row, one per ``d / SCALE_G``
+     channels) and dequantizes each tile in registers (one rounding to the compute dtype)
+     before its dot; scores, softmax and partials stay fp32. Without scales the flag is off
+     and the kernel is the 16/32-bit one, instruction for instruction.
   2. ``_reduce_kernel``: one program per (batch, head, query row) merges the splits with the
      LSE math of DESIGN.md §2 and writes ``o`` in q's dtype and ``lse`` (natural log, fp32).
 
@@ -24,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .partial_ref import check_inputs
+from .partial_ref import check_inputs, dequantize
 from .targets import Target, launch, target_of
 
 LOG2E = 1.4426950408889634
@@ -83,14 +88,17 @@ def _live_range(KPOS, kp_base, skpn, n_end, lo_pos, hi_pos, use_lo, FANOUT: tl.c
 # Position and length arrays are sliced at any offset (query slices): no alignment variants.
 @triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN"])
 def _split_kernel(
-    Q, K, V, QPOS, KPOS, KVLEN, OP, LP,
+    Q, K, V, QPOS, KPOS, KVLEN, OP, LP, KS, VS,
     sqb, sqh, sqq, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     sqpb, sqpq, skpb, skpn,
+    sksb, sksh, sksn, sksg,
+    svsb, svsh, svsn, svsg,
     N, H_KV, G, NQ, NSPLIT, qk_scale, window, softcap, has_len, sorted_pos,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr, UPCAST: tl.constexpr, FANOUT: tl.constexpr,
+    SCALE_G: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     # window (0: none), softcap (0: none), has_len and sorted_pos are runtime values tested
     # once per program or block: one compiled kernel per tile shape serves every model, and
@@ -110,10 +118,11 @@ def _split_kernel(
     d_ok = dd < HEAD_D
     head = hk * G + g  # (BLOCK_M,) int64
 
-    q = tl.load(Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqq + dd[None, :] * sqd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-    if UPCAST:
-        q = q.to(tl.float32)
+    if SCALE_G == 0:
+        q = tl.load(Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqq + dd[None, :] * sqd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        if UPCAST:
+            q = q.to(tl.float32)
 
     # The keys this (batch, KV head) attends to: [lo, hi), read on the device (the live
     # length kv_len, not the capacity N a CUDA graph was captured with) ...
@@ -138,59 +147,145 @@ def _split_kernel(
     start = lo + ((pid_s * nblk) // NSPLIT).to(tl.int32) * BLOCK_N
     stop = tl.minimum(lo + (((pid_s + 1) * nblk) // NSPLIT).to(tl.int32) * BLOCK_N, hi)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, stop, BLOCK_N):
-        offs = n0 + nn
-        n_ok = offs < stop
-        if HAS_POS:
-            kpos = tl.load(KPOS + b * skpb + offs * skpn, mask=n_ok, other=0)
-            # a block no query of the tile can see (all keys in the future, or all out of the
-            # sliding window: unsorted positions) has its K/V loads masked off: no bytes move.
-            # The loads stay unconditional (its math runs, on zeros, masked) because a load
-            # under an `if` is not software-pipelined: two dependent round trips per block.
-            # (Compared as (BLOCK_N,) vectors: the interpreter mistypes a vector & scalar mask.)
-            live = nn * 0 + tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi
-            if window > 0:
-                live = live & (nn * 0 + tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
-            n_ok = n_ok & live
-        nb = tl.cast(n0, tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + nb * skn + nn[:, None] * skn + dd[None, :] * skd,
-                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_base + nb * svn + nn[:, None] * svn + dd[None, :] * svd,
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if UPCAST:  # fp32 operands: full precision, not TF32
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if softcap > 0:
-            # natural units: s = softcap * tanh(scale * q.k / softcap); tanh(x) = 1 - 2/(e^{2x}+1)
-            x = s * (qk_scale / _LOG2E_C) / softcap
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
-        else:
-            s = s * qk_scale  # qk_scale = scale * log2(e): base-2 scores
-        vis = row_ok[:, None] & n_ok[None, :]
-        if HAS_POS:
-            diff = qpos[:, None] - kpos[None, :]
-            vis = vis & (diff >= 0)
-            if window > 0:
-                vis = vis & (diff < window)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if SCALE_G > 0:
+        # fp8 K/V (DESIGN.md §11): each row's SCALE_G groups of channels carry their own scale,
+        # applied to the scores and the probabilities, never to a tile: the query rows are
+        # expanded to one row per (query row, group), E = BLOCK_M * BLOCK_G rows, each holding
+        # its group's channels of q. Then S_E = Q_E K8^T is each group's partial score; scaled
+        # by the key's group scale and summed over the groups, the scores of the BLOCK_M rows;
+        # P_E = P * (the key's value scale of the row's group), and O_E = P_E V8 holds, in the
+        # row of group g, the channels of group g (the others are read off at the end). K8 and
+        # V8 enter the dots only converted (e4m3 -> bf16 is exact), so the tiles go from shared
+        # memory to the MMA's layout as the 16-bit kernel's do; decode (G query rows of a KV
+        # head, G * BLOCK_G <= 16) costs no more MMA rows than before.
+        cdt = tl.float32 if UPCAST else Q.dtype.element_ty
+        DG: tl.constexpr = BLOCK_D // BLOCK_G  # channels per group (the kernel's tile: a power of two)
+        ee = tl.arange(0, BLOCK_M * BLOCK_G)
+        e_row = ee // BLOCK_G
+        e_grp = ee % BLOCK_G
+        e_head = hk * G + e_row // NQ
+        e_ok = (e_row < G * NQ) & (e_grp < SCALE_G)
+        q_e = tl.load(Q + b * sqb + e_head[:, None] * sqh + (e_row % NQ)[:, None] * sqq + dd[None, :] * sqd,
+                      mask=e_ok[:, None] & d_ok[None, :] & ((dd // DG)[None, :] == e_grp[:, None]),
+                      other=0.0).to(cdt)  # (E, BLOCK_D): group e_grp's channels of row e_row
+        gg = tl.arange(0, BLOCK_G)
+        ks_base = KS + b * sksb + hk * sksh + gg[:, None] * sksg  # (BLOCK_G, 1)
+        vs_base = VS + b * svsb + hk * svsh + gg[:, None] * svsg
+        g_ok = (gg < SCALE_G)[:, None]
+        # The scale tiles (BLOCK_G x BLOCK_N, a few bytes a key) are too narrow for the
+        # pipeliner's asynchronous copies: each is loaded one block ahead by hand and carried
+        # in registers (two ahead would stop the pipelining of the K/V tiles).
+        o1 = start + nn
+        ks1 = tl.load(ks_base + o1.to(tl.int64)[None, :] * sksn, mask=g_ok & (o1 < stop)[None, :], other=0.0)
+        vs1 = tl.load(vs_base + o1.to(tl.int64)[None, :] * svsn, mask=g_ok & (o1 < stop)[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc_e = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            offs = n0 + nn
+            n_ok = offs < stop
+            if HAS_POS:
+                kpos = tl.load(KPOS + b * skpb + offs * skpn, mask=n_ok, other=0)
+                live = nn * 0 + tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi  # as below
+                if window > 0:
+                    live = live & (nn * 0 + tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
+                n_ok = n_ok & live
+            nb = tl.cast(n0, tl.int64)
+            kst = ks1
+            vst = tl.where(n_ok[None, :], vs1, 0.0)
+            o2 = offs + BLOCK_N
+            ks1 = tl.load(ks_base + o2.to(tl.int64)[None, :] * sksn, mask=g_ok & (o2 < stop)[None, :], other=0.0)
+            vs1 = tl.load(vs_base + o2.to(tl.int64)[None, :] * svsn, mask=g_ok & (o2 < stop)[None, :], other=0.0)
+            kt = tl.load(k_base + nb * skn + nn[None, :] * skn + dd[:, None] * skd,
+                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_D, BLOCK_N) fp8: K^T
+            v = tl.load(v_base + nb * svn + nn[:, None] * svn + dd[None, :] * svd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D) fp8
+            if UPCAST:
+                s_e = tl.dot(q_e, kt.to(cdt), input_precision="ieee")  # (E, BLOCK_N) per-group q.k8
+            else:
+                s_e = tl.dot(q_e, kt.to(cdt))
+            s = tl.sum(tl.reshape(s_e, (BLOCK_M, BLOCK_G, BLOCK_N)) * kst.to(tl.float32)[None, :, :], 1)  # raw q.k
+            if softcap > 0:
+                x = s * (qk_scale / _LOG2E_C) / softcap
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
+            else:
+                s = s * qk_scale
+            vis = row_ok[:, None] & n_ok[None, :]
+            if HAS_POS:
+                diff = qpos[:, None] - kpos[None, :]
+                vis = vis & (diff >= 0)
+                if window > 0:
+                    vis = vis & (diff < window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p_e = tl.reshape(p[:, None, :] * vst.to(tl.float32)[None, :, :], (BLOCK_M * BLOCK_G, BLOCK_N))
+            alpha_e = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_M, BLOCK_G)), (BLOCK_M * BLOCK_G,))
+            if UPCAST:
+                acc_e = acc_e * alpha_e[:, None] + tl.dot(p_e, v.to(cdt), input_precision="ieee")
+            else:
+                acc_e = acc_e * alpha_e[:, None] + tl.dot(p_e.to(cdt), v.to(cdt))
+            m_i = m_new
+        # row r's channel c lives in the row of c's group
+        own = (dd // DG)[None, None, :] == tl.arange(0, BLOCK_G)[None, :, None]
+        acc = tl.sum(tl.where(own, tl.reshape(acc_e, (BLOCK_M, BLOCK_G, BLOCK_D)), 0.0), 1)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            offs = n0 + nn
+            n_ok = offs < stop
+            if HAS_POS:
+                kpos = tl.load(KPOS + b * skpb + offs * skpn, mask=n_ok, other=0)
+                # a block no query of the tile can see (all keys in the future, or all out of the
+                # sliding window: unsorted positions) has its K/V loads masked off: no bytes move.
+                # The loads stay unconditional (its math runs, on zeros, masked) because a load
+                # under an `if` is not software-pipelined: two dependent round trips per block.
+                # (Compared as (BLOCK_N,) vectors: the interpreter mistypes a vector & scalar mask.)
+                live = nn * 0 + tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi
+                if window > 0:
+                    live = live & (nn * 0 + tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
+                n_ok = n_ok & live
+            nb = tl.cast(n0, tl.int64)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + nb * skn + nn[:, None] * skn + dd[None, :] * skd,
+                        mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_base + nb * svn + nn[:, None] * svn + dd[None, :] * svd,
+                        mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if UPCAST:  # fp32 operands: full precision, not TF32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
+            else:
+                s = tl.dot(q, tl.trans(k))
+            if softcap > 0:
+                # natural units: s = softcap * tanh(scale * q.k / softcap); tanh(x) = 1 - 2/(e^{2x}+1)
+                x = s * (qk_scale / _LOG2E_C) / softcap
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
+            else:
+                s = s * qk_scale  # qk_scale = scale * log2(e): base-2 scores
+            vis = row_ok[:, None] & n_ok[None, :]
+            if HAS_POS:
+                diff = qpos[:, None] - kpos[None, :]
+                vis = vis & (diff >= 0)
+                if window > 0:
+                    vis = vis & (diff < window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -261,7 +356,8 @@ def choose_splits(B: int, H_kv: int, N: int, n_sms: int, block_n: int, min_block
     return int(max(1, splits))
 
 
-def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool) -> tuple[int, int]:
+def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool,
+            p_size: int | None = None, decode: bool = False) -> tuple[int, int]:
     """``(BLOCK_N, num_stages)`` of the split kernel's K/V tiles on ``target``.
 
     Tiles are software-pipelined with ``num_stages=3``: two K/V tiles in flight per CTA (the
@@ -273,27 +369,42 @@ def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool
     On ROCm, query slices (more than 16 rows: prefill) keep ``num_stages=2``: the stream
     pipeliner already loads the next tile into registers while this one computes, and a third
     stage doubles their compile time for little. fp32's ieee-precision dot keeps its operands
-    in registers: 32 keys, and on gfx942 (64 KiB of LDS) not multi-buffered."""
+    in registers: 32 keys, and on gfx942 (64 KiB of LDS) not multi-buffered.
+
+    fp8 K/V: ``esize`` 1 (their scales are prefetched into registers, not buffered), at most
+    32 keys on CUDA (registers), and on ROCm three tiles in flight for ``decode`` (one query
+    row per sequence), whatever its MMA rows (G = 8 at four scale groups: 32): half-size tiles,
+    and gfx942's 304 CUs at tp 8 over 32K keys hold one workgroup each, whose two tiles alone
+    fall short of Little's law. The probability tile is staged in the compute dtype
+    (``p_size`` bytes, default ``esize``); ``block_m`` counts the MMA's rows."""
     if target.backend == "interpreter":
         return 64, 2
     if upcast:
         return 32, (1 if target.is_hip else 3)
     budget = target.sm_shared // 2 if target.is_hip else target.sm_shared // 3 - 8192
     stages = 2 if target.is_hip and block_m > 16 else 3
-    for bn in (64, 32, 16):
-        staged_p = block_m * bn * esize if target.is_hip and bn >= 64 else 0
-        if 2 * (2 * bn * block_d * esize) + staged_p <= budget:
+    if esize == 1 and target.is_hip and (decode or block_m <= 16):
+        stages = 4  # fp8 decode on ROCm: tiles of half the bytes, three in flight (Little's law)
+    p_size = p_size or esize
+    # fp8 on CUDA: a 64-key tile's converted MMA operands take ~200 registers (2 CTAs per SM);
+    # 32 keys take ~130 (4 CTAs per SM, more than the 16-bit kernel's 3)
+    for bn in (32, 16) if esize == 1 and not target.is_hip else (64, 32, 16):
+        staged_p = block_m * bn * p_size if target.is_hip and bn >= 64 else 0
+        if (stages - 1) * (2 * bn * block_d * esize) + staged_p <= budget:
             return bn, stages
     return 16, 2
 
 
-def max_rows(d: int, dtype) -> int:
+def max_rows(d: int, dtype, block_g: int = 0) -> int:
     """Query rows (``G * Q``) one program tile holds; longer query blocks run in slices. The
     query tile (and the fp32 accumulator beside it) stays at 8K elements for 16-bit inputs and
     at 16 rows for fp32 (whose ieee-precision dot holds its operands in registers): nothing
-    spills on sm_80, sm_90 or gfx942 (the offline compile checks it)."""
+    spills on sm_80, sm_90 or gfx942 (the offline compile checks it). An fp8 cache with
+    ``block_g`` scale groups (padded) expands each row to ``block_g`` rows of the MMA: that
+    many times fewer rows."""
     budget = 1024 if dtype == torch.float32 else 8192
-    return max(16, min(MAX_ROWS, budget // max(16, triton.next_power_of_2(d))))
+    rows = max(16, min(MAX_ROWS, budget // max(16, triton.next_power_of_2(d))))
+    return max(1, rows // block_g) if block_g else rows
 
 
 @dataclass(frozen=True)
@@ -308,6 +419,7 @@ class SplitPlan:
     num_warps: int
     num_stages: int
     upcast: bool
+    block_g: int = 0  # fp8 K/V: scale groups per row, padded to a power of two (0: no scales)
 
     @property
     def depth(self) -> int:
@@ -316,41 +428,54 @@ class SplitPlan:
 
 
 def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target: Target, *,
-               num_splits=None, block_n=None, num_warps=None, num_stages=None) -> SplitPlan:
+               num_splits=None, block_n=None, num_warps=None, num_stages=None, kv_dtype=None,
+               scale_groups: int = 0) -> SplitPlan:
     """The launch parameters the runtime uses for ``q [B, H_kv·G, Q, d]`` against ``N`` keys on
-    ``target`` (``Q`` at most one slice of :func:`max_rows`). The offline compile checks exactly
+    ``target`` (``Q`` at most one slice of :func:`max_rows`). ``kv_dtype``: K/V's dtype when it
+    is not q's (fp8), with ``scale_groups`` scales per row. The offline compile checks exactly
     these."""
     upcast = target.backend == "interpreter" or dtype == torch.float32
+    block_g = triton.next_power_of_2(scale_groups) if scale_groups else 0
     # decode: the group's G rows; query blocks: the slice height, the same for a ragged tail
     # slice, so one compiled kernel serves every slice
-    rows = G if Q == 1 else G * max(1, max_rows(d, dtype) // G)
-    block_m = max(16, triton.next_power_of_2(rows))
+    rows = G if Q == 1 else G * max(1, max_rows(d, dtype, block_g) // G)
+    # fp8: the MMA's rows are (row, scale group) pairs, at least 16 of them
+    block_m = max(16 // max(1, block_g), triton.next_power_of_2(rows))
+    mma_rows = block_m * max(1, block_g)
     block_d = max(16, triton.next_power_of_2(d))
     gpu_fp32 = upcast and target.backend != "interpreter"
     # Tile rules checked by the offline compile (no spills, shared memory / LDS within the
     # target's limit, tiles in flight and residency): see kv_tile; heavy tiles spread over 8
     # warps on CUDA; on ROCm a wavefront is 64 lanes, so 4 of them already hold the tile.
-    bn, stages = kv_tile(target, block_m, block_d, dtype.itemsize, upcast)
+    bn, stages = kv_tile(target, mma_rows, block_d, (kv_dtype or dtype).itemsize, upcast, p_size=dtype.itemsize,
+                         decode=Q == 1)
     block_n = block_n or bn
     num_stages = num_stages or stages
-    heavy = block_m * block_d * (2 if gpu_fp32 else 1) >= 4096
+    # (fp8: up to 32 MMA rows stay on 4 warps, 2 CTAs per SM at G = 8, where 8 warps fit one)
+    heavy = mma_rows * block_d * (2 if gpu_fp32 else 1) >= (8192 if block_g else 4096)
     num_warps = num_warps or (8 if heavy and not target.is_hip else 4)
     blocks = triton.cdiv(max(N, 1), block_n)
     splits = min(num_splits or choose_splits(B, H_kv, N, target.n_sms, block_n, depth=max(1, num_stages - 1)),
                  blocks)
     split_len = triton.cdiv(blocks, splits) * block_n
-    return SplitPlan(splits, split_len, block_m, block_n, block_d, num_warps, num_stages, upcast)
+    return SplitPlan(splits, split_len, block_m, block_n, block_d, num_warps, num_stages, upcast, block_g)
 
 
 def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                             window=None, softcap=None, sink=None, out=None, lse_out=None,
-                             num_splits=None, block_n=None, num_warps=None, num_stages=None,
-                             k_pos_sorted=False):
+                             window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
+                             out=None, lse_out=None, num_splits=None, block_n=None, num_warps=None,
+                             num_stages=None, k_pos_sorted=False):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
     The kernel is built for decode (a group's ``G·Q`` query rows in one tile); more rows than
     :func:`max_rows` are processed in query slices. ``num_splits``, ``block_n``, ``num_warps``
     and ``num_stages`` override the automatic choice of :func:`plan_split` (tests, tuning).
+
+    ``k_scale, v_scale [B, H_kv, N, S]``: ``k`` and ``v`` are an fp8 cache (e4m3fn, or e4m3fnuz
+    on ROCm), channel ``c`` of a row scaled by ``scale[..., c // (d / S)]``
+    (:func:`partial_ref.dequantize`). The kernel reads the fp8 tiles and their scales and
+    dequantizes them in registers (``d + 2S`` bytes a key and head read, against ``2d`` in
+    bf16); q is used as given (already in the cache's rotated basis).
 
     ``k_pos_sorted``: the caller promises that ``k_pos`` ascends over each sequence's valid
     keys (``[0, kv_len)``), as a rank's cache stores them. Each program then finds the first key
@@ -365,6 +490,15 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
         raise ValueError("a sliding window needs q_pos and k_pos")
     if N >= 1 << 31:
         raise ValueError(f"a shard of {N} keys is beyond the kernel's 32-bit key index")
+    groups = 0
+    if k_scale is not None or v_scale is not None:
+        groups = _check_scales(k, v, k_scale, v_scale)
+        # Dequantized up front instead: groups that are no power-of-two run of channels, and
+        # fp32 queries on a GPU (whose exact fp32 dot would hold the expanded rows' operands
+        # in registers: it spills)
+        if not _tileable(d, groups) or (q.dtype == torch.float32 and target_of(q.device).backend != "interpreter"):
+            k, v, groups = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype), 0
+            k_scale = v_scale = None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     G = H // H_kv
     dev = q.device
@@ -383,17 +517,18 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
             lse.copy_(sink.to(device=dev, dtype=torch.float32).view(1, H, 1).expand(B, H, Q))
         return o, lse
     tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    step = max(1, max_rows(d, q.dtype) // G)
+    step = max(1, max_rows(d, q.dtype, triton.next_power_of_2(groups) if groups else 0) // G)
     if Q > step:  # long query blocks (prefill): slices of rows the tile can hold
         kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, sink=sink,
-                  k_pos_sorted=k_pos_sorted, **tuning)
+                  k_scale=k_scale, v_scale=v_scale, k_pos_sorted=k_pos_sorted, **tuning)
         for a in range(0, Q, step):
             b = min(Q, a + step)
             partial_attention_triton(q[:, :, a:b], k, v, q_pos=None if q_pos is None else q_pos[..., a:b],
                                      out=o[:, :, a:b], lse_out=lse[:, :, a:b], **kw)
         return o, lse
 
-    plan = plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), **tuning)
+    plan = plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups,
+                      **tuning)
     op = torch.empty(B, H, Q, plan.splits, d, dtype=torch.float32, device=dev)
     lp = torch.empty(B, H, Q, plan.splits, dtype=torch.float32, device=dev)
     has_pos = q_pos is not None
@@ -407,17 +542,22 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
         sqpb = sqpq = skpb = skpn = 0
     kvl = kv_len.to(device=dev, dtype=torch.int64) if kv_len is not None else qp if not has_pos \
         else torch.empty(1, dtype=torch.int64, device=dev)
+    if groups:
+        ks, vs = k_scale.to(device=dev), v_scale.to(device=dev)
+        s_strides = (*ks.stride(), *vs.stride())
+    else:  # unused placeholders (SCALE_G = 0 compiles the scale loads out)
+        ks, vs, s_strides = k, v, (0,) * 8
 
     LAST_LAUNCH["split"] = launch(
         _split_kernel, (B * H_kv, plan.splits),
-        q, k, v, qp, kp, kvl, op, lp,
+        q, k, v, qp, kp, kvl, op, lp, ks, vs,
         *q.stride(), *k.stride(), *v.stride(),
-        sqpb, sqpq, skpb, skpn,
+        sqpb, sqpq, skpb, skpn, *s_strides,
         N, H_kv, G, Q, plan.splits, scale * LOG2E,
         int(window) if window is not None else 0,
         float(softcap) if softcap is not None else 0.0, int(kv_len is not None), int(bool(k_pos_sorted)),
         HEAD_D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        HAS_POS=has_pos, UPCAST=plan.upcast, FANOUT=SEARCH_FANOUT,
+        HAS_POS=has_pos, UPCAST=plan.upcast, FANOUT=SEARCH_FANOUT, SCALE_G=groups, BLOCK_G=max(1, plan.block_g),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     sk = sink.to(device=dev, dtype=torch.float32).contiguous() if sink is not None else lp  # placeholder: unused
@@ -425,3 +565,27 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
            op, lp, o, lse, sk, *o.stride(), *lse.stride(), H, Q, plan.splits, HEAD_D=d,
            BLOCK_S=REDUCE_BLOCK_S, BLOCK_D=plan.block_d, HAS_SINK=sink is not None, num_warps=4)
     return o, lse
+
+
+def _check_scales(k, v, k_scale, v_scale) -> int:
+    """Scales per row of an fp8 ``k``/``v`` pair (``[B, H_kv, N, S]`` each); raises on a
+    mismatch."""
+    if k_scale is None or v_scale is None:
+        raise ValueError("an fp8 cache needs both k_scale and v_scale")
+    if k.dtype.itemsize != 1 or v.dtype != k.dtype or not k.dtype.is_floating_point:
+        raise ValueError(f"k_scale/v_scale go with fp8 k and v; got {k.dtype} and {v.dtype}")
+    S = k_scale.shape[-1]
+    want = (*k.shape[:3], S)
+    if k_scale.shape != want or v_scale.shape != want or S < 1 or k.shape[-1] % S:
+        raise ValueError(f"k_scale and v_scale must be {list(want)} with {k.shape[-1]} channels a multiple "
+                         f"of their groups; got {tuple(k_scale.shape)}, {tuple(v_scale.shape)}")
+    return S
+
+
+def _tileable(d: int, groups: int) -> bool:
+    """Whether the kernel's ``(BLOCK_N, BLOCK_G, BLOCK_D / BLOCK_G)`` view of a K/V tile puts
+    each scale group's channels in one row of it: one group, or a power-of-two group width
+    (the cache's: 32 channels)."""
+    dg = d // groups
+    block_d = max(16, triton.next_power_of_2(d))
+    return groups == 1 or (dg & (dg - 1) == 0 and dg * triton.next_power_of_2(groups) == block_d)

@@ -42,3 +42,14 @@ def test_kernel_bench_runs_on_cpu():
     assert [(r["seq_len"], r["method"]) for r in recs] == [
         (64, "treeattn"), (64, "sdpa"), (300, "treeattn"), (300, "sdpa")]
     assert all(r["kv_bytes"] == 2 * 2 * r["seq_len"] * 64 * 4 and r["gbps"] > 0 for r in recs)
+
+
+def test_kernel_bench_times_an_fp8_cache_beside():
+    """``--kv-dtype fp8``: the same kernel over the engine's fp8 cache of the same keys, its
+    bytes the fp8 rows plus their bf16 scales (one per 32 channels)."""
+    from treeattn_cli.bench.kernel import kernel_bench
+
+    recs = kernel_bench([100], heads=4, kv_heads=2, head_dim=64, dtype="float32", iters=1, warmup=0,
+                        copy_bw=1e10, baselines=(), kv_dtype="fp8")
+    assert [r["method"] for r in recs] == ["treeattn", "treeattn-fp8"]
+    assert recs[1]["kv_bytes"] == 2 * 2 * 100 * (64 + 2 * 2) and recs[1]["kv_dtype"] == "fp8"

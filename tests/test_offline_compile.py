@@ -10,7 +10,9 @@ offsets, and no recompiles while a shard grows.
 And the decode launches of Llama-3.1-8B / -70B at tp 1 and 8 over 8K-128K keys per rank
 (``decode_report``, issue 23): two K/V tiles in flight per CTA on CUDA at no loss of CTAs per
 SM (H3), a grid that fills the machine and splits that follow the live length (H4), bytes in
-flight against Little's law, and two workgroups per CU on gfx942 (H10).
+flight against Little's law, and two workgroups per CU on gfx942 (H10). And the split kernel
+over an fp8 cache (issue 27) on the targets that store one (sm_90, gfx942): the same rules at
+no fewer CTAs per SM than bf16's, and about half the bytes per key.
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ def test_split_counts_fill_the_machine():
                 assert ctas >= t.n_sms, (t.name, model, tp, N, plan)
 
 
-def _decode(compiled, target, window=False):
-    recs = [r for r in compiled[target]["decode"] if bool(r["window"]) == window]
+def _decode(compiled, target, window=False, kv="bf16"):
+    recs = [r for r in compiled[target]["decode"] if bool(r["window"]) == window and r["kv_dtype"].startswith(kv)]
     assert recs
     return recs
 
@@ -184,3 +186,34 @@ def test_gfx942_fits_two_workgroups_per_cu(compiled):
     for r in compiled["gfx942"]["decode"]:
         assert r["shared_bytes"] <= 32768 and r["ctas_per_sm"] >= 2 and r["spill_bytes"] == 0, r
         assert r["tiles_in_flight"] >= 2, r
+
+
+def test_fp8_kernels_compile_where_fp8_is_stored(compiled):
+    """The split kernel reading fp8 K/V and their scales compiles for sm_90 (e4m3fn) and gfx942
+    (e4m3fnuz) at every head dim, group, dtype and flag of ``fp8_calls``, without spills (the
+    kernels are in the no-spill check above); sm_80 stores no fp8 (the engine refuses it)."""
+    for target, name in (("sm_90", "fp8_e4m3fn"), ("gfx942", "fp8_e4m3fnuz")):
+        fp8 = [k for k in compiled[target]["kernels"] if "fp8" in k["first_config"]]
+        assert fp8 and all(name in k["first_config"] for k in fp8), target
+        assert any(k["constexprs"].get("SCALE_G", 0) > 0 for k in fp8), target  # scales read in the kernel
+        assert all(k["spill_bytes"] == 0 for k in fp8), [(k["first_config"], k["spill_bytes"]) for k in fp8]
+    assert not [k for k in compiled["sm_80"]["kernels"] if "fp8" in k["first_config"]]
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_fp8_decode_keeps_the_rules_and_halves_the_bytes(compiled, target):
+    """Decode over an fp8 cache (Llama-3.1-8B and -70B: GQA groups of 4 and 8, tp 1 and 8,
+    plain and window layers): every rule of the report holds, at least two tiles in flight, no
+    fewer CTAs resident at once than the bf16 kernel of the same shape (or the whole shard in
+    flight at once: 8K keys at tp 8), and a key costs at most 0.55x bf16's bytes, scales
+    included."""
+    for window in (False, True):
+        recs = _decode(compiled, target, window, kv="fp8")
+        models = {(m, tp) for m in ("llama-3.1-8b", "llama-3.1-70b") for tp in (1, 8)}
+        assert {(r["model"], r["tp"]) for r in recs} == ({("llama-3.1-8b", 1)} if window else models)
+        for r in recs:
+            assert all(r["checks"].values()), r
+            assert r["tiles_in_flight"] >= 2 and r["spill_bytes"] == 0, r
+            assert r["resident_floor"] > 0, r
+            assert r["resident_ctas"] >= r["resident_floor"] or r["bytes_in_flight"] == r["shard_bytes"], r
+            assert r["bytes_per_key_vs_bf16"] <= 0.55, r

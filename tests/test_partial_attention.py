@@ -440,3 +440,66 @@ def test_triton_window_layers_read_the_window_not_the_shard(monkeypatch):
     assert reads[True]["kv"] <= kv_rows * d and reads[False]["kv"] <= kv_rows * d, reads
     assert reads[True]["pos"] < reads[True]["N"] // 8, reads  # a search, not a walk
     assert reads[False]["pos"] >= reads[False]["N"], reads  # the walk the search replaces
+
+
+def _fp8(B, H_kv, N, d, groups, amp=3.0):
+    """An fp8 K or V as a cache holds it: e4m3 rows ``[B, H_kv, N, d]`` and a bf16 scale per
+    group of ``d / groups`` channels ``[B, H_kv, N, groups]`` (some rows all zero)."""
+    x = torch.randn(B, H_kv, N, d) * amp
+    x[..., ::7, :] = 0.0  # zero rows: a zero scale must not make NaNs
+    xg = x.unflatten(-1, (groups, -1))
+    s = (xg.abs().amax(-1) / 448).to(torch.bfloat16)
+    x8 = (xg / s.float().clamp_min(1e-30)[..., None]).flatten(-2).to(torch.float8_e4m3fn)
+    return x8, s
+
+
+@pytest.mark.parametrize("B,G,H_kv,Q,N,d,groups,dtype,extra", [
+    (2, 4, 2, 1, 300, 64, 2, torch.float32, dict(window=90, softcap=20.0)),  # decode, window, softcap, ragged
+    (1, 8, 1, 1, 200, 128, 4, torch.bfloat16, {}),  # Llama's group of 8, four scales a row
+    (2, 2, 2, 3, 150, 96, 3, torch.float32, {}),  # three groups: padded to four in the tile
+    (1, 2, 2, 40, 90, 64, 2, torch.float32, dict(window=30)),  # a query block sliced into the tile's rows
+    (1, 2, 1, 1, 64, 64, 1, torch.float32, {}),  # one scale a row
+])
+def test_triton_reads_fp8_rows_and_their_scales(monkeypatch, B, G, H_kv, Q, N, d, groups, dtype, extra):
+    """The split kernel over an fp8 cache (issue 27) loads the e4m3 tiles and their scales and
+    dequantizes in registers (nothing is dequantized up front): the attention of the values the
+    rows stand for, against the float64 oracle, ragged lengths and positions included."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+    from treeattn_kernels.partial_ref import dequantize
+
+    def refuse(*a, **k):
+        raise AssertionError("the fp8 rows were dequantized up front")
+
+    monkeypatch.setattr(pt, "dequantize", refuse)
+    H = G * H_kv
+    q = torch.randn(B, H, Q, d).to(dtype)
+    (k8, ks), (v8, vs) = _fp8(B, H_kv, N, d, groups), _fp8(B, H_kv, N, d, groups, amp=1.0)
+    q_pos = torch.arange(N + 2 - Q, N + 2).expand(B, Q)
+    k_pos = torch.arange(N).expand(B, N)
+    kv_len = torch.tensor([N, N // 2 + 1][:B])
+    out, lse_out = poisoned(B, H, Q, d, dtype)
+    o, lse = pt.partial_attention_triton(q, k8, v8, k_scale=ks, v_scale=vs, q_pos=q_pos, k_pos=k_pos,
+                                         kv_len=kv_len, k_pos_sorted=True, out=out, lse_out=lse_out, **extra)
+    k, v = dequantize(k8, ks, torch.float32), dequantize(v8, vs, torch.float32)
+    mask = key_mask(B, Q, N, q.device, q_pos, k_pos, kv_len, extra.get("window"))
+    o_ref, lse_ref = attention_f64(q.float(), k, v, mask=mask, softcap=extra.get("softcap"))
+    assert_close(o, o_ref.to(dtype), dtype, "o")
+    assert_close(lse, lse_ref, torch.float32 if dtype == torch.float32 else dtype, "lse")
+
+
+def test_triton_fp8_groups_it_cannot_tile_are_dequantized_up_front():
+    """Scale groups that are no power-of-two run of channels (two groups of 48) take the
+    dequantize-first path, with the same answer; a scale of the wrong shape is refused."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+    from treeattn_kernels.partial_ref import dequantize
+
+    q = torch.randn(1, 4, 1, 96)
+    (k8, ks), (v8, vs) = _fp8(1, 2, 70, 96, 2), _fp8(1, 2, 70, 96, 2)
+    o, lse = pt.partial_attention_triton(q, k8, v8, k_scale=ks, v_scale=vs)
+    o_ref, lse_ref = attention_f64(q, dequantize(k8, ks, torch.float32), dequantize(v8, vs, torch.float32))
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    with pytest.raises(ValueError, match="k_scale and v_scale must be"):
+        pt.partial_attention_triton(q, k8, v8, k_scale=ks[..., :1], v_scale=vs)

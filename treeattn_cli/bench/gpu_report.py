@@ -212,8 +212,10 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
              [_PY, "-m", "pytest", "-m", "gpu", "-v", "--durations=10", "-p", "no:cacheprovider",
              f"--junitxml={junit}", str(ROOT / "tests")], cap_s=200, parse=parse_junit,
              unavailable="" if (ROOT / "tests").is_dir() else f"no tests/ folder beside the package ({ROOT})"),
-        Step("kernel", "decode kernel vs SDPA / flex_attention, fraction of copy bandwidth (Llama-8B shape)",
-             [_PY, "-m", "treeattn_cli.bench.kernel", "--seq-len", "8192,32768,131072", "--json"],
+        Step("kernel", "decode kernel (bf16 and fp8 KV) vs SDPA / flex_attention, fraction of copy bandwidth "
+                       "(Llama-8B shape)",
+             [_PY, "-m", "treeattn_cli.bench.kernel", "--seq-len", "8192,32768,131072", "--kv-dtype", "fp8",
+              "--json"],
              cap_s=120, parse=parse_kernel),  # flex_attention compiles once per length
         Step("decode", "Llama-3.1-8B-shaped decode ms/token (CUDA graph) vs memory floor and transformers; TTFT",
              [_PY, "-m", "treeattn_cli.bench.gpu_decode", "--contexts", "32768,131072", "--steps", "20",

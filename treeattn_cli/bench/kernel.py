@@ -4,7 +4,11 @@ Decode attention is memory-bound: the ceiling is KV bytes / copy bandwidth. Each
 the median time, the achieved GB/s (K and V bytes read once), and its fraction of the measured
 device-to-device copy bandwidth (read + write bytes / time) on the same device.
 
-Run: ``python -m treeattn_cli.bench.kernel --seq-len 4096,32768,1048576`` (later `treeattn bench --kernel`).
+With ``--kv-dtype fp8`` the kernel also reads the cache as the engine stores it (e4m3 rows
+and a bf16 scale per 32 channels, DESIGN.md §11): record ``treeattn-fp8``, whose bytes are the
+fp8 rows plus their scales (0.53x bf16's at d = 128), beside ``treeattn`` on the 16-bit rows.
+
+Run: ``python -m treeattn_cli.bench.kernel --seq-len 4096,32768,1048576 [--kv-dtype fp8]``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,19 @@ def decode_inputs(batch, heads, kv_heads, head_dim, N, dtype, device):
     return q, k, v, 2 * k.numel() * k.element_size()
 
 
+def fp8_inputs(k, v):
+    """``(k8, v8, k_scale, v_scale, bytes)``: ``k``/``v`` as an fp8 cache holds them (the
+    engine's own quantizer: rotated rows, bf16 scales per 32 channels) and the bytes one
+    decode step reads of them, scales included."""
+    from ..engine.kvquant import KVQuant, fp8_dtype
+
+    quant = KVQuant(k.shape[-1], k.device)
+    (k8, ks), (v8, vs) = quant.quantize(k), quant.quantize(v)
+    assert k8.dtype == fp8_dtype(k.device)
+    nbytes = sum(t.numel() * t.element_size() for t in (k8, v8, ks, vs))
+    return k8, v8, ks, vs, nbytes
+
+
 def _sdpa(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
@@ -77,8 +94,10 @@ def _flex():
 
 
 def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16",
-                 device=None, iters=20, warmup=5, baselines=("sdpa", "flex"), copy_bw=None):
-    """One record per (N, method): median seconds, GB/s of KV read, fraction of copy bandwidth."""
+                 device=None, iters=20, warmup=5, baselines=("sdpa", "flex"), copy_bw=None, kv_dtype=None):
+    """One record per (N, method): median seconds, GB/s of KV read, fraction of copy bandwidth.
+    ``kv_dtype="fp8"`` adds ``treeattn-fp8``: the same kernel over the fp8 cache of the same
+    keys (its own byte count, scales included)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = DTYPES[dtype]
     copy_bw = copy_bw or copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 27)
@@ -92,7 +111,16 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
     records = []
     for N in seq_lens:
         q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
-        for name, fn in methods.items():
+        runs = {name: (fn, kv_bytes) for name, fn in methods.items()}
+        if kv_dtype == "fp8":
+            try:
+                k8, v8, ks, vs, f8_bytes = fp8_inputs(k, v)
+            except ValueError as e:  # a GPU without fp8 loads (sm_80): said in the record
+                records.append({"method": "treeattn-fp8", "seq_len": N, "error": str(e)[:200]})
+            else:
+                runs["treeattn-fp8"] = (lambda q, k, v: partial_attention(q, k8, v8, k_scale=ks, v_scale=vs),
+                                        f8_bytes)
+        for name, (fn, nbytes) in runs.items():
             try:
                 ts = time_fn(lambda: fn(q, k, v), device, iters=iters, warmup=warmup)
             except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
@@ -101,12 +129,12 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
             med = statistics.median(ts)
             records.append({
                 "method": name, "seq_len": N, "batch": batch, "heads": heads, "kv_heads": kv_heads,
-                "head_dim": head_dim, "dtype": dtype, "device": _device_name(device),
-                "time_us_median": med * 1e6, "time_us_min": min(ts) * 1e6,
-                "kv_bytes": kv_bytes, "gbps": kv_bytes / med / 1e9,
-                "copy_gbps": copy_bw / 1e9, "frac_copy_bw": kv_bytes / med / copy_bw,
+                "head_dim": head_dim, "dtype": dtype, "kv_dtype": "fp8" if name.endswith("fp8") else dtype,
+                "device": _device_name(device), "time_us_median": med * 1e6, "time_us_min": min(ts) * 1e6,
+                "kv_bytes": nbytes, "gbps": nbytes / med / 1e9,
+                "copy_gbps": copy_bw / 1e9, "frac_copy_bw": nbytes / med / copy_bw,
             })
-        q = k = v = None  # free this length's tensors before the next
+        q = k = v = k8 = v8 = ks = vs = None  # free this length's tensors before the next
     return records
 
 
@@ -177,6 +205,8 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--kv-dtype", choices=["fp8"], default=None,
+                   help="also time the kernel over an fp8 cache of the same keys (scales included)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", action="store_true")
@@ -195,7 +225,7 @@ def main(argv=None):
         return
     recs = kernel_bench([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
                         kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
-                        iters=a.iters, warmup=a.warmup)
+                        iters=a.iters, warmup=a.warmup, kv_dtype=a.kv_dtype)
     from .. import report
 
     report.print_kernel_records(recs, as_json=a.json)
