@@ -82,6 +82,24 @@ def test_drafter_finds_the_latest_match_and_continues_into_the_base():
     assert Drafter([5, 6, 7]).draft(4) == [] and d.draft(0) == []
 
 
+def test_drafter_keeps_copying_the_passage_it_follows():
+    """Once the answer follows a passage, drafts continue that passage, though the last n-gram
+    occurs later in the document too; a token off the passage goes back to the n-gram lookup."""
+    doc = [1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 0, 0]  # "4 5 6" again at the end, followed by 0 0
+    d = Drafter([], base=Drafter(doc))
+    d.extend([1, 2])
+    assert d.draft(2) == [3, 4]
+    d.extend([3, 4])  # the drafts were kept
+    assert d.draft(2) == [5, 6]
+    d.extend([5, 6])
+    assert d.draft(2) == [7, 8]  # the passage goes on; the latest "4 5 6" (index 13) would say 0 0
+    d.extend([9, 3])  # off the passage
+    assert d.draft(2) == [4, 5]  # the lookup: the latest "9 3" is followed by 4 5
+    fresh = Drafter([], base=Drafter(doc))
+    fresh.extend([1, 2, 3, 4, 5, 6])
+    assert fresh.draft(2) == [0, 0]  # without a passage followed: the latest match
+
+
 def test_speculative_sampling_keeps_the_distribution():
     """A draft is kept with the model's probability of it, else the model's distribution
     without it is sampled: the first emitted token is distributed as the model says, whatever
@@ -102,7 +120,8 @@ def test_speculative_sampling_keeps_the_distribution():
 def test_auto_prices_drafts_and_backs_off_when_they_fail():
     """auto measures a plain step first, then drafts the number of tokens that pays best for
     the measured cost of a draft row and the share of drafts kept: many when they are kept and
-    rows are cheap (a GPU), few when rows cost (a CPU), none, after a few misses, until a probe."""
+    rows are cheap (a GPU), few when rows cost (a CPU), none, after a few misses, until a probe;
+    a verify's fixed cost (a CPU's few-row matmuls) is told apart from its per-row cost."""
     sp = Speculation.for_answer("auto", Sampling())
     assert sp.want() == 0  # no step timed yet
     sp.observe(0, 0, 0.1)
@@ -123,6 +142,21 @@ def test_auto_prices_drafts_and_backs_off_when_they_fail():
             break
     assert [sp.want() for _ in range(PAUSE - 1)] == [0] * (PAUSE - 1)  # paused ...
     assert sp.want() == AUTO_K[0]  # ... then a probe
+    fixed = Speculation.for_answer("auto", Sampling())  # a verify costs 1.7 steps, then 1.5 % a row (CPU)
+    fixed.observe(0, 0, 0.1)
+    for _ in range(12):
+        k = fixed.want()
+        fixed.observe(k, k, 0.17 + 0.0015 * k)
+    assert fixed.want() == AUTO_K[1]  # every draft kept: worth the fixed cost
+    assert abs(fixed.cost.verify(4) - (0.17 + 0.006)) < 1e-3
+    fixed.a = 0.8  # 4 of 5 kept: long drafts (the fixed cost is paid once; a per-row price would say ~3)
+    assert fixed.want() >= 12
+    for i in range(12):  # one draft in four kept: ~1.3 tokens for 1.7 steps does not pay
+        k = fixed.want()
+        fixed.observe(k, i % 2, 0.17 + 0.0015 * k)
+        if not k:
+            break
+    assert fixed.want() == 0
     off = Speculation.for_answer("auto", Sampling(temperature=0.7))
     assert off.mode == "off" and off.record()["sampling"] == "off: sampling"
     assert Speculation.for_answer("ngram:3", Sampling(temperature=0.7)).sampling == "speculative"

@@ -56,7 +56,6 @@ class _Slot:
     t_first: float | None = None
     t_last: float | None = None
     spec: object = None  # rank 0: the answer's speculation policy and counts (speculate.Speculation)
-    fed: bool = False  # its latest forward was a decode step or a verify (timed), not its prefill
     drafter: object = None  # rank 0: its n-gram drafter over the document, the question and the answer
     cancelled: bool = False
 
@@ -87,7 +86,7 @@ class BatchDecoder:
         speculate.Drafter`` over the document and the question, for questions that speculate:
         each slot then drafts, and accepts, on its own (a step with drafts feeds every busy
         slot's last token and drafts as one extension of the tail)."""
-        from .speculate import Speculation, accept
+        from .speculate import Speculation, StepCost, accept
 
         dec, S = self.dec, self.slots
         lead = dec.world.rank == 0
@@ -100,6 +99,7 @@ class BatchDecoder:
         cancelled: set = set()
         t0 = time.perf_counter()
         spent = None  # seconds of the latest timed forward (speculation prices drafts with it)
+        cost = StepCost()  # what the batch's forwards cost, by draft rows: one for every slot
         msg = torch.zeros(S + 1, WIDTH, dtype=torch.int64, device=dec.device)
 
         def finish(s: _Slot, reason):
@@ -117,7 +117,7 @@ class BatchDecoder:
                 slots[b] = _Slot(qi, len(q.ids), torch.Generator(device=dec.device).manual_seed(q.sampling.seed)
                                  if lead else None, time.perf_counter(), t0)
                 if lead:
-                    slots[b].spec = Speculation.for_answer(q.speculate, q.sampling)
+                    slots[b].spec = Speculation.for_answer(q.speculate, q.sampling, cost)
                     slots[b].drafter = drafter(q.ids) if drafter and slots[b].spec.mode != "off" else None
                 new.append(b)
             if new:
@@ -132,13 +132,16 @@ class BatchDecoder:
                 msg.zero_()
                 stop_all = interrupted is not None and interrupted()
                 news = feed() if feed is not None else ([], [])
+                if spent is not None:  # the latest forward, with every slot's drafts in it
+                    cost.observe(sum(len(drafts[b]) for b in range(S) if ready[b]), spent)
+                n_ready = sum(ready)
                 for b in range(S):
                     if not ready[b]:
                         continue
                     s, q = slots[b], questions[slots[b].question]
                     emitted = accept(rows[b], drafts[b], q.sampling, s.gen) if drafts[b] else \
                         [int(sample(rows[b], q.sampling, s.gen)[0])]
-                    s.spec.observe(len(drafts[b]), len(emitted) - 1, spent if s.fed else None)
+                    s.spec.observe(len(drafts[b]), len(emitted) - 1)
                     final, reason = [], None
                     for tok in emitted:
                         s.tokens.append(tok)
@@ -155,7 +158,7 @@ class BatchDecoder:
                     nxt = []
                     if reason is None and s.drafter is not None:
                         s.drafter.extend(final)
-                        nxt = s.drafter.draft(min(s.spec.want(), q.max_new_tokens - len(s.tokens) - 1, KMAX))
+                        nxt = s.drafter.draft(min(s.spec.want(n_ready), q.max_new_tokens - len(s.tokens) - 1, KMAX))
                     msg[b, 0], msg[b, 1], msg[b, 2] = len(final), STOP_IDS[reason], len(nxt)
                     msg[b, 3:3 + len(final)] = torch.tensor(final)
                     msg[b, 4 + KMAX:4 + KMAX + len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
@@ -222,7 +225,6 @@ class BatchDecoder:
                         rows[b] = lg[b:b + 1] if lead else None
                 for b in busy:
                     ready[b], drafts[b] = True, nxt_all[b]
-                    slots[b].fed = True
                 if lead and rows[busy[0]] is not None:
                     rows[busy[0]][-1, 0].item()  # the forward is done once its logits can be read
                 spent = time.perf_counter() - t_step

@@ -21,7 +21,7 @@ text that does not repeat costs at most a rare probe).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from .sampling import Sampling, process_logits
 NGRAMS = (3, 2)  # n-gram sizes tried, longest first (a 1-gram matches too much to be worth a verify)
 AUTO_K = (2, 16)  # auto: the fewest and most drafts per step
 PAUSE = 16  # auto: plain steps after drafts stop paying, before the next probe
+FADE = 0.6  # auto: weight of what earlier verifies kept and missed at each new one
 
 
 def parse(text: str) -> tuple[str, int]:
@@ -51,12 +52,19 @@ class Drafter:
     """Drafts from earlier occurrences of the latest n-gram in a growing token sequence. The
     index of n-grams is built incrementally (each token appended costs O(len(NGRAMS))), so
     drafting stays cheap at any context length. ``base``: a drafter over what comes before
-    these tokens (a document shared by many answers), searched when they have no match."""
+    these tokens (a document shared by many answers), searched when they have no match; the
+    sequence drafted from is then ``base.tokens + tokens``.
+
+    Copying sticks to its source: while the tokens appended since the last draft are the
+    ones that followed its source position, the next draft continues from there, rather than
+    from the latest occurrence of the last n-gram (a common phrase occurs all over a document;
+    the passage being quoted is the one that was being followed)."""
 
     def __init__(self, tokens=(), base: "Drafter | None" = None):
         self.tokens: list[int] = []
         self.last: dict = {}  # n-gram -> end index (exclusive) of its latest occurrence
         self.base = base
+        self._follow: tuple[int, int] | None = None  # (source index of the last draft, len(tokens) then)
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
@@ -67,22 +75,42 @@ class Drafter:
                 if n > g:  # the g-gram ending just before this token: its continuation is known now
                     self.last[tuple(self.tokens[n - 1 - g:n - 1])] = n - 1
 
+    def _at(self, i: int, k: int) -> list[int]:
+        """``k`` tokens from index ``i`` of ``base.tokens + tokens`` (fewer at its end)."""
+        lb = len(self.base.tokens) if self.base is not None else 0
+        if i >= lb:
+            return self.tokens[i - lb:i - lb + k]
+        return (self.base.tokens[i:i + k] + self.tokens[:max(0, i + k - lb)])[:k]
+
     def draft(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the last n-gram."""
+        """Up to ``k`` tokens: the continuation of the passage being copied, else what followed
+        the latest earlier occurrence of the last n-gram."""
         if k <= 0:
             return []
         n = len(self.tokens)
+        lb = len(self.base.tokens) if self.base is not None else 0
+        if self._follow is not None:
+            src, seen = self._follow
+            m = n - seen
+            if m > 0 and src + m < lb + n - 1 and self._at(src, m) == self.tokens[seen:]:
+                out = self._at(src + m, k)
+                if out:
+                    self._follow = (src + m, n)
+                    return out
+        self._follow = None
         for g in NGRAMS:
             if n < g:
                 continue
             gram = tuple(self.tokens[n - g:])
             end = self.last.get(gram)
             if end is not None and end < n:
+                self._follow = (lb + end, n)
                 return self.tokens[end:end + k]
             if self.base is not None:
                 end = self.base.last.get(gram)
                 if end is not None:
-                    return (self.base.tokens[end:end + k] + self.tokens[:k])[:k]
+                    self._follow = (end, n)
+                    return self._at(end, k)
         return []
 
 
@@ -113,46 +141,96 @@ def accept(logits: torch.Tensor, drafts: list[int], sampling: Sampling, gen) -> 
     return out + [int(torch.multinomial(probs[len(drafts)], 1, generator=gen))]
 
 
+class StepCost:
+    """What a forward costs as a function of the draft rows it carries, measured as it runs: a
+    plain step ``t0`` (running mean of the steps without drafts) and a verify of ``k`` drafts
+    ``fixed + per_row·k``, fitted by least squares over the latest verifies (older ones fade).
+    A verify has a fixed cost of its own besides its rows: on a CPU, weight matmuls of a few
+    rows run slower than the one-row ones of a plain step (measured: 4 rows ~1.7x a step, each
+    further row ~2 %); on a GPU both are about a plain step. Until verifies of two sizes are
+    seen the split follows a prior (5 % of a step per row). The first verify is not timed (it
+    pays the one-off costs of a new shape). One object prices every sequence of a batch: the
+    batch's forward is what costs."""
+
+    FADE = 0.85  # weight of the previous verifies at each new one
+    PRIOR_ROW = 0.05  # per draft row, in plain steps, until two sizes are seen
+
+    def __init__(self):
+        self.t0: float | None = None
+        self.verifies = 0
+        self._w = self._k = self._s = self._kk = self._ks = 0.0
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        if drafts == 0:
+            self.t0 = seconds if self.t0 is None else 0.8 * self.t0 + 0.2 * seconds
+            return
+        self.verifies += 1
+        if self.verifies == 1:
+            return
+        f = self.FADE
+        self._w, self._k, self._s = f * self._w + 1, f * self._k + drafts, f * self._s + seconds
+        self._kk, self._ks = f * self._kk + drafts * drafts, f * self._ks + drafts * seconds
+
+    def verify(self, k: int) -> float:
+        """Expected seconds of a forward carrying ``k`` draft rows (``k`` = 0: a plain step)."""
+        t0 = self.t0 or 1.0
+        if k == 0:
+            return t0
+        row = self.PRIOR_ROW * t0
+        if self._w < 1e-9:
+            return t0 + k * row
+        mk, ms = self._k / self._w, self._s / self._w
+        var = self._kk / self._w - mk * mk
+        if var > 0.25:  # drafts of at least two sizes: the slope is measured
+            row = max(0.0, (self._ks / self._w - mk * ms) / var)
+        fixed = max(t0, ms - row * mk)  # a verify costs at least a plain step
+        return fixed + k * row
+
+
 @dataclass
 class Speculation:
     """The drafting policy of one answer and what it did (``drafted``, ``accepted`` counts).
 
-    ``auto`` prices drafts with what it measures: ``t0``, the seconds of a plain decode step,
-    and ``t1``, what each draft row adds to a verify (on a GPU about nothing: decode is
-    memory-bound; on a CPU a little); and ``a``, the share of drafts kept (per draft, until the
-    first rejected one). A verify of k drafts yields (1 - a^(k+1)) / (1 - a) tokens for
-    t0 + k·t1 seconds: auto drafts the k that maximises tokens per second, and none while no k
-    beats a plain step (it probes again after a pause), so text that does not repeat costs
-    little more than the rare probe."""
+    ``auto`` prices drafts with what it measures: the :class:`StepCost` of a plain step and of
+    a verify of k drafts (shared by the sequences of a batch), and ``a``, the chance that a draft
+    is kept given the ones before it were: drafts kept over drafts kept plus rejections, pooled
+    over the latest verifies (older ones fade), which is the maximum-likelihood estimate for
+    runs cut short by k. Pooled, not averaged per verify: copying is bursty (a paragraph is
+    copied whole, then one miss where the answer leaves it), and one miss after a long run
+    barely moves it. A verify of k drafts yields (1 - a^(k+1)) / (1 - a) tokens: auto drafts
+    the k that maximises tokens per second, and none while no k beats a plain step (it probes
+    again after a pause), so text that does not repeat costs little more than the rare probe."""
 
     mode: str = "off"  # off | auto | ngram
     k: int = 0
     drafted: int = 0
     accepted: int = 0
     sampling: str = "greedy"  # or "speculative" (temperature > 0 with ngram:K)
-    a: float = 0.6  # auto: running share of drafts kept
-    t0: float | None = None  # auto: seconds of a plain step (running)
-    t1: float | None = None  # auto: seconds a draft row adds to a verify (running)
+    a: float = 0.6  # auto: the chance a draft is kept (the prior until drafts are seen)
+    _kept: float = 0.0  # auto: drafts kept, faded
+    _missed: float = 0.0  # auto: rejections (verifies cut short), faded
+    cost: StepCost = field(default_factory=StepCost)  # auto: what forwards cost (shared in a batch)
     _pause: int = 0
 
     @classmethod
-    def for_answer(cls, text: str, sampling: Sampling) -> "Speculation":
+    def for_answer(cls, text: str, sampling: Sampling, cost: StepCost | None = None) -> "Speculation":
         mode, k = parse(text)
         if mode == "auto" and sampling.temperature > 0:  # keep the seed's exact draws: decode one by one
             return cls("off", 0, sampling="off: sampling")
-        return cls(mode, k, sampling="speculative" if sampling.temperature > 0 else "greedy")
+        return cls(mode, k, sampling="speculative" if sampling.temperature > 0 else "greedy",
+                   cost=cost or StepCost())
 
-    def gain(self, k: int) -> float:
-        """Expected tokens per second of a verify of ``k`` drafts over a plain step's (1: even)."""
+    def gain(self, k: int, batch: int = 1) -> float:
+        """Expected tokens per second of a forward where this sequence carries ``k`` drafts,
+        over a plain step's (1: even), in a batch of ``batch`` sequences (the others taken as
+        plain: this sequence's drafts pay for the verify's cost alone)."""
         if k == 0:
             return 1.0
         a = min(self.a, 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        t0 = self.t0 or 1.0
-        t1 = self.t1 if self.t1 is not None else 0.05 * t0
-        return tokens * t0 / (t0 + k * max(t1, 0.0))
+        return (batch - 1 + tokens) * self.cost.verify(0) / (batch * self.cost.verify(k))
 
-    def want(self) -> int:
+    def want(self, batch: int = 1) -> int:
         """How many drafts to ask for this step (0: decode one token)."""
         if self.mode == "off":
             return 0
@@ -161,29 +239,30 @@ class Speculation:
         if self._pause:
             self._pause -= 1
             return 0 if self._pause else AUTO_K[0]  # the last paused step probes
-        if self.t0 is None:
+        if self.cost.t0 is None:
             return 0  # first measure a plain step
-        best = max(range(AUTO_K[0], AUTO_K[1] + 1), key=self.gain)
-        if self.gain(best) < 1.05:  # drafts do not pay now: decode plainly for a while
+        best = max(range(AUTO_K[0], AUTO_K[1] + 1), key=lambda k: self.gain(k, batch))
+        if self.gain(best, batch) < 1.05:  # drafts do not pay now: decode plainly for a while
             self._pause = PAUSE
             return 0
         return best
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        """After a forward: ``accepted`` of ``drafted`` drafts were kept; ``seconds`` it took."""
+        """After a forward: ``accepted`` of ``drafted`` drafts were kept; ``seconds`` it took
+        (None in a batch, whose forward is timed once for all: ``cost.observe``)."""
         self.drafted += drafted
         self.accepted += accepted
         if self.mode != "auto":
             return
         if seconds is not None:
-            if drafted == 0:
-                self.t0 = seconds if self.t0 is None else 0.8 * self.t0 + 0.2 * seconds
-            elif self.t0 is not None:
-                per = (seconds - self.t0) / drafted
-                self.t1 = per if self.t1 is None else 0.8 * self.t1 + 0.2 * per
+            self.cost.observe(drafted, seconds)
         if drafted:
-            kept = accepted / (accepted + (accepted < drafted))  # per draft, up to the first rejected
-            self.a = 0.7 * self.a + 0.3 * kept
+            self._kept = FADE * self._kept + accepted
+            self._missed = FADE * self._missed + (accepted < drafted)
+            if self._missed == 0:  # nothing rejected yet: the prior's share, raised by what was kept
+                self.a = max(self.a, self._kept / (self._kept + 1))
+            else:
+                self.a = self._kept / (self._kept + self._missed)
 
     def record(self) -> dict:
         return {"mode": self.mode, "k": self.k, "drafted": self.drafted, "accepted": self.accepted,
