@@ -1,0 +1,141 @@
+"""Time to first token through ``treeattn serve`` (issue 26): a document asked about once (its
+prefill), then again with other questions (the document cache), measured by a streaming client.
+
+    python -m treeattn_cli.bench.serve [--model DIR] [--nproc 2] [--doc-tokens 1500]
+                                       [--questions 3] [--new-tokens 16] [--json]
+
+Starts ``treeattn serve`` on a free loopback port (the embedded model and the demo document by
+default), waits for ``/health``, then sends the questions one after another as chat requests
+``document + "\\n\\n" + question``, streaming: per request, seconds from sending to the first
+content chunk and to the end, and the cached tokens the usage reports. Needs ``treeattn[serve]``
+(FastAPI, uvicorn, httpx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QUESTIONS = ["Who chose the site of the observatory?", "What happened to the first telescope?",
+             "Name two people who worked there.", "When was the observatory founded?",
+             "What is the ridge made of?"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def document(tokens: int, model_dir) -> str:
+    """The demo document cut to about ``tokens`` tokens of ``model_dir``'s tokenizer."""
+    from ..engine.model import load_tokenizer
+    from ..paths import demo_document
+
+    tok = load_tokenizer(model_dir)
+    text = demo_document()
+    ids = tok(text).input_ids[:tokens]
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def ask(url: str, model: str, text: str, new_tokens: int) -> dict:
+    """One streamed chat request: seconds to the first content chunk and to the end, usage."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": new_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, usage, pieces = None, None, []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    pieces.append(c["delta"]["content"])
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {"ttft_s": first, "total_s": time.perf_counter() - t0, "prompt_tokens": (usage or {}).get("prompt_tokens"),
+            "cached_tokens": cached, "completion_tokens": (usage or {}).get("completion_tokens"),
+            "text": "".join(pieces)}
+
+
+def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, new_tokens: int = 16) -> list[dict]:
+    import httpx
+
+    from ..engine.model import resolve
+
+    model_dir = resolve(model)
+    doc = document(doc_tokens, model_dir)
+    port = _free_port()
+    treeattn = str(Path(sys.executable).with_name("treeattn"))
+    cmd = [treeattn, "serve", "--nproc", str(nproc), "--port", str(port), "--quiet"]
+    if model:
+        cmd += ["--model", str(model)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:  # the event: /health answers
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read().decode()[-2000:])
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > 300:
+                raise RuntimeError("the server did not come up in 300 s")
+            time.sleep(0.1)
+        name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        out = []
+        for i in range(questions):
+            q = QUESTIONS[i % len(QUESTIONS)]
+            r = ask(url, name, f"{doc}\n\n{q}", new_tokens)
+            out.append({"request": i + 1, "question": q, **r, "nproc": nproc, "model": str(model or "embedded")})
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--doc-tokens", type=int, default=1500)
+    ap.add_argument("--questions", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    recs = run(a.model, a.nproc, a.doc_tokens, a.questions, a.new_tokens)
+    if a.json:
+        print(json.dumps(recs, indent=1))
+        return 0
+    print("| request | prompt tokens | cached | first token s | whole answer s |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for r in recs:
+        print(f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.3f} | {r['total_s']:.3f} |")
+    later = [r["ttft_s"] for r in recs[1:] if r["ttft_s"]]
+    if later and recs[0]["ttft_s"]:
+        print(f"\nfirst token: request 1 {recs[0]['ttft_s']:.2f} s, later requests median "
+              f"{statistics.median(later):.2f} s ({recs[0]['ttft_s'] / statistics.median(later):.1f}x sooner)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
