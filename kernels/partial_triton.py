@@ -85,6 +85,55 @@ def _live_range(KPOS, kp_base, skpn, n_end, lo_pos, hi_pos, use_lo, FANOUT: tl.c
     return a_lo, b_lo
 
 
+@triton.jit
+def _live_keys(KPOS, kp_base, skpn, offs, n_ok, nn, q_lo, q_hi, window, HAS_POS: tl.constexpr):
+    """``(n_ok, kpos)`` of a block of keys ``offs``: in range, and, with positions, visible to
+    some query of the tile. A block no query can see (all keys in the future, or all out of the
+    sliding window: unsorted positions) has its K/V loads masked off: no bytes move. The loads
+    stay unconditional (its math runs, on zeros, masked) because a load under an ``if`` is not
+    software-pipelined: two dependent round trips per block. (Compared as (BLOCK_N,) vectors:
+    the interpreter mistypes a vector & scalar mask.)"""
+    kpos = offs
+    if HAS_POS:
+        kpos = tl.load(KPOS + kp_base + offs * skpn, mask=n_ok, other=0)
+        live = nn * 0 + tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi
+        if window > 0:
+            live = live & (nn * 0 + tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
+        n_ok = n_ok & live
+    return n_ok, kpos
+
+
+@triton.jit
+def _scores(s, qk_scale, softcap):
+    """Raw ``q.k`` to base-2 scores (``qk_scale = scale * log2(e)``); soft-capping in natural
+    units: ``softcap * tanh(scale * q.k / softcap)``, ``tanh(x) = 1 - 2 / (e^{2x} + 1)``."""
+    if softcap > 0:
+        x = s * (qk_scale / _LOG2E_C) / softcap
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
+    else:
+        s = s * qk_scale
+    return s
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i, row_ok, n_ok, qpos, kpos, window, HAS_POS: tl.constexpr):
+    """One block of the online softmax (base 2): scores ``s`` (BLOCK_M, BLOCK_N) masked to the
+    keys each query sees; returns the block's unnormalised probabilities ``p``, the factor
+    ``alpha`` that rescales what was accumulated, and the new running max and sum."""
+    vis = row_ok[:, None] & n_ok[None, :]
+    if HAS_POS:
+        diff = qpos[:, None] - kpos[None, :]
+        vis = vis & (diff >= 0)
+        if window > 0:
+            vis = vis & (diff < window)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
 # Position and length arrays are sliced at any offset (query slices): no alignment variants.
 @triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN"])
 def _split_kernel(
@@ -134,6 +183,9 @@ def _split_kernel(
     k_base = K + b * skb + hk * skh  # this (batch, KV head)'s keys; 64-bit offsets
     v_base = V + b * svb + hk * svh
     nn = tl.arange(0, BLOCK_N)
+    qpos = qi  # (qpos, q_lo, q_hi: unused without positions)
+    q_lo = n_end
+    q_hi = n_end
     if HAS_POS:
         qpos = tl.load(QPOS + b * sqpb + qi * sqpq, mask=row_ok, other=0)  # (BLOCK_M,)
         q_hi = tl.max(tl.where(row_ok, qpos, -(1 << 62)), 0)  # latest query of the tile
@@ -183,13 +235,7 @@ def _split_kernel(
         acc_e = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         for n0 in range(start, stop, BLOCK_N):
             offs = n0 + nn
-            n_ok = offs < stop
-            if HAS_POS:
-                kpos = tl.load(KPOS + b * skpb + offs * skpn, mask=n_ok, other=0)
-                live = nn * 0 + tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi  # as below
-                if window > 0:
-                    live = live & (nn * 0 + tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
-                n_ok = n_ok & live
+            n_ok, kpos = _live_keys(KPOS, b * skpb, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
             nb = tl.cast(n0, tl.int64)
             kst = ks1
             vst = tl.where(n_ok[None, :], vs1, 0.0)
@@ -205,23 +251,8 @@ def _split_kernel(
             else:
                 s_e = tl.dot(q_e, kt.to(cdt))
             s = tl.sum(tl.reshape(s_e, (BLOCK_M, BLOCK_G, BLOCK_N)) * kst.to(tl.float32)[None, :, :], 1)  # raw q.k
-            if softcap > 0:
-                x = s * (qk_scale / _LOG2E_C) / softcap
-                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
-            else:
-                s = s * qk_scale
-            vis = row_ok[:, None] & n_ok[None, :]
-            if HAS_POS:
-                diff = qpos[:, None] - kpos[None, :]
-                vis = vis & (diff >= 0)
-                if window > 0:
-                    vis = vis & (diff < window)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = _online_softmax(_scores(s, qk_scale, softcap), m_i, l_i, row_ok, n_ok, qpos,
+                                                   kpos, window, HAS_POS)
             p_e = tl.reshape(p[:, None, :] * vst.to(tl.float32)[None, :, :], (BLOCK_M * BLOCK_G, BLOCK_N))
             alpha_e = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_M, BLOCK_G)), (BLOCK_M * BLOCK_G,))
             if UPCAST:
@@ -238,18 +269,7 @@ def _split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(start, stop, BLOCK_N):
             offs = n0 + nn
-            n_ok = offs < stop
-            if HAS_POS:
-                kpos = tl.load(KPOS + b * skpb + offs * skpn, mask=n_ok, other=0)
-                # a block no query of the tile can see (all keys in the future, or all out of the
-                # sliding window: unsorted positions) has its K/V loads masked off: no bytes move.
-                # The loads stay unconditional (its math runs, on zeros, masked) because a load
-                # under an `if` is not software-pipelined: two dependent round trips per block.
-                # (Compared as (BLOCK_N,) vectors: the interpreter mistypes a vector & scalar mask.)
-                live = nn * 0 + tl.min(tl.where(n_ok, kpos, 1 << 62), 0) <= q_hi
-                if window > 0:
-                    live = live & (nn * 0 + tl.max(tl.where(n_ok, kpos, -(1 << 62)), 0) > q_lo - window)
-                n_ok = n_ok & live
+            n_ok, kpos = _live_keys(KPOS, b * skpb, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
             nb = tl.cast(n0, tl.int64)
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + nb * skn + nn[:, None] * skn + dd[None, :] * skd,
@@ -263,24 +283,8 @@ def _split_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
             else:
                 s = tl.dot(q, tl.trans(k))
-            if softcap > 0:
-                # natural units: s = softcap * tanh(scale * q.k / softcap); tanh(x) = 1 - 2/(e^{2x}+1)
-                x = s * (qk_scale / _LOG2E_C) / softcap
-                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
-            else:
-                s = s * qk_scale  # qk_scale = scale * log2(e): base-2 scores
-            vis = row_ok[:, None] & n_ok[None, :]
-            if HAS_POS:
-                diff = qpos[:, None] - kpos[None, :]
-                vis = vis & (diff >= 0)
-                if window > 0:
-                    vis = vis & (diff < window)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = _online_softmax(_scores(s, qk_scale, softcap), m_i, l_i, row_ok, n_ok, qpos,
+                                                   kpos, window, HAS_POS)
             if UPCAST:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
