@@ -229,3 +229,19 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(serve
     finally:
         proc2.send_signal(signal.SIGTERM)
         proc2.wait(timeout=30)
+
+
+def test_saved_documents_of_another_kv_dtype_are_named_at_start(tmp_path):
+    """A --cache-dir holding documents saved with another KV storage: the server says at start,
+    in one line per storage, how many are converted as they load (no server needed)."""
+    from treeattn_cli.cli.serve import DocIndex
+
+    index = DocIndex(tmp_path)
+    index.entries = {"a": {"manifest": {"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}},
+                     "b": {"manifest": {"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}},
+                     "c": {"manifest": {"dtype": "float32"}}}  # saved before fp8 KV: the model's dtype
+    lines = index.conversions("float32")
+    assert len(lines) == 1 and lines[0].startswith(f"2 saved document(s) in {tmp_path}: ")
+    assert "fp8_e4m3fn" in lines[0] and "dequantized" in lines[0]
+    assert index.conversions("fp8_e4m3fn")[0].startswith("1 saved document(s)")
+    assert "rounded to fp8 (lossy)" in index.conversions("fp8_e4m3fn")[0]

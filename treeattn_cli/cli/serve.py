@@ -84,6 +84,18 @@ class DocIndex:
                 self.entries[d.name] = {"ids": ids, "resident": False, "disk": True, "manifest": manifest}
         return len(self.entries)
 
+    def conversions(self, kv_name: str) -> list[str]:
+        """One line per KV storage among the saved documents that is not ``kv_name`` (they are
+        converted as they load: ``kvstore.conversion``)."""
+        from ..engine.kvstore import conversion
+
+        by: dict[str, list[str]] = {}
+        for key, e in self.entries.items():
+            line = conversion(e["manifest"], kv_name) if e.get("manifest") else None
+            if line:
+                by.setdefault(line, []).append(key)
+        return [f"{len(keys)} saved document(s) in {self.dir}: {line}" for line, keys in by.items()]
+
     def match(self, ids, doc: int) -> tuple[str, int]:
         """The document a request of tokens ``ids`` (document part: the first ``doc``) continues:
         the longest cached one its tokens begin with, else its own document part (a new entry
@@ -281,6 +293,8 @@ class Server:
             found = self.docs.scan(self.run)
             if found and not self.o.quiet:
                 print(f"[document cache: {found} saved document(s) in {self.docs.dir}]", file=sys.stderr)
+            for line in self.docs.conversions(self.run.kv_dtype):  # said even with --quiet: answers differ
+                print(f"treeattn: note: {line}", file=sys.stderr)
         self.client = self.engine.start()
         self.scheduler.start()
 
