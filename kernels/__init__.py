@@ -53,8 +53,9 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     merged later stay fp32, so a merge of p shards rounds once, like one device. ``sink [H]``:
     learned sink logits folded into this partial (give them to one partial of a merge only).
     ``k_scale, v_scale [B, H_kv, N, G]``: ``k`` and ``v`` are fp8, each token's row scaled by
-    G factors, one per ``d / G`` channels (an fp8 KV cache, :func:`dequantize`); the reference
-    dequantizes one key block at a time, the other paths up front.
+    G factors, one per ``d / G`` channels (an fp8 KV cache, :func:`dequantize`); the Triton
+    kernel dequantizes each tile in registers, the reference one key block at a time, the fused
+    ATen path the rows up front.
     ``k_pos_sorted``: the caller promises ``k_pos`` ascends over each sequence's valid keys (a
     cache's positions do): the Triton kernel then searches a sliding window's first key instead
     of walking the shard; the other paths do not need it.

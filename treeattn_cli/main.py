@@ -141,13 +141,14 @@ def _sigterm_like_ctrl_c():
         signal.signal(signal.SIGTERM, old)
 
 
-def _check_first(opts):
+def _check_first(opts, check=None):
     """``opts`` once its flags pass the checks that need neither torch nor the model (before
-    those imports: a mistyped flag costs a fraction of a second); else exit 2 with one line."""
+    those imports: a mistyped flag costs a fraction of a second; ``check``: the command's own,
+    default ``options.check_flags``); else exit 2 with one line."""
     from .cli.options import check_flags
 
     try:
-        check_flags(opts)
+        (check or check_flags)(opts)
     except ValueError as e:
         if opts.debug:
             raise
@@ -307,13 +308,7 @@ def serve(**flags):
     """Serve the model over OpenAI's API (chat and completions, streamed), with a document cache."""
     from .cli.options import ServeOptions, check_serve_flags
 
-    opts = ServeOptions(**flags)
-    try:
-        check_serve_flags(opts)
-    except ValueError as e:
-        if opts.debug:
-            raise
-        raise typer.Exit(_report(e))
+    opts = _check_first(ServeOptions(**flags), check_serve_flags)
     from .cli.serve import serve_command
 
     _run(serve_command, opts, terminated_message=False)
