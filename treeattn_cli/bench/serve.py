@@ -5,7 +5,7 @@ prefill), then again with other questions (the document cache), measured by a st
                                        [--questions 3] [--new-tokens 16] [--json]
 
 Starts ``treeattn serve`` on a free loopback port (the embedded model and the demo document by
-default), waits for ``/health``, then sends the questions one after another as chat requests
+default, cut at a paragraph), waits for ``/health``, then sends the questions one after another as chat requests
 ``document + "\\n\\n" + question``, streaming: per request, seconds from sending to the first
 content chunk and to the end, and the cached tokens the usage reports. Needs ``treeattn[serve]``
 (FastAPI, uvicorn, httpx).
@@ -31,17 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def document(tokens: int, model_dir) -> str:
-    """The demo document cut to about ``tokens`` tokens of ``model_dir``'s tokenizer."""
-    from ..engine.model import load_tokenizer
-    from ..paths import demo_document
-
-    tok = load_tokenizer(model_dir)
-    text = demo_document()
-    ids = tok(text).input_ids[:tokens]
-    return tok.decode(ids, skip_special_tokens=True)
 
 
 def ask(url: str, model: str, text: str, new_tokens: int) -> dict:
@@ -74,10 +63,11 @@ def ask(url: str, model: str, text: str, new_tokens: int) -> dict:
 def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, new_tokens: int = 16) -> list[dict]:
     import httpx
 
-    from ..engine.model import resolve
+    from ..engine.model import load_tokenizer, resolve
+    from .spec import demo_document_cut
 
     model_dir = resolve(model)
-    doc = document(doc_tokens, model_dir)
+    doc = demo_document_cut(load_tokenizer(model_dir), doc_tokens)
     port = _free_port()
     treeattn = str(Path(sys.executable).with_name("treeattn"))
     cmd = [treeattn, "serve", "--nproc", str(nproc), "--port", str(port), "--quiet"]

@@ -87,3 +87,16 @@ def device_name(dev) -> str:
     import platform
 
     return f"cpu {platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads/rank)"
+
+
+def demo_document_cut(tokenizer, n_tokens: int) -> str:
+    """The shipped demo document cut at the last paragraph that fits ``n_tokens`` tokens of
+    ``tokenizer`` (the measurement scripts' document of a chosen length)."""
+    from ..paths import demo_document
+
+    out = []
+    for para in demo_document().split("\n\n"):
+        if len(tokenizer("\n\n".join(out + [para]))["input_ids"]) > n_tokens and out:
+            break
+        out.append(para)
+    return "\n\n".join(out)

@@ -19,8 +19,8 @@ import platform
 import torch
 
 from ..engine import model as M
-from ..paths import demo_document
 from .model import _Clock, time_treeattn
+from .spec import demo_document_cut
 
 SPECS = ("off", "auto", "ngram:10")
 REQUESTS = {
@@ -29,16 +29,6 @@ REQUESTS = {
     # drafts are found but mostly wrong (~1 in 5 kept by ngram:10 here): the case auto must not lose
     "own words": "Explain in your own words how a telescope works, for a child.",
 }
-
-
-def document(tokenizer, n_tokens: int) -> str:
-    """The demo document cut at the last paragraph that fits ``n_tokens`` tokens."""
-    out = []
-    for para in demo_document().split("\n\n"):
-        if len(tokenizer("\n\n".join(out + [para]))["input_ids"]) > n_tokens and out:
-            break
-        out.append(para)
-    return "\n\n".join(out)
 
 
 def _prompt(tokenizer, text: str) -> list[int]:
@@ -69,7 +59,7 @@ def time_transformers_lookup(model_dir, ids, new_tokens, lookup: int):
 def speculate_bench(model=None, doc_tokens=2000, new_tokens=128, nproc=1) -> list[dict]:
     model_dir = M.resolve(model)
     tok = M.load_tokenizer(model_dir)
-    doc = document(tok, doc_tokens)
+    doc = demo_document_cut(tok, doc_tokens)
     records = []
     for name, question in REQUESTS.items():
         ids = _prompt(tok, f"{doc}\n\n{question}")
