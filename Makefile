@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,demo]"
+	# -qq: setuptools reports every editable install of a package-dir mapping (kernels/ installs as
+	# treeattn_kernels) as an "Editable installation" warning a newcomer need not read; errors still show
+	$(PIP) install -qq -e ".[test,demo]"
 	$(PIP) install -q --no-deps "$(DEMO_MODEL)"
 	touch $(STAMP)
 

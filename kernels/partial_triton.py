@@ -86,6 +86,18 @@ def _live_range(KPOS, kp_base, skpn, n_end, lo_pos, hi_pos, use_lo, FANOUT: tl.c
 
 
 @triton.jit
+def _query_span(qpos, row_ok):
+    """``(q_lo, q_hi)``: the earliest and latest position of the tile's live query rows. A row
+    at a negative position (padding of a batch's ragged rows) sees no key and sets no bound;
+    counting it would stretch a sliding window's search back to the start of the shard. With
+    no live row, ``q_lo > q_hi``: no key is in range."""
+    live = row_ok & (qpos >= 0)
+    q_hi = tl.max(tl.where(live, qpos, -(1 << 62)), 0)
+    q_lo = tl.min(tl.where(live, qpos, 1 << 62), 0)
+    return q_lo, q_hi
+
+
+@triton.jit
 def _live_keys(KPOS, kp_base, skpn, offs, n_ok, nn, q_lo, q_hi, window, HAS_POS: tl.constexpr):
     """``(n_ok, kpos)`` of a block of keys ``offs``: in range, and, with positions, visible to
     some query of the tile. A block no query can see (all keys in the future, or all out of the
@@ -188,8 +200,7 @@ def _split_kernel(
     q_hi = n_end
     if HAS_POS:
         qpos = tl.load(QPOS + b * sqpb + qi * sqpq, mask=row_ok, other=0)  # (BLOCK_M,)
-        q_hi = tl.max(tl.where(row_ok, qpos, -(1 << 62)), 0)  # latest query of the tile
-        q_lo = tl.min(tl.where(row_ok, qpos, 1 << 62), 0)  # earliest
+        q_lo, q_hi = _query_span(qpos, row_ok)
         if sorted_pos:  # ... narrowed to the window and the causal end by their positions
             lo, hi = _live_range(KPOS, b * skpb, skpn, n_end, q_lo - window + 1, q_hi, window > 0, FANOUT)
     # ... and cut into NSPLIT runs of whole blocks, balanced (every split has work whenever
@@ -211,6 +222,11 @@ def _split_kernel(
         # memory to the MMA's layout as the 16-bit kernel's do; decode (G query rows of a KV
         # head, G * BLOCK_G <= 16) costs no more MMA rows than before.
         cdt = tl.float32 if UPCAST else Q.dtype.element_ty
+        # The PV dot's operands: P_E = P * v_scale is a probability times a value scale (amax /
+        # 448); on diffuse long-context attention it falls below fp16's smallest subnormal (6e-8)
+        # and flushes to zero. bf16 has fp32's range (and e4m3 -> bf16 is exact), so an fp16
+        # model's fp8 cache multiplies in bf16; the accumulator stays fp32.
+        pdt = tl.bfloat16 if cdt == tl.float16 else cdt
         DG: tl.constexpr = BLOCK_D // BLOCK_G  # channels per group (the kernel's tile: a power of two)
         ee = tl.arange(0, BLOCK_M * BLOCK_G)
         e_row = ee // BLOCK_G
@@ -258,7 +274,7 @@ def _split_kernel(
             if UPCAST:
                 acc_e = acc_e * alpha_e[:, None] + tl.dot(p_e, v.to(cdt), input_precision="ieee")
             else:
-                acc_e = acc_e * alpha_e[:, None] + tl.dot(p_e.to(cdt), v.to(cdt))
+                acc_e = acc_e * alpha_e[:, None] + tl.dot(p_e.to(pdt), v.to(pdt))
             m_i = m_new
         # row r's channel c lives in the row of c's group
         own = (dd // DG)[None, None, :] == tl.arange(0, BLOCK_G)[None, :, None]

@@ -370,18 +370,15 @@ def engine_sessions_full(ctx, sessions):
     return out if ctx.rank == 0 else None
 
 
-def graph_agreement(ctx, job, fail):
-    """CUDA-graph decode on CPU ranks with stand-ins for the CUDA graph API (a "capture" runs
-    the step eagerly, a "replay" runs it again): ``fail`` = "capture" makes rank 1's capture
-    fail (after the step ran: the collectives matched), "warmup" makes rank 1 fail before its
-    warm-up step. Rank 0 returns (tokens, [per rank: graph in use, note])."""
+def fake_cuda_graphs(dec, rank: int, fail: str | None = None) -> None:
+    """Stand-ins for the CUDA graph API on CPU ranks. A "capture" runs the step eagerly and
+    remembers the cache it ran on; a "replay" runs the step again on *that* cache, as a real
+    graph replays into the buffers it was captured with (so replaying a graph after a switch
+    to another cache reads and writes the old one, as it would on a GPU). ``fail`` =
+    "capture" makes rank 1's capture fail (after the step ran: the collectives matched),
+    "warmup" makes rank 1 fail before its warm-up step."""
     import contextlib
 
-    from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.sampling import Sampling
-
-    eng = Engine(ctx, job)
-    dec = eng.dec
     dec.use_graph = True
 
     class Stream:
@@ -393,23 +390,39 @@ def graph_agreement(ctx, job, fail):
 
     class Graph:
         def replay(self):
-            out = dec._forward(dec._tok, dec._pos, want_logits=dec.comm.rank == 0)
+            now, dec.actx.cache = dec.actx.cache, self.cache
+            try:
+                out = dec._forward(dec._tok, dec._pos, want_logits=dec.comm.rank == 0)
+            finally:
+                dec.actx.cache = now
             if out is not None:
                 dec._graph_out.copy_(out)
 
     def stream(s):
-        if fail == "warmup" and ctx.rank == 1:
+        if fail == "warmup" and rank == 1:
             raise RuntimeError("CUDA out of memory (simulated, in the warm-up)")
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def graph(g):
+        g.cache = dec.actx.cache
         yield
-        if fail == "capture" and ctx.rank == 1:
+        if fail == "capture" and rank == 1:
             raise RuntimeError("operation not permitted when stream is capturing (simulated)")
 
     torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = Stream, lambda *a, **k: Stream(), stream
     torch.cuda.CUDAGraph, torch.cuda.graph = Graph, graph
+
+
+def graph_agreement(ctx, job, fail):
+    """CUDA-graph decode on CPU ranks with stand-ins for the CUDA graph API
+    (:func:`fake_cuda_graphs`). Rank 0 returns (tokens, [per rank: graph in use, note])."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.sampling import Sampling
+
+    eng = Engine(ctx, job)
+    dec = eng.dec
+    fake_cuda_graphs(dec, ctx.rank, fail)
     answers = []
     real = ctx.emit
     ctx.emit = lambda kind, payload: answers.append(payload["token_ids"]) if kind == "answer" else None
@@ -421,6 +434,31 @@ def graph_agreement(ctx, job, fail):
         ctx.emit = real
     state = eng.world.all_gather_values([dec.graph is not None, dec.use_graph])
     return (answers[0], state.tolist(), dec.graph_note) if ctx.rank == 0 else None
+
+
+def graph_document_switch(ctx, job, docs, new):
+    """The server's document switch under (stand-in) CUDA graphs: decode after document A, then
+    after document B (another cache of the same capacity), then A again. Rank 0 returns the
+    answers and how many graphs were captured and replayed."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.sampling import Sampling
+
+    eng = Engine(ctx, job)
+    fake_cuda_graphs(eng.dec, ctx.rank)
+    answers = []
+    real = ctx.emit
+    ctx.emit = lambda kind, payload: answers.append(payload["token_ids"]) if kind == "answer" else None
+    reqs = []
+    for key, ids in docs:
+        reqs += [{"op": "doc", "key": key, "ids": ids[:-1]}, {"op": "mark", "name": "doc"},
+                 {"op": "append", "ids": ids[-1:]},
+                 {"op": "decode", "seq": 0, "max_new_tokens": new, "sampling": vars(Sampling()), "keep": False},
+                 {"op": "rollback", "name": "doc"}]
+    try:
+        eng.serve(reqs + [{"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return (answers, eng.dec.captures, eng.dec.replays) if ctx.rank == 0 else None
 
 
 def engine_batch(ctx, job, doc, questions, slots, new, speculate="off"):
@@ -472,3 +510,24 @@ def engine_batch_interrupted(ctx, job, doc, questions, slots, new, after):
     finally:
         ctx.emit = real
     return (got, done) if ctx.rank == 0 else None
+
+
+def engine_batch_step_positions(ctx, job, doc, questions, slots, new):
+    """:func:`engine_batch`, recording the query positions of every one-token-per-slot step of
+    the batch; rank 0 returns (answers, [per step: lowest position, how many slots]). """
+    from treeattn_cli.engine import attention as A
+
+    seen = []
+    real = A._cascade
+
+    def spy(actx, layer, q, *a, **kw):
+        if actx.step and layer == 0:
+            seen.append((int(actx.positions.min()), int(actx.positions.numel())))
+        return real(actx, layer, q, *a, **kw)
+
+    A._cascade = spy
+    try:
+        got = engine_batch(ctx, job, doc, questions, slots, new)
+    finally:
+        A._cascade = real
+    return (got[0], seen) if ctx.rank == 0 else None

@@ -84,3 +84,17 @@ def test_chat_batch_equals_one_at_a_time(models, tmp_path):
     sampled = ("--temperature", "0.9", "--seed", "11")
     a, b = recs("--batch", "1", *sampled), recs("--batch", "4", *sampled)
     assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+
+
+def test_idle_slots_step_at_a_live_position(models):
+    """Issue 32: a slot with no question left still has a row in each batched step (computed,
+    dropped). It steps at a live position, never 0: a sliding-window layer's search starts from
+    the tile's earliest query, and a row at 0 would make it read the whole shard. Three
+    questions in two slots leave one slot idle for the last answer; answers stay exact."""
+    paths, want = models
+    job = GenerateJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
+    qs = QS[:3]
+    got, steps = run_local(dist_cases.engine_batch_step_positions, 2, job, DOC, qs, 2, NEW, timeout_s=60)[0]
+    assert got == want["gemma2"][:3]
+    assert steps and all(n == 2 for _, n in steps)
+    assert min(lo for lo, _ in steps) >= len(DOC), steps

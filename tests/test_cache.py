@@ -109,3 +109,57 @@ def test_static_capacity_grows_on_the_same_step_on_every_rank(tmp_path):
     assert traces[0] == traces[1] == traces[2], traces
     assert len(set(traces[0])) >= 2  # it did grow while decoding
     assert res[0][1] == tiny_models.hf_greedy(d, (torch.arange(100) % 200 + 20).tolist(), 120)
+
+
+def _extend(caches, rows, positions, d=4):
+    """Extend ``rows`` of every simulated rank's cache by ``positions`` (K/V = the position)."""
+    for c in caches:
+        c.begin_extend(rows, positions)
+        kv = torch.tensor(positions, dtype=torch.float32)[:, None, :, None].expand(-1, c.kv_heads, -1, d)
+        c.extend(0, kv, -kv)
+        c.end_extend()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_extending_one_row_never_touches_another_rows_extension(world):
+    """Issue 32: a slot's rejected drafts are cut back after another slot took a new question.
+    Row 0 gets three tokens (a verify), then row 1 is extended (a question entering its slot),
+    then row 0 keeps one: row 0 holds exactly one token on the ranks together, row 1 keeps its
+    two, and every rank agrees on the counts."""
+    caches = [ShardedKVCache(1, 2, 1, 4, rank=r, world=world) for r in range(world)]
+    _extend(caches, [0], [[10, 11, 12]])
+    _extend(caches, [1], [[5, 6]])
+    for c in caches:
+        c.truncate_extension(0, keep=1)
+    assert sum(int(c.host_length[0]) for c in caches) == 1
+    assert sum(int(c.host_length[1]) for c in caches) == 2
+    assert all(torch.equal(c.counts, caches[0].counts) for c in caches)
+    assert caches[0].counts.sum(1).tolist() == [1, 2]
+    kept = sorted(int(p) for c in caches for p in c.view_rows(0, [0])[3][0][: int(c.host_length[0])])
+    assert kept == [10]  # the first token of the extension, not a rejected draft
+    # row 1's own extension can still be cut back afterwards
+    for c in caches:
+        c.truncate_extension(1, keep=0)
+    assert caches[0].counts.sum(1).tolist() == [1, 0]
+
+
+def test_a_cut_back_after_newer_tokens_is_refused_not_silently_wrong():
+    """Cutting an extension back is only possible while its tokens are the sequence's newest:
+    after a decode token, a reset or a rollback it raises instead of dropping other tokens."""
+    c = ShardedKVCache(1, 2, 1, 4)
+    _extend([c], [0, 1], [[1, 2], [3, 4]])
+    c.begin_step(torch.tensor([3, 5]), active=[True, False])
+    c.update(0, torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4))
+    c.end_step()
+    with pytest.raises(RuntimeError, match="no ended extension"):
+        c.truncate_extension(0, keep=1)
+    c.truncate_extension(1, keep=1)  # row 1 got no token this step: its extension is still newest
+    assert c.host_length.tolist() == [3, 1]
+    c.reset_rows([1])
+    with pytest.raises(RuntimeError, match="no ended extension"):
+        c.truncate_extension(1, keep=0)
+    with pytest.raises(ValueError, match="twice"):
+        c.begin_extend([0, 0], [[7], [8]])
+    c.begin_extend([0], [[7]])
+    with pytest.raises(RuntimeError, match="not ended"):
+        c.begin_extend([1], [[8]])

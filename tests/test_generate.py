@@ -225,6 +225,27 @@ def test_static_decode_step_is_exact(models):
             assert toks == ref, (kind, p)
 
 
+def test_a_captured_decode_step_is_captured_again_for_another_document(models):
+    """Issue 32: a CUDA graph replays into the buffers it was captured with. After the engine
+    switches to another document's cache of the same capacity (the server's document cache),
+    the step is captured again for it, and once more on the way back: each answer is
+    transformers' greedy decode of its own document (CPU ranks, stand-ins for the graph API
+    that replay on the captured cache, as a GPU would)."""
+    import dist_cases
+    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.parallel.launch import run_local
+
+    tok = load_tokenizer(models["llama"])
+    a, b = (tok(text_of(23, seed=s))["input_ids"] for s in (31, 32))
+    job = GenerateJob(str(models["llama"]), [], max_new_tokens=5, dtype="float32", static=True)
+    answers, captures, replays = run_local(dist_cases.graph_document_switch, 2, job,
+                                           [("a", a), ("b", b), ("a", a)], 5, timeout_s=60)[0]
+    want = [tiny_models.hf_greedy(models["llama"], ids, 5) for ids in (a, b, a)]
+    assert answers == want
+    assert captures == 3 and replays == 3 * 4, (captures, replays)  # 4 fed tokens per answer, all replayed
+
+
 def test_under_torchrun_joins_its_group(models):
     """Run under torchrun (RANK/WORLD_SIZE set), generate joins that group instead of launching."""
     import socket

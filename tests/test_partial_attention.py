@@ -403,16 +403,12 @@ def test_triton_sorted_positions_search(Q, N, window, gaps, ragged, q_off):
     assert_close(lse, lse_ref, torch.float32, "lse")
 
 
-def test_triton_window_layers_read_the_window_not_the_shard(monkeypatch):
-    """H6: with positions sorted per rank (``k_pos_sorted``), a sliding-window decode reads a
-    few hundred sampled positions and the window's K/V, not the shard: every load the
-    interpreted kernel makes is counted. Without the promise (any key order) it reads every
-    position, and still no K/V outside the window (those loads are masked off)."""
-    pytest.importorskip("triton")
+def _count_loads(monkeypatch, **watch) -> dict:
+    """Count the elements every masked load of the interpreted kernel reads, by kind: ``pos``
+    (int64 positions), ``kv`` (64-key K/V tiles), ``other``; and, for each tensor of ``watch``
+    (name=tensor), the elements read from its storage."""
     import numpy as np
     import triton.runtime.interpreter as interp
-
-    import treeattn_kernels.partial_triton as pt
 
     count = {}
     real = interp.InterpreterBuilder.create_masked_load
@@ -421,9 +417,25 @@ def test_triton_window_layers_read_the_window_not_the_shard(monkeypatch):
         kind = "pos" if str(ptrs.get_element_ty()) == "int64" else \
             "kv" if mask.data.ndim == 2 and mask.data.shape[0] == 64 else "other"
         count[kind] = count.get(kind, 0) + int(np.count_nonzero(mask.data))
+        for name, t in watch.items():
+            lo = t.data_ptr()
+            inside = (ptrs.data >= lo) & (ptrs.data < lo + t.numel() * t.element_size())
+            count[name] = count.get(name, 0) + int(np.count_nonzero(mask.data & inside))
         return real(self, ptrs, mask, other, *a, **kw)
 
     monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", counting)
+    return count
+
+
+def test_triton_window_layers_read_the_window_not_the_shard(monkeypatch):
+    """H6: with positions sorted per rank (``k_pos_sorted``), a sliding-window decode reads a
+    few hundred sampled positions and the window's K/V, not the shard: every load the
+    interpreted kernel makes is counted. Without the promise (any key order) it reads every
+    position, and still no K/V outside the window (those loads are masked off)."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+
+    count = _count_loads(monkeypatch)
     reads = {}
     for srt, N in ((True, 60000), (False, 4000)):  # the walk is slow in the interpreter: a shorter shard
         B, G, H_kv, d, window = 1, 4, 1, 16, 100
@@ -440,6 +452,31 @@ def test_triton_window_layers_read_the_window_not_the_shard(monkeypatch):
     assert reads[True]["kv"] <= kv_rows * d and reads[False]["kv"] <= kv_rows * d, reads
     assert reads[True]["pos"] < reads[True]["N"] // 8, reads  # a search, not a walk
     assert reads[False]["pos"] >= reads[False]["N"], reads  # the walk the search replaces
+
+
+@pytest.mark.parametrize("pad", [0, 2, 5])
+def test_triton_padding_rows_do_not_widen_the_window(monkeypatch, pad):
+    """Issue 32: a batch's ragged rows are padded at position -1 (they see no key). They set no
+    bound of the tile's window: a window layer still reads the window's K/V, not the shard from
+    its start (as it did when the earliest query of the tile was the padding's -1). With only
+    padding rows nothing is read, and those rows come out empty."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+
+    B, G, H_kv, d, window, N = 1, 2, 1, 16, 100, 20000
+    live = [N - 3, N - 2, N - 1] if pad < 5 else []
+    q_pos = torch.tensor(live + [-1] * pad)
+    q, k, v = make(B, G * H_kv, H_kv, len(q_pos), N, d, torch.float32)
+    count = _count_loads(monkeypatch, k=k, v=v)
+    k_pos = torch.arange(N)
+    o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window)
+    o, lse = pt.partial_attention_triton(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, k_pos_sorted=True,
+                                         block_n=64)
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert count["k"] + count["v"] <= 2 * (window + 3 * 64) * d, count
+    if not live:
+        assert count["k"] + count["v"] == 0 and torch.isinf(lse).all() and not o.any()
 
 
 def _fp8(B, H_kv, N, d, groups, amp=3.0):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import sys
 
-DEMO_QUESTION = ("According to the report above, who repaired the east telescope's drive "
-                 "motor in 1962, and what did they use to replace the broken gear?")
+# A single fact from near the end of the ~4.5K-token document, asked in other words than the
+# document's ("reimburse her for a new bicycle"): the embedded 135M model answers it right
+# (greedy). Two-part questions are beyond it: asked who repaired the east telescope's drive
+# motor in 1962 and with what, it answered neither.
+DEMO_QUESTION = "According to the report above, what did Margit Solberg ask the board to pay for?"
 DEMO_SYSTEM = "You are a careful assistant. Answer from the document, briefly."
 
 

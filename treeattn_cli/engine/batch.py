@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import ShardedKVCache
-from .sampling import STOP_CODES, STOP_IDS, Sampling, sample
+from .sampling import STOP_CODES, STOP_IDS, Sampling, sample, token_logprobs
 
 _IDLE = -1  # a slot with nothing to report this round
 _ALL_STOPPED = -2  # the launcher interrupted the batch
@@ -42,6 +42,7 @@ class Question:
     sampling: Sampling
     speculate: str = "off"
     stop_check: object = None
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives (rank 0)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class _Slot:
     spec: object = None  # rank 0: the answer's speculation policy and counts (speculate.Speculation)
     drafter: object = None  # rank 0: its n-gram drafter over the document, the question and the answer
     cancelled: bool = False
+    logprobs: list = field(default_factory=list)  # rank 0: sampling.token_logprobs of each token, when asked
 
 
 class BatchDecoder:
@@ -105,7 +107,8 @@ class BatchDecoder:
         def finish(s: _Slot, reason):
             out[s.question] = self._summary(s, reason)
             if lead and on_answer is not None:
-                on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens)})
+                lp = {"logprobs": s.logprobs} if questions[s.question].logprobs is not None else {}
+                on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens), **lp})
 
         while True:
             free = [b for b in range(S) if slots[b] is None]
@@ -155,6 +158,8 @@ class BatchDecoder:
                             reason = "length"
                         if reason is not None:
                             break
+                    if q.logprobs is not None:
+                        s.logprobs += token_logprobs(rows[b], final, q.logprobs)
                     nxt = []
                     if reason is None and s.drafter is not None:
                         s.drafter.extend(final)
@@ -218,9 +223,10 @@ class BatchDecoder:
                     lg = self._extend(busy, feeds, [at[b] for b in busy])
                     for i, b in enumerate(busy):
                         rows[b] = lg[i, :len(feeds[i])] if lead else None
-                else:
+                else:  # an idle slot's row is computed and dropped; at a live position it widens no window's search
+                    live = max(at.values())
                     lg = self._step([slots[b].tokens[-1] if going[b] else 0 for b in range(S)],
-                                    [at.get(b, 0) for b in range(S)], going)
+                                    [at.get(b, live) for b in range(S)], going)
                     for b in busy:
                         rows[b] = lg[b:b + 1] if lead else None
                 for b in busy:

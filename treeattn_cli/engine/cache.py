@@ -58,7 +58,11 @@ class ShardedKVCache:
         self._kv_len = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._view_len = 0
         self._ext_added = torch.zeros(batch, dtype=torch.int64)  # tokens of the extension under way
-        self._ext_owners: dict = {}
+        # Per sequence: the owner rank of each token of its latest extension, in order, while
+        # those tokens are still its newest (None once anything else touched the sequence: a
+        # decode token, a reset, a rollback). Strictly per row: extending one sequence never
+        # touches another's, so a slot can be cut back after others were extended.
+        self._ext_owners: list[list[int] | None] = [None] * batch
         self.reserve(capacity)
 
     # -- capacity -----------------------------------------------------------------------
@@ -143,6 +147,9 @@ class ShardedKVCache:
         ``positions [C]`` or ``[B, C]`` (global). Called once per layer, in layer order; the
         lengths advance after the last layer."""
         C = k.shape[2]
+        if layer == 0 and self.batch > 1 and bool((self.host_length != self.host_length[0]).any()):
+            raise ValueError("append_chunk appends to every sequence at once: their lengths must be equal "
+                             f"(they are {self.host_length.tolist()}); extend sequences of their own with begin_extend")
         start = self.max_len
         self.reserve(start + C)
         self._put(layer, (slice(None), slice(None), slice(start, start + C)), k, v)
@@ -150,6 +157,7 @@ class ShardedKVCache:
             self.pos[:, start:start + C] = torch.as_tensor(positions, device=self.device).expand(self.batch, C)
             self.length += C
             self.host_length += C
+            self._ext_owners = [None] * self.batch
 
     # -- decode -------------------------------------------------------------------------
     def place(self, active=None) -> torch.Tensor:
@@ -169,6 +177,9 @@ class ShardedKVCache:
         store = self.place(active) == self.rank  # host
         if active is not None:
             store &= torch.as_tensor(active, dtype=torch.bool)
+        for b in range(self.batch):  # a new newest token: the latest extension can no longer be cut back
+            if self._ext_owners[b] is not None and (active is None or bool(active[b])):
+                self._ext_owners[b] = None
         # Grow by the largest shard of any rank (every rank holds the same counts): capacities
         # then change on the same step everywhere, so a static decode step's CUDA graph is
         # recaptured together (a capture runs the step's collectives) and shapes stay equal.
@@ -211,11 +222,15 @@ class ShardedKVCache:
         tokens spread evenly over the ranks; this rank writes its own with :meth:`extend` (one
         call per layer) and :meth:`view_rows` returns what the step attends to."""
         positions = torch.as_tensor(positions, dtype=torch.int64)
+        rows = [int(b) for b in rows]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"begin_extend: a sequence appears twice in rows {rows}")
+        if bool(self._ext_added.any()):
+            raise RuntimeError("begin_extend: the previous extension was not ended (end_extend)")
         b_idx, i_idx, t_idx, slot_idx = [], [], [], []
-        self._ext_owners = {}  # sequence -> the owner rank of each of its new tokens, in order
         for i, b in enumerate(rows):
             held = int(self.host_length[b])
-            owners = self._ext_owners.setdefault(b, [])
+            owners = self._ext_owners[b] = []  # this sequence's new tokens' owners, in order
             for t in range(positions.shape[1]):
                 if positions[i, t] < 0:
                     continue
@@ -276,20 +291,32 @@ class ShardedKVCache:
 
     def truncate_extension(self, b: int, keep: int) -> None:
         """Keep only the first ``keep`` tokens the latest extension gave sequence ``b`` (rejected
-        drafts go): each rank forgets its own share of the rest, the newest it holds."""
-        for owner in self._ext_owners.get(b, [])[keep:]:
+        drafts go): each rank forgets its own share of the rest, the newest it holds. Only that
+        sequence changes. Raises if anything else was added to ``b`` since (its newest tokens
+        are no longer the extension's: cutting lengths back would drop the wrong ones)."""
+        owners = self._ext_owners[b]
+        if owners is None or bool(self._ext_added[b]):
+            raise RuntimeError(f"truncate_extension: sequence {b} has no ended extension to cut back "
+                               "(a decode token, a reset or a rollback came after it)")
+        if not 0 <= keep <= len(owners):
+            raise ValueError(f"truncate_extension: keep={keep} of an extension of {len(owners)} tokens")
+        for owner in owners[keep:]:
             self.counts[b, owner] -= 1
             if owner == self.rank:
                 self.length[b] -= 1
                 self.host_length[b] -= 1
-        self._ext_owners[b] = self._ext_owners.get(b, [])[:keep]
+        self._ext_owners[b] = owners[:keep]
 
     def reset_rows(self, rows) -> None:
-        """Empty sequences ``rows`` (a batch slot that takes the next question)."""
+        """Empty sequences ``rows`` (a batch slot that takes the next question); the others
+        keep everything, their extensions' owners included."""
         for b in rows:
+            if bool(self._ext_added[b]):
+                raise RuntimeError(f"reset_rows: sequence {b} has an extension under way")
             self.length[b] = 0
             self.host_length[b] = 0
             self.counts[b] = 0
+            self._ext_owners[b] = None
 
     # -- marks, and whole shards (saved caches) ---------------------------------------
     def mark(self):
@@ -303,6 +330,7 @@ class ShardedKVCache:
         self.length.copy_(length)  # in place: a captured decode step reads this storage
         self.host_length.copy_(host_length)
         self.counts = counts.clone()
+        self._ext_owners = [None] * self.batch
 
     def begin_fill(self, positions, counts) -> None:
         """Replace this rank's shard by one with global ``positions [n]`` (a loaded cache) and
@@ -314,6 +342,7 @@ class ShardedKVCache:
         self.length.fill_(n)
         self.host_length.fill_(n)
         self.set_counts(counts)
+        self._ext_owners = [None] * self.batch
 
     def fill_layer(self, layer: int, k, v, slots=None, heads: slice = slice(None), scales=None) -> None:
         """Part of one layer of a :meth:`begin_fill`: ``k, v [B, h, m, d]`` into token slots

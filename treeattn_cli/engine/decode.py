@@ -64,7 +64,8 @@ class Decoder:
         # CUDA graph of the decode step: needs a static cache (fixed shapes) and NCCL
         self.use_graph = cuda_graph and self.device.type == "cuda" and self.cache.static
         self.graph = None
-        self._graph_cap = None
+        self._graph_for = None  # (cache, capacity) the graph was captured for: it replays into their buffers
+        self.captures = self.replays = 0  # graphs captured (again after a document switch or growth), replayed
         self._tok = self._pos = self._graph_out = None
         self.graph_note = None
         if self.use_graph and not graph_capture_ok(self.comm):
@@ -228,8 +229,19 @@ class Decoder:
         self.cache.end_step()
         return logits
 
+    def needs_capture(self) -> bool:
+        """Whether the decode step must be captured (again) before it can be replayed: a graph
+        replays into the buffers it was captured with, so it belongs to one cache object at one
+        capacity. Another cache of the same capacity (the engine switched documents) or a grown
+        one needs its own capture; replaying the old graph would read and write the old one's."""
+        if self.graph is None or self._graph_for is None:
+            return True
+        cache, capacity = self._graph_for
+        return cache is not self.cache or capacity != self.cache.capacity
+
     def _graph_step(self, want: bool):
-        """Replay the captured step (capture on first use, and again if the cache grew).
+        """Replay the captured step (capture on first use, and again for another cache or a
+        grown one: :meth:`needs_capture`).
 
         Capture runs the step once for warm-up on a side stream (every rank does, so their
         collectives match; the step's writes are idempotent: same slot, same values), records
@@ -242,7 +254,8 @@ class Decoder:
         memory, say) leaves its peers inside a collective, where no agreement can reach them,
         so that failure is raised like any other (the launcher names the rank and stops the
         rest). A capture only records the collectives, so its failure can be agreed on."""
-        if self.graph is None or self._graph_cap != self.cache.capacity:
+        if self.needs_capture():
+            self.graph = self._graph_for = None  # the old graph's buffers may go with their cache
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -260,12 +273,14 @@ class Decoder:
                 where = err or "on another rank"
                 self.graph_note = f"CUDA graph capture failed, decoding eagerly: {where}"[:300]
                 return self._forward(self._tok, self._pos, want_logits=want)
-            self.graph, self._graph_cap = g, self.cache.capacity
+            self.graph, self._graph_for = g, (self.cache, self.cache.capacity)
+            self.captures += 1
         self.graph.replay()
+        self.replays += 1
         return self._graph_out
 
     def decode(self, logits, *, max_new_tokens: int, sampling: Sampling, stop_check=None,
-               interrupted=None, timings=None, speculation=None, context=None):
+               interrupted=None, timings=None, speculation=None, context=None, on_logits=None):
         """Yield ``(token_id, stop_reason)`` pairs (batch 1) from the logits of the last token in
         the cache; the last pair's reason is not None. The last token is sampled but not fed
         to the model (the cache holds everything before it).
@@ -310,6 +325,8 @@ class Decoder:
                         reason = "length"
                     if reason is not None:
                         break
+                if on_logits is not None:
+                    on_logits(logits.reshape(-1, logits.shape[-1]), final)
                 nxt = []
                 if reason is None and drafter is not None:
                     drafter.extend(final)

@@ -9,7 +9,8 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
   "eos_ids": [...], "keep": bool}``: sample an answer, streaming ``token`` events from rank 0
   and ending with an ``answer`` event (its stats); rank 0 also stops when the launcher posts an
   interrupt for request ``i``. ``keep``: the answer stays in the cache (its last token is fed
-  with the next append), else the caller rolls back;
+  with the next append), else the caller rolls back. ``"logprobs": k`` (here and per question
+  of a batch): the answer carries each token's logprob and its ``k`` most likely alternatives;
 * ``{"op": "batch", "questions": [[...], ...], "slots": n, "max_new_tokens": n, "sampling": {...},
   "stop": [...], "eos_ids": [...]}``: answer many questions after the document, ``slots`` at a
   time (continuous batching over the shared document, ``batch.py``), streaming ``btoken`` and
@@ -40,7 +41,7 @@ from .attention import AttentionContext
 from .cache import ShardedKVCache
 from .decode import Decoder, Timings
 from .kvquant import storage
-from .sampling import Sampling
+from .sampling import Sampling, token_logprobs
 from .speculate import Speculation
 from ..parallel.mesh import Mesh, check_tp_within_nodes
 from ..topology.layout import cp_layout
@@ -189,10 +190,13 @@ class Engine:
         toks, reason = [], None
         sampling = Sampling(**req["sampling"])
         spec = Speculation.for_answer(req.get("speculate", "off"), sampling)
+        logprobs, want_lp = [], req.get("logprobs")
+        on_logits = (lambda rows, final: logprobs.extend(token_logprobs(rows, final, want_lp))) \
+            if self.lead and want_lp is not None else None
         for tok, reason in self.dec.decode(self.logits, max_new_tokens=req["max_new_tokens"],
                                            sampling=sampling, stop_check=stop_check,
                                            interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
-                                           timings=timings, speculation=spec,
+                                           timings=timings, speculation=spec, on_logits=on_logits,
                                            context=self._drafter() if self.lead and spec.mode != "off" else None):
             toks.append(tok)
             if self.lead:
@@ -210,7 +214,8 @@ class Engine:
             "speculation": spec.record(),
         }
         if self.lead:
-            self.ctx.send("answer", {**self.summary, "token_ids": toks})
+            self.ctx.send("answer", {**self.summary, "token_ids": toks,
+                                     **({"logprobs": logprobs} if want_lp is not None else {})})
 
     def _drafter(self, own=()):
         """Rank 0: a drafter over the tokens in the cache (then ``own``). The index of a long
@@ -235,7 +240,7 @@ class Engine:
         every question it took is answered, and ``batch_done`` says how many joins it took."""
         from .batch import BatchDecoder, Question
 
-        defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate")}
+        defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs")}
 
         def question(q) -> Question:
             spec = {**defaults, **({} if isinstance(q, list) else q)}
@@ -246,7 +251,7 @@ class Engine:
                     self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
                 stop_check = _stop_check(self._tok, spec.get("stop") or [], set(spec.get("eos_ids") or []))
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
-                            spec.get("speculate") or "off", stop_check)
+                            spec.get("speculate") or "off", stop_check, spec.get("logprobs"))
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
@@ -402,7 +407,7 @@ class Engine:
             "scheme": self.scheme, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "kv_dtype": self.kv_name,  # bytes of KV one token takes on all ranks together, scales included
             "kv_bytes_per_token": self.cache.bytes_per_token() * self.mesh.tp,
-            "cuda_graph": self.dec.graph is not None,
+            "cuda_graph": self.dec.graph is not None, "cuda_graph_replays": self.dec.replays,
             "kernels": "reference (the fast kernels failed their self-check)" if self.job.reference else "fast",
             "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
             "prefill_segments": [{**{k: seg[k] for k in ("tokens", "cached", "method", "sharding")},

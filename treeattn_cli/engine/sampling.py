@@ -43,3 +43,16 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> to
         return logits.float().argmax(dim=-1)
     probs = torch.softmax(process_logits(logits, s), dim=-1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # on the logits' device
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[dict]:
+    """What the model thought of each emitted token: ``rows [n, V]`` are the logits each of
+    ``tokens`` was chosen from (a verify's rows for its accepted drafts). Per token its
+    log-probability under the model's own distribution (raw logits: no temperature, top-k or
+    top-p) and the ``k`` most likely tokens, ``{"id", "logprob", "top": [[id, logprob], ...]}``
+    (OpenAI's ``logprobs`` / ``top_logprobs``)."""
+    lp = torch.log_softmax(rows[:len(tokens)].float(), dim=-1)  # [n, V]
+    top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1) if k else None
+    return [{"id": int(t), "logprob": float(lp[i, t]),
+             "top": [[int(j), float(v)] for v, j in zip(top.values[i].tolist(), top.indices[i].tolist())]
+             if k else []} for i, t in enumerate(tokens)]
