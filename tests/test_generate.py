@@ -59,6 +59,37 @@ def test_greedy_token_ids_equal_transformers(models, kind, n):
         assert rec["stop_reason"] == "length"
 
 
+def test_logprobs_are_the_models_own(models):
+    """--logprobs K: each token's log-probability and its K most likely alternatives, the
+    model's own (transformers' scores of the same greedy decode, log-softmaxed), whatever the
+    ranks and drafts; 0 gives the token's logprob alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from treeattn_cli.engine.model import load_tokenizer
+
+    prompt = text_of(9, seed=5) * 3  # repeats: drafts from the prompt get verified
+    ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
+    m = AutoModelForCausalLM.from_pretrained(models["gemma2"], dtype=torch.float32, attn_implementation="eager")
+    x = torch.tensor([ids])
+    out = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                     pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    want = torch.log_softmax(torch.cat(out.scores).float(), -1)  # [6, V]
+    for p, spec in ((1, "off"), (3, "ngram:3")):
+        rec = run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--nproc", str(p), "--dtype", "float32",
+                       "--max-new-tokens", "6", "--logprobs", "3", "--speculate", spec)
+        assert rec["token_ids"] == out.sequences[0, len(ids):].tolist()
+        assert len(rec["logprobs"]) == 6 and (spec == "off") == (rec["speculation"]["drafted"] == 0)
+        for row, lp in zip(want, rec["logprobs"]):
+            top = torch.topk(row, 3)
+            assert [t for t, _ in lp["top"]] == top.indices.tolist() and lp["id"] == lp["top"][0][0]
+            assert max(abs(v - w) for (_, v), w in zip(lp["top"], top.values.tolist())) < 1e-4
+            assert abs(lp["logprob"] - float(row[lp["id"]])) < 1e-4
+    rec = run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--max-new-tokens", "2", "--logprobs", "0")
+    assert [lp["top"] for lp in rec["logprobs"]] == [[], []]
+    assert "logprobs" not in run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--max-new-tokens", "2")
+
+
 def test_chunked_prefill_is_exact(models):
     prompt = text_of(53, seed=3)
     base = run_json("--model", str(models["llama"]), "--prompt", prompt, "--nproc", "1",
@@ -164,6 +195,8 @@ BAD = [
     (["--backend", "nccl", "--device", "cpu"], "nccl"),
     (["--dtype", "float8"], "--dtype"),
     (["--max-new-tokens", "600"], "context"),
+    (["--logprobs", "21"], "--logprobs"),
+    (["--logprobs", "-1"], "--logprobs"),
 ]
 
 

@@ -196,7 +196,7 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool) -> 
     seq = client.post(op="decode", seq=client.seq, max_new_tokens=o.max_new_tokens, stop=list(o.stop),
                       eos_ids=list(eos_ids), sampling={"temperature": o.temperature, "top_k": o.top_k,
                                                              "top_p": o.top_p, "seed": o.seed},
-                      keep=o.conversation, interruptible=True, speculate=o.speculate)
+                      keep=o.conversation, interruptible=True, speculate=o.speculate, logprobs=o.logprobs)
     try:
         while True:
             try:
@@ -267,6 +267,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> Non
         views[0].begin_stream()
     seq = client.post(op="batch", seq=client.seq, questions=ids_list, slots=o.batch, max_new_tokens=o.max_new_tokens,
                       stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True, speculate=o.speculate,
+                      logprobs=o.logprobs,
                       sampling={"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed})
     try:
         while True:

@@ -41,6 +41,8 @@ ANSWER_FLAGS = (
     Flag("top_p", float, 1.0, "Nucleus sampling mass in (0, 1] (1 = off)."),
     Flag("seed", int, 0, "Random seed for sampling (every answer starts from it)."),
     Flag("stop", List[str], [], "Stop an answer when this text appears (repeatable)."),
+    Flag("logprobs", Optional[int], None, "With --json: each token's log-probability under the model and its N "
+         "most likely alternatives (0: the token's own only; at most 20)."),
 )
 SPECULATE_FLAGS = (
     Flag("speculate", str, "auto", "Draft tokens from the document and the answer (n-gram lookup) and verify "
@@ -118,6 +120,7 @@ class GenerateOptions:
     quiet: bool = False  # no stats line on stderr
     prefill_sharding: str = "balanced"  # or "contiguous": how prefill segments are cut (engine/prefill.py)
     speculate: str = "auto"  # off | auto | ngram:K (engine/speculate.py)
+    logprobs: int | None = None  # --json records carry each token's logprob and this many alternatives
 
 
 def check_flags(o: GenerateOptions) -> None:
@@ -131,6 +134,8 @@ def check_flags(o: GenerateOptions) -> None:
         raise ValueError(f"--top-k must be >= 0, got {o.top_k}")
     if not 0 < o.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {o.top_p}")
+    if o.logprobs is not None and not 0 <= o.logprobs <= 20:
+        raise ValueError(f"--logprobs must be in 0..20, got {o.logprobs}")
     if o.prefill_chunk is not None and o.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1, got {o.prefill_chunk}")
     if o.nproc is not None and o.nproc < 1:

@@ -59,7 +59,7 @@ def generate_requests(job) -> list[dict]:
         reqs.append({"op": "mark", "name": "prompt"})
     reqs.append({"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "stop": list(job.stop),
                  "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False,
-                 "speculate": job.speculate})
+                 "speculate": job.speculate, "logprobs": job.logprobs})
     if job.save_kv:
         reqs += [{"op": "rollback", "name": "prompt"},
                  {"op": "save", "dir": job.save_kv, **job.save_meta}]
@@ -212,10 +212,10 @@ class Engine:
             "decode_tokens_per_s": (count - 1) / timings.decode_s if count > 1 and timings.decode_s else None,
             "stop_reason": reason, "prefill_method": "+".join(self.methods) or None,
             "speculation": spec.record(),
+            **({"logprobs": logprobs} if want_lp is not None else {}),
         }
         if self.lead:
-            self.ctx.send("answer", {**self.summary, "token_ids": toks,
-                                     **({"logprobs": logprobs} if want_lp is not None else {})})
+            self.ctx.send("answer", {**self.summary, "token_ids": toks})
 
     def _drafter(self, own=()):
         """Rank 0: a drafter over the tokens in the cache (then ``own``). The index of a long

@@ -45,6 +45,7 @@ class GenerateJob:
     reserve: int | None = None  # tokens to make room for up front (default: prompt + answer)
     prefill_sharding: str = "balanced"  # or "contiguous" (prefill.py): how segments are cut
     speculate: str = "auto"  # off | auto | ngram:K: drafts from the context, verified (speculate.py)
+    logprobs: int | None = None  # the answer carries each token's logprob and this many alternatives
 
     @property
     def reserve_tokens(self) -> int:
