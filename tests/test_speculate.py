@@ -82,6 +82,31 @@ def test_drafter_finds_the_latest_match_and_continues_into_the_base():
     assert Drafter([5, 6, 7]).draft(4) == [] and d.draft(0) == []
 
 
+def test_drafts_do_not_depend_on_where_the_sequence_is_cut_into_base_and_own():
+    """A batch's slot drafts over (document | question + answer), one question alone over
+    (document + question | answer): the same sequence cut in another place. The drafts must be
+    the same, n-grams across the cut included, or speculative sampling draws differently on
+    the two paths (issue 32's combination test found answers that parted at the first draft)."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(200):
+        vocab = rng.randint(2, 6)
+        seq = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        later = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+        cuts = sorted({0, len(seq), rng.randint(0, len(seq)), rng.randint(0, len(seq))})
+        runs = []
+        for cut in cuts:
+            d = Drafter(seq[cut:], base=Drafter(seq[:cut])) if cut else Drafter(seq)
+            out = []
+            for t in later:
+                out.append(d.draft(3))
+                d.extend([t])
+            out.append(d.draft(3))
+            runs.append(out)
+        assert all(r == runs[0] for r in runs), (trial, seq, cuts)
+
+
 def test_drafter_keeps_copying_the_passage_it_follows():
     """Once the answer follows a passage, drafts continue that passage, though the last n-gram
     occurs later in the document too; a token off the passage goes back to the n-gram lookup."""

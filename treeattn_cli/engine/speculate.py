@@ -52,8 +52,12 @@ class Drafter:
     """Drafts from earlier occurrences of the latest n-gram in a growing token sequence. The
     index of n-grams is built incrementally (each token appended costs O(len(NGRAMS))), so
     drafting stays cheap at any context length. ``base``: a drafter over what comes before
-    these tokens (a document shared by many answers), searched when they have no match; the
-    sequence drafted from is then ``base.tokens + tokens``.
+    these tokens (a document shared by many answers); the sequence drafted from is then
+    ``base.tokens + tokens``, and every index, n-gram and lookup is over that whole sequence:
+    n-grams that start in the base and end here count like any other. So drafts depend on the
+    sequence only, not on where it is cut into base and own tokens (the document alone for a
+    batch's slots, the document and the question for one question at a time): speculative
+    sampling then makes the same draws on every path.
 
     Copying sticks to its source: while the tokens appended since the last draft are the
     ones that followed its source position, the next draft continues from there, rather than
@@ -62,22 +66,26 @@ class Drafter:
 
     def __init__(self, tokens=(), base: "Drafter | None" = None):
         self.tokens: list[int] = []
-        self.last: dict = {}  # n-gram -> end index (exclusive) of its latest occurrence
+        self.last: dict = {}  # n-gram -> index (in the whole sequence) of what followed its latest occurrence here
         self.base = base
-        self._follow: tuple[int, int] | None = None  # (source index of the last draft, len(tokens) then)
+        self._follow: tuple[int, int] | None = None  # (source index of the last draft, the sequence's length then)
         self.extend(tokens)
 
+    def _lb(self) -> int:
+        return len(self.base.tokens) if self.base is not None else 0
+
     def extend(self, tokens) -> None:
+        lb = self._lb()
         for t in tokens:
             self.tokens.append(int(t))
-            n = len(self.tokens)
+            n = lb + len(self.tokens)
             for g in NGRAMS:
                 if n > g:  # the g-gram ending just before this token: its continuation is known now
-                    self.last[tuple(self.tokens[n - 1 - g:n - 1])] = n - 1
+                    self.last[tuple(self._at(n - 1 - g, g))] = n - 1
 
     def _at(self, i: int, k: int) -> list[int]:
         """``k`` tokens from index ``i`` of ``base.tokens + tokens`` (fewer at its end)."""
-        lb = len(self.base.tokens) if self.base is not None else 0
+        lb = self._lb()
         if i >= lb:
             return self.tokens[i - lb:i - lb + k]
         return (self.base.tokens[i:i + k] + self.tokens[:max(0, i + k - lb)])[:k]
@@ -87,12 +95,11 @@ class Drafter:
         the latest earlier occurrence of the last n-gram."""
         if k <= 0:
             return []
-        n = len(self.tokens)
-        lb = len(self.base.tokens) if self.base is not None else 0
+        n = self._lb() + len(self.tokens)  # the whole sequence
         if self._follow is not None:
             src, seen = self._follow
             m = n - seen
-            if m > 0 and src + m < lb + n - 1 and self._at(src, m) == self.tokens[seen:]:
+            if m > 0 and src + m < n - 1 and self._at(src, m) == self._at(seen, m):
                 out = self._at(src + m, k)
                 if out:
                     self._follow = (src + m, n)
@@ -101,16 +108,13 @@ class Drafter:
         for g in NGRAMS:
             if n < g:
                 continue
-            gram = tuple(self.tokens[n - g:])
-            end = self.last.get(gram)
-            if end is not None and end < n:
-                self._follow = (lb + end, n)
-                return self.tokens[end:end + k]
-            if self.base is not None:
+            gram = tuple(self._at(n - g, g))
+            end = self.last.get(gram)  # here first: the latest occurrence
+            if end is None and self.base is not None:
                 end = self.base.last.get(gram)
-                if end is not None:
-                    self._follow = (end, n)
-                    return self._at(end, k)
+            if end is not None:
+                self._follow = (end, n)
+                return self._at(end, k)
         return []
 
 
