@@ -86,7 +86,7 @@ class Config:
     def line(self) -> str:
         """The configuration in one line (what a failure prints)."""
         qs = ",".join(f"{q['kind']}{len(q['ids'])}" + (f"/{q['speculate']}" if q.get("speculate") else "")
-                      for q in self.questions)
+                      + (f"/new{q['new']}" if "new" in q else "") for q in self.questions)
         extra = [f"chunk={self.chunk}" if self.chunk else "", f"reload<-cp{self.reload_cp}" if self.reload_cp else "",
                  f"joins={self.joins}" if self.joins else "", f"cancels={self.cancels}" if self.cancels else "",
                  "again" if self.again else "",
@@ -169,7 +169,16 @@ def d_sampling(rng, c, fx):
 
 
 def d_new(rng, c, fx):
+    """Answer lengths: one for all, or (a batch's questions, the server's requests) each its
+    own, so answers end at different steps and slots refill while others are drafting."""
     c.new = rng.randint(3, 10)
+    if c.route in ("batch", "serve") and rng.random() < 0.5:
+        for q in c.questions:
+            q["new"] = rng.randint(2, 12)
+
+
+def new_of(c: Config, i: int) -> int:
+    return c.questions[i].get("new", c.new)
 
 
 def d_reload(rng, c, fx):
@@ -256,8 +265,9 @@ def requests_of(c: Config, fx: dict, save_root: str) -> list:
     """The engine requests of the configuration under test (after the document is in place)."""
     q_common = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
     if c.route == "batch":
-        return [{"op": "batch", "questions": [q["ids"] for q in c.questions], "slots": c.slots,
-                 "speculate": c.speculate, **q_common}]
+        return [{"op": "batch", "questions": [{"ids": q["ids"], "max_new_tokens": new_of(c, i)}
+                                              for i, q in enumerate(c.questions)],
+                 "slots": c.slots, "speculate": c.speculate, **q_common}]
     reqs = []
     for i, q in enumerate(c.questions):
         reqs += [{"op": "append", "ids": q["ids"], "piece": c.chunk},
@@ -313,7 +323,8 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
     spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
 
     def question(i):
-        return {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec}
+        return {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec,
+                "max_new_tokens": new_of(c, i)}
 
     def run_batch(seq: int, order: list, into: dict, posts: bool) -> list:
         """One open batch of questions ``order`` (batch index -> question index); returns (on
@@ -410,7 +421,7 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
         for i, q in enumerate(c.questions):
             qspec = "off" if c.greedy else q.get("speculate", spec)
             reqs += [{"op": "append", "ids": q["ids"]},
-                     {"op": "decode", "seq": i, "max_new_tokens": c.new, "sampling": c.sampling, "stop": [],
+                     {"op": "decode", "seq": i, "max_new_tokens": new_of(c, i), "sampling": c.sampling, "stop": [],
                       "eos_ids": [], "logprobs": LOGPROBS, "speculate": qspec, "keep": c.route == "conversation"}]
             if c.route != "conversation":
                 reqs.append({"op": "rollback", "name": "doc"})
@@ -498,7 +509,7 @@ def check(c: Config, r: dict, fx: dict, oracle: Oracle, notes: list | None = Non
             bad.append(f"question {i}: logprobs differ from alone by {gap:.2e} (> {tol:g})")
         if c.greedy and c.kv == "auto":  # transformers' greedy decode of the same tokens
             prompt = (context if c.route == "conversation" else list(doc)) + list(q["ids"])
-            hf = oracle.greedy(c.family, prompt, c.new)
+            hf = oracle.greedy(c.family, prompt, new_of(c, i))
             if w != hf:
                 bad.append(f"question {i}: alone {w} != transformers {hf}")
         if c.route == "conversation":
@@ -604,6 +615,7 @@ def main(argv=None) -> int:
     ap.add_argument("--show", action="store_true", help="print the configurations and exit")
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the ranks load a model per configuration
     seeds = a.seed or list(range(a.first, a.first + a.seeds))
     root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="treeattn-combos-"))
     if a.show:

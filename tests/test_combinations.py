@@ -16,7 +16,13 @@ import pytest
 import combos
 
 # Seeds that found a defect once: they run in CI whatever the count (seed: what they found).
-REGRESSIONS = {}
+REGRESSIONS = {
+    2: "a slot refilled while another slot's rejected drafts were cut back (ShardedKVCache.begin_extend reset "
+       "every row's extension owners): tokens differ",
+    47: "the same, through the server's open batch with a late join: tokens differ from the 4th on",
+    175: "the n-gram drafter never matched across its base and its own tokens, so a batch's slot and the "
+         "question alone drafted differently and speculative sampling drew other tokens",
+}
 
 
 def _seeds() -> tuple[list[int], bool]:
