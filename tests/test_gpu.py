@@ -94,3 +94,32 @@ def test_check_passes_on_this_gpu(tmp_path, monkeypatch):
     paths = {x["path"] for x in recs}
     assert {"partial/triton", "partial/aten", "merge/fused", "generate/eager", "generate/cuda-graph"} <= paths
     assert any(p.startswith("compile/sm_") for p in paths)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_cache_with_diffuse_attention_keeps_its_values(dtype):
+    """Issue 32: an fp8 cache's probabilities are multiplied by the values' scales before the
+    PV dot; over 64K keys of near-uniform attention p ~ 2e-5 and scale ~ 2e-3 give 4e-8, below
+    fp16's smallest subnormal. The kernel multiplies in bf16 for an fp16 model: the output
+    matches the float64 oracle over the dequantized cache (it was flushed toward 0 before)."""
+    from treeattn_kernels import dequantize
+    from treeattn_kernels.partial_triton import partial_attention_triton
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 loads need sm_89 or newer")
+    B, H_kv, G, N, d, S = 1, 2, 4, 65536, 128, 4
+    q = (torch.randn(B, G * H_kv, 1, d, device="cuda") * 0.01).to(dtype)  # near-uniform scores
+    v = 0.5 + 0.1 * torch.randn(B, H_kv, N, d, device="cuda")  # the output ~0.5: a flushed one is ~0
+    k = torch.randn(B, H_kv, N, d, device="cuda")
+
+    def fp8(x):
+        xg = x.unflatten(-1, (S, -1))
+        s = (xg.abs().amax(-1) / 448).to(torch.bfloat16)
+        return (xg / s.float()[..., None]).flatten(-2).to(torch.float8_e4m3fn), s
+
+    k8, ks = fp8(k)
+    v8, vs = fp8(v)
+    o, lse = partial_attention_triton(q, k8, v8, k_scale=ks, v_scale=vs)
+    o_ref, lse_ref = attention_f64(q, dequantize(k8, ks, torch.float64), dequantize(v8, vs, torch.float64))
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, dtype, "lse")
