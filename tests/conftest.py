@@ -1,7 +1,23 @@
-"""Test setup: the Triton interpreter on machines without a GPU (set before triton is imported)."""
+"""Test setup: the Triton interpreter on machines without a GPU (set before triton is imported),
+one reproducible session seed, and a run that touches nothing of the user's.
+
+* Randomness: one session seed (``TREEATTN_TEST_SEED`` overrides it), printed in pytest's header
+  and under every failure; each test's torch and ``random`` generators are seeded from it and
+  the test's id (the ``seed`` fixture), so a failing random case re-runs with the same inputs:
+  ``TREEATTN_TEST_SEED=<seed> pytest '<test id>'``.
+* Isolation: ``TREEATTN_CACHE`` points at a directory of this session (kernel verdicts, model
+  probes, the converted demo model: made once per session), so a stale verdict in the user's
+  cache can never send the tests down another path, and the user's cache is never written;
+  Hypothesis keeps its examples there too, not in the working directory.
+* ``--reverse``: run the collected tests in reverse order (order independence).
+"""
 
 import os
+import random
 import signal
+import shutil
+import tempfile
+import zlib
 
 import pytest
 import torch
@@ -17,8 +33,41 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+SESSION_SEED = int(os.environ.get("TREEATTN_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+# Everything the session writes outside its tests' tmp_path: set before any rank is started
+# (they inherit the environment), removed at the end.
+_SESSION_DIR = tempfile.mkdtemp(prefix="treeattn-tests-")
+os.environ["TREEATTN_CACHE"] = os.path.join(_SESSION_DIR, "cache")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+try:
+    from hypothesis import settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    settings.register_profile("treeattn", database=DirectoryBasedExampleDatabase(os.path.join(_SESSION_DIR, "hyp")))
+    settings.load_profile("treeattn")
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if getattr(config.option, "hypothesis_seed", None) is None and hasattr(config.option, "hypothesis_seed"):
+        config.option.hypothesis_seed = SESSION_SEED  # Hypothesis draws from the session seed too
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true", help="run the tests in reverse order (order independence)")
+
+
+def pytest_report_header(config):
+    return [f"treeattn: session seed {SESSION_SEED} (TREEATTN_TEST_SEED={SESSION_SEED} reproduces it); "
+            f"TREEATTN_CACHE={os.environ['TREEATTN_CACHE']}"]
+
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -27,9 +76,54 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+def seed_of(nodeid: str) -> int:
+    """The seed of the test ``nodeid`` in this session."""
+    return zlib.crc32(f"{SESSION_SEED}:{nodeid}".encode())
+
+
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    """Fresh random inputs each run; the seed is printed on failure for reproduction."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    yield seed
+def seed(request):
+    """This test's seed (torch's and ``random``'s generators start from it)."""
+    s = seed_of(request.node.nodeid)
+    torch.manual_seed(s)
+    random.seed(s)
+    return s
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        rep.sections.append(("treeattn seed", f"session seed {SESSION_SEED}, this test's {seed_of(item.nodeid)}: "
+                                              f"TREEATTN_TEST_SEED={SESSION_SEED} pytest '{item.nodeid}'"))
+
+
+# ---------------------------------------------------------------- shared fixtures
+
+class TinyModels:
+    """Tiny random models saved once per session and shared by every test module (building one
+    costs ~0.3 s and its greedy oracle more): ``tiny(kind, seed=, **config)`` -> its directory."""
+
+    def __init__(self, root):
+        self.root, self.made = root, {}
+
+    def __call__(self, kind: str, seed: int = 0, **over):
+        from treeattn_cli.verify import tiny as tiny_models
+
+        key = (kind, seed, tuple(sorted(over.items())))
+        if key not in self.made:
+            name = f"{kind}-{seed}" + "".join(f"-{k}{v}" for k, v in sorted(over.items()))
+            self.made[key] = tiny_models.make_model(kind, self.root / name, seed=seed, **over)
+        return self.made[key]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """``tiny(kind, seed=0, **config)``: a tiny random model's directory, made once per session
+    (tests must not change it: copy it to tmp_path first)."""
+    return TinyModels(tmp_path_factory.mktemp("tiny"))

@@ -1,8 +1,11 @@
-"""Shared test helpers: tolerances, oracles, random inputs."""
+"""Shared test helpers: tolerances, oracles, the CLI in-process, usage errors, memory, and the
+processes a run leaves (for the tests that start the console script)."""
 
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 
 import torch
 
@@ -92,3 +95,47 @@ def peak_anon_growth(fn):
         stop.set()
         t.join()
     return out, max(peak[0], anon_bytes()) - base
+
+
+# ---------------------------------------------------------------- processes
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first, then theirs)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            kids = []
+        out += [int(k) for k in kids]
+        todo += [int(k) for k in kids]
+    return out
+
+
+def cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """Rank processes: the children of the launcher's fork server, in rank order (pid order)."""
+    server = [p for p in descendants(launcher_pid) if "forkserver" in cmdline(p)]
+    kids = []
+    for s in server:
+        kids += [int(k) for k in Path(f"/proc/{s}/task/{s}/children").read_text().split()]
+    return sorted(kids)
+
+
+def still_running(pids, within=10.0):
+    """Wait until none of ``pids`` runs (zombies count as gone); returns those still running."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        left = [p for p in pids if Path(f"/proc/{p}").exists()
+                and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left

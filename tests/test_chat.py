@@ -208,7 +208,7 @@ def test_sigterm_keeps_the_answer_so_far_and_leaves_nothing(setup, tmp_path):
     import signal
     import subprocess
 
-    from test_reliability import _descendants, _gone
+    from helpers import descendants, still_running
 
     model, doc, qs, _ = setup
     slow = tiny_models.make_model("llama", tmp_path / "slow", hidden_size=256, intermediate_size=1024,
@@ -225,7 +225,7 @@ def test_sigterm_keeps_the_answer_so_far_and_leaves_nothing(setup, tmp_path):
     while not b"".join(out).strip() and time.monotonic() - t0 < 120:
         assert p.poll() is None, b"".join(err).decode()[-1000:]
         time.sleep(0.05)
-    tree = _descendants(p.pid)
+    tree = descendants(p.pid)
     assert len(tree) >= 4, tree  # tracker, server, 2 ranks
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=30)
@@ -235,7 +235,7 @@ def test_sigterm_keeps_the_answer_so_far_and_leaves_nothing(setup, tmp_path):
     stats = b"".join(err).decode().strip().splitlines()[-1]
     assert stats.endswith("terminated]") and " 0 new tokens" not in stats, stats  # the answer so far, kept
     assert b"".join(out).strip()
-    assert not _gone(tree), tree
+    assert not still_running(tree), tree
 
 
 def test_a_closed_pipe_ends_the_run_quietly(setup, tmp_path):

@@ -12,16 +12,10 @@ from treeattn_cli.parallel.launch import LaunchError, run_local
 TOL_REL = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
-def _seed():
-    import os
-
-    return int.from_bytes(os.urandom(3), "little")
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_every_scheme_and_ring_decode_equal_one_rank(world):
+def test_every_scheme_and_ring_decode_equal_one_rank(world, seed):
     groups = [[0, 1], [2, 3]] if world == 4 else ([[0], [1, 2]] if world == 3 else None)
-    per_rank = run_local(dist_cases.decode_schemes, world, _seed(), groups, timeout_s=60)
+    per_rank = run_local(dist_cases.decode_schemes, world, seed & 0xFFFFFF, groups, timeout_s=60)
     methods = set()
     for rows in per_rank:
         for case, method, o_err, lse_err, same in rows:
@@ -52,11 +46,11 @@ def test_ring_bytes_grow_with_shard_and_move_kv_heads_only():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ring_prefill_equals_single_device_causal(world):
+def test_ring_prefill_equals_single_device_causal(world, seed):
     """Balanced and contiguous pieces, windows, prompts shorter than 2p and not divisible by it,
     with a cache before the segment (travelling, or visited by the queries)."""
     lengths = [1, world - 1, 2 * world - 1, 2 * world + 1, 37]
-    for rows in run_local(dist_cases.prefill_cases, world, _seed(), lengths, timeout_s=60):
+    for rows in run_local(dist_cases.prefill_cases, world, seed & 0xFFFFFF, lengths, timeout_s=60):
         assert len(rows) == len(lengths) * 12
         for n, sharding, window, cached, o_err, lse_err in rows:
             assert o_err <= 1e-5 and lse_err <= 1e-5, (world, n, sharding, window, cached, o_err, lse_err)
@@ -91,8 +85,8 @@ def test_only_comm_touches_torch_distributed():
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_ring_decode_never_writes_its_inputs(world):
-    assert all(run_local(dist_cases.ring_leaves_inputs_alone, world, _seed(), timeout_s=60))
+def test_ring_decode_never_writes_its_inputs(world, seed):
+    assert all(run_local(dist_cases.ring_leaves_inputs_alone, world, seed & 0xFFFFFF, timeout_s=60))
 
 
 def test_store_descriptor_lives_exactly_as_long_as_the_store():

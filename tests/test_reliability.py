@@ -15,7 +15,7 @@ import pytest
 
 from treeattn_cli.verify import tiny as tiny_models
 
-from helpers import assert_usage_error, cli
+from helpers import assert_usage_error, cli, descendants, rank_pids, still_running
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 
@@ -26,35 +26,6 @@ def slow_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("rel") / "llama"
     return tiny_models.make_model("llama", d, hidden_size=256, intermediate_size=1024,
                                   num_hidden_layers=8, max_position_embeddings=4096)
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            kids = []
-        out += [int(k) for k in kids]
-        todo += [int(k) for k in kids]
-    return out
-
-
-def _cmdline(pid):
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _ranks(launcher_pid: int) -> list[int]:
-    """Rank processes: the children of the launcher's fork server, in rank order (pid order)."""
-    server = [p for p in _descendants(launcher_pid) if "forkserver" in _cmdline(p)]
-    kids = []
-    for s in server:
-        kids += [int(k) for k in Path(f"/proc/{s}/task/{s}/children").read_text().split()]
-    return sorted(kids)
 
 
 def _start(model, *extra, nproc=2, tokens=400):
@@ -112,7 +83,7 @@ def test_sockets_listen_on_loopback_only(slow_model):
     proc = _start(slow_model, nproc=2)
     try:
         assert _wait_for_output(proc, 5)
-        pids = [proc.pid] + _descendants(proc.pid)
+        pids = [proc.pid] + descendants(proc.pid)
         socks = _listening_sockets_of(pids)
         assert socks, "expected the rendezvous and gloo listeners"
         bad = [s for s in socks if not _is_loopback(s[0], s[2])]
@@ -127,7 +98,7 @@ def test_killed_rank_is_named_and_tokens_are_kept(slow_model, tmp_path):
     proc = _start(slow_model, "--timeout", "5", "--output", str(out), nproc=2)
     early = _wait_for_output(proc, 10)
     assert early, proc.stderr.read()
-    ranks = _ranks(proc.pid)
+    ranks = rank_pids(proc.pid)
     assert len(ranks) == 2, ranks
     os.kill(ranks[1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -138,17 +109,17 @@ def test_killed_rank_is_named_and_tokens_are_kept(slow_model, tmp_path):
     assert "Traceback" not in err.decode()
     text = early + rest  # bytes: a generated "\r" must stay a "\r" (read_text() would make it "\n")
     assert text.strip() and out.read_bytes().strip() == text.strip()
-    assert not [p for p in _descendants(proc.pid)]
+    assert not [p for p in descendants(proc.pid)]
 
 
 def _wait_for_ranks(proc, n=2, timeout=60):
     """Wait until the launcher's ``n`` rank processes exist (the event a --json run offers:
     nothing streams); returns their pids."""
     t0 = time.monotonic()
-    while len(_ranks(proc.pid)) < n and time.monotonic() - t0 < timeout:
+    while len(rank_pids(proc.pid)) < n and time.monotonic() - t0 < timeout:
         assert proc.poll() is None, proc.stderr.read().decode()[-1000:]
         time.sleep(0.05)
-    return _ranks(proc.pid)
+    return rank_pids(proc.pid)
 
 
 @pytest.mark.parametrize("as_json", [False, True])
@@ -160,7 +131,7 @@ def test_ctrl_c_stops_everything_and_keeps_text(slow_model, as_json):
         assert len(_wait_for_ranks(proc)) == 2
     else:
         assert _wait_for_output(proc, 10)
-    ranks = _ranks(proc.pid)
+    ranks = rank_pids(proc.pid)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
@@ -214,14 +185,14 @@ def test_twenty_runs_leave_nothing_behind(tmp_path, monkeypatch):
     CliRunner().invoke(app, [*args, "--prompt", "warm up"])  # starts the fork server
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     socks_before = _listening(os.getpid())
-    before = set(_descendants(os.getpid()))
+    before = set(descendants(os.getpid()))
     for i in range(20):
         r = CliRunner().invoke(app, [*args, "--prompt", f"run {i}", "--output", str(tmp_path / "o.txt")])
         assert r.exit_code == 0, r.output
     busy.close()
     # the last run's ranks are reaped and the store's server thread closes its socket just after
     # the run returns: wait for that, a bounded poll rather than a fixed sleep
-    assert _eventually(lambda: set(_descendants(os.getpid())) <= before), "rank processes left behind"
+    assert _eventually(lambda: set(descendants(os.getpid())) <= before), "rank processes left behind"
     assert _eventually(lambda: _listening(os.getpid()) <= socks_before), "listening sockets left behind"
     assert [p.name for p in tmp.iterdir() if not p.name.startswith("pymp-")] == []
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
@@ -233,7 +204,7 @@ def test_twenty_runs_leave_nothing_behind(tmp_path, monkeypatch):
         assert p.returncode == 0
 
     def leftover():
-        return [q for q in os.listdir("/proc") if q.isdigit() and str(d) in _cmdline(int(q))]
+        return [q for q in os.listdir("/proc") if q.isdigit() and str(d) in cmdline(int(q))]
 
     assert _eventually(lambda: not leftover()), leftover()
 
@@ -337,18 +308,6 @@ def test_dtype_the_device_cannot_run(monkeypatch):
 
 # ---------------------------------------------------------------- signals and failed ranks
 
-def _gone(pids, within=10.0):
-    """Wait until none of ``pids`` runs (zombies count as gone); returns those still running."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < within:
-        left = [p for p in pids if Path(f"/proc/{p}").exists()
-                and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
-        if not left:
-            return []
-        time.sleep(0.1)
-    return left
-
-
 def test_sigterm_stops_everything_and_keeps_text(slow_model, tmp_path):
     """SIGTERM (Slurm, Kubernetes, systemd, `timeout`) behaves like Ctrl-C: every rank stops at
     once, the text so far is kept (--output, the --json record, stop_reason "terminated"), exit
@@ -357,7 +316,7 @@ def test_sigterm_stops_everything_and_keeps_text(slow_model, tmp_path):
     proc = _start(slow_model, "--output", str(out), nproc=2, tokens=3800)  # a minute of work
     early = _wait_for_output(proc, 10)  # the event: generated text has streamed
     assert early, proc.stderr.read()
-    tree = _descendants(proc.pid)
+    tree = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     rest, err = proc.communicate(timeout=30)
     assert proc.returncode == 143, err.decode()
@@ -365,7 +324,7 @@ def test_sigterm_stops_everything_and_keeps_text(slow_model, tmp_path):
     assert err.decode().strip().splitlines()[-1].endswith("terminated]"), err.decode()  # the stats line
     # bytes, not read_text(): the random model may emit "\r", which text mode would turn into "\n"
     assert out.read_bytes().strip() == (early + rest).strip()  # stdout ends the stream with a newline
-    assert not _gone(tree), [_cmdline(p) for p in _gone(tree, 0)]
+    assert not still_running(tree), [cmdline(p) for p in still_running(tree, 0)]
 
 
 def test_launcher_killed_outright_leaves_no_process(slow_model):
@@ -374,14 +333,14 @@ def test_launcher_killed_outright_leaves_no_process(slow_model):
     hold device memory)."""
     proc = _start(slow_model, nproc=2, tokens=3800)  # a minute of work left when it is killed
     assert _wait_for_output(proc, 10)
-    tree = _descendants(proc.pid)
-    assert len(_ranks(proc.pid)) == 2
+    tree = descendants(proc.pid)
+    assert len(rank_pids(proc.pid)) == 2
     proc.kill()
     proc.wait(timeout=10)
-    left = _gone(tree, within=5)
+    left = still_running(tree, within=5)
     for p in left:
         os.kill(p, signal.SIGKILL)
-    assert not left, [_cmdline(p) for p in left]
+    assert not left, [cmdline(p) for p in left]
 
 
 def test_prompt_without_tokens_is_refused(tmp_path):
