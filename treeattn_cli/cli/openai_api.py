@@ -163,7 +163,7 @@ def build_app(srv) -> FastAPI:
     async def health():
         if srv.failed:
             return JSONResponse({"status": "error", "reason": srv.failed}, status_code=503)
-        return {"status": "ok", "model": srv.name}
+        return {"status": "ok", "model": srv.name, "stats": srv.stats.snapshot()}
 
     @app.get("/v1/models")
     async def models():

@@ -15,7 +15,10 @@ through FastAPI (``openai_api.py``) and a scheduler thread turns them into engin
   the one the request gets alone; other documents take their turn;
 * a client that disconnects cancels its request; a lost rank turns ``/health`` and every request
   into 503 with the reason; SIGTERM or Ctrl-C stops accepting, ends the answers under way within
-  seconds, and stops the ranks.
+  seconds, and stops the ranks;
+* what the scheduler did is counted (:class:`Stats`, shown by ``GET /health``): requests, batches,
+  latecomers that joined a running batch, answers by how they ended (``cancelled``: the engine
+  ended the answer and freed its slot), and requests cancelled before they began.
 """
 
 from __future__ import annotations
@@ -52,6 +55,27 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     index: int | None = None  # its question index in the running batch
     finished: bool = False
+
+
+class Stats:
+    """What the scheduler has done since start (``GET /health`` shows it; tests observe it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._n: dict[str, int] = {"requests": 0, "batches": 0, "joined": 0, "dropped": 0}
+        self._ended: dict[str, int] = {}
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._n[name] = self._n.get(name, 0) + n
+
+    def ended(self, reason: str) -> None:
+        with self._lock:
+            self._ended[reason] = self._ended.get(reason, 0) + 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {**self._n, "answers": dict(self._ended)}
 
 
 class DocIndex:
@@ -176,6 +200,7 @@ class Scheduler(threading.Thread):
     def _drop_cancelled(self, j: Job) -> bool:
         if j.cancelled.is_set() and not j.finished:
             j.finished = True
+            self.server.stats.add("dropped")
             j.deliver("done", {"token_ids": [], "stop_reason": "cancelled"})
             return True
         return False
@@ -224,6 +249,7 @@ class Scheduler(threading.Thread):
         seq = srv.client.post(op="batch", seq=srv.client.seq, questions=[self._question(j) for j in group],
                               slots=srv.o.batch, open=True, interruptible=True)
         self.batch_seq = seq
+        srv.stats.add("batches")
         joins: list[list[Job]] = []
         cancels = 0
         sent_cancel: set[int] = set()
@@ -238,6 +264,7 @@ class Scheduler(threading.Thread):
                 if late:
                     C.post_join(srv.client.store, seq, len(joins), [self._question(j) for j in late])
                     joins.append(late)
+                    srv.stats.add("joined", len(late))
                     for j in late:
                         j.index, by_index[n] = n, j
                         n += 1
@@ -257,9 +284,11 @@ class Scheduler(threading.Thread):
                 elif kind == "banswer":
                     j = by_index[payload[0]]
                     j.finished = True
+                    srv.stats.ended(str(payload[1].get("stop_reason")))
                     j.deliver("done", payload[1])
                 elif kind == "batch_done":
                     for late in joins[payload.get("joins", 0):]:  # joined too late for this batch: next one
+                        srv.stats.add("joined", -len(late))
                         with self.cv:
                             self.pending.extendleft(reversed(late))
                     return
@@ -282,6 +311,7 @@ class Server:
         self.docs = DocIndex(Path(o.cache_dir) if o.cache_dir else None)
         self.save_meta = None
         self._failed: str | None = None
+        self.stats = Stats()
         self.scheduler = Scheduler(self)
         self.name = o.served_model_name or (Path(str(o.model)).name if o.model else "SmolLM2-135M-Instruct")
         self.created = int(time.time())
@@ -304,6 +334,7 @@ class Server:
         key, cached = self.docs.match(ids, doc)
         job = Job(ids=ids, doc=doc, max_tokens=max_tokens, sampling=sampling, stop=stop, speculate=self.o.speculate,
                   deliver=deliver, key=key, cached=cached)
+        self.stats.add("requests")
         self.scheduler.submit(job)
         return job
 
