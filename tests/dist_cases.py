@@ -341,18 +341,22 @@ def engine_sessions(ctx, sessions):
 def engine_sessions_full(ctx, sessions):
     """Like :func:`engine_sessions`; rank 0 returns per session ``{"answers": [decode answers'
     token ids], "batch": [batch answers' token ids, in question order], "records": [events of
-    kind saved/loaded/done]}``."""
+    kind saved/loaded/done], "speculation": [each answer's speculation record: the decode
+    answers', then the batch's in question order]}``."""
     from treeattn_cli.engine.engine import Engine
 
     out = []
     for job, requests, route in sessions:
-        got = {"answers": [], "batch": {}, "records": []}
+        got = {"answers": [], "batch": {}, "records": [], "speculation": []}
+        bspec = {}
 
-        def emit(kind, payload, got=got):
+        def emit(kind, payload, got=got, bspec=bspec):
             if kind == "answer":
                 got["answers"].append(payload["token_ids"])
+                got["speculation"].append(payload.get("speculation"))
             elif kind == "banswer":
                 got["batch"][payload[0]] = payload[1]["token_ids"]
+                bspec[payload[0]] = payload[1].get("speculation")
             elif kind in ("saved", "loaded"):
                 got["records"].append((kind, payload))
 
@@ -365,6 +369,7 @@ def engine_sessions_full(ctx, sessions):
         finally:
             ctx.emit = real
         got["batch"] = [got["batch"][i] for i in sorted(got["batch"])]
+        got["speculation"] += [bspec[i] for i in sorted(bspec)]
         got["summary"] = summary
         out.append(got)
     return out if ctx.rank == 0 else None
@@ -463,14 +468,20 @@ def graph_document_switch(ctx, job, docs, new):
 
 def engine_batch(ctx, job, doc, questions, slots, new, speculate="off"):
     """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op);
-    rank 0 returns the token ids per question (question order) and the batch_done event."""
+    rank 0 returns the token ids per question (question order), the batch_done event, and each
+    answer's speculation record (question order: drafted, accepted)."""
     from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.engine import Engine
 
-    got, done = {}, []
-    real = ctx.emit
-    ctx.emit = lambda kind, p: got.__setitem__(p[0], p[1]["token_ids"]) if kind == "banswer" else \
-        (done.append(p) if kind == "batch_done" else None)
+    got, done, spec = {}, [], {}
+
+    def emit(kind, p):
+        if kind == "banswer":
+            got[p[0]], spec[p[0]] = p[1]["token_ids"], p[1].get("speculation")
+        elif kind == "batch_done":
+            done.append(p)
+
+    real, ctx.emit = ctx.emit, emit
     try:
         Engine(ctx, job).serve([{"op": "append", "ids": doc},
                                 {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
@@ -478,7 +489,8 @@ def engine_batch(ctx, job, doc, questions, slots, new, speculate="off"):
                                 {"op": "stop"}])
     finally:
         ctx.emit = real
-    return ([got.get(i) for i in range(len(questions))], done) if ctx.rank == 0 else None
+    n = len(questions)
+    return ([got.get(i) for i in range(n)], done, [spec.get(i) for i in range(n)]) if ctx.rank == 0 else None
 
 
 def engine_batch_interrupted(ctx, job, doc, questions, slots, new, after):

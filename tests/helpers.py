@@ -139,3 +139,47 @@ def still_running(pids, within=10.0):
             return []
         time.sleep(0.1)
     return left
+
+
+# ---------------------------------------------------------------- drafting premises
+
+def copying_question(model_dir, doc: list[int], *, kv_round=None, tries: int = 64) -> list[int]:
+    """A question whose greedy answer after ``doc`` repeats an earlier bigram at once, so that
+    n-gram drafting drafts at its first verify and greedy keeps the draft: the premise of a test
+    about drafting, found with transformers' greedy decode (as the tests' oracle) rather than
+    hoped of a random model. Candidates: a token and the model's own greedy words after it
+    (random models fall into loops). Fails the test, loudly, if none of ``tries`` qualifies."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from treeattn_cli.engine.speculate import Drafter
+    from treeattn_cli.verify.tiny import rounded_attention
+
+    attn = rounded_attention(kv_round) if kv_round is not None else "eager"
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+
+    def greedy(ids, n):
+        t = torch.tensor([ids])
+        out = m.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, do_sample=False,
+                         min_new_tokens=n, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    for x in range(tries):
+        start = [(37 * x + 11) % 230 + 20]
+        q = start + greedy(doc + start, 6)
+        first, second = greedy(doc + q, 2)
+        if Drafter(doc + q + [first]).draft(1) == [second]:
+            return q
+    pytest.fail(f"no question of {tries} makes {model_dir}'s greedy answer copy a bigram (the drafting premise)")
+
+
+def stop_string_in(text: str, ids: list[int], decode, start: int = 2) -> tuple[str, int]:
+    """A stop string taken from an answer (``text``, its token ``ids``): the first two printable
+    ASCII characters at or after ``start`` (else before it) that occur there first, and ``n``,
+    the tokens after which the answer holds it (where a stop must end it). Asserts there is one."""
+    for i in [*range(start, len(text) - 1), *range(min(start, len(text) - 1))]:
+        s = text[i:i + 2]
+        if s.isascii() and s.isprintable() and text.find(s) == i:
+            n = next(k for k in range(1, len(ids) + 1) if s in decode(ids[:k]))
+            return s, n
+    raise AssertionError(f"no stop string to take from {text!r}")

@@ -61,7 +61,7 @@ def test_four_ranks_both_shardings_chunked_or_not_equal_transformers(llama):
     (pass-KV and pass-Q) occur and are exact."""
     cases = [(n, c, s) for n in (3, 7, 37) for c in (None, 1) for s in ("balanced", "contiguous")]
     jobs = [GenerateJob(str(llama), _ids(n), max_new_tokens=6, dtype="float32", prefill_chunk=c,
-                        prefill_sharding=s, sampling=Sampling()) for n, c, s in cases]
+                        prefill_sharding=s, sampling=Sampling(), speculate="off") for n, c, s in cases]
     res = run_local(dist_cases.mesh_generate, 4, jobs, timeout_s=180)[0]
     want = {n: tiny_models.hf_greedy(llama, _ids(n), 6) for n in (3, 7, 37)}
     methods = set()
@@ -76,7 +76,7 @@ def test_balanced_prefill_spreads_attention_flops_evenly(llama):
     """A segment of 64·p tokens: the slowest rank's attention FLOPs within 5 % of the mean
     (contiguous: the last rank does 1.6x the mean, a pipeline)."""
     jobs = [GenerateJob(str(llama), _ids(256), max_new_tokens=1, dtype="float32", prefill_sharding=s,
-                        sampling=Sampling()) for s in ("balanced", "contiguous")]
+                        sampling=Sampling(), speculate="off") for s in ("balanced", "contiguous")]
     res = run_local(dist_cases.mesh_generate, 4, jobs, timeout_s=120)[0]
     ratio = {}
     for (toks, summary), s in zip(res, ("balanced", "contiguous")):

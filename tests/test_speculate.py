@@ -58,8 +58,12 @@ def test_speculation_equals_greedy(copy_heavy, world, tp):
         assert toks == greedy, (kind, spec)
         s = summary["speculation"]
         assert s["mode"] == spec.split(":")[0]
-        if spec != "off" and kind == "llama":  # the copy-heavy continuation: drafts were verified and kept
-            assert s["accepted"] > 0 and s["drafted"] >= s["accepted"], s
+        # ngram:K drafts every step whatever the machine's speed (auto decides from measured step
+        # times, so only its tokens are checked here; its policy has tests of its own below)
+        if spec.startswith("ngram"):
+            assert s["drafted"] > 0 and s["drafted"] >= s["accepted"], s
+            if kind == "llama":  # the copy-heavy continuation: drafts were kept
+                assert s["accepted"] > 0, s
 
 
 def test_batched_slots_draft_and_accept_on_their_own(copy_heavy):
@@ -69,8 +73,11 @@ def test_batched_slots_draft_and_accept_on_their_own(copy_heavy):
     doc, qs = prompt[:-17], [prompt[-17:], prompt[-17:-5], prompt[3:9], prompt[-4:]]
     want = [tiny_models.hf_greedy(m, doc + q, 12) for q in qs]
     job = GenerateJob(str(m), [], dtype="float32", max_new_tokens=12)
-    got, done = run_local(dist_cases.engine_batch, 2, job, doc, qs, 3, 12, "ngram:4", timeout_s=60)[0]
+    got, done, spec = run_local(dist_cases.engine_batch, 2, job, doc, qs, 3, 12, "ngram:4", timeout_s=60)[0]
     assert got == want
+    # the slots drafted (from the document and their own answers) and kept some: the feature was on
+    assert all(s["mode"] == "ngram" and s["drafted"] > 0 for s in spec), spec
+    assert sum(s["accepted"] for s in spec) > 0, spec
 
 
 def test_drafter_finds_the_latest_match_and_continues_into_the_base():

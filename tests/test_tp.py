@@ -41,7 +41,7 @@ def _prompt_ids(model, n):
 
 def _jobs(models, tp, n, chunks):
     return [GenerateJob(str(models[k]), _prompt_ids(models[k], n), max_new_tokens=NEW, dtype="float32",
-                        tp=tp, prefill_chunk=c, sampling=Sampling())
+                        tp=tp, prefill_chunk=c, sampling=Sampling(), speculate="off")
             for k in FAMILIES for c in chunks]
 
 
