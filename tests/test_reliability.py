@@ -28,7 +28,7 @@ def slow_model(tmp_path_factory):
                                   num_hidden_layers=8, max_position_embeddings=4096)
 
 
-def _start(model, *extra, nproc=2, tokens=400):
+def _start(model, *extra, nproc=2, tokens=3800):  # about a minute of work: never done before the event
     return subprocess.Popen([TREEATTN, "generate", "--model", str(model), "--prompt", "hello world " * 20,
                              "--no-chat", "--nproc", str(nproc), "--max-new-tokens", str(tokens),
                              "--temperature", "0", *extra],
@@ -103,7 +103,8 @@ def test_killed_rank_is_named_and_tokens_are_kept(slow_model, tmp_path):
     os.kill(ranks[1], signal.SIGKILL)
     t0 = time.monotonic()
     rest, err = proc.communicate(timeout=60)
-    assert time.monotonic() - t0 < 5 + 15
+    # a deadline: --timeout 5, the launcher's 5 s grace, and room for a loaded 2-core machine
+    assert time.monotonic() - t0 < 5 + 5 + 20
     assert proc.returncode == 1
     assert "rank 1" in err.decode() and "SIGKILL" in err.decode(), err
     assert "Traceback" not in err.decode()
@@ -134,8 +135,9 @@ def test_ctrl_c_stops_everything_and_keeps_text(slow_model, as_json):
     ranks = rank_pids(proc.pid)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    assert time.monotonic() - t0 < 5, time.monotonic() - t0
+    out, err = proc.communicate(timeout=60)
+    # "stops at once": a deadline, generous for a loaded 2-core machine (a minute of work was left)
+    assert time.monotonic() - t0 < 20, time.monotonic() - t0
     assert proc.returncode == 130, err.decode()
     assert "Traceback" not in err.decode()
     for r in ranks:
@@ -313,7 +315,7 @@ def test_sigterm_stops_everything_and_keeps_text(slow_model, tmp_path):
     once, the text so far is kept (--output, the --json record, stop_reason "terminated"), exit
     status 143, and the whole process tree (ranks, fork server, resource tracker) is gone."""
     out = tmp_path / "out.txt"
-    proc = _start(slow_model, "--output", str(out), nproc=2, tokens=3800)  # a minute of work
+    proc = _start(slow_model, "--output", str(out), nproc=2)  # a minute of work
     early = _wait_for_output(proc, 10)  # the event: generated text has streamed
     assert early, proc.stderr.read()
     tree = descendants(proc.pid)
@@ -331,7 +333,7 @@ def test_launcher_killed_outright_leaves_no_process(slow_model):
     """SIGKILL of the launcher (the OOM killer, a closed terminal): its ranks, fork server and
     resource tracker exit within seconds instead of running on as orphans (on GPUs they would
     hold device memory)."""
-    proc = _start(slow_model, nproc=2, tokens=3800)  # a minute of work left when it is killed
+    proc = _start(slow_model, nproc=2)  # a minute of work left when it is killed
     assert _wait_for_output(proc, 10)
     tree = descendants(proc.pid)
     assert len(rank_pids(proc.pid)) == 2
@@ -366,29 +368,33 @@ def test_endless_prompt_is_refused_quickly_with_flat_memory(tmp_path, source):
     the limit, memory bounded by it (it was read whole until the process died)."""
     d = tiny_models.make_model("llama", tmp_path / "m")  # 512-token context: a 1 MiB bound
     cmd = [TREEATTN, "generate", "--model", str(d), "--no-chat"]
+    out_f, err_f = open(tmp_path / "out", "wb"), open(tmp_path / "err", "wb")
+    t0 = time.monotonic()
     if source == "fifo":
         fifo = tmp_path / "fifo"
         os.mkfifo(fifo)
         feeder = subprocess.Popen(f"exec yes 'all work and no play' > {fifo}", shell=True)
-        p = subprocess.Popen(cmd + ["--prompt-file", str(fifo)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        p = subprocess.Popen(cmd + ["--prompt-file", str(fifo)], stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL)
     else:
         feeder = subprocess.Popen(["yes", "all work and no play"], stdout=subprocess.PIPE)
-        p = subprocess.Popen(cmd, stdin=feeder.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    peak = 0
-    t0 = time.monotonic()
-    while p.poll() is None and time.monotonic() - t0 < 60:
-        try:
-            rss = int(next(ln for ln in Path(f"/proc/{p.pid}/status").read_text().splitlines()
-                           if ln.startswith("VmRSS")).split()[1])
-            peak = max(peak, rss)
-        except (OSError, StopIteration):
-            pass
-        time.sleep(0.05)
-    out, err = p.communicate(timeout=30)
+        p = subprocess.Popen(cmd, stdin=feeder.stdout, stdout=out_f, stderr=err_f)
+    # the kernel's own peak (ru_maxrss of this child, in KiB): exact, nothing sampled; a
+    # watchdog ends a run that would read forever (then the bound below fails, not the suite)
+    import threading
+
+    watchdog = threading.Timer(120, p.kill)
+    watchdog.start()
+    _, status, usage = os.wait4(p.pid, 0)
+    watchdog.cancel()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    elapsed, peak = time.monotonic() - t0, usage.ru_maxrss
     feeder.kill()
+    feeder.wait()
+    out_f.close()
+    err_f.close()
+    err = (tmp_path / "err").read_bytes()
     assert p.returncode == 2, err.decode()
-    assert time.monotonic() - t0 < 30
+    assert elapsed < 60  # "within seconds": generous for a loaded machine (it ran until killed before)
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and "longer than 1 MiB" in lines[0] and "512 tokens" in lines[0], lines
     assert peak < 1_000_000, f"peak RSS {peak} KiB"  # the interpreter + torch, not the input
