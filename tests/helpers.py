@@ -57,10 +57,12 @@ def cli(*args: str, input: str | None = None):
     return CliRunner().invoke(app, list(args), input=input)
 
 
-def assert_usage_error(r, needle: str) -> None:
-    """Bad input: exit status 2, exactly one line on stderr naming it, nothing on stdout."""
+def assert_usage_error(r, needle: str, code: int = 2) -> None:
+    """Bad input: exit status 2 (or ``code``), exactly one line on stderr naming it, nothing on
+    stdout. ``r``: click's result (:func:`cli`) or a finished ``subprocess.run``."""
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert r.exit_code == 2, (r.exit_code, r.stderr, r.exception)
+    status = r.exit_code if hasattr(r, "exit_code") else r.returncode
+    assert status == code, (status, r.stderr, getattr(r, "exception", None))
     assert len(lines) == 1 and lines[0].startswith("treeattn: error:") and needle in lines[0], r.stderr
     assert r.stdout == "", r.stdout
 

@@ -27,10 +27,18 @@ def test_version():
     assert r.returncode == 0 and r.stdout.startswith("treeattn ")
 
 
-def test_unknown_command_is_one_line_usage_error():
-    r = run("frobnicate")
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
+@pytest.mark.parametrize("args,needle", [
+    (["frobnicate"], "No such command 'frobnicate'. (see 'treeattn --help')"),
+    (["generate", "--frobnicate"], "No such option: --frobnicate"),
+    (["generate", "--nproc", "many"], "Invalid value for '--nproc'"),
+])
+def test_unknown_command_is_one_line_usage_error(args, needle):
+    """Click's own usage errors (unknown command or flag, a value of the wrong type) read like
+    every other bad input: one line, ``treeattn: error: ...``, exit 2, nothing on stdout."""
+    r = run(*args)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    assert len(lines) == 1 and lines[0].startswith("treeattn: error: ") and needle in lines[0], r.stderr
 
 
 def test_kernel_bench_runs_on_cpu():

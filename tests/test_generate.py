@@ -98,6 +98,10 @@ def test_chunked_prefill_is_exact(models):
         rec = run_json("--model", str(models["llama"]), "--prompt", prompt, "--nproc", str(p),
                        "--dtype", "float32", "--max-new-tokens", "8", "--prefill-chunk", str(chunk))
         assert rec["token_ids"] == base["token_ids"], (p, chunk)
+        # the prompt was prefilled in segments of `chunk` tokens per rank (one segment when it fits)
+        n, sizes = rec["prompt_tokens"], [seg["tokens"] for seg in rec["prefill_segments"]]
+        assert sum(sizes) == n and max(sizes) < p * chunk + p and (len(sizes) > 1) == (n > p * chunk), (n, sizes)
+        assert rec["nproc"] == p
     rec = run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--nproc", "3",
                    "--dtype", "float32", "--max-new-tokens", "8", "--prefill-chunk", "3")
     from treeattn_cli.engine.model import load_tokenizer

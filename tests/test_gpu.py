@@ -40,11 +40,13 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     for graph in (False, True):
         toks = []
         res = run_local(rank_generate, 1, GenerateJob(str(d), ids, max_new_tokens=12, dtype="float32",
-                                                      cuda_graph=graph),
+                                                      cuda_graph=graph, speculate="off"),  # drafts skip the graph
                         backend="nccl", devices=["cuda:0"],
                         on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
         runs[graph] = toks
         assert res[0]["cuda_graph"] == graph, res[0].get("note")
+        replays = res[0]["cuda_graph_replays"]
+        assert (replays >= 10) if graph else replays == 0, replays  # the graph did the steps: 11 fed tokens
     assert runs[True] == runs[False]
 
 

@@ -191,7 +191,6 @@ def test_choose_splits_fills_the_machine():
     assert choose_splits(1, 8, 1 << 20, 132, 64) == 33  # 8 heads x 33 splits ~ 2 waves of 132 SMs
     assert choose_splits(1, 8, 100, 132, 64) == 1  # too short to split
     assert choose_splits(64, 8, 1 << 20, 132, 64) == 1  # batch already fills the machine
-    assert TOL[torch.float32] == 1e-5
 
 
 # A wider sample of the grid through the interpreted kernel: every N/d/G, dtypes rotating.

@@ -379,14 +379,29 @@ def _fidelity(kv_dtype, prompt_file, model, dtype, device, max_new_tokens, max_t
 
 
 def main() -> None:
-    """The console script: the Typer app, and a closed standard output anywhere (``treeattn
-    topo --json | head -c 10``) ends it quietly, as other command-line tools end."""
+    """The console script: the Typer app; a usage error Click finds (an unknown command or
+    flag, a missing value) is one line in the style of every other error, exit 2; a closed
+    standard output anywhere (``treeattn topo --json | head -c 10``) ends it quietly, as other
+    command-line tools end."""
     try:
-        app()
+        rv = app(standalone_mode=False)
+    except typer.Abort:  # Ctrl-C outside a run (a run answers it itself)
+        sys.exit(130)
+    except typer.TyperException as e:  # Click's usage errors (Typer carries its own Click)
+        if not hasattr(e, "format_message"):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `treeattn`: the help, as Click shows it
+            typer.echo(e.format_message(), err=True)
+            sys.exit(2)
+        code, ctx = getattr(e, "exit_code", 1), getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if code == 2 and ctx is not None else ""
+        typer.echo(f"treeattn: error: {e.format_message()}{hint}", err=True)
+        sys.exit(code)
     except BrokenPipeError:
         from .report import stdout_closed
 
         sys.exit(stdout_closed())
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover
