@@ -21,10 +21,9 @@ QS = [[(29 * i + 11 + j) % 230 + 20 for i in range(n)] for j, n in enumerate([1,
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch")
+def models(tiny):
     kinds = {"llama": 3, "gemma2": 4, "gpt_oss": 5}  # plain GQA; window + softcap; sinks + windows
-    out = {k: tiny_models.make_model(k, root / k, seed=s) for k, s in kinds.items()}
+    out = {k: tiny(k, seed=s) for k, s in kinds.items()}
     return out, {k: [tiny_models.hf_greedy(m, DOC + q, NEW) for q in QS] for k, m in out.items()}
 
 

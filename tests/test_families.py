@@ -24,9 +24,8 @@ IDS = [(17 * i + 3) % 230 + 20 for i in range(29)]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    out = {k: tiny_models.make_model(k, root / k, seed=5 + i) for i, k in enumerate(FAMILIES)}
+def models(tiny):
+    out = {k: tiny(k, seed=5 + i) for i, k in enumerate(FAMILIES)}
     return out, {k: tiny_models.hf_greedy(m, IDS, NEW) for k, m in out.items()}
 
 

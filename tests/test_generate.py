@@ -23,10 +23,9 @@ TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]
 
 
-@pytest.fixture(scope="session")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {kind: tiny_models.make_model(kind, root / kind, seed=i) for i, kind in enumerate(FAMILIES)}
+@pytest.fixture(scope="module")
+def models(tiny):
+    return {kind: tiny(kind, seed=i) for i, kind in enumerate(FAMILIES)}
 
 
 def text_of(n: int, seed: int = 0) -> str:

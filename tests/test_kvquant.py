@@ -30,10 +30,9 @@ def _cont(k: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kvq")
-    return {"llama": tiny_models.make_model("llama", root / "llama", seed=3, head_dim=64),  # 2 scales per row
-            "gemma2": tiny_models.make_model("gemma2", root / "gemma2", seed=4)}  # window + softcap, d 16: 1 scale
+def models(tiny):
+    return {"llama": tiny("llama", seed=3, head_dim=64),  # 2 scales per row
+            "gemma2": tiny("gemma2", seed=4)}  # window + softcap, d 16: 1 scale
 
 
 # ---------------------------------------------------------------- the quantizer and the kernels

@@ -23,10 +23,8 @@ DOC = [(13 * i + 5) % 230 + 20 for i in range(47)]  # 47 tokens: no mesh divides
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("short")
-    return {"llama": tiny_models.make_model("llama", root / "llama", seed=3),
-            "gemma2": tiny_models.make_model("gemma2", root / "gemma2", seed=4)}  # window 6 + softcap
+def models(tiny):
+    return {"llama": tiny("llama", seed=3), "gemma2": tiny("gemma2", seed=4)}  # window 6 + softcap
 
 
 def _cont(k: int) -> list[int]:

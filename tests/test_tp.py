@@ -27,12 +27,11 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
+def models(tiny):
     out = {}
     for i, kind in enumerate(FAMILIES):
         over = {"tie_word_embeddings": True} if kind == "qwen3" else {}
-        out[kind] = tiny_models.make_model(kind, root / kind, seed=10 + i, **over)
+        out[kind] = tiny(kind, seed=10 + i, **over)
     return out
 
 
