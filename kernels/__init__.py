@@ -9,6 +9,8 @@ otherwise (neither imports triton).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .partial_ref import add_sink, dequantize, partial_attention_ref
@@ -59,6 +61,11 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     ``k_pos_sorted``: the caller promises ``k_pos`` ascends over each sequence's valid keys (a
     cache's positions do): the Triton kernel then searches a sliding window's first key instead
     of walking the shard; the other paths do not need it.
+
+    ``TREEATTN_KERNEL=triton`` in the environment makes ``auto`` choose on CPU as it does on CUDA
+    (the Triton kernel for decode and verify rows, ATen for long query blocks), the kernel run
+    by Triton's interpreter (``TRITON_INTERPRET=1``): slow, for tests of the GPU's path end to
+    end on a machine without one.
     """
     if out is None and out_dtype is not None:
         out = torch.empty(*q.shape, dtype=out_dtype, device=q.device)
@@ -66,8 +73,9 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
               softcap=softcap, sink=sink, out=out, lse_out=lse_out)
     if impl == "auto" and _REFERENCE["on"]:
         impl = "torch"
+    gpu_path = q.is_cuda or os.environ.get("TREEATTN_KERNEL") == "triton"
     if impl == "auto":
-        if q.is_cuda and triton_available():
+        if gpu_path and triton_available():  # (on CPU, TREEATTN_KERNEL=triton: the same choice, interpreted)
             from .partial_triton import MAX_ROWS
 
             G = q.shape[1] // max(1, k.shape[1])
@@ -82,7 +90,7 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
         from .partial_aten import partial_attention_aten
 
         slow = None
-        if q.is_cuda and triton_available():
+        if gpu_path and triton_available():
             import functools
 
             from .partial_triton import partial_attention_triton

@@ -530,3 +530,30 @@ def engine_batch_step_positions(ctx, job, doc, questions, slots, new):
     finally:
         A._cascade = real
     return (got[0], seen) if ctx.rank == 0 else None
+
+
+def triton_sessions(ctx, sessions):
+    """:func:`engine_sessions_full` with ``TREEATTN_KERNEL=triton``: the attention kernel GPUs
+    run (Triton, interpreted here) for every decode and verify row; every rank returns how many
+    times its Triton kernel ran per session, rank 0 the sessions' results too."""
+    import treeattn_kernels.partial_triton as PT
+
+    calls = [0]
+    real = PT.partial_attention_triton
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    os.environ["TREEATTN_KERNEL"], PT.partial_attention_triton = "triton", counted
+    out, runs = [], []
+    try:
+        for session in sessions:
+            before = calls[0]
+            got = engine_sessions_full(ctx, [session])
+            out.append(got[0] if got else None)
+            runs.append(calls[0] - before)
+    finally:
+        os.environ.pop("TREEATTN_KERNEL", None)
+        PT.partial_attention_triton = real
+    return (out if ctx.rank == 0 else None), runs

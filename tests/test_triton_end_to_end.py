@@ -1,0 +1,63 @@
+"""The decode kernel GPUs run, end to end on CPU: with ``TREEATTN_KERNEL=triton`` the engine picks
+the Triton split kernel for every decode and verify row as it does on CUDA (interpreted here by
+``TRITON_INTERPRET=1``), on two ranks merged by the tree: plain decode, a batch of questions, a
+verify of n-gram drafts, an fp8 cache, and a sliding-window model. Token ids equal transformers'
+greedy decode (keys and values rounded as stored for fp8); the kernel is counted, so a path that
+quietly fell back to ATen fails. Kept small: the interpreter runs each program in Python."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+import dist_cases  # noqa: E402
+from helpers import copying_question  # noqa: E402
+from treeattn_cli.engine.job import GenerateJob  # noqa: E402
+from treeattn_cli.engine.kvquant import KVQuant  # noqa: E402
+from treeattn_cli.engine.sampling import Sampling  # noqa: E402
+from treeattn_cli.parallel.launch import run_local  # noqa: E402
+from treeattn_cli.verify import tiny as tiny_models  # noqa: E402
+
+NEW = 4
+DOC = [(13 * i + 5) % 230 + 20 for i in range(24)]
+QS = [[(29 * i + 11) % 230 + 20 for i in range(k)] for k in (1, 5)]
+ONE_LAYER = {"num_hidden_layers": 1}  # every kernel call is interpreted: as few as show each path
+
+
+def _session(model, kv, *, questions, speculate="off", batch=False):
+    reqs = [{"op": "append", "ids": DOC}, {"op": "mark", "name": "doc"}]
+    for q in questions:
+        reqs += [{"op": "append", "ids": q},
+                 {"op": "decode", "seq": 0, "max_new_tokens": NEW, "sampling": vars(Sampling()), "keep": False,
+                  "speculate": speculate},
+                 {"op": "rollback", "name": "doc"}]
+    if batch:
+        reqs.append({"op": "batch", "questions": questions, "slots": 2, "max_new_tokens": NEW,
+                     "sampling": vars(Sampling()), "speculate": speculate})
+    job = GenerateJob(str(model), [], max_new_tokens=NEW, dtype="float32", kv_dtype=kv, reserve=len(DOC) + 64)
+    return job, reqs + [{"op": "stop"}], None
+
+
+def test_the_triton_decode_kernel_end_to_end_equals_transformers(tiny):
+    llama, gemma2 = tiny("llama", seed=3, head_dim=64, **ONE_LAYER), tiny("gemma2", seed=4, **ONE_LAYER)
+    rnd = KVQuant(64, "cpu").roundtrip  # gemma2: window 6 + softcap
+    copying, copying8 = copying_question(llama, DOC), copying_question(llama, DOC, kv_round=rnd)
+    sessions = [  # decode (plain steps, then verifies of drafts), then the questions as a batch
+        _session(llama, "auto", questions=[QS[0], copying], speculate="ngram:3", batch=True),
+        _session(llama, "fp8", questions=[QS[1], copying8], speculate="ngram:3", batch=True),  # fp8 tiles
+        _session(gemma2, "auto", questions=QS[1:], batch=True),  # the window's first key, searched
+    ]
+    per_rank = run_local(dist_cases.triton_sessions, 2, sessions, timeout_s=600)
+    got, runs = per_rank[0][0], [r[1] for r in per_rank]
+    greedy = lambda m, q, **kw: tiny_models.hf_greedy(m, DOC + q, NEW, **kw)  # noqa: E731
+    want = [[greedy(llama, q) for q in (QS[0], copying)],
+            [greedy(llama, q, kv_round=rnd) for q in (QS[1], copying8)],
+            [greedy(gemma2, QS[1])]]
+    for i, (g, answers) in enumerate(zip(got, want)):
+        assert g["answers"] == answers and g["batch"] == answers, i
+    for g in got[:2]:  # verifies ran: the copying question drafted and kept, alone and in the batch
+        copied = [s for s, q in zip(g["speculation"], [0, 1, 0, 1]) if q]
+        assert all(s["drafted"] > 0 and s["accepted"] > 0 for s in copied), g["speculation"]
+    # every rank ran the Triton kernel in every session: at least once per decode step
+    assert all(n >= NEW - 1 for rank in runs for n in rank), runs
