@@ -8,7 +8,8 @@ one reproducible session seed, and a run that touches nothing of the user's.
 * Isolation: ``TREEATTN_CACHE`` points at a directory of this session (kernel verdicts, model
   probes, the converted demo model: made once per session), so a stale verdict in the user's
   cache can never send the tests down another path, and the user's cache is never written;
-  Hypothesis keeps its examples there too, not in the working directory.
+  so do ``XDG_CACHE_HOME``, ``HF_HOME`` and Triton's home and cache, and Hypothesis keeps its
+  examples there, not in the working directory. The directory is removed at the end.
 * ``--reverse``: run the collected tests in reverse order (order independence).
 """
 
@@ -38,6 +39,11 @@ SESSION_SEED = int(os.environ.get("TREEATTN_TEST_SEED") or int.from_bytes(os.ura
 # (they inherit the environment), removed at the end.
 _SESSION_DIR = tempfile.mkdtemp(prefix="treeattn-tests-")
 os.environ["TREEATTN_CACHE"] = os.path.join(_SESSION_DIR, "cache")
+# and every other cache a library would keep in the user's home (~/.cache, ~/.triton)
+os.environ["XDG_CACHE_HOME"] = os.path.join(_SESSION_DIR, "xdg")
+os.environ["HF_HOME"] = os.path.join(_SESSION_DIR, "hf")
+os.environ["TRITON_HOME"] = os.path.join(_SESSION_DIR, "triton")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_SESSION_DIR, "triton", "cache")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 try:
@@ -63,6 +69,12 @@ def pytest_addoption(parser):
 def pytest_report_header(config):
     return [f"treeattn: session seed {SESSION_SEED} (TREEATTN_TEST_SEED={SESSION_SEED} reproduces it); "
             f"TREEATTN_CACHE={os.environ['TREEATTN_CACHE']}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The seed again at the end (``-q`` hides the header): a failing run says how to repeat it."""
+    terminalreporter.write_line(f"treeattn: session seed {SESSION_SEED} (TREEATTN_TEST_SEED={SESSION_SEED} "
+                                f"reproduces every random case of this run)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -257,10 +257,11 @@ def test_static_decode_step_is_exact(models):
         ref = tiny_models.hf_greedy(models[kind], ids, 9)
         for p in (1, 3):
             toks = []
-            run_local(rank_generate, p, GenerateJob(str(models[kind]), ids, max_new_tokens=9, dtype="float32",
-                                                    static=True),
-                      on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
+            res = run_local(rank_generate, p, GenerateJob(str(models[kind]), ids, max_new_tokens=9, dtype="float32",
+                                                          static=True, speculate="off"),
+                            on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
             assert toks == ref, (kind, p)
+            assert res[0]["static_step"] is True, res[0]  # the fixed-shape step was the one taken
 
 
 def test_a_captured_decode_step_is_captured_again_for_another_document(models):

@@ -1,0 +1,220 @@
+"""The mutation check: plant small defects, one at a time, and run the tests that should catch each.
+
+    python tests/mutants.py            # every mutant; a table of caught / SURVIVED, exit 1 if any survived
+    python tests/mutants.py --list     # the mutants and the tests that guard each
+    python tests/mutants.py NAME ...   # only these
+
+Not part of CI (it runs the guarding tests once per mutant: ~10-15 minutes on 2 cores). Each mutant
+is applied to a copy of the working tree (tracked and untracked files, in a temporary directory);
+the copy is what the tests import (``PYTHONPATH`` names it before the editable install, and the
+check says so before it starts), so the working tree is never touched, even if the run is killed.
+A mutant is *caught* when its tests fail; one whose tests pass *survived*: a test that cannot fail
+where it should. Each defect is one the suite claims to guard against (issue 33), or one a past
+issue fixed (issue 32), so a survivor is a regression of the suite itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutant:
+    name: str
+    what: str
+    file: str  # relative to the repository
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple  # pytest node ids or paths; -k expressions as ("-k", "...")
+
+
+MUTANTS = [
+    Mutant("serve-cancel-ignored", "serve: Scheduler.cancel does nothing (a client that leaves keeps its slot)",
+           "treeattn_cli/cli/serve.py",
+           "    def cancel(self, job: Job) -> None:\n        job.cancelled.set()",
+           "    def cancel(self, job: Job) -> None:\n        return",
+           ("tests/test_serve.py::test_a_client_that_leaves_cancels_its_request",)),
+    Mutant("engine-cancel-ignored", "batch: a cancelled question runs on to its end",
+           "treeattn_cli/engine/batch.py",
+           "if reason is None and s.question in cancelled | set(news[1]):",
+           "if reason is None and False:",
+           ("tests/test_serve.py::test_a_client_that_leaves_cancels_its_request",)),
+    Mutant("batch-drafts-nothing", "batch: slots never draft (speculation silently off in chat --batch and serve)",
+           "treeattn_cli/engine/batch.py",
+           "nxt = s.drafter.draft(min(s.spec.want(n_ready), q.max_new_tokens - len(s.tokens) - 1, KMAX))",
+           "nxt = []",
+           ("tests/test_speculate.py::test_batched_slots_draft_and_accept_on_their_own",
+            "tests/test_kvquant.py::test_fp8_cache_is_exact_to_its_rounding_on_every_route")),
+    Mutant("merge-weight-allreduce", "merge: rank 1's partial enters the all-reduce merge without its weight",
+           "treeattn_cli/parallel/comm.py",
+           'packed = self.all_reduce(weigh(o, lse, m), "sum")  # [..., d + 1] = [Σ o·w, Σ w]',
+           'packed = self.all_reduce(weigh(o, lse, m) if self.rank != 1 else '
+           'torch.cat([o.float(), torch.ones_like(lse.float())[..., None]], -1), "sum")',
+           ("tests/test_comm.py::test_every_scheme_and_ring_decode_equal_one_rank",)),
+    Mutant("merge-weight-tree", "merge: the partial a rank receives in the tree merge is taken unweighted",
+           "treeattn_cli/parallel/merge.py",
+           "o = (o_a.float() * w_a[..., None] + o_b.float() * w_b[..., None]) / _nonzero(den)[..., None]",
+           "o = (o_a.float() * w_a[..., None] + o_b.float()) / _nonzero(den)[..., None]",
+           ("tests/test_merge.py", "tests/test_comm.py::test_every_scheme_and_ring_decode_equal_one_rank")),
+    Mutant("verify-no-rollback", "decode: a verify's rejected drafts stay in the cache",
+           "treeattn_cli/engine/decode.py",
+           "        self.cache.truncate_extension(0, keep=n)",
+           "        pass",
+           ("tests/test_speculate.py::test_speculation_equals_greedy",)),
+    Mutant("batch-no-rollback", "batch: a slot's rejected drafts stay in its tail",
+           "treeattn_cli/engine/batch.py",
+           "                    self.tail.truncate_extension(b, keep=n_out)",
+           "                    pass",
+           ("tests/test_speculate.py::test_batched_slots_draft_and_accept_on_their_own",)),
+    Mutant("stop-ignored", "engine: stop strings never end an answer",
+           "treeattn_cli/engine/engine.py",
+           "            if any(s in tail for s in stop):",
+           "            if False:",
+           ("tests/test_generate.py::test_stop_string_and_output_file",
+            "tests/test_batch.py::test_chat_batch_equals_one_at_a_time")),
+    Mutant("tail-of-another-slot", "cache: a batch's rows read the first row's tail",
+           "treeattn_cli/engine/cache.py",
+           "            idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.device)\n"
+           "            k, v, pos = self.k[layer][idx",
+           "            idx = torch.as_tensor([list(rows)[0]] * len(rows), dtype=torch.int64, device=self.device)\n"
+           "            k, v, pos = self.k[layer][idx",
+           ("tests/test_batch.py::test_batched_answers_equal_each_question_alone",)),
+    Mutant("window-bound-reference", "reference kernel: the sliding window's bound is not applied",
+           "kernels/partial_ref.py",
+           "            causal = causal & (diff < window)",
+           "            causal = causal",
+           ("tests/test_partial_attention.py", "tests/test_families.py::test_every_family_equals_transformers")),
+    Mutant("window-bound-triton", "Triton kernel: the sliding window's bound is not applied",
+           "kernels/partial_triton.py",
+           "            vis = vis & (diff < window)",
+           "            vis = vis",
+           ("tests/test_partial_attention.py", "tests/test_triton_end_to_end.py")),
+    Mutant("extend-resets-every-row", "cache: begin_extend forgets every row's extension (issue 32's defect)",
+           "treeattn_cli/engine/cache.py",
+           '            raise RuntimeError("begin_extend: the previous extension was not ended (end_extend)")\n',
+           '            raise RuntimeError("begin_extend: the previous extension was not ended (end_extend)")\n'
+           "        self._ext_owners = [None] * self.batch\n",
+           ("tests/test_cache.py",
+            "tests/test_batch.py::test_chat_batch_with_drafts_refilling_slots_equals_one_at_a_time")),
+    Mutant("graph-keyed-on-capacity", "decode: a CUDA graph is replayed for another document of equal capacity",
+           "treeattn_cli/engine/decode.py",
+           "        return cache is not self.cache or capacity != self.cache.capacity",
+           "        return capacity != self.cache.capacity",
+           ("tests/test_generate.py::test_a_captured_decode_step_is_captured_again_for_another_document",)),
+    Mutant("drafts-depend-on-the-cut", "drafter: n-grams stop at the base/own boundary (issue 32's drafter defect)",
+           "treeattn_cli/engine/speculate.py",
+           "        return (self.base.tokens[i:i + k] + self.tokens[:max(0, i + k - lb)])[:k]",
+           "        return self.base.tokens[i:i + k]",
+           ("tests/test_speculate.py::test_drafts_do_not_depend_on_where_the_sequence_is_cut_into_base_and_own",)),
+    Mutant("idle-slot-at-zero", "batch: idle slots step at position 0 (a window layer reads the whole shard)",
+           "treeattn_cli/engine/batch.py",
+           "                    live = max(at.values())",
+           "                    live = 0",
+           ("tests/test_batch.py::test_idle_slots_step_at_a_live_position",)),
+]
+
+
+def _copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    for f in files:
+        if not f:
+            continue
+        src = ROOT / f.decode()
+        if src.is_file():
+            (dst / f.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f.decode())
+
+
+def _env(copy: Path, shadow: Path) -> dict:
+    """The copy's packages first on the path (the installed names: ``kernels/`` is
+    ``treeattn_kernels``), before the editable install that points at the working tree."""
+    shadow.mkdir(exist_ok=True)
+    for name, target in (("treeattn_cli", copy / "treeattn_cli"), ("treeattn_kernels", copy / "kernels")):
+        if not (shadow / name).exists():
+            (shadow / name).symlink_to(target, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep), "PYTHONDONTWRITEBYTECODE": "1"}
+    probe = subprocess.run([sys.executable, "-c", "import treeattn_cli, treeattn_kernels; "
+                            "print(treeattn_cli.__file__); print(treeattn_kernels.__file__)"],
+                           env=env, cwd=copy, capture_output=True, text=True, check=True).stdout.split()
+    if not all(p.startswith(str(shadow.parent)) for p in probe):
+        raise SystemExit(f"mutants: the copy is not what Python imports ({probe}); refusing to run")
+    return env
+
+
+def _run(m: Mutant, copy: Path, env: dict, timeout: float) -> tuple[str, float, str]:
+    f = copy / m.file
+    orig = f.read_text()
+    if orig.count(m.old) != 1:
+        return "STALE", 0.0, f"the text to mutate occurs {orig.count(m.old)} times in {m.file}: update the mutant"
+    f.write_text(orig.replace(m.old, m.new))
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                           cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, tail = r.returncode, (r.stdout + r.stderr).strip().splitlines()[-1:]
+    except subprocess.TimeoutExpired:
+        rc, tail = -1, [f"no verdict within {timeout:.0f} s"]
+    finally:
+        f.write_text(orig)
+    verdict = {0: "SURVIVED", 1: "caught"}.get(rc, "ERROR")  # 2-5: interrupted, usage, collection
+    return verdict, time.monotonic() - t0, (tail[0] if tail else "")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and their tests")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant (default 900)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the first run of the guarding tests on the unmutated copy (they must pass)")
+    a = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not a.names or m.name in a.names]
+    unknown = set(a.names) - {m.name for m in MUTANTS}
+    if unknown:
+        print(f"mutants: unknown {sorted(unknown)}; --list names them", file=sys.stderr)
+        return 2
+    if a.list:
+        for m in chosen:
+            print(f"{m.name:26} {m.what}\n{'':26} guarded by: {' '.join(m.tests)}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="treeattn-mutants-") as tmp:
+        copy = Path(tmp) / "repo"
+        _copy_tree(copy)
+        env = _env(copy, Path(tmp) / "shadow")
+        if not a.no_baseline:  # a failure on the unmutated tree would read as a caught mutant
+            tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
+            t0 = time.monotonic()
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=copy,
+                               env=env, capture_output=True, text=True)
+            last = (r.stdout + r.stderr).strip().splitlines()[-1:]
+            print(f"{'(baseline)':26} {'pass' if r.returncode == 0 else 'FAIL':9} {time.monotonic() - t0:7.0f}  "
+                  f"{last[0] if last else ''}", flush=True)
+            if r.returncode != 0:
+                print("mutants: the guarding tests fail without a mutant; fix that first", file=sys.stderr)
+                return 2
+        rows = []
+        print(f"{'mutant':26} {'verdict':9} {'seconds':>7}  last line of pytest", flush=True)
+        for m in chosen:
+            verdict, secs, tail = _run(m, copy, env, a.timeout)
+            rows.append((m, verdict))
+            print(f"{m.name:26} {verdict:9} {secs:7.0f}  {tail}", flush=True)
+    bad = [m.name for m, v in rows if v != "caught"]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} planted defects caught" + (f"; not caught: {', '.join(bad)}"
+                                                                           if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

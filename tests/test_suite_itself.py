@@ -1,0 +1,47 @@
+"""The suite's own promises (conftest.py): one session seed that reproduces every random case,
+said in the header, under each failure and at the end; and a run that writes nothing of the
+user's (its caches live in a session directory, removed at the end). Checked on a throwaway
+test file run by a child pytest with this conftest."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = '''
+import os, random
+import torch
+
+def test_draws(tmp_path_factory):
+    print("DRAW", torch.rand(1).item(), random.random())
+    print("ENV", os.environ["TREEATTN_CACHE"], os.environ["XDG_CACHE_HOME"], os.environ["TRITON_CACHE_DIR"])
+    assert False, "planted"
+'''
+
+
+def _run(d: Path, seed: str) -> str:
+    env = {**os.environ, "TREEATTN_TEST_SEED": seed}
+    for k in ("TREEATTN_CACHE", "XDG_CACHE_HOME", "HF_HOME", "TRITON_HOME", "TRITON_CACHE_DIR"):
+        env.pop(k, None)  # as a user's shell has them: unset
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_probe.py"],
+                       cwd=d, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout
+
+
+def test_one_seed_reproduces_a_failing_random_case_and_nothing_of_the_user_is_written(tmp_path):
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    a, b, c = _run(tmp_path, "1234"), _run(tmp_path, "1234"), _run(tmp_path, "99")
+    draw = lambda out: next(x for x in out.splitlines() if x.startswith("DRAW"))  # noqa: E731
+    assert draw(a) == draw(b) != draw(c)  # the seed decides the draws, and it is the test's own
+    assert "TREEATTN_TEST_SEED=1234 pytest 'test_probe.py::test_draws'" in a  # under the failure
+    assert any(x.startswith("treeattn: session seed 1234") for x in a.splitlines()[-6:])  # and at the end
+    env = next(x for x in a.splitlines() if x.startswith("ENV")).split()[1:]
+    home = str(Path.home())
+    assert all(not p.startswith(home) for p in env), env  # nothing under the user's home
+    assert not any(Path(p).exists() for p in env)  # the session directory is gone
+    assert not (tmp_path / ".hypothesis").exists()
