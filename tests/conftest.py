@@ -44,6 +44,7 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(_SESSION_DIR, "xdg")
 os.environ["HF_HOME"] = os.path.join(_SESSION_DIR, "hf")
 os.environ["TRITON_HOME"] = os.path.join(_SESSION_DIR, "triton")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(_SESSION_DIR, "triton", "cache")
+os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(_SESSION_DIR, "hypothesis")  # its constants cache too
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 try:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import TOL, assert_close, attention_f64
+from helpers import assert_close, attention_f64
 from treeattn_kernels import partial_attention, partial_attention_ref
 from treeattn_kernels.partial_ref import key_mask
 

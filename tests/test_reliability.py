@@ -15,7 +15,7 @@ import pytest
 
 from treeattn_cli.verify import tiny as tiny_models
 
-from helpers import assert_usage_error, cli, descendants, rank_pids, still_running
+from helpers import assert_usage_error, cli, cmdline, descendants, rank_pids, still_running
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 
