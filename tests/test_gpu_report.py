@@ -164,3 +164,47 @@ def test_pytest_counts_of_a_run_stopped_early(tmp_path):
     j = gr.parse_junit(text, tmp_path)
     assert (j["tests"], j["passed"], j["failures"], j["skipped"], j["complete"]) == (3, 1, 1, 1, False)
     assert j["failed_tests"] == ["tests/test_gpu.py::test_b"]
+
+
+def test_preflight_without_a_gpu_passes_and_says_there_is_nothing_to_measure():
+    p = subprocess.run([sys.executable, "-m", "treeattn_cli.bench.gpu_report", "--preflight"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    for name in ("torch", "triton", "treeattn_kernels", "transformers", "pytest", "fastapi"):
+        assert any(x.split()[:2] == [name, "ok"] for x in lines), (name, p.stdout)
+    assert "GPUs: none seen" in p.stdout and "nothing to measure" in lines[-1], p.stdout
+
+
+def test_a_step_whose_imports_are_missing_is_skipped_and_preflight_names_them(tmp_path, monkeypatch):
+    """A missing (or too old) module: the report skips the steps that need it, naming it, and
+    runs the others; preflight exits 1 with the missing names."""
+    steps = [gr.Step("wants-missing", "needs a module nobody has", [sys.executable, "-c", "print(1)"], cap_s=30,
+                     floor_s=1, needs=("torch", "treeattn_no_such_module")),
+             gr.Step("fine", "prints", [sys.executable, "-c", "print('[{\"x\": 1}]')"], cap_s=30, floor_s=1,
+                     needs=("torch",))]
+    rep = gr.run_report(tmp_path, 60, steps=steps, devices={"count": 1, "gpus": []})
+    by = {s["name"]: s for s in rep["steps"]}
+    assert by["wants-missing"]["status"] == "skipped" and by["wants-missing"]["reason"] == \
+        "needs treeattn_no_such_module"
+    assert by["fine"]["status"] == "pass"
+    monkeypatch.setattr(gr, "default_steps", lambda n, out: steps)
+    code, text = gr.preflight(tmp_path / "pf")
+    assert code == 1 and "wants-missing needs treeattn_no_such_module" in " ".join(text.split()), text
+    assert text.splitlines()[-1].startswith("preflight: missing treeattn_no_such_module"), text
+    monkeypatch.setitem(gr.FLOORS, "torch", "999.0")  # an installed module older than the floor
+    got = gr.probe_imports(["torch"], dict(os.environ))["torch"]
+    assert not got["ok"] and "older than 999.0" in got["error"], got
+
+
+def test_the_checkouts_kernels_are_made_importable_when_not_installed(tmp_path, monkeypatch):
+    """A copy of the tree on a machine where pip cannot install it: the report links the
+    checkout's kernels/ as treeattn_kernels on the steps' PYTHONPATH, and that is what imports."""
+    real = gr.probe_imports
+    monkeypatch.setattr(gr, "probe_imports", lambda names, env: {n: {"ok": False, "error": "ImportError"}
+                                                                 for n in names})
+    env = dict(os.environ)
+    note = gr.kernels_shim(env, tmp_path)
+    assert note and "treeattn_kernels is not installed" in note
+    got = real(["treeattn_kernels"], env)["treeattn_kernels"]
+    assert got["ok"] and got["file"].startswith(str(tmp_path / "shim" / "treeattn_kernels")), got

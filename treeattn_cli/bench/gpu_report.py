@@ -1,6 +1,13 @@
 """Every GPU measurement the project owes, in one command, into one report.
 
-    python -m treeattn_cli.bench.gpu_report --out DIR [--budget-s 540]
+    python -m treeattn_cli.bench.gpu_report --out DIR [--budget-s 540] [--only a,b]
+    python -m treeattn_cli.bench.gpu_report --preflight
+
+``--preflight`` runs nothing: it says whether every step could run here (the imports each step
+needs, the GPU tools, the GPUs seen), a table of steps "ready" or "needs X", and exits 0 when
+everything imports (also without a GPU: then there is nothing to measure), else 1 naming what
+is missing. When ``treeattn_kernels`` is not installed but the checkout's ``kernels/`` is there
+(a copy of the tree on a machine without network), the report makes it importable itself.
 
 On whatever GPUs the machine has, one subprocess per step, each under its own time limit so the
 whole run fits the budget (540 s: inside 10 minutes on one H100), and a failure or a timeout is
@@ -20,6 +27,7 @@ recorded and the next step runs:
 - ``kernel-tune``: the launch-parameter sweep (``--tune``): the best configuration per length
   and the runtime's own, with registers, spills, shared memory, tiles in flight, CTAs per SM.
 
+A step whose imports are missing is skipped ("needs X"), not failed.
 Writes ``DIR/report.json``, ``DIR/report.md`` and every step's output under ``DIR/logs/``.
 Without a GPU it says so in the report, marks every GPU step skipped and exits 0 within
 seconds. Exit status: 1 if a step failed or timed out, else 0.
@@ -81,6 +89,14 @@ class Step:
     parse: Optional[Callable] = None
     env: dict = field(default_factory=dict)
     unavailable: str = ""  # why this step cannot run here at all (e.g. no tests/ folder)
+    needs: tuple = ()  # modules the step imports (checked first: missing ones skip it, named)
+
+
+# What the steps import: the engine's stack, and the test runner's.
+ENGINE = ("torch", "triton", "treeattn_kernels", "typer", "rich", "yaml", "safetensors", "transformers")
+KERNEL = ("torch", "triton", "treeattn_kernels")
+TESTS = ENGINE + ("pytest", "hypothesis")
+OPTIONAL = ("fastapi", "uvicorn", "openai", "httpx", "gguf")  # the serve tests skip without them
 
 
 # ------------------------------------------------------------------ output parsers
@@ -204,29 +220,162 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
     junit = out_dir / "logs" / "pytest-gpu.xml"
     steps = [
         Step("check", "treeattn check on one GPU: kernels, merges, generate eager and CUDA graph vs transformers",
-             [*_CLI, "check", "--nproc", "1", "--json", "--quiet"], cap_s=150, parse=parse_check),
+             [*_CLI, "check", "--nproc", "1", "--json", "--quiet"], cap_s=150, parse=parse_check, needs=ENGINE),
         Step("check-ranks", "treeattn check over every GPU as ranks: merges and CUDA-graph decode with NCCL",
              [*_CLI, "check", "--nproc", str(max(2, n_gpus)), "--json", "--quiet"], cap_s=150, min_gpus=2,
-             parse=parse_check),
+             parse=parse_check, needs=ENGINE),
         Step("pytest-gpu", "pytest -m gpu tests (every device test, no -x)",
              [_PY, "-m", "pytest", "-m", "gpu", "-v", "--durations=10", "-p", "no:cacheprovider",
-             f"--junitxml={junit}", str(ROOT / "tests")], cap_s=200, parse=parse_junit,
+             f"--junitxml={junit}", str(ROOT / "tests")], cap_s=200, parse=parse_junit, needs=TESTS,
              unavailable="" if (ROOT / "tests").is_dir() else f"no tests/ folder beside the package ({ROOT})"),
         Step("kernel", "decode kernel (bf16 and fp8 KV) vs SDPA / flex_attention, fraction of copy bandwidth "
                        "(Llama-8B shape)",
              [_PY, "-m", "treeattn_cli.bench.kernel", "--seq-len", "8192,32768,131072", "--kv-dtype", "fp8",
               "--json"],
-             cap_s=120, parse=parse_kernel),  # flex_attention compiles once per length
+             cap_s=120, parse=parse_kernel, needs=KERNEL),  # flex_attention compiles once per length
         Step("decode", "Llama-3.1-8B-shaped decode ms/token (CUDA graph) vs memory floor and transformers; TTFT",
              [_PY, "-m", "treeattn_cli.bench.gpu_decode", "--contexts", "32768,131072", "--steps", "20",
-              "--ttft", "32768", "--skip-compiled"], cap_s=150, parse=parse_decode),
+              "--ttft", "32768", "--skip-compiled"], cap_s=150, parse=parse_decode, needs=ENGINE),
         Step("prefill", "causal prefill attention per sharding over every GPU (treeattn bench --prefill)",
-             [*_CLI, "bench", "--prefill", "--seq-len", "16384,65536", "--json"], cap_s=90, parse=parse_prefill),
+             [*_CLI, "bench", "--prefill", "--seq-len", "16384,65536", "--json"], cap_s=90, parse=parse_prefill,
+             needs=ENGINE),
         Step("kernel-tune", "launch-parameter sweep of the split kernel (block, warps, stages, splits)",
              [_PY, "-m", "treeattn_cli.bench.kernel", "--tune", "--seq-len", "32768,131072", "--iters", "10",
-              "--warmup", "3", "--json"], cap_s=150, parse=parse_tune),
+              "--warmup", "3", "--json"], cap_s=150, parse=parse_tune, needs=KERNEL),
     ]
     return steps
+
+
+# Oldest versions the steps work with (pyproject's floors; Triton's: the kernels use
+# do_not_specialize_on_alignment, from 3.2): an older one counts as missing, named with both.
+FLOORS = {"transformers": "5.23", "triton": "3.2", "torch": "2.5"}
+
+_IMPORTS_SNIPPET = r"""
+import importlib, json, sys
+from importlib import metadata
+floors = json.loads(sys.argv[1])
+dists = {"yaml": "PyYAML", "treeattn_kernels": "treeattn"}
+def key(v):
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits) if digits else 0)
+    return out
+out = {}
+for name in sys.argv[2:]:
+    try:
+        m = importlib.import_module(name)
+        v = getattr(m, "__version__", None)
+        if not isinstance(v, str):
+            try:
+                v = metadata.version(dists.get(name, name))
+            except Exception:
+                v = None
+        r = {"ok": True, "version": v, "file": getattr(m, "__file__", None)}
+        if name in floors and v and key(v) < key(floors[name]):
+            r.update(ok=False, error=f"{v} is older than {floors[name]}")
+        out[name] = r
+    except Exception as e:  # ImportError, or a broken install
+        out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
+print(json.dumps(out))
+"""
+
+
+def probe_imports(names, env: dict) -> dict:
+    """``{module: {"ok", "version" | "error"}}``, imported in a child process (this one stays
+    light and never holds a GPU context), with ``env`` (its PYTHONPATH) as the steps get it."""
+    r = subprocess.run([_PY, "-c", _IMPORTS_SNIPPET, json.dumps(FLOORS), *names], env=env, capture_output=True,
+                       text=True, timeout=300,
+                       cwd=str(ROOT) if (ROOT / "pyproject.toml").exists() else None)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {n: {"ok": False, "error": (r.stderr or "the import probe failed").strip()[-200:]} for n in names}
+
+
+def kernels_shim(env: dict, where: Path) -> str | None:
+    """When ``treeattn_kernels`` is not installed but the checkout's ``kernels/`` is there (a copy
+    of the tree, not installed: pip needs the network for that), put a link named
+    ``treeattn_kernels`` on the steps' ``PYTHONPATH``; returns what was done, or None."""
+    if probe_imports(["treeattn_kernels"], env)["treeattn_kernels"]["ok"]:
+        return None
+    src = ROOT / "kernels"
+    if not (src / "__init__.py").exists():
+        return None
+    shim = where / "shim"
+    shim.mkdir(parents=True, exist_ok=True)
+    link = shim / "treeattn_kernels"
+    if not link.exists():
+        link.symlink_to(src, target_is_directory=True)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return f"treeattn_kernels is not installed: the checkout's {src} is used (through {link})"
+
+
+def _step_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the real GPU
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return env
+
+
+def _missing(st: Step, imports: dict) -> list[str]:
+    return [n for n in st.needs if not imports.get(n, {}).get("ok")]
+
+
+def preflight(out_dir=None) -> tuple[int, str]:
+    """Whether every step could run here: ``(exit status, the text to print)``."""
+    import shutil
+    import tempfile
+
+    where = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="treeattn-preflight-"))
+    env = _step_env()
+    shim = kernels_shim(env, where)
+    names = list(dict.fromkeys(ENGINE + TESTS + OPTIONAL))
+    imports = probe_imports(names, env)
+    rc, text, _ = _run([_PY, "-c", _DEVICES_SNIPPET], 60.0, _logs(where) / "devices", env) \
+        if imports.get("torch", {}).get("ok") else (1, "", 0.0)
+    devices = parse_devices(text, where) if rc == 0 else {}
+    n_gpus = int(devices.get("count") or 0)
+    lines = ["treeattn gpu_report preflight", ""]
+    if shim:
+        lines += [f"note: {shim}", ""]
+    lines.append("imports:")
+    for n in names:
+        r = imports.get(n, {})
+        state = (f"ok {r.get('version') or ''}".rstrip() if r.get("ok") else
+                 f"{'TOO OLD' if 'older than' in r.get('error', '') else 'MISSING'} ({r.get('error', '?')})")
+        lines.append(f"  {n:18} {state}" + ("   (optional: the serve tests skip without it)" if n in OPTIONAL
+                                            and not r.get("ok") else ""))
+    tools = {t: shutil.which(t) for t in ("nvidia-smi", "rocm-smi")}
+    lines += ["", "tools: " + ", ".join(f"{t} {'at ' + p if p else 'not found'}" for t, p in tools.items()),
+              "GPUs: " + ("; ".join(f"{g['name']} ({g['memory_gib']} GiB, {g['capability']})"
+                                    for g in devices.get("gpus", [])) or "none seen"), "",
+              "steps:"]
+    needed = set()
+    for st in default_steps(max(n_gpus, 1), where):
+        miss = _missing(st, imports)
+        needed |= set(miss)
+        if miss:
+            state = "needs " + ", ".join(miss)
+        elif st.unavailable:
+            state = st.unavailable
+        elif n_gpus < st.min_gpus:
+            state = "ready (nothing to measure: no GPU)" if not n_gpus else f"ready, needs {st.min_gpus} GPUs"
+        else:
+            state = "ready"
+        lines.append(f"  {st.name:12} {state}")
+    if needed:
+        lines += ["", f"preflight: missing {', '.join(sorted(needed))}: install them (README: GPU machines "
+                      "without network), then run this again"]
+        return 1, "\n".join(lines)
+    lines += ["", "preflight: every step can run" + ("" if n_gpus else "; no GPU here, so there is nothing to "
+                                                                     "measure on this machine")]
+    return 0, "\n".join(lines)
+
+
+def _logs(where: Path) -> Path:
+    (where / "logs").mkdir(parents=True, exist_ok=True)
+    return where / "logs"
 
 
 def _versions() -> dict:
@@ -284,11 +433,12 @@ def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devic
     out_dir = Path(out_dir).resolve()  # the steps run from the repository: absolute paths
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     start = clock()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the real GPU
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env = _step_env()
     rep = {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "host": platform.node(), "budget_s": budget_s, "versions": _versions(), "steps": []}
+    shim = kernels_shim(env, out_dir)
+    if shim:
+        rep["shim"] = shim
 
     if devices is None:  # the devices step: its own process, so this one never holds a GPU context
         rc, text, secs = _run([_PY, "-c", _DEVICES_SNIPPET], min(60.0, budget_s), out_dir / "logs" / "devices", env)
@@ -306,6 +456,8 @@ def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devic
     steps = default_steps(n_gpus, out_dir) if steps is None else steps
     if only is not None:
         steps = [s for s in steps if s.name in only]
+    needs = sorted({n for s in steps for n in s.needs})
+    imports = probe_imports(needs, env) if needs and n_gpus else {}
 
     for i, st in enumerate(steps):
         rec = {"name": st.name, "what": st.what, "command": " ".join(map(str, st.argv)), "status": "skipped",
@@ -317,8 +469,13 @@ def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devic
         if st.unavailable:
             rec["reason"] = st.unavailable
             continue
+        miss = _missing(st, imports)
+        if miss:
+            rec["reason"] = "needs " + ", ".join(miss)
+            continue
         left = budget_s - (clock() - start)
-        later = sum(s.floor_s for s in steps[i + 1:] if n_gpus >= s.min_gpus and not s.unavailable)
+        later = sum(s.floor_s for s in steps[i + 1:] if n_gpus >= s.min_gpus and not s.unavailable
+                    and not _missing(s, imports))
         limit = min(st.cap_s, left - later)
         if limit < st.floor_s:
             limit = min(st.cap_s, left)  # what the later steps would get anyway; never past the budget
@@ -421,11 +578,19 @@ def markdown(rep: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for report.json, report.md and logs/")
+    ap.add_argument("--out", default=None, help="folder for report.json, report.md and logs/")
+    ap.add_argument("--preflight", action="store_true",
+                    help="run nothing: say whether every step could run here (imports, tools, GPUs)")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                     help=f"wall-clock budget of the whole run (default {DEFAULT_BUDGET_S:.0f})")
-    ap.add_argument("--only", default=None, help="comma list of steps to run (default: all)")
+    ap.add_argument("--only", "--steps", default=None, help="comma list of steps to run (default: all)")
     a = ap.parse_args(argv)
+    if a.preflight:
+        code, text = preflight(a.out)
+        print(text)
+        return code
+    if a.out is None:
+        ap.error("--out is required (or --preflight)")
     only = None
     if a.only:
         only = {s.strip() for s in a.only.split(",") if s.strip()}
