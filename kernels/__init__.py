@@ -16,7 +16,7 @@ import torch
 from .partial_ref import add_sink, dequantize, partial_attention_ref
 
 __all__ = ["partial_attention", "partial_attention_ref", "add_sink", "dequantize", "triton_available",
-           "use_reference", "reference_only"]
+           "triton_problem", "use_reference", "reference_only", "TRITON_FLOOR"]
 
 _REFERENCE = {"on": False}
 
@@ -32,13 +32,53 @@ def reference_only() -> bool:
     return _REFERENCE["on"]
 
 
-def triton_available() -> bool:
-    """True when the Triton kernel can be imported (triton installed, Linux)."""
+# The oldest Triton with every feature the kernels use (tests/test_partial_attention.py checks
+# the kernels' source against TRITON_FEATURES; pyproject's floor is this one).
+TRITON_FLOOR = (3, 2)
+TRITON_FEATURES = {"do_not_specialize_on_alignment": (3, 2), "do_not_specialize": (2, 1)}
+
+
+def _version_tuple(v: str) -> tuple:
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def triton_problem() -> str | None:
+    """Why the Triton kernel cannot run here (one line), or None: not installed, broken, or
+    older than :data:`TRITON_FLOOR`."""
     try:
-        from . import partial_triton  # noqa: F401
-    except Exception:  # ImportError, or a broken triton install
-        return False
-    return True
+        import triton
+    except Exception as e:  # ImportError, or a broken triton install
+        return f"Triton cannot be imported ({type(e).__name__}: {e})"[:200]
+    v = getattr(triton, "__version__", "0")
+    if _version_tuple(v) < TRITON_FLOOR:
+        need = ".".join(map(str, TRITON_FLOOR))
+        return (f"Triton {v} is older than {need}, the oldest with every feature the decode kernel uses "
+                f"(pip install 'triton>={need}')")
+    return None
+
+
+_AVAILABLE: dict = {}  # the triton module seen -> whether the kernel can run (asked every decode step)
+
+
+def triton_available() -> bool:
+    """True when the Triton kernel can run here (triton importable, not older than its floor)."""
+    import sys
+
+    key = id(sys.modules.get("triton"))
+    if key not in _AVAILABLE:
+        ok = triton_problem() is None
+        if ok:
+            try:
+                from . import partial_triton  # noqa: F401
+            except Exception:  # ImportError, or a broken triton install
+                ok = False
+        _AVAILABLE[id(sys.modules.get("triton"))] = ok
+        key = id(sys.modules.get("triton"))
+    return _AVAILABLE[key]
 
 
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,

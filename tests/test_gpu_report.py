@@ -183,6 +183,9 @@ def test_a_step_whose_imports_are_missing_is_skipped_and_preflight_names_them(tm
                      floor_s=1, needs=("torch", "treeattn_no_such_module")),
              gr.Step("fine", "prints", [sys.executable, "-c", "print('[{\"x\": 1}]')"], cap_s=30, floor_s=1,
                      needs=("torch",))]
+    real = gr.probe_imports  # the real probe (a child process) once, for the floor below; here a quick stand-in
+    monkeypatch.setattr(gr, "probe_imports", lambda names, env: {n: {"ok": n != "treeattn_no_such_module",
+                                                                     "version": "1"} for n in names})
     rep = gr.run_report(tmp_path, 60, steps=steps, devices={"count": 1, "gpus": []})
     by = {s["name"]: s for s in rep["steps"]}
     assert by["wants-missing"]["status"] == "skipped" and by["wants-missing"]["reason"] == \
@@ -193,18 +196,38 @@ def test_a_step_whose_imports_are_missing_is_skipped_and_preflight_names_them(tm
     assert code == 1 and "wants-missing needs treeattn_no_such_module" in " ".join(text.split()), text
     assert text.splitlines()[-1].startswith("preflight: missing treeattn_no_such_module"), text
     monkeypatch.setitem(gr.FLOORS, "torch", "999.0")  # an installed module older than the floor
-    got = gr.probe_imports(["torch"], dict(os.environ))["torch"]
+    got = real(["torch"], dict(os.environ))["torch"]
     assert not got["ok"] and "older than 999.0" in got["error"], got
 
 
 def test_the_checkouts_kernels_are_made_importable_when_not_installed(tmp_path, monkeypatch):
     """A copy of the tree on a machine where pip cannot install it: the report links the
     checkout's kernels/ as treeattn_kernels on the steps' PYTHONPATH, and that is what imports."""
-    real = gr.probe_imports
-    monkeypatch.setattr(gr, "probe_imports", lambda names, env: {n: {"ok": False, "error": "ImportError"}
-                                                                 for n in names})
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "treeattn_kernels" else
+                        real(name, *a))
     env = dict(os.environ)
     note = gr.kernels_shim(env, tmp_path)
     assert note and "treeattn_kernels is not installed" in note
-    got = real(["treeattn_kernels"], env)["treeattn_kernels"]
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    got = gr.probe_imports(["treeattn_kernels"], env)["treeattn_kernels"]
     assert got["ok"] and got["file"].startswith(str(tmp_path / "shim" / "treeattn_kernels")), got
+
+
+def test_calls_with_steps_merge_into_one_report(tmp_path):
+    """Two shorter calls (--steps) into one --out make one report: each call's steps replace
+    their earlier records, the others stay; another machine's report is replaced, not mixed."""
+    def step(name, value):
+        return gr.Step(name, name, [sys.executable, "-c", f"print('[{{\"v\": {value}}}]')"], cap_s=30, floor_s=1,
+                       parse=lambda text, d: {"records": gr._records(text)})
+
+    dev = {"count": 1, "gpus": []}
+    gr.run_report(tmp_path, 60, steps=[step("a", 1), step("b", 2)], devices=dev, only={"a"})
+    rep = gr.run_report(tmp_path, 60, steps=[step("a", 1), step("b", 3)], devices=dev, only={"b"})
+    assert [(s["name"], s["summary"]["records"][0]["v"]) for s in rep["steps"] if s["name"] != "devices"] == \
+        [("a", 1), ("b", 3)] and rep["calls"] == 2
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] == rep["steps"]
+    other = gr.run_report(tmp_path, 60, steps=[step("b", 4)], devices={"count": 2, "gpus": []})
+    assert [s["name"] for s in other["steps"]] == ["b"] and "calls" not in other

@@ -539,3 +539,27 @@ def test_triton_fp8_groups_it_cannot_tile_are_dequantized_up_front():
     assert_close(lse, lse_ref, torch.float32, "lse")
     with pytest.raises(ValueError, match="k_scale and v_scale must be"):
         pt.partial_attention_triton(q, k8, v8, k_scale=ks[..., :1], v_scale=vs)
+
+
+def test_tritons_floor_has_every_feature_the_kernels_use(monkeypatch):
+    """TRITON_FLOOR is the oldest Triton with every feature the kernels' source uses (a feature
+    newer than the floor fails here), pyproject asks for that floor, and an older Triton is
+    refused with one line naming both versions (then the ATen path decodes, and generate says so)."""
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    import treeattn_kernels as K
+
+    src = Path(K.__file__).parent
+    used = {f for f in K.TRITON_FEATURES for p in src.glob("*.py") if re.search(rf"\b{f}\b", p.read_text())}
+    assert "do_not_specialize_on_alignment" in used
+    assert K.TRITON_FLOOR >= max(K.TRITON_FEATURES[f] for f in used)
+    root = Path(__file__).resolve().parents[1]
+    floor = re.search(r'"triton>=([\d.]+)', (root / "pyproject.toml").read_text()).group(1)
+    assert tuple(int(x) for x in floor.split(".")) == K.TRITON_FLOOR
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.1.0"))
+    problem = K.triton_problem()
+    assert problem and "Triton 3.1.0 is older than 3.2" in problem and "\n" not in problem
+    assert K.triton_available() is False

@@ -94,10 +94,12 @@ def _flex():
 
 
 def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16",
-                 device=None, iters=20, warmup=5, baselines=("sdpa", "flex"), copy_bw=None, kv_dtype=None):
+                 device=None, iters=20, warmup=5, baselines=("sdpa", "flex"), copy_bw=None, kv_dtype=None,
+                 on_record=None):
     """One record per (N, method): median seconds, GB/s of KV read, fraction of copy bandwidth.
     ``kv_dtype="fp8"`` adds ``treeattn-fp8``: the same kernel over the fp8 cache of the same
-    keys (its own byte count, scales included)."""
+    keys (its own byte count, scales included). ``on_record(record)`` gets each record as soon
+    as it is measured (a run stopped later keeps what it printed)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = DTYPES[dtype]
     copy_bw = copy_bw or copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 27)
@@ -108,7 +110,13 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
         flex = _flex()
         if flex is not None:
             methods["flex_attention"] = flex
-    records = []
+    class _Records(list):
+        def append(self, r):
+            super().append(r)
+            if on_record is not None:
+                on_record(r)
+
+    records = _Records()
     for N in seq_lens:
         q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
         runs = {name: (fn, kv_bytes) for name, fn in methods.items()}
@@ -223,12 +231,17 @@ def main(argv=None):
         tune([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
              head_dim=a.head_dim, dtype=a.dtype, iters=a.iters, warmup=a.warmup, on_seq_len=show)
         return
+    import json
+
+    # --json: one JSON line per record as it is measured (gpu_report keeps them past a timeout)
     recs = kernel_bench([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
                         kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
-                        iters=a.iters, warmup=a.warmup, kv_dtype=a.kv_dtype)
-    from .. import report
+                        iters=a.iters, warmup=a.warmup, kv_dtype=a.kv_dtype,
+                        on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
+    if not a.json:
+        from .. import report
 
-    report.print_kernel_records(recs, as_json=a.json)
+        report.print_kernel_records(recs)
 
 
 if __name__ == "__main__":

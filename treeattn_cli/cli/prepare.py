@@ -177,6 +177,11 @@ def prepare_run(o: GenerateOptions) -> Run:
     tp_plan, split = _tp_plan(config, o.tp, o.trust_remote_code)
     plan = _merge_plan(o, kind, n // o.tp, config, o.tp if split else 1)  # over a cp group
     notes = [_fidelity_note(model_dir, kv_name)] if kv_name.startswith("fp8") else []
+    if kind == "cuda":  # a GPU run without its decode kernel is slower: said once, at start
+        from treeattn_kernels import triton_problem
+
+        problem = triton_problem()
+        notes += [f"{problem}: decode runs on ATen's kernels instead (exact, slower)"] if problem else []
     return Run(kind, be, n, devices, model_dir, config, tok, M.context_length(config), sh,
                str(dtype).replace("torch.", ""), kv_name, plan, _kernels_failed(devices[0]), tp_plan, split,
                [x for x in notes if x])
