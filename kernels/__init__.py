@@ -61,24 +61,23 @@ def triton_problem() -> str | None:
     return None
 
 
-_AVAILABLE: dict = {}  # the triton module seen -> whether the kernel can run (asked every decode step)
+_AVAILABLE: dict = {}  # id of the triton module seen -> whether the kernel can run (asked every decode step)
 
 
 def triton_available() -> bool:
     """True when the Triton kernel can run here (triton importable, not older than its floor)."""
     import sys
 
-    key = id(sys.modules.get("triton"))
-    if key not in _AVAILABLE:
-        ok = triton_problem() is None
+    ok = _AVAILABLE.get(id(sys.modules.get("triton")))
+    if ok is None:
+        ok = triton_problem() is None  # imports triton: the key below is the module it found
         if ok:
             try:
                 from . import partial_triton  # noqa: F401
             except Exception:  # ImportError, or a broken triton install
                 ok = False
         _AVAILABLE[id(sys.modules.get("triton"))] = ok
-        key = id(sys.modules.get("triton"))
-    return _AVAILABLE[key]
+    return ok
 
 
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,

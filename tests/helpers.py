@@ -180,19 +180,11 @@ def copying_question(model_dir, doc: list[int], *, kv_round=None, tries: int = 6
     hoped of a random model. Candidates: a token and the model's own greedy words after it
     (random models fall into loops). Fails the test, loudly, if none of ``tries`` qualifies."""
     import pytest
-    from transformers import AutoModelForCausalLM
 
     from treeattn_cli.engine.speculate import Drafter
-    from treeattn_cli.verify.tiny import rounded_attention
+    from treeattn_cli.verify.tiny import greedy_decoder
 
-    attn = rounded_attention(kv_round) if kv_round is not None else "eager"
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
-
-    def greedy(ids, n):
-        t = torch.tensor([ids])
-        out = m.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, do_sample=False,
-                         min_new_tokens=n, pad_token_id=0)
-        return out[0, len(ids):].tolist()
+    greedy = greedy_decoder(model_dir, kv_round)
 
     for x in range(tries):
         start = [(37 * x + 11) % 230 + 20]

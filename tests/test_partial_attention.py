@@ -559,6 +559,9 @@ def test_tritons_floor_has_every_feature_the_kernels_use(monkeypatch):
     root = Path(__file__).resolve().parents[1]
     floor = re.search(r'"triton>=([\d.]+)', (root / "pyproject.toml").read_text()).group(1)
     assert tuple(int(x) for x in floor.split(".")) == K.TRITON_FLOOR
+    from treeattn_cli.bench import gpu_report  # its preflight may run where the kernels do not import
+
+    assert tuple(int(x) for x in gpu_report.FLOORS["triton"].split(".")) == K.TRITON_FLOOR
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.1.0"))
     problem = K.triton_problem()
     assert problem and "Triton 3.1.0 is older than 3.2" in problem and "\n" not in problem

@@ -81,7 +81,12 @@ def server(model):
     proc = _start(m, cache, port)
     yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "model": m, "cache": cache,
            "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)}
-    if proc.poll() is None:  # its ranks and fork server end with it
+    _stop(proc)
+
+
+def _stop(proc) -> None:
+    """SIGTERM (its ranks and fork server end with it), then SIGKILL if it does not end."""
+    if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
@@ -284,12 +289,7 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model
         r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"model": "m", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503
     finally:
-        proc2.send_signal(signal.SIGTERM)
-        try:
-            proc2.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc2.kill()
-            proc2.wait()
+        _stop(proc2)
 
 
 def test_saved_documents_of_another_kv_dtype_are_named_at_start(tmp_path):

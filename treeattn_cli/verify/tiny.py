@@ -85,14 +85,25 @@ def rounded_attention(kv_round) -> str:
     return "treeattn_kv_rounded"
 
 
-def hf_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, kv_round=None):
-    """transformers' own greedy generate (eager attention): the end-to-end oracle. ``kv_round``:
-    keys and values rounded as a cache of another dtype stores them (:func:`rounded_attention`)."""
+def greedy_decoder(model_dir: Path, kv_round=None):
+    """transformers' own greedy generate (eager attention), the model loaded once:
+    ``decode(prompt_ids, max_new_tokens) -> token ids``. ``kv_round``: keys and values rounded as
+    a cache of another dtype stores them (:func:`rounded_attention`)."""
     from transformers import AutoModelForCausalLM
 
     attn = rounded_attention(kv_round) if kv_round is not None else "eager"
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
-    ids = torch.tensor([prompt_ids])
-    out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                     do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+
+    def decode(prompt_ids, max_new_tokens: int) -> list:
+        ids = torch.tensor([prompt_ids])
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
+        return out[0, len(prompt_ids):].tolist()
+
+    return decode
+
+
+def hf_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, kv_round=None):
+    """transformers' own greedy generate (eager attention): the end-to-end oracle (see
+    :func:`greedy_decoder`; this one loads the model for one prompt)."""
+    return greedy_decoder(model_dir, kv_round)(prompt_ids, max_new_tokens)
