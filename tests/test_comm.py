@@ -194,3 +194,32 @@ def test_graph_mode_needs_torch_2_7_for_point_to_point_merges():
     assert not graph_capture_ok(tree, "2.6.0+cu124") and graph_capture_ok(tree, "2.7.1")
     assert graph_capture_ok(tree, "2.13.0") and graph_capture_ok(flat, "2.5.1")
     assert graph_capture_ok(SimpleNamespace(world=1, uses_p2p=lambda: True), "2.5.0")
+
+
+def test_ctrl_c_while_ranks_start_leaves_none_behind(monkeypatch):
+    """Ctrl-C that lands while the ranks are being started (CI caught it once, as a rank's
+    traceback: the launcher exited and unlinked the result queue's semaphores before a rank had
+    read them). The signal waits until every rank is started, then stops them all before
+    ``run_local`` returns."""
+    import multiprocessing.context
+    import os
+    import signal
+    from multiprocessing import forkserver
+
+    from helpers import still_running
+
+    real_start = multiprocessing.context.ForkServerProcess.start
+    started = []
+
+    def start_then_ctrl_c(self):
+        real_start(self)
+        started.append(self.pid)
+        if len(started) == 1:  # between rank 0's start and rank 1's
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start", start_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        run_local(dist_cases.rank_and_world, 2, timeout_s=30)
+    assert len(started) == 2  # held until the start loop ended: no rank half-made
+    assert forkserver._forkserver._forkserver_pid is not None
+    assert not still_running(started, within=3)  # stopped by run_local, not by its 30 s timeout

@@ -9,10 +9,12 @@ SIGKILL), names it, and stops the others.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -139,6 +141,33 @@ def warm_forkserver() -> None:
     forkserver.ensure_running()
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM wait while the ranks are started: a signal between the fork server's
+    fork and ``Process.start`` returning would leave a rank this process cannot name, and an
+    exit then unlinks the result queue's semaphores before that rank has read them (it dies
+    printing a traceback). A held signal is handed to its own handler when the block ends,
+    inside ``run_local``'s clean-up. Held in Python, not by the thread's signal mask: the
+    kernel would hand a masked signal to any other thread (torch's, the queue's)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs signal handlers in the main thread only: nothing arrives here
+        return
+    held: list[int] = []
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in before:
+        signal.signal(s, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(held):
+            if callable(before[s]):
+                before[s](s, None)  # raises KeyboardInterrupt, Terminated, ...
+            elif before[s] == signal.SIG_DFL:
+                signal.raise_signal(s)
+
+
 def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeout_s: float = 300.0,
               grace_s: float = 5.0, on_event=None, on_start=None, abort=None):
     """Run ``fn(ctx, *args)`` on ``nproc`` fresh local ranks; returns the per-rank results.
@@ -162,15 +191,16 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
                          args=(fn, r, nproc, store.port, backend, devices[r], timeout_s, args, results,
                                os.getpid()))
              for r in range(nproc)]
-    for p in procs:
-        p.start()
-    if on_start is not None:
-        on_start(store)
     got: dict[int, tuple] = {}
     first_error = None
     dead_since = None
     interrupted = False
     try:
+        with _signals_held():
+            for p in procs:
+                p.start()
+        if on_start is not None:
+            on_start(store)
         while len(got) < nproc:
             if abort is not None and abort.is_set():
                 interrupted = True
@@ -206,12 +236,13 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
         interrupted = True
         raise
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             p.join(timeout=0 if interrupted else grace_s if first_error is None else 0.5)
-        for p in procs:  # ranks ignore SIGTERM (see _rank_main): stop what is left at once
+        for p in started:  # ranks ignore SIGTERM (see _rank_main): stop what is left at once
             if p.is_alive():
                 p.kill()
-        for p in procs:
+        for p in started:
             p.join(2)
         results.close()
         del store  # its server closes the listening socket
