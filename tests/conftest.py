@@ -78,7 +78,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                 f"reproduces every random case of this run)")
 
 
+def _started_early(item) -> bool:
+    """Tests whose fixture waits for work started at collection (``pytest_collection_finish``)."""
+    return item.nodeid.startswith("tests/test_offline_compile.py::") and "compiled" in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(config, items):
+    # last, so that the work started for them at collection has the whole run to finish in
+    items.sort(key=_started_early)
     if config.getoption("--reverse"):
         items.reverse()
     if HAS_CUDA:
@@ -89,7 +96,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """Work a later module needs, started now at the lowest priority (``helpers.Background``):
+    the offline compile, when any of its tests is selected."""
+    if session.config.option.collectonly or not any(_started_early(i) for i in session.items):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return
+    from pathlib import Path
+
+    from helpers import start_offline_compiles
+
+    start_offline_compiles(Path(_SESSION_DIR) / "offline")
+
+
 def pytest_unconfigure(config):
+    from helpers import Background
+
+    Background.stop_all()
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 

@@ -205,3 +205,67 @@ def stop_string_in(text: str, ids: list[int], decode, start: int = 2) -> tuple[s
             n = next(k for k in range(1, len(ids) + 1) if s in decode(ids[:k]))
             return s, n
     raise AssertionError(f"no stop string to take from {text!r}")
+
+
+# ---------------------------------------------------------------- work started early
+
+class Background:
+    """Subprocesses started when the session is collected, at the lowest CPU priority, and
+    collected by the fixture that needs their output: the offline compile (~650 CPU-seconds on
+    CI's 2 cores) then uses the CPU the tests before it leave idle instead of holding up the
+    suite. Output goes to files (a pipe nobody reads would fill and stop the process)."""
+
+    jobs: dict = {}
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], env: dict, root: Path, nice: int = 19) -> None:
+        import os
+        import subprocess
+
+        root.mkdir(parents=True, exist_ok=True)
+        out, err = open(root / f"{name}.out", "w+"), open(root / f"{name}.err", "w+")
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, text=True,
+                                preexec_fn=lambda: os.nice(nice))
+        cls.jobs[name] = (proc, out, err)
+
+    @classmethod
+    def result(cls, name: str, timeout: float) -> tuple[str, str] | None:
+        """``(stdout, stderr)`` of the finished job ``name``, or None when it was never started."""
+        if name not in cls.jobs:
+            return None
+        proc, out, err = cls.jobs.pop(name)
+        proc.wait(timeout=timeout)
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        return texts[0], texts[1]
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for proc, out, err in cls.jobs.values():
+            proc.kill()
+            proc.wait()
+            out.close()
+            err.close()
+        cls.jobs.clear()
+
+
+OFFLINE_TARGETS = ("sm_80", "sm_90", "gfx942")
+
+
+def start_offline_compiles(root: Path) -> None:
+    """The three targets' offline compiles (``treeattn_kernels.offline_compile``), each in its own
+    single-threaded process with a cold Triton cache (the compiler really runs)."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    for t in OFFLINE_TARGETS:
+        if f"compile-{t}" in Background.jobs:
+            continue
+        cache = root / f"triton-{t}"
+        Background.start(f"compile-{t}", [sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", t,
+                                          "--json"], {**env, "TRITON_CACHE_DIR": str(cache)}, root)

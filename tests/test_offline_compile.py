@@ -18,32 +18,24 @@ no fewer CTAs per SM than bf16's, and about half the bytes per key.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from helpers import OFFLINE_TARGETS, Background, start_offline_compiles
+
 pytest.importorskip("triton")
 
-TARGETS = ("sm_80", "sm_90", "gfx942")
+TARGETS = OFFLINE_TARGETS
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """The three targets compile concurrently (each process is single-threaded)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    procs = {}
-    for t in TARGETS:
-        cache = tmp_path_factory.mktemp(f"triton-{t}")  # a cold cache: the compiler really runs
-        procs[t] = subprocess.Popen(
-            [sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", t, "--json"],
-            env={**env, "TRITON_CACHE_DIR": str(cache)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
+    """The three targets compile concurrently (each process is single-threaded), started when the
+    session was collected (``conftest.pytest_collection_finish``), or now when it was not."""
+    start_offline_compiles(tmp_path_factory.mktemp("offline"))  # those not started already
     out = {}
-    for t, p in procs.items():
-        stdout, stderr = p.communicate(timeout=900)
+    for t in TARGETS:
+        stdout, stderr = Background.result(f"compile-{t}", timeout=900)
         assert stdout.strip(), f"{t}: offline compile printed nothing; stderr:\n{stderr[-3000:]}"
         out[t] = json.loads(stdout.strip().splitlines()[-1])
     return out
