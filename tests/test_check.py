@@ -31,7 +31,7 @@ def test_check_on_cpu_ranks_passes(cache):
     recs = json.loads(r.stdout)
     paths = {x["path"] for x in recs}
     assert {"partial/cpu", "merge/allreduce", "merge/allgather", "merge/tree", "merge/hierarchical",
-            "ring-decode", "generate/eager"} <= paths
+            "ring-decode", "generate/eager", "generate/fp8"} <= paths
     assert all(x["verdict"] in ("pass", "skipped") for x in recs)
     assert {x["path"] for x in recs if x["verdict"] == "skipped"} == {"merge/fused", "compile/<gpu>"}
     assert max(x["case"].count("N=65543") for x in recs)  # long shards are checked too
@@ -112,3 +112,83 @@ def test_under_torchrun_only_local_rank_0_checks(cache, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("TREEATTN_CACHE", str(cache.parent / "other"))
     assert prepare._kernels_failed("cpu") is False and ran  # local rank 0 checks
+
+
+# What the self-check runs is what the runtime launches (issue 34): the GPU's kernel on the
+# interpreter, for the launches the check did not cover before.
+LAUNCHES = ("decode-fp8-window-sorted", "verify-fp8", "cascade-window")
+
+
+def test_the_check_covers_every_launch_the_runtime_makes():
+    from treeattn_cli.verify.kernels import _kernel_cases
+
+    cases = list(_kernel_cases(full=False))
+    kinds = {c[0] for c in cases}
+    assert {"decode-fp8", "decode-window-sorted", "verify", "verify-causal", "cascade", "cascade-window",
+            "verify-fp8", "cascade-fp8", "decode-fp8-window-sorted"} <= kinds
+    fp8 = {(c[2], c[6]) for c in cases if c[0] == "decode-fp8"}
+    assert fp8 == {(G, d) for G in (1, 4, 8) for d in (64, 96, 128)}  # head dims x GQA groups
+    assert all(c[8].get("ragged") for c in cases if c[0] == "decode-fp8")
+    assert {c[4] for c in cases if c[0].startswith("verify")} >= {5, 17}  # verify blocks of K = 4 and 16
+
+
+def test_triton_launches_pass_and_a_wrong_one_is_caught(monkeypatch):
+    """Through the interpreter: the sorted-position window search, fp8 verify rows, the cascade's
+    padded rows pass against the reference; an fp8 kernel that reads V's scales as K's fails
+    exactly those fp8 cases, and the verdict names the path."""
+    import treeattn_kernels.partial_triton as pt
+
+    from treeattn_cli.verify.kernels import kernel_checks, verdict_of
+
+    monkeypatch.setenv("TREEATTN_KERNEL", "triton")
+    recs = kernel_checks(torch.device("cpu"), full=False, kinds=LAUNCHES)
+    assert {(r["path"], r["case"].split()[0]) for r in recs} == {(p, k) for p in ("partial/cpu", "partial/triton")
+                                                                 for k in LAUNCHES}
+    assert all(r["verdict"] == "pass" for r in recs), [r for r in recs if r["verdict"] != "pass"]
+
+    real = pt.partial_attention_triton
+
+    def swapped_scales(q, k, v, *a, k_scale=None, v_scale=None, **kw):
+        return real(q, k, v, *a, k_scale=v_scale, v_scale=v_scale, **kw)
+
+    monkeypatch.setattr(pt, "partial_attention_triton", swapped_scales)
+    recs = kernel_checks(torch.device("cpu"), full=False, kinds=("verify-fp8",))
+    assert [(r["path"], r["verdict"]) for r in recs] == [("partial/cpu", "pass"), ("partial/triton", "FAIL")]
+    assert verdict_of(torch.device("cpu"), recs)["failed"] == ["partial/triton"]
+
+
+def test_the_verdict_survives_stray_lines_on_stdout(monkeypatch):
+    """The GPU verdict comes from a child's stdout: a library's line before or after the records
+    neither fails a passed check nor hides a failed one."""
+    from types import SimpleNamespace
+
+    from treeattn_cli.verify import kernels as K
+
+    recs = [{"path": "partial/triton", "case": "decode", "verdict": "pass"},
+            {"path": "partial/aten", "case": "prefill [x]", "verdict": "FAIL"}]
+    text = "[W] a warning\n[1, 2]\n" + json.dumps(recs, indent=1) + "\nbye [done]\n"
+    assert K.records_in(text) == recs
+    assert K.records_in("no records [at all]\n") is None
+    monkeypatch.setattr(K, "load_verdict", lambda d: None)
+    monkeypatch.setattr(K, "machine_key", lambda d: {"device": "cuda"})
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=text, stderr="", returncode=1))
+    v = K.kernel_verdict(torch.device("cuda", 0))
+    assert v["ok"] is False and v["failed"] == ["partial/aten"]
+
+
+def test_fp8_generate_agrees_with_the_reference_or_names_a_near_tie():
+    """The bf16 + fp8 generate check: equal answers pass; answers that part where the reference saw
+    a near tie pass with a note; a real divergence, or a run that did not store fp8, fails."""
+    from treeattn_cli.verify.ranks import NEAR_TIE, _fp8_agreement
+
+    def run(ids, top=None, kv="fp8_e4m3fn"):
+        return {"kv_dtype": kv, "logprobs": [{"id": t, "top": (top or {}).get(i, [[t, -0.1]])} for i, t in enumerate(ids)]}
+
+    assert _fp8_agreement(run([5, 6, 7]), run([5, 6, 7])) == ("", True)
+    tie = {1: [[9, -0.70], [6, -0.70 - NEAR_TIE / 2]]}
+    note, ok = _fp8_agreement(run([5, 6, 1]), run([5, 9, 2], tie))
+    assert ok and "near tie" in note and "token 1" in note
+    far = {1: [[9, -0.2], [6, -2.0]]}
+    assert _fp8_agreement(run([5, 6, 1]), run([5, 9, 2], far))[1] is False
+    assert _fp8_agreement(run([5, 6, 1]), run([5, 9, 2]))[1] is False  # the fast choice not even in its top 2
+    assert _fp8_agreement(run([5, 6]), run([5, 6], kv="bfloat16"))[1] is False

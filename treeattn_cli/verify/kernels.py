@@ -5,8 +5,11 @@ fused merge kernels) are tested in CI on CPU only, the kernels under Triton's in
 each runs where the user will run it, against its reference:
 
 * ``partial/<impl>``: the partial attention of each implementation this device uses vs the
-  pure-torch reference, decode and prefill shapes (GQA group 1/4/8, head dim 64/128, fp32 and
-  bf16, N from 1 to 64K+, ragged lengths, sliding window and soft-capping);
+  pure-torch reference, at every launch the runtime makes (:func:`_kernel_cases`): decode and
+  prefill shapes (GQA group 1/4/8, head dim 64/128, fp32 and bf16, N from 1 to 64K+, ragged
+  lengths, sliding window and soft-capping), the sorted-position window search, verify blocks
+  of 5 and 17 rows, the cascade's document rows of a batch (a padded row among them), and an
+  fp8 cache (head dims 64/96/128, groups 1/4/8, ragged; where the device stores fp8);
 * ``merge/fused`` (CUDA): the fused pack/finish of the allreduce merge vs the torch merge;
 * ``compile/<target>`` (GPU): every Triton kernel configuration compiled for the local target,
   no spills, shared memory within the limit (``treeattn_kernels.offline_compile``).
@@ -61,7 +64,15 @@ def skipped(path, why):
 # ---------------------------------------------------------------- kernels (this process)
 
 def _kernel_cases(full: bool):
-    """(kind, B, G, H_kv, Q, N, d, dtype, extra) of the partial-attention checks."""
+    """(kind, B, G, H_kv, Q, N, d, dtype, extra) of the partial-attention checks: every launch
+    the runtime makes (DESIGN.md §11), at the shapes it makes them.
+
+    ``extra``: ``ragged`` (B = 3 sequences of N, N/3 and 0 keys), ``causal`` (the last Q of N
+    positions), ``window``/``softcap``, ``sorted`` (per-sequence ascending positions, a cache's,
+    with stale entries past each length, and ``k_pos_sorted``: the kernel searches the window's
+    first key), ``cascade`` (a batch's R = 3 sequences of T = 4 rows against one shared document,
+    a padded row at position -1), ``fp8`` (e4m3 rows with bf16 scales, the queries in the
+    cache's rotated basis)."""
     lengths = (1, 1000, 65536 + 7) if full else (1, 1000)
     for G in (1, 4, 8):
         for d in (64, 128):
@@ -71,48 +82,119 @@ def _kernel_cases(full: bool):
     for dt in (torch.float32, torch.bfloat16):
         yield ("decode-ragged", 3, 4, 2, 1, 777, 128, dt, {"ragged": True})
         yield ("decode-window", 1, 4, 2, 1, 3000, 128, dt, {"window": 1024, "softcap": 50.0})
+        yield ("decode-window-sorted", 3, 4, 2, 1, 3000, 128, dt, {"window": 1024, "ragged": True, "sorted": True})
+        yield ("verify", 1, 8, 1, 5, 2000, 128, dt, {})  # drafts against the document shard: no mask
+        yield ("verify", 1, 4, 2, 17, 2000, 128, dt, {})
+        yield ("verify-causal", 1, 4, 2, 17, 2000, 64, dt, {"causal": True})  # against their own extension
+        yield ("cascade", 1, 4, 2, 12, 3000, 128, dt, {"cascade": True})
+        yield ("cascade-window", 1, 4, 2, 12, 3000, 128, dt, {"cascade": True, "window": 1024, "sorted": True})
         yield ("prefill-causal", 1, 4, 2, 300, 300, 128, dt, {"causal": True})
         yield ("prefill-past", 1, 4, 2, 129, 2048, 64, dt, {})
         yield ("prefill-window", 1, 2, 2, 200, 200, 64, dt, {"causal": True, "window": 64, "softcap": 30.0})
+    for d in (64, 96, 128):
+        for G in (1, 4, 8):
+            yield ("decode-fp8", 3, G, 8 // G if G < 8 else 1, 1, 1000, d, torch.bfloat16, {"fp8": True, "ragged": True})
+    if full:  # a long shard: 64-bit offsets and many splits over fp8 rows
+        yield ("decode-fp8", 3, 4, 2, 1, 65536 + 7, 128, torch.bfloat16, {"fp8": True, "ragged": True})
+    yield ("decode-fp8", 3, 4, 2, 1, 1000, 128, torch.float32, {"fp8": True, "ragged": True})
+    yield ("decode-fp8-window-sorted", 3, 4, 2, 1, 3000, 128, torch.bfloat16,
+           {"fp8": True, "window": 1024, "ragged": True, "sorted": True})
+    yield ("verify-fp8", 1, 4, 2, 5, 2000, 128, torch.bfloat16, {"fp8": True})
+    yield ("cascade-fp8", 1, 4, 2, 12, 3000, 128, torch.bfloat16, {"fp8": True, "cascade": True})
+
+
+def _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen):
+    """``(q, k, v, kwargs for both paths, kwargs for the kernel only)`` of one case."""
+    H = G * H_kv
+    q, k, v = (torch.randn(*s, generator=gen) for s in ((B, H, Q, d), (B, H_kv, N, d), (B, H_kv, N, d)))
+    kw, fast = {}, {}
+    lens = [N, N // 3, 0][:B]
+    if extra.get("ragged"):
+        kw["kv_len"] = torch.tensor(lens)
+    if extra.get("sorted"):  # a cache's positions: ascending over each sequence's keys, stale past its length
+        k_pos = torch.arange(N).repeat(B, 1) + 7 * torch.arange(B)[:, None]
+        for b, n in enumerate(lens if extra.get("ragged") else [N] * B):
+            k_pos[b, n:] = torch.randint(0, N, (N - n,), generator=gen)
+        last = torch.tensor([7 * b + (lens[b] if extra.get("ragged") else N) for b in range(B)])
+        kw.update(k_pos=k_pos, q_pos=last[:, None] + torch.arange(Q))
+        fast["k_pos_sorted"] = True
+    elif extra.get("cascade"):  # R = 3 sequences x T = 4 rows over one document of N keys
+        R, T = 3, Q // 3
+        start = torch.tensor([N, N + 9, N + 2])  # each sequence's first position after the document
+        q_pos = (start[:, None] + torch.arange(T)).reshape(-1)
+        q_pos[-1] = -1  # a padded row (a shorter sequence's extension)
+        kw.update(q_pos=q_pos, k_pos=torch.arange(N))
+        if extra.get("window"):
+            fast["k_pos_sorted"] = True
+    elif extra.get("causal") or extra.get("window"):
+        kw.update(q_pos=torch.arange(N - Q, N), k_pos=torch.arange(N))
+    for key in ("window", "softcap"):
+        if key in extra:
+            kw[key] = extra[key]
+    kw = {k_: t.to(device) if torch.is_tensor(t) else t for k_, t in kw.items()}
+    if extra.get("fp8"):
+        from ..engine.kvquant import KVQuant
+
+        quant = KVQuant(d, device)
+        k, ks = quant.quantize((k * 2.0).to(device))
+        v, vs = quant.quantize(v.to(device))
+        q = quant.rotate(q.to(device, dt))  # attention in the cache's basis, as the engine calls it
+        kw.update(k_scale=ks, v_scale=vs)
+        return q, k, v, kw, fast
+    return q.to(device, dt), k.to(device, dt), v.to(device, dt), kw, fast
 
 
 def _impls(device) -> list[str]:
-    """The partial-attention implementations this device runs (explicitly, not via "auto")."""
-    if device.type == "cuda":
-        from treeattn_kernels import triton_available
+    """The partial-attention implementations this device runs (explicitly, not via "auto"). On
+    a CPU with ``TREEATTN_KERNEL=triton`` (the GPU's path, interpreted) the Triton kernel too."""
+    from treeattn_kernels import triton_available
 
+    if device.type == "cuda":
         return (["triton"] if triton_available() else []) + ["aten"]
+    if os.environ.get("TREEATTN_KERNEL") == "triton" and triton_available():
+        return ["cpu", "triton"]
     return ["cpu"]
 
 
-def kernel_checks(device, full: bool = True) -> list[dict]:
+def _fp8_refusal(device) -> str | None:
+    """Why this device stores no fp8 KV cache (the runtime refuses it there), or None."""
+    from ..engine.kvquant import fp8_dtype
+
+    try:
+        fp8_dtype(device)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def kernel_checks(device, full: bool = True, kinds=None) -> list[dict]:
     """The partial attention of every implementation on ``device`` vs the reference, and on
-    CUDA the fused merge kernels and the offline compile for the local target."""
+    CUDA the fused merge kernels and the offline compile for the local target. ``kinds``: only
+    the partial-attention cases of these kinds, nothing else (tests)."""
     from treeattn_kernels import partial_attention, partial_attention_ref
+    from treeattn_kernels.partial_triton import MAX_ROWS
 
     device = torch.device(device)
     gen = torch.Generator().manual_seed(1234)
     out = []
+    no_fp8 = _fp8_refusal(device)
     for kind, B, G, H_kv, Q, N, d, dt, extra in _kernel_cases(full):
-        H = G * H_kv
-        q, k, v = (torch.randn(*s, generator=gen).to(device, dt) for s in
-                   ((B, H, Q, d), (B, H_kv, N, d), (B, H_kv, N, d)))
-        kw = {}
-        if extra.get("ragged"):
-            kw["kv_len"] = torch.tensor([N, N // 3, 0][:B], device=device)
-        if extra.get("causal") or extra.get("window"):
-            kw.update(q_pos=torch.arange(N - Q, N, device=device), k_pos=torch.arange(N, device=device))
-        for key in ("window", "softcap"):
-            if key in extra:
-                kw[key] = extra[key]
-        ref_o, ref_l = partial_attention_ref(q.float(), k.float(), v.float(), **kw)
+        if kinds is not None and kind not in kinds:
+            continue
         case = f"{kind} G={G} d={d} Q={Q} N={N} {_NAMES[dt]}" + (f" B={B}" if B > 1 else "")
+        if extra.get("fp8") and no_fp8:
+            out.append({**skipped("partial/fp8", no_fp8.split(":")[0]), "case": case})
+            continue
+        q, k, v, kw, fast = _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen)
+        ref_o, ref_l = partial_attention_ref(q.float(), k if extra.get("fp8") else k.float(),
+                                             v if extra.get("fp8") else v.float(), **kw)
         for impl in _impls(device):
-            if impl == "aten" and (dt == torch.float32 or kind.startswith("decode")):
-                continue  # CUDA's flash kernel serves 16-bit prefill blocks only
+            if (impl == "aten") != (Q * G > MAX_ROWS) and device.type == "cuda" or \
+                    impl == "triton" and Q * G > MAX_ROWS:
+                continue  # "auto" on CUDA: Triton up to MAX_ROWS query rows per KV head, ATen above
             t0 = time.perf_counter()
             try:
-                o, lse = partial_attention(q, k, v, impl=impl, **kw)
+                o, lse = partial_attention(q, k, v, impl=impl, **kw, **fast)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 err = max(rel_err(o, ref_o), rel_err(lse, ref_l))
@@ -120,6 +202,8 @@ def kernel_checks(device, full: bool = True) -> list[dict]:
             except Exception as e:  # a crash is a failed check, named
                 err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
             out.append(_record(f"partial/{impl}", case, err, TOL[dt], time.perf_counter() - t0, note))
+    if kinds is not None:
+        return out
     if device.type == "cuda":
         out += _fused_merge_checks(device, gen)
         if full:
@@ -246,11 +330,30 @@ def kernel_verdict(device) -> dict:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible.split(",")[idx] if visible else str(idx))
     p = subprocess.run([sys.executable, "-m", "treeattn_cli.main", "check", "--kernels-only", "--json",
                         "--quiet"], capture_output=True, text=True, timeout=900, env=env)
-    try:
-        return verdict_of(device, json.loads(p.stdout))
-    except ValueError:
+    records = records_in(p.stdout)
+    if records is None:
         why = (p.stderr.strip().splitlines() or ["no output"])[-1][:200]
         return {"ok": False, "failed": [f"the kernel self-check did not complete: {why}"]}
+    return verdict_of(device, records)
+
+
+def records_in(text: str) -> list[dict] | None:
+    """The last JSON list of check records in a child's stdout, whatever else a library printed
+    before or after it (a stray line must not turn a passed check into a failed one, nor hide
+    a failed one); None when there is none."""
+    dec, found, at = json.JSONDecoder(), None, 0
+    for line in text.splitlines(keepends=True):
+        start = at + len(line) - len(line.lstrip())
+        at += len(line)
+        if not line.lstrip().startswith("["):
+            continue
+        try:
+            val, _ = dec.raw_decode(text, start)
+        except ValueError:
+            continue
+        if isinstance(val, list) and val and all(isinstance(r, dict) and "path" in r and "verdict" in r for r in val):
+            found = val
+    return found
 
 
 def wait_for_verdict(device, timeout_s: float = 1800.0, poll_s: float = 0.5) -> dict:

@@ -1,7 +1,8 @@
 """The checks of ``treeattn check`` that need ranks: every merge scheme and ring decode over this
-run's ranks against the one-rank oracle (and bit-identical on every rank), and a tiny random
-model through ``generate``'s real path against transformers' greedy decode (CUDA graph on and off
-on GPUs)."""
+run's ranks against the one-rank oracle (and bit-identical on every rank), a tiny random model
+through ``generate``'s real path against transformers' greedy decode (CUDA graph on and off on
+GPUs), and the same model in bf16 with an fp8 cache through the fast kernels against the same
+run on the reference kernels."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import TOL, _NAMES, _record, rel_err
+from .kernels import TOL, _NAMES, _fp8_refusal, _record, rel_err
 
 
 def dist_rank(ctx, seed: int):
@@ -90,4 +91,48 @@ def generate_checks(nproc: int, backend: str, devices: list[str], workdir: Path)
                "note": note or ("" if same else f"token ids differ from transformers at "
                                              f"{next((i for i, (a, b) in enumerate(zip(toks, want)) if a != b), len(toks))}")}
         out.append(rec)
+    if not devices[0].startswith("cuda") or _fp8_refusal(torch.device(devices[0])) is None:
+        out.append(_fp8_generate_check(model, ids, nproc, backend, devices))
     return out
+
+
+NEAR_TIE = 0.05  # nats: two tokens this close are a tie that bf16 rounding may break either way
+
+
+def _fp8_generate_check(model, ids, nproc, backend, devices) -> dict:
+    """``generate --dtype bfloat16 --kv-dtype fp8`` through the fast kernels against the same run
+    on the reference kernels (the same rounding of the cache; only the kernels differ). The
+    token ids must agree; where they part, the reference's own logprobs must show a near tie
+    (within :data:`NEAR_TIE`) between the two choices, which bf16 may break either way."""
+    from ..engine.engine import rank_generate
+    from ..engine.job import GenerateJob
+    from ..parallel.launch import run_local
+
+    t0 = time.perf_counter()
+    runs = {}
+    try:
+        for reference in (False, True):
+            job = GenerateJob(str(model), ids, max_new_tokens=16, dtype="bfloat16", kv_dtype="fp8", logprobs=2,
+                              reference=reference, speculate="off")
+            runs[reference] = run_local(rank_generate, nproc, job, backend=backend, devices=devices,
+                                        timeout_s=120)[0]
+        note, ok = _fp8_agreement(runs[False], runs[True])
+    except Exception as e:
+        note, ok = f"{type(e).__name__}: {e}".splitlines()[0][:160], False
+    return {"path": "generate/fp8", "case": f"tiny llama bf16, fp8 KV, {nproc} ranks, fast vs reference kernels",
+            "max_err": None, "tol": None, "seconds": round(time.perf_counter() - t0, 3),
+            "verdict": "pass" if ok else "FAIL", "note": note}
+
+
+def _fp8_agreement(fast: dict, ref: dict) -> tuple[str, bool]:
+    """``(note, agreed)`` of two runs' answers (their ``logprobs`` carry the token ids)."""
+    if not str(fast.get("kv_dtype")).startswith("fp8") or not str(ref.get("kv_dtype")).startswith("fp8"):
+        return f"the runs stored {fast.get('kv_dtype')} and {ref.get('kv_dtype')}, not fp8", False
+    a, b = [t["id"] for t in fast["logprobs"]], [t["id"] for t in ref["logprobs"]]
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return ("" if len(a) == len(b) else "answers of different lengths"), len(a) == len(b)
+    top = dict((int(t), lp) for t, lp in ref["logprobs"][i]["top"])
+    gap = top[b[i]] - top[a[i]] if a[i] in top else float("inf")
+    return (f"token {i}: {a[i]} against the reference's {b[i]}, {gap:.3f} nats apart"
+            + (" (a near tie)" if gap <= NEAR_TIE else "")), gap <= NEAR_TIE
