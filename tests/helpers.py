@@ -255,12 +255,36 @@ class Background:
 OFFLINE_TARGETS = ("sm_80", "sm_90", "gfx942")
 
 
-def start_offline_compiles(root: Path) -> None:
-    """The three targets' offline compiles (``treeattn_kernels.offline_compile``), each in its own
-    single-threaded process with a cold Triton cache (the compiler really runs)."""
+def start_offline_install(root: Path) -> None:
+    """``make wheelhouse`` into ``root``, then a fresh venv with only torch and Triton installs
+    ``treeattn[test,serve]`` from it with ``--no-index`` and runs ``gpu_report --preflight``
+    (``treeattn_cli.bench.wheelhouse --check-install``): issue 34's done-when, ~75 s of a
+    2-core machine, needs the package index for the build only."""
     import os
     import sys
 
+    if "offline-install" in Background.jobs:
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    Background.start("offline-install", [sys.executable, "-m", "treeattn_cli.bench.wheelhouse", "--out",
+                                         str(root / "wheelhouse"), "--check-install"], env, root)
+
+
+# Work a test module's fixture waits for, started when the session is collected: fixture name ->
+# (the module whose tests use it, what starts it).
+EARLY = {"compiled": ("tests/test_offline_compile.py::", lambda root: start_offline_compiles(root / "offline")),
+         "offline_install": ("tests/test_packaging.py::", lambda root: start_offline_install(root / "install"))}
+
+
+def start_offline_compiles(root: Path) -> None:
+    """The three targets' offline compiles (``treeattn_kernels.offline_compile``), each in its own
+    single-threaded process with a cold Triton cache (the compiler really runs)."""
+    import importlib.util
+    import os
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        return  # the module skips itself
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     for t in OFFLINE_TARGETS:

@@ -32,7 +32,7 @@ TARGETS = OFFLINE_TARGETS
 def compiled(tmp_path_factory):
     """The three targets compile concurrently (each process is single-threaded), started when the
     session was collected (``conftest.pytest_collection_finish``), or now when it was not."""
-    start_offline_compiles(tmp_path_factory.mktemp("offline"))  # those not started already
+    start_offline_compiles(tmp_path_factory.mktemp("offline"))  # those not started already (triton: see above)
     out = {}
     for t in TARGETS:
         stdout, stderr = Background.result(f"compile-{t}", timeout=900)

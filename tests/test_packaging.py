@@ -1,7 +1,9 @@
-"""Packaging: kernels/ installs as treeattn_kernels, never as a top-level `kernels` (DESIGN.md §5)."""
+"""Packaging: kernels/ installs as treeattn_kernels, never as a top-level `kernels` (DESIGN.md §5);
+the wheel folder installs treeattn with no index (issue 34)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -9,6 +11,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from helpers import Background, start_offline_install
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,3 +62,27 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
     assert "treeattn_cli/profiles/dgx-h100.yaml" in names and "treeattn_cli/data/demo_document.txt" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "treeattn = treeattn_cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+@pytest.fixture(scope="module")
+def offline_install(tmp_path_factory):
+    """``wheelhouse --check-install``'s record, started at collection (``helpers.EARLY``)."""
+    start_offline_install(tmp_path_factory.mktemp("install"))  # when it was not started already
+    out, err = Background.result("offline-install", timeout=900)
+    lines = out.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), f"the wheelhouse check printed no record; stderr:\n{err[-3000:]}"
+    return json.loads(lines[-1]), out
+
+
+def test_the_wheel_folder_installs_with_no_index_and_passes_preflight(offline_install):
+    """From this checkout: the wheel folder, a fresh venv holding only the machine's torch and
+    Triton, ``pip install --no-index --find-links wheelhouse 'treeattn[test,serve]'`` with the
+    machine's pip configuration out of play, and ``gpu_report --preflight`` passing there."""
+    rec, out = offline_install
+    assert rec.get("install_rc") == 0, rec.get("install_error")
+    assert [m.split()[0] for m in rec["machine_own"]] == ["torch", "triton"]
+    assert rec["wheels"] > 40 and rec["installed"] > rec["wheels"]  # everything else came from the folder
+    assert rec["preflight_rc"] == 0, rec["preflight"]
+    assert "preflight: every step can run" in rec["preflight"]
+    assert "transformers       ok" in rec["preflight"] and "treeattn_kernels   ok" in rec["preflight"]
+    assert "wheelhouse: " in out and "left out: torch" in out  # the build said what it left to the machine
