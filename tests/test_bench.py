@@ -6,6 +6,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from treeattn_cli.topology import layout as L
 from treeattn_cli.bench.decode import expected_bytes
@@ -142,6 +143,26 @@ def test_gpu_decode_bench_skips_contexts_that_do_not_fit():
     free_after_weights = int(79.1 * GiB) - int(14.96 * GiB)
     assert not fits(cache_bytes(cfg, 524288 + 29), free_after_weights)
     assert fits(cache_bytes(cfg, 131072 + 29), free_after_weights)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpu_decode_floor_counts_the_bytes_a_step_reads(tied):
+    """The decode floor reads one row of an untied input embedding table, not all of it (at
+    Llama-3.1-8B's shape 1 GiB of the 16 counted before); a tied table is read whole, once, as
+    the output projection."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treeattn_cli.bench.gpu_decode import cache_bytes, floor_ms, step_weight_bytes
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    table = 1000 * 64 * 2
+    every = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert step_weight_bytes(m) == (every if tied else every - table + 64 * 2)
+    kv = 2 * 2 * 2 * 16 * 100 * 2  # K and V, layers, KV heads, head dim, tokens, bf16
+    assert cache_bytes(cfg, 100) == kv
+    assert floor_ms(m, 100, 1e9) == pytest.approx((step_weight_bytes(m) + kv) / 1e9 * 1e3)
 
 
 def test_batched_decode_over_a_shared_document():
