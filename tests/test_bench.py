@@ -165,6 +165,23 @@ def test_gpu_decode_floor_counts_the_bytes_a_step_reads(tied):
     assert floor_ms(m, 100, 1e9) == pytest.approx((step_weight_bytes(m) + kv) / 1e9 * 1e3)
 
 
+def test_model_bench_on_a_random_model_prints_records_as_measured(capsys):
+    """bench.model's GPU options on the CPU: a random-weight model of a named shape (a GPU machine
+    holds no weights), a row per cache storage, JSON lines printed as measured; fp32 on the CPU
+    is exactly transformers' greedy answer."""
+    from treeattn_cli.bench import model as bm
+
+    bm.main(["--device", "cpu", "--random", "tiny", "--prompt-tokens", "48", "--nproc", "1", "--new-tokens", "3",
+             "--kv-dtypes", "auto,fp8", "--json"])
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [(r["method"], r.get("kv_dtype")) for r in recs] == [
+        ("treeattn nproc=1", "float32"), ("treeattn nproc=1", "fp8_e4m3fn"), ("transformers sdpa", None)]
+    assert recs[0]["same_tokens_as_transformers"] is True
+    assert all(r["device"] == "cpu" and r["dtype"] == "float32" and r["decode_ms_per_token"] > 0 for r in recs)
+    with pytest.raises(SystemExit):
+        bm.main(["--device", "tpu"])
+
+
 def test_batched_decode_over_a_shared_document():
     """--shared --batch 1,8: B query rows against one document shard per rank. The merge moves
     B times the bytes of one query; the ring still moves the document once per step, whatever

@@ -29,7 +29,7 @@ def test_without_a_gpu_every_gpu_step_is_skipped(tmp_path):
     assert steps["devices"]["status"] == "pass"
     gpu_steps = [s for n, s in steps.items() if n != "devices"]
     assert {s["name"] for s in gpu_steps} == {"check", "pytest-gpu", "kernel", "kernel-tune", "decode", "prefill",
-                                               "check-ranks"}
+                                              "batch", "model", "speculate", "serve", "check-ranks"}
     assert all(s["status"] == "skipped" and s["reason"] == "no GPU" for s in gpu_steps), gpu_steps
     md = (env_out / "report.md").read_text()
     assert "GPUs: **none**" in md and "no GPU found" in md
@@ -136,6 +136,21 @@ def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
         raise Stop
 
     monkeypatch.setattr(kb, "copy_bandwidth", stop)
+    import treeattn_cli.bench.model as bmod
+    import treeattn_cli.bench.random_model as rm
+    import treeattn_cli.bench.serve as bserve
+    import treeattn_cli.bench.speculate as bspec
+
+    monkeypatch.setattr(rm, "device_and_dtype", lambda d, t: ("cuda", "bfloat16") if d == "cuda" else (d, t))
+    for mod in (bmod, bspec, bserve):
+        monkeypatch.setattr(mod, "random_model", lambda shape: calls.append(("random", shape)) or tmp_path, raising=False)
+        if hasattr(mod, "device_and_dtype"):
+            monkeypatch.setattr(mod, "device_and_dtype", rm.device_and_dtype)
+    monkeypatch.setattr(bmod, "model_bench", lambda *a, **k: calls.append(("model", a, k)) or [])
+    monkeypatch.setattr(bspec, "speculate_bench", lambda *a, **k: calls.append(("speculate", a, k)) or [])
+    monkeypatch.setattr(bserve, "run", lambda *a, **k: calls.append(("serve", a, k)) or [])
+    scripts = {"treeattn_cli.bench.model": bmod.main, "treeattn_cli.bench.speculate": bspec.main,
+               "treeattn_cli.bench.serve": bserve.main}
     for st in gr.default_steps(4, tmp_path):
         argv = [str(x) for x in st.argv]
         if argv[1:3] == ["-m", "treeattn_cli.main"]:
@@ -143,17 +158,36 @@ def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
             assert res.exit_code == 0, (st.name, res.output)
         elif argv[2] == "treeattn_cli.bench.kernel":
             kb.main(argv[3:])
+        elif argv[2] in scripts:
+            scripts[argv[2]](argv[3:])
         elif argv[2] == "treeattn_cli.bench.gpu_decode":
             with pytest.raises(Stop):  # its options parsed; then it measures the GPU's bandwidth
                 gpu_decode.main(argv[3:])
         else:
             assert argv[2] == "pytest" and "-m" in argv[3:] and "gpu" in argv and "-x" not in argv, argv
     kinds = [c[0] for c in calls]
-    assert kinds.count("check") == 2 and kinds.count("bench") == 1 and "tune" in kinds and "kernel" in kinds
+    assert kinds.count("check") == 2 and kinds.count("bench") == 2 and "tune" in kinds and "kernel" in kinds
     checks = [c[1] for c in calls if c[0] == "check"]
     assert [c["nproc"] for c in checks] == [1, 4]
-    bench = next(c[1] for c in calls if c[0] == "bench")
-    assert bench.prefill
+    benches = [c[1] for c in calls if c[0] == "bench"]
+    assert [b.prefill for b in benches] == [True, False] and benches[1].shared and benches[1].batch == "1,8,64"
+    model = next(c for c in calls if c[0] == "model")
+    assert model[1][4:7] == ("cuda", "bfloat16", ["auto", "fp8"])  # on the GPU in bf16, both caches
+    spec = next(c for c in calls if c[0] == "speculate")
+    assert spec[1][4:6] == ("cuda", "bfloat16")
+    assert [c[1] for c in calls if c[0] == "random"] == [gr.RANDOM_SHAPE] * 3 and any(c[0] == "serve" for c in calls), kinds
+
+
+def test_the_calls_cover_every_step_once_and_each_fits_the_budget(tmp_path):
+    """Three calls of under 10 minutes cover the report: every step in exactly one call, each
+    call's limits (a machine with 1 GPU and with 8) within the default budget."""
+    for n in (1, 8):
+        steps = {s.name: s for s in gr.default_steps(n, tmp_path)}
+        groups = [c.split(",") for c in gr.CALLS]
+        assert sorted(x for g in groups for x in g) == sorted(steps)
+        for g in groups:
+            caps = sum(steps[x].cap_s for x in g if n >= steps[x].min_gpus)
+            assert caps <= gr.DEFAULT_BUDGET_S, (n, g, caps)
 
 
 def test_pytest_counts_of_a_run_stopped_early(tmp_path):

@@ -3,10 +3,11 @@
     python -m treeattn_cli.bench.gpu_report --out DIR [--budget-s 540] [--only a,b]
     python -m treeattn_cli.bench.gpu_report --preflight
 
-The steps' limits add up to more than one 10-minute call: run them in two or three calls into
-the same ``--out`` (``--steps check,check-ranks,pytest-gpu``, then ``--steps kernel,decode,prefill``,
-then ``--steps kernel-tune``); each call merges into the report already there. Measuring steps
-print each record as it is measured, so a step stopped at its limit keeps what it printed.
+The steps' limits add up to more than one 10-minute call: run them in three calls into the same
+``--out`` (:data:`CALLS`: ``--steps check,check-ranks,pytest-gpu``, then ``--steps
+kernel,decode,prefill,batch``, then ``--steps kernel-tune,model,speculate,serve``; each call's
+limits fit the budget); each call merges into the report already there. Measuring steps print
+each record as it is measured, so a step stopped at its limit keeps what it printed.
 
 ``--preflight`` runs nothing: it says whether every step could run here (the imports each step
 needs, the GPU tools, the GPUs seen), a table of steps "ready" or "needs X", and exits 0 when
@@ -29,8 +30,16 @@ recorded and the next step runs:
 - ``decode``: Llama-3.1-8B-shaped decode ms/token (random weights, CUDA graph) against the
   memory floor and transformers' eager step, and the time to first token (``gpu_decode.py``);
 - ``prefill``: ``treeattn bench --prefill`` over every GPU;
+- ``batch``: ``chat --batch``'s step, B = 1, 8, 64 questions over one 32K-token document
+  (``treeattn bench --shared``);
 - ``kernel-tune``: the launch-parameter sweep (``--tune``): the best configuration per length
-  and the runtime's own, with registers, spills, shared memory, tiles in flight, CTAs per SM.
+  and the runtime's own, with registers, spills, shared memory, tiles in flight, CTAs per SM;
+- ``model``: ``generate`` end to end in bf16 with a bf16 and an fp8 cache against transformers
+  on the same GPU (``bench/model.py``), ``speculate``: ``--speculate off/auto/ngram:10`` against
+  transformers' prompt lookup (``bench/speculate.py``), ``serve``: first-token times of a
+  document's first and later questions through ``treeattn serve`` (``bench/serve.py``); these
+  three on a random-weight model of SmolLM2-135M's shape (``random_model.py``: the machine holds
+  no weights), so their answers are a random model's, their times and equalities real.
 
 A step whose imports are missing is skipped ("needs X"), not failed.
 Writes ``DIR/report.json``, ``DIR/report.md`` and every step's output under ``DIR/logs/``.
@@ -102,6 +111,8 @@ ENGINE = ("torch", "triton", "treeattn_kernels", "typer", "rich", "yaml", "safet
 KERNEL = ("torch", "triton", "treeattn_kernels")
 TESTS = ENGINE + ("pytest", "hypothesis")
 OPTIONAL = ("fastapi", "uvicorn", "openai", "httpx", "gguf")  # the serve tests skip without them
+SERVE = ("fastapi", "uvicorn", "httpx")  # the serve step's server and client
+RANDOM_SHAPE = "smollm2-135m"  # the model-level steps' random-weight model (random_model.py)
 
 
 # ------------------------------------------------------------------ output parsers
@@ -217,6 +228,40 @@ def parse_prefill(text: str, out_dir: Path) -> dict:
                       for r in _records(text) if "step_ms_median" in r]}
 
 
+def parse_batch(text: str, out_dir: Path) -> dict:
+    """``bench --shared --batch``: step time per batch size, and against batch 1."""
+    rows = {r["batch"]: r["step_ms_median"] for r in _records(text) if "step_ms_median" in r and "batch" in r}
+    one = rows.get(1)
+    return {"by_batch": {b: {"step_ms": round(ms, 3), "vs_batch_1": round(ms / one, 2) if one else None}
+                         for b, ms in sorted(rows.items())}}
+
+
+def parse_model(text: str, out_dir: Path) -> dict:
+    """``bench.model``: decode ms/token and prefill s per method and cache storage, same tokens."""
+    return {"rows": [{k: r.get(k) for k in ("prompt_tokens", "method", "kv_dtype", "prefill_s", "decode_ms_per_token",
+                                            "same_tokens_as_transformers", "device", "dtype")}
+                     for r in _records(text) if "decode_ms_per_token" in r]}
+
+
+def parse_speculate(text: str, out_dir: Path) -> dict:
+    """``bench.speculate``: per request and method, ms/token, x off, drafts kept, same tokens."""
+    rows = []
+    for r in _records(text):
+        if "speedup_vs_off" not in r:
+            continue
+        sp = r.get("speculation") or {}
+        rows.append({"request": r["request"], "method": r["method"], "ms": r["decode_ms_per_token"],
+                     "x_off": r["speedup_vs_off"], "accepted": sp.get("accepted"), "drafted": sp.get("drafted"),
+                     "same_tokens_as_off": r.get("same_tokens_as_off")})
+    return {"rows": rows}
+
+
+def parse_serve(text: str, out_dir: Path) -> dict:
+    """``bench.serve``: first-token and whole-answer seconds per request, cached tokens."""
+    return {"requests": [{k: r.get(k) for k in ("request", "prompt_tokens", "cached_tokens", "ttft_s", "total_s")}
+                         for r in _records(text) if "ttft_s" in r]}
+
+
 # ------------------------------------------------------------------ the steps
 
 def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
@@ -246,11 +291,34 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
         Step("prefill", "causal prefill attention per sharding over every GPU (treeattn bench --prefill)",
              [*_CLI, "bench", "--prefill", "--seq-len", "16384,65536", "--json"], cap_s=90, parse=parse_prefill,
              needs=ENGINE),
+        Step("batch", "chat --batch's step: B questions over one 32K-token document on one GPU, B = 1, 8, 64 "
+                      "(bench --shared)",
+             [*_CLI, "bench", "--shared", "--batch", "1,8,64", "--seq-len", "32768", "--nproc", "1", "--methods",
+              "tree", "--json"], cap_s=90, parse=parse_batch, needs=ENGINE),
         Step("kernel-tune", "launch-parameter sweep of the split kernel (block, warps, stages, splits)",
              [_PY, "-m", "treeattn_cli.bench.kernel", "--tune", "--seq-len", "32768,131072", "--iters", "10",
               "--warmup", "3", "--json"], cap_s=150, parse=parse_tune, needs=KERNEL),
+        Step("model", "generate end to end in bf16, bf16 and fp8 KV, against transformers on the same GPU "
+                      f"(random weights, {RANDOM_SHAPE}'s shape)",
+             [_PY, "-m", "treeattn_cli.bench.model", "--device", "cuda", "--dtype", "bfloat16", "--random",
+              RANDOM_SHAPE, "--prompt-tokens", "8192,32768", "--nproc", "1", "--new-tokens", "64", "--kv-dtypes",
+              "auto,fp8", "--json"], cap_s=120, parse=parse_model, needs=ENGINE),
+        Step("speculate", "--speculate off / auto / ngram:10 against transformers' prompt lookup, bf16 on the GPU "
+                          "(random weights)",
+             [_PY, "-m", "treeattn_cli.bench.speculate", "--device", "cuda", "--dtype", "bfloat16", "--random",
+              RANDOM_SHAPE, "--doc-tokens", "4000", "--new-tokens", "128", "--json"], cap_s=150,
+             parse=parse_speculate, needs=ENGINE),
+        Step("serve", "treeattn serve: first token of a document's first and later questions (random weights)",
+             [_PY, "-m", "treeattn_cli.bench.serve", "--random", RANDOM_SHAPE, "--nproc", str(max(1, min(2, n_gpus))),
+              "--doc-tokens", "8000", "--questions", "3", "--new-tokens", "32", "--json"], cap_s=120,
+             parse=parse_serve, needs=ENGINE + SERVE),
     ]
     return steps
+
+
+# The calls that cover every step within one 10-minute call each (caps: 350, 450 and 540 s; on a
+# machine with 2+ GPUs check-ranks adds 150 s to the first): ``--steps`` of each, in order.
+CALLS = ("check,check-ranks,pytest-gpu", "kernel,decode,prefill,batch", "kernel-tune,model,speculate,serve")
 
 
 # Oldest versions the steps work with (pyproject's floors; Triton's: the kernels use
@@ -572,6 +640,20 @@ def _key_numbers(step: dict) -> str:
         if s.get("ttft"):
             parts.append(f"TTFT {s['ttft']['ttft_prompt']} tokens: {_fmt(s['ttft']['prefill_s'])} s")
         return "; ".join(parts)
+    if name == "batch":
+        return "; ".join(f"B={b}: {r['step_ms']} ms ({r['vs_batch_1']}x B=1)" for b, r in s.get("by_batch", {}).items())
+    if name == "model":
+        return "; ".join(f"{r['prompt_tokens']} {r['method']} {r.get('kv_dtype') or ''}: "
+                         f"{_fmt(r['decode_ms_per_token'])} ms/token"
+                         + ("" if r.get("same_tokens_as_transformers") is None else
+                            f", same tokens {r['same_tokens_as_transformers']}") for r in s.get("rows", []))
+    if name == "speculate":
+        return "; ".join(f"{r['request']} {r['method']}: {_fmt(r['ms'])} ms ({_fmt(r['x_off'])}x)"
+                         + (f", {r['accepted']}/{r['drafted']} kept" if r.get("drafted") else "")
+                         for r in s.get("rows", []))
+    if name == "serve":
+        return "; ".join(f"#{r['request']}: first token {_fmt(r['ttft_s'])} s ({r.get('cached_tokens')} cached)"
+                         for r in s.get("requests", []))
     if name == "prefill":
         return "; ".join(f"{c['method']} x{c['nproc']} {c['seq_len']}: {_fmt(c['step_ms_median'])} ms"
                          for c in s.get("cases", []))

@@ -8,7 +8,9 @@ Starts ``treeattn serve`` on a free loopback port (the embedded model and the de
 default, cut at a paragraph), waits for ``/health``, then sends the questions one after another as chat requests
 ``document + "\\n\\n" + question``, streaming: per request, seconds from sending to the first
 content chunk and to the end, and the cached tokens the usage reports. Needs ``treeattn[serve]``
-(FastAPI, uvicorn, httpx).
+(FastAPI, uvicorn, httpx). ``--random SHAPE``: a random-weight model of that shape
+(``random_model.py``), for a GPU machine that holds no weights. The server picks the device as
+``serve`` does (the GPUs when there are any). ``--json``: one record per line, as measured.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .random_model import SHAPES, random_model
 
 QUESTIONS = ["Who chose the site of the observatory?", "What happened to the first telescope?",
              "Name two people who worked there.", "When was the observatory founded?",
@@ -60,7 +64,8 @@ def ask(url: str, model: str, text: str, new_tokens: int) -> dict:
             "text": "".join(pieces)}
 
 
-def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, new_tokens: int = 16) -> list[dict]:
+def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, new_tokens: int = 16,
+        on_record=None) -> list[dict]:
     import httpx
 
     from ..engine.model import load_tokenizer, resolve
@@ -94,6 +99,8 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, 
             q = QUESTIONS[i % len(QUESTIONS)]
             r = ask(url, name, f"{doc}\n\n{q}", new_tokens)
             out.append({"request": i + 1, "question": q, **r, "nproc": nproc, "model": str(model or "embedded")})
+            if on_record is not None:
+                on_record(out[-1])
         return out
     finally:
         proc.terminate()
@@ -110,11 +117,13 @@ def main(argv=None) -> int:
     ap.add_argument("--doc-tokens", type=int, default=1500)
     ap.add_argument("--questions", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--random", default=None, choices=sorted(SHAPES), help="a random-weight model of this shape")
+    ap.add_argument("--json", action="store_true", help="one JSON record per line, as measured")
     a = ap.parse_args(argv)
-    recs = run(a.model, a.nproc, a.doc_tokens, a.questions, a.new_tokens)
+    model = str(random_model(a.random)) if a.random else a.model
+    recs = run(model, a.nproc, a.doc_tokens, a.questions, a.new_tokens,
+               on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
     if a.json:
-        print(json.dumps(recs, indent=1))
         return 0
     print("| request | prompt tokens | cached | first token s | whole answer s |")
     print("| ---: | ---: | ---: | ---: | ---: |")

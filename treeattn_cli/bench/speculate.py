@@ -5,21 +5,22 @@ document and questions, in one run; decode time only (prefill excluded), same to
 Run: ``python -m treeattn_cli.bench.speculate [--model M] [--doc-tokens 2000] [--new-tokens 128]``.
 Three requests about the shipped demo document (an original text, Apache-2.0): a copy-heavy one
 (repeat its first paragraph), one asked not to quote it, and one in its own words whose drafts
-are mostly rejected. Defaults: the embedded
-model, one rank (``--nproc``), fp32 on the CPU.
+are mostly rejected. Defaults: the embedded model, one rank (``--nproc``); ``--device auto``:
+the GPU in bf16 when there is one (transformers on the same GPU), else the CPU in fp32;
+``--random SHAPE``: a random-weight model of that shape (``random_model.py``), for a GPU machine
+that holds no weights; ``--json``: one record per line, as measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 
 import torch
 
 from ..engine import model as M
 from .model import _Clock, time_treeattn
+from .random_model import SHAPES, device_and_dtype, random_model
 from .spec import demo_document_cut
 
 SPECS = ("off", "auto", "ngram:10")
@@ -39,15 +40,16 @@ def _prompt(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
 
-def time_transformers_lookup(model_dir, ids, new_tokens, lookup: int):
+def time_transformers_lookup(model_dir, ids, new_tokens, lookup: int, device="cpu", dtype="float32"):
     """transformers' greedy ``generate`` (SDPA) with ``prompt_lookup_num_tokens=lookup`` (0: off):
     decode ms per token after the first, and the token ids."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    x = torch.tensor([ids])
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                             attn_implementation="sdpa").to(device).eval()
+    x = torch.tensor([ids], device=device)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    clock = _Clock()
+    clock = _Clock(device)
     with torch.inference_mode():
         out = m.generate(x, attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0,
                          max_new_tokens=new_tokens, streamer=clock, **kw)
@@ -56,7 +58,11 @@ def time_transformers_lookup(model_dir, ids, new_tokens, lookup: int):
     return {"decode_ms_per_token": 1e3 * (last - first) / max(1, len(toks) - 1), "token_ids": toks}
 
 
-def speculate_bench(model=None, doc_tokens=2000, new_tokens=128, nproc=1) -> list[dict]:
+def speculate_bench(model=None, doc_tokens=2000, new_tokens=128, nproc=1, device="cpu", dtype="float32",
+                    on_record=None) -> list[dict]:
+    """Records per request and method; ``on_record(rec)`` as each request's are complete."""
+    from .model import machine
+
     model_dir = M.resolve(model)
     tok = M.load_tokenizer(model_dir)
     doc = demo_document_cut(tok, doc_tokens)
@@ -65,23 +71,24 @@ def speculate_bench(model=None, doc_tokens=2000, new_tokens=128, nproc=1) -> lis
         ids = _prompt(tok, f"{doc}\n\n{question}")
         runs = {}
         for spec in SPECS:
-            r = time_treeattn(model_dir, ids, new_tokens, nproc, speculate=spec)
+            r = time_treeattn(model_dir, ids, new_tokens, nproc, dtype=dtype, speculate=spec, device=device)
             runs[f"treeattn {spec}"] = r
         for lookup in (0, 10):
-            runs[f"transformers lookup={lookup}"] = time_transformers_lookup(model_dir, ids, new_tokens, lookup)
+            runs[f"transformers lookup={lookup}"] = time_transformers_lookup(model_dir, ids, new_tokens, lookup,
+                                                                             device, dtype)
         base = runs["treeattn off"]
         for method, r in runs.items():
-            records.append({
+            rec = {
                 "request": name, "method": method, "prompt_tokens": len(ids), "new_tokens": len(r["token_ids"]),
                 "decode_ms_per_token": r["decode_ms_per_token"],
                 "speedup_vs_off": base["decode_ms_per_token"] / r["decode_ms_per_token"],
                 "speculation": r.get("speculation"),
                 "same_tokens_as_off": r["token_ids"] == base["token_ids"],
-            })
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"{torch.get_num_threads()} threads in this process, {nproc} rank(s)")
-    for r in records:
-        r["machine"] = machine
+                "machine": machine(device, nproc), "device": device, "dtype": dtype,
+            }
+            records.append(rec)
+            if on_record is not None:
+                on_record(rec)
     return records
 
 
@@ -91,11 +98,19 @@ def main(argv=None):
     p.add_argument("--doc-tokens", type=int, default=2000)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--random", default=None, choices=sorted(SHAPES), help="a random-weight model of this shape")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", action="store_true", help="one JSON record per line, as measured")
     a = p.parse_args(argv)
-    recs = speculate_bench(a.model, a.doc_tokens, a.new_tokens, a.nproc)
+    try:
+        device, dtype = device_and_dtype(a.device, a.dtype)
+    except ValueError as e:
+        p.error(str(e))
+    model = str(random_model(a.random)) if a.random else a.model
+    recs = speculate_bench(model, a.doc_tokens, a.new_tokens, a.nproc, device, dtype,
+                           on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
     if a.json:
-        print(json.dumps(recs, indent=1))
         return
     from rich.console import Console
     from rich.table import Table
