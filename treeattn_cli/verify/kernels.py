@@ -119,7 +119,7 @@ def _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen):
         kw.update(k_pos=k_pos, q_pos=last[:, None] + torch.arange(Q))
         fast["k_pos_sorted"] = True
     elif extra.get("cascade"):  # R = 3 sequences x T = 4 rows over one document of N keys
-        R, T = 3, Q // 3
+        T = Q // 3
         start = torch.tensor([N, N + 9, N + 2])  # each sequence's first position after the document
         q_pos = (start[:, None] + torch.arange(T)).reshape(-1)
         q_pos[-1] = -1  # a padded row (a shorter sequence's extension)
