@@ -13,9 +13,11 @@ import os
 
 import torch
 
+from .paged_ref import gather_pages, partial_attention_paged_ref
 from .partial_ref import add_sink, dequantize, partial_attention_ref
 
-__all__ = ["partial_attention", "partial_attention_ref", "add_sink", "dequantize", "triton_available",
+__all__ = ["partial_attention", "partial_attention_ref", "partial_attention_paged_ref", "gather_pages",
+           "add_sink", "dequantize", "triton_available",
            "triton_problem", "use_reference", "reference_only", "TRITON_FLOOR"]
 
 _REFERENCE = {"on": False}

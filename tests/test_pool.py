@@ -1,0 +1,235 @@
+"""The paged KV pool (issue 35, first part): blocks, reference counts, chained keys, eviction by
+block, block tables (append, fork with copy on write, truncate), and partial attention read
+through block tables against the same keys held densely."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers import assert_close
+from treeattn_cli.engine.pool import BlockPool, BlockTable, PoolFull, chain_key, tables_tensor
+from treeattn_kernels import partial_attention_paged_ref, partial_attention_ref
+
+
+def _pool(blocks=8, page=4, layers=1, H_kv=2, d=8, quant=None):
+    return BlockPool(layers, H_kv, d, page=page, num_blocks=blocks, quant=quant)
+
+
+def _states(pool):
+    """Every block is exactly one of used (held), cached (kept, with a key) or free."""
+    used = {b for b in range(pool.num_blocks) if pool.refs[b] > 0}
+    cached, free = set(pool._cached), set(pool._free)
+    assert not (used & cached) and not (used & free) and not (cached & free)
+    assert used | cached | free == set(range(pool.num_blocks))
+    assert all(pool.key_of(b) is not None for b in cached)
+    return used, cached, free
+
+
+def test_random_operations_keep_every_block_in_one_state(seed):
+    """Allocations, releases, shares, keys and matches in a random order, against a plain model
+    of who holds what: no block is handed out twice, a full pool refuses and changes nothing,
+    a cached block comes back by its key until it is evicted, least recently released first."""
+    rnd = random.Random(seed)
+    pool = _pool(blocks=12)
+    held: list[int] = []  # one entry per reference a "table" holds
+    keys: dict[bytes, int] = {}
+    for step in range(400):
+        op = rnd.choice(["alloc", "alloc", "release", "share", "publish", "match"])
+        if op == "alloc":
+            n = rnd.randint(0, 5)
+            before = (pool.free, pool.cached, list(pool.refs))
+            if n > pool.available():
+                with pytest.raises(PoolFull, match=f"{n} blocks of 4 tokens needed"):
+                    pool.allocate(n)
+                assert (pool.free, pool.cached, list(pool.refs)) == before
+                continue
+            evict = max(0, n - pool.free)
+            oldest = list(pool._cached)[:evict]
+            got = pool.allocate(n)
+            assert len(set(got)) == n and not set(got) & set(held)
+            assert set(oldest) <= set(got)  # evicted least recently released first
+            for b in oldest:
+                keys = {k: v for k, v in keys.items() if v != b}
+            held += got
+        elif op == "release" and held:
+            b = held.pop(rnd.randrange(len(held)))
+            pool.release([b])
+        elif op == "share" and held:
+            b = rnd.choice(held)
+            pool.acquire(b)
+            held.append(b)
+        elif op == "publish" and held:
+            b = rnd.choice(held)
+            k = chain_key(None, [step], [step])
+            if pool.publish(b, k):
+                keys[k] = b
+        elif op == "match" and keys:
+            k, b = rnd.choice(list(keys.items()))
+            assert pool.match([k]) == [b]
+            held.append(b)
+        used, cached, free = _states(pool)
+        assert used == set(held) and all(pool.refs[b] == held.count(b) for b in used)
+    with pytest.raises(ValueError, match="released more often"):
+        pool.release([next(iter(free))] if free else [0, 0] * (pool.refs[0] + 1))
+
+
+def test_a_key_names_one_block_and_depends_on_the_whole_prefix():
+    a1 = chain_key(None, [1, 2], [0, 1], salt="model-a")
+    assert chain_key(None, [1, 2], [0, 1], salt="model-a") == a1
+    assert chain_key(None, [1, 2], [0, 1], salt="model-b") != a1  # another model, another cache
+    assert chain_key(None, [1, 2], [5, 6], salt="model-a") != a1  # the same tokens elsewhere
+    assert chain_key(a1, [3, 4], [2, 3]) != chain_key(chain_key(None, [9, 2], [0, 1], "model-a"), [3, 4], [2, 3])
+    pool = _pool()
+    b, c = pool.allocate(2)
+    assert pool.publish(b, a1) and not pool.publish(c, a1) and not pool.publish(b, b"other")
+    pool.release([b, c])
+    assert (pool.cached, pool.free) == (1, 7)  # the keyed block is kept, the other is free
+    assert pool.match([a1, b"missing", a1]) == [b]  # the longest prefix found
+
+
+def test_sized_from_bytes_and_fp8_blocks_are_smaller():
+    from treeattn_cli.engine.kvquant import KVQuant
+
+    per = BlockPool.bytes_per_block(2, 2, 64, 16, torch.bfloat16)
+    assert per == 2 * 2 * 2 * 16 * 64 * 2 + 8 * 16
+    pool = BlockPool.sized(10 * per + 5, 2, 2, 64, page=16, dtype=torch.bfloat16)
+    assert pool.num_blocks == 10 and pool.nbytes() == 10 * per
+    q = KVQuant(64, "cpu")
+    fp8 = BlockPool.sized(10 * per, 2, 2, 64, page=16, dtype=torch.bfloat16, quant=q)
+    assert fp8.num_blocks == 10 * per // BlockPool.bytes_per_block(2, 2, 64, 16, q.dtype, q.groups) == 18  # 0.53x the bytes
+    assert fp8.ks and fp8.k[0].dtype == q.dtype
+    with pytest.raises(ValueError, match="holds no block"):
+        BlockPool.sized(per - 1, 2, 2, 64, page=16, dtype=torch.bfloat16)
+
+
+def _fill(pool, table, tokens, layer_values):
+    """Append ``tokens`` (global positions) to ``table`` with each token's K/V drawn now, every
+    layer; returns them ``[n, H_kv, d]`` per layer for the dense oracle."""
+    slots = table.slots(len(tokens))
+    pool.place(slots, torch.tensor(tokens))
+    out = []
+    for layer in range(pool.num_layers):
+        k = torch.randn(len(tokens), pool.kv_heads, pool.head_dim)
+        v = torch.randn(len(tokens), pool.kv_heads, pool.head_dim)
+        pool.write(layer, slots, k, v)
+        out.append((k, v))
+    layer_values.append(out)
+    return out
+
+
+def _dense(parts, layer=0):
+    """[H_kv, n, d] K and V of a table from the parts appended to it, in order."""
+    k = torch.cat([p[layer][0] for p in parts]).transpose(0, 1)
+    v = torch.cat([p[layer][1] for p in parts]).transpose(0, 1)
+    return k, v
+
+
+def test_tables_append_fork_with_copy_on_write_and_truncate():
+    """A document, two questions forked from it (the shared partial block is copied on the first
+    write), drafts cut back (blocks released, nothing copied): each table reads back exactly its
+    own tokens, and the pool's counts follow."""
+    from treeattn_kernels import gather_pages
+
+    pool = _pool(blocks=16, page=4, layers=2)
+    doc = BlockTable(pool)
+    parts_doc: list = []
+    _fill(pool, doc, list(range(10)), parts_doc)  # 3 blocks, the last one half full
+    assert (len(doc.blocks), pool.used) == (3, 3)
+    a, b = doc.fork(), doc.fork()
+    assert pool.refs[doc.blocks[0]] == 3 and pool.used == 3
+    pa, pb = list(parts_doc), list(parts_doc)
+    _fill(pool, a, [10, 11, 12], pa)  # copies the partial block, then one more block
+    _fill(pool, b, [10], pb)
+    assert a.blocks[:2] == doc.blocks[:2] and a.blocks[2] != doc.blocks[2] and b.blocks[2] not in (a.blocks[2], doc.blocks[2])
+    _fill(pool, b, [11, 12, 13, 14, 15, 16], pb)  # drafts
+    used = pool.used
+    b.truncate(12)  # rejected drafts: lengths and tables only
+    assert len(b.blocks) == 3 and pool.used == used - 2  # 17 tokens held 5 blocks, 12 hold 3
+    pb_kept = [[(torch.cat([p[i][0] for p in pb])[:12], torch.cat([p[i][1] for p in pb])[:12]) for i in range(2)]]
+    for table, parts in ((doc, parts_doc), (a, pa), (b, pb_kept)):
+        bt, kv_len = tables_tensor([table])
+        for layer in range(2):
+            k = gather_pages(pool.k[layer], bt)[0, :, : table.length]
+            v = gather_pages(pool.v[layer], bt)[0, :, : table.length]
+            wk, wv = _dense(parts, layer)
+            assert torch.equal(k, wk) and torch.equal(v, wv)
+        pos = gather_pages(pool.pos, bt)[0, : table.length]
+        assert pos.tolist() == list(range(table.length))
+    for t in (a, b, doc):
+        t.free()
+    assert (pool.used, pool.free) == (0, 16)
+
+
+def test_a_table_that_does_not_fit_changes_nothing():
+    pool = _pool(blocks=3, page=4)
+    t = BlockTable(pool)
+    t.slots(9)  # 3 blocks
+    with pytest.raises(PoolFull):
+        t.slots(4)
+    assert (t.length, len(t.blocks), pool.free) == (9, 3, 0)
+    other = t.fork()
+    with pytest.raises(PoolFull):  # its copy on write needs a block too
+        other.slots(1)
+    assert other.blocks == t.blocks and other.length == 9
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_reference_equals_the_dense_reference(seed, fp8, window):
+    """Rows of different sequences in one call: ragged tables (one empty), two rows sharing a
+    document's blocks, fp8 blocks with their scales, a sliding window over the pool's positions,
+    and sinks; each row equals the dense reference over the same keys."""
+    from treeattn_cli.engine.kvquant import KVQuant
+    from treeattn_kernels import gather_pages
+
+    d, H_kv, G, page = 16, 2, 3, 4
+    quant = KVQuant(d, "cpu") if fp8 else None
+    pool = _pool(blocks=24, page=page, H_kv=H_kv, d=d, quant=quant)
+    doc = BlockTable(pool)
+    _fill(pool, doc, list(range(11)), [])
+    q1, q2 = doc.fork(), doc.fork()
+    _fill(pool, q1, [11, 12], [])
+    _fill(pool, q2, [11, 12, 13, 14, 15], [])
+    other = BlockTable(pool)  # another document
+    _fill(pool, other, [100 + i for i in range(7)], [])
+    empty = BlockTable(pool)
+    tables = [q1, q2, other, empty]
+    bt, kv_len = tables_tensor(tables)
+    B, Q = len(tables), 2
+    q = torch.randn(B, H_kv * G, Q, d)
+    q_pos = torch.tensor([[t.length - 2 + i for i in range(Q)] for t in tables]) + torch.tensor([[0], [0], [100], [0]])
+    sink = torch.randn(H_kv * G)
+    kw = dict(window=window, softcap=20.0, sink=sink, q_pos=q_pos)
+    scales = dict(k_scale=pool.ks[0], v_scale=pool.vs[0]) if fp8 else {}
+    o, lse = partial_attention_paged_ref(q, pool.k[0], pool.v[0], bt, kv_len, pos_pool=pool.pos, **kw, **scales)
+    for b, t in enumerate(tables):
+        one = bt[b: b + 1, : max(1, len(t.blocks))]
+        k, v = gather_pages(pool.k[0], one), gather_pages(pool.v[0], one)
+        dense = dict(k_scale=gather_pages(pool.ks[0], one), v_scale=gather_pages(pool.vs[0], one)) if fp8 else {}
+        wo, wl = partial_attention_ref(q[b: b + 1], k[:, :, : t.length], v[:, :, : t.length],
+                                       k_pos=gather_pages(pool.pos, one)[:, : t.length], window=window, softcap=20.0,
+                                       sink=sink, q_pos=q_pos[b: b + 1],
+                                       **{n: x[:, :, : t.length] for n, x in dense.items()})
+        assert_close(o[b: b + 1], wo, torch.float32, f"row {b}")
+        assert torch.allclose(lse[b: b + 1], wl, atol=1e-5)  # the empty shard's row: the sink alone
+    with pytest.raises(ValueError, match="exceeds"):
+        partial_attention_paged_ref(q, pool.k[0], pool.v[0], bt[:, :1], kv_len)
+
+
+def test_eviction_takes_the_least_recently_released_cached_blocks():
+    pool = _pool(blocks=6)
+    blocks = pool.allocate(4)
+    keys = [chain_key(None, [i], [i]) for i in range(4)]
+    for b, k in zip(blocks, keys):
+        assert pool.publish(b, k)
+    for i in (3, 1, 2, 0):  # released in this order: 3 is the least recently used
+        pool.release([blocks[i]])
+    assert (pool.free, pool.cached) == (2, 4)
+    got = pool.allocate(4)  # the 2 free blocks, then 2 evictions
+    assert set(got) >= {blocks[3], blocks[1]} and blocks[2] not in got and blocks[0] not in got
+    assert pool.match([keys[3]]) == [] and pool.match([keys[1]]) == []  # evicted: their keys are gone
+    assert pool.match([keys[2]]) == [blocks[2]] and pool.match([keys[0]]) == [blocks[0]]
+    assert pool.cached == 0 and pool.used == 6

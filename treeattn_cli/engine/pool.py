@@ -1,0 +1,273 @@
+"""One rank's KV memory as a pool of fixed-size blocks, and the block tables of the sequences
+that live in it (DESIGN.md §12; issue 35, first part: the pool and its tables, read by the
+torch reference through block tables; the engine still runs on ``cache.ShardedKVCache``).
+
+A block holds ``page`` tokens of every layer: ``k[layer][block] [H_kv, page, d]`` (the storage
+dtype; fp8 with ``ks``/``vs`` scales per row, per block), and each token's global position in
+``pos[block] [page]`` (-1: empty). A sequence's shard on this rank is a :class:`BlockTable`: an
+ordered list of blocks and a length; its first ``length`` slots in table order are its tokens.
+
+Host bookkeeping, per block: a reference count (tables that hold it), and for a full block
+whose contents are final, a key chained from the start of its sequence (:func:`chain_key`), so
+a later request with the same prefix finds it (:meth:`BlockPool.match`). A block no table holds
+is free, or, when it has a key, cached: it keeps its contents and is evicted least recently
+released first when an allocation needs room. Nothing is copied when a table shrinks (rollback,
+rejected drafts): blocks past the new length are released. Nothing reserves memory per
+sequence: the pool is sized once (:meth:`BlockPool.sized`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import torch
+
+
+class PoolFull(RuntimeError):
+    """An allocation the pool cannot serve even after evicting every cached block."""
+
+    def __init__(self, needed: int, free: int, cached: int, total: int, page: int):
+        super().__init__(f"the KV pool is full: {needed} blocks of {page} tokens needed, {free} free and "
+                         f"{cached} cached of {total}")
+        self.needed, self.free, self.cached, self.total = needed, free, cached, total
+
+
+def chain_key(parent: bytes | None, ids, positions, salt: str = "") -> bytes:
+    """The key of a full block: its tokens and their global positions, chained to the key of the
+    block before it in its sequence (``parent``; None for a sequence's first block on this rank)
+    and ``salt`` (the model's identity, the rank's place in its mesh): equal keys mean equal
+    contents for the same model and placement."""
+    h = hashlib.sha256(parent or salt.encode())
+    h.update(torch.as_tensor(list(ids), dtype=torch.int64).numpy().tobytes())
+    h.update(torch.as_tensor(list(positions), dtype=torch.int64).numpy().tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``page`` tokens for every layer of one rank (see the module)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, page: int, num_blocks: int,
+                 dtype=torch.float32, device="cpu", quant=None):
+        if page < 1 or num_blocks < 1:
+            raise ValueError(f"a pool needs page >= 1 and blocks >= 1, got page={page}, blocks={num_blocks}")
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.page, self.num_blocks = page, num_blocks
+        self.device = torch.device(device)
+        self.quant = quant  # kvquant.KVQuant: fp8 rows in a rotated basis, bf16 scales per row
+        self.dtype = quant.dtype if quant is not None else dtype
+        shape = (num_blocks, kv_heads, page, head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        self.ks: list[torch.Tensor] = []
+        self.vs: list[torch.Tensor] = []
+        if quant is not None:
+            sshape = (num_blocks, kv_heads, page, quant.groups)
+            self.ks = [torch.ones(sshape, dtype=torch.bfloat16, device=self.device) for _ in range(num_layers)]
+            self.vs = [torch.ones(sshape, dtype=torch.bfloat16, device=self.device) for _ in range(num_layers)]
+        self.pos = torch.full((num_blocks, page), -1, dtype=torch.int64, device=self.device)
+        # host bookkeeping
+        self.refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # released blocks with a key, oldest first
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+
+    # -- sizing -------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_block(num_layers: int, kv_heads: int, head_dim: int, page: int, dtype, quant_groups: int = 0) -> int:
+        """Bytes one block takes: K and V rows of every layer, their fp8 scales, the positions."""
+        row = head_dim * torch.empty(0, dtype=dtype).element_size() + 2 * quant_groups
+        return 2 * num_layers * kv_heads * page * row + 8 * page
+
+    @classmethod
+    def sized(cls, kv_bytes: int, num_layers: int, kv_heads: int, head_dim: int, *, page: int,
+              dtype=torch.float32, device="cpu", quant=None) -> "BlockPool":
+        """A pool of as many blocks as ``kv_bytes`` holds (``--kv-memory``)."""
+        per = cls.bytes_per_block(num_layers, kv_heads, head_dim, page, quant.dtype if quant else dtype,
+                                  quant.groups if quant else 0)
+        n = int(kv_bytes) // per
+        if n < 1:
+            raise ValueError(f"--kv-memory {int(kv_bytes)} bytes holds no block of {page} tokens ({per} bytes each)")
+        return cls(num_layers, kv_heads, head_dim, page=page, num_blocks=n, dtype=dtype, device=device, quant=quant)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.ks + self.vs) + \
+            self.pos.numel() * self.pos.element_size()
+
+    # -- blocks -------------------------------------------------------------------------
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - self.free - self.cached
+
+    def available(self) -> int:
+        """Blocks an allocation can get now: free ones, and cached ones it would evict."""
+        return self.free + self.cached
+
+    def stats(self) -> dict:
+        return {"blocks": self.num_blocks, "page": self.page, "used": self.used, "cached": self.cached,
+                "free": self.free}
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks for a table (reference count 1, positions cleared), free ones first, then
+        the least recently released cached ones (their keys forgotten). All or nothing: raises
+        :class:`PoolFull` and changes nothing when there are not enough."""
+        if n > self.available():
+            raise PoolFull(n, self.free, self.cached, self.num_blocks, self.page)
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                del self._block_of[self._key_of.pop(b)]
+            self.refs[b] = 1
+            out.append(b)
+        if out:
+            self.pos[torch.tensor(out, device=self.device)] = -1
+        return out
+
+    def acquire(self, block: int) -> None:
+        """One more table holds ``block`` (a cached block comes back into use)."""
+        if self.refs[block] == 0:
+            if block not in self._cached:
+                raise ValueError(f"block {block} is free: nothing to share")
+            del self._cached[block]
+        self.refs[block] += 1
+
+    def release(self, blocks) -> None:
+        """Tables no longer hold ``blocks``: one reference less each; a block nobody holds is
+        cached when it has a key (its contents kept, most recently released last), else free."""
+        for b in blocks:
+            if self.refs[b] < 1:
+                raise ValueError(f"block {b} released more often than it was held")
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if b in self._key_of:
+                    self._cached[b] = None
+                else:
+                    self._free.append(b)
+
+    def publish(self, block: int, key: bytes) -> bool:
+        """Give a full block whose contents are final its chained key, so later requests with the
+        same prefix find it. False (and nothing changes) when another block has the key already or
+        this one has a key: the first stays the one found."""
+        if key in self._block_of or block in self._key_of:
+            return False
+        self._key_of[block], self._block_of[key] = key, block
+        return True
+
+    def match(self, keys) -> list[int]:
+        """The blocks of the longest prefix of ``keys`` (a sequence's chained keys, in order) the
+        pool holds, each acquired for the caller's table."""
+        out = []
+        for key in keys:
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            self.acquire(b)
+            out.append(b)
+        return out
+
+    def key_of(self, block: int) -> bytes | None:
+        return self._key_of.get(block)
+
+    # -- contents -----------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values ``k, v [n, H_kv, d]`` of ``n`` tokens into flat ``slots [n]``
+        (``block * page + offset``): cast to the storage dtype, or rounded to fp8 with scales."""
+        b, o = slots // self.page, slots % self.page
+        if self.quant is None:
+            self.k[layer][b, :, o] = k.to(self.dtype)
+            self.v[layer][b, :, o] = v.to(self.dtype)
+            return
+        k8, ks = self.quant.quantize(k)
+        v8, vs = self.quant.quantize(v)
+        self.k[layer][b, :, o], self.ks[layer][b, :, o] = k8, ks
+        self.v[layer][b, :, o], self.vs[layer][b, :, o] = v8, vs
+
+    def place(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record the global positions of the tokens at ``slots`` (every layer shares them)."""
+        self.pos[slots // self.page, slots % self.page] = positions.to(self.pos.device)
+
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        """The first ``n`` tokens of block ``src`` into block ``dst`` (a table's private copy of a
+        shared partial block, before it writes there)."""
+        for store in (self.k, self.v, self.ks, self.vs):
+            for t in store:
+                t[dst, :, :n] = t[src, :, :n]
+        self.pos[dst, :n] = self.pos[src, :n]
+
+
+class BlockTable:
+    """One sequence's shard on this rank: blocks of ``pool`` in order, and how many tokens."""
+
+    def __init__(self, pool: BlockPool, blocks=(), length: int = 0):
+        self.pool, self.blocks, self.length = pool, list(blocks), length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def slots(self, n: int) -> torch.Tensor:
+        """Flat slots for ``n`` more tokens (allocating blocks as needed, all or nothing), and the
+        length grows by ``n``. A shared last block is copied first (copy on write)."""
+        page = self.pool.page
+        need = -(-(self.length + n) // page) - len(self.blocks)
+        tail = self.length % page
+        cow = bool(n and tail and self.pool.refs[self.blocks[-1]] > 1)
+        new = self.pool.allocate(max(0, need) + cow)
+        if cow:  # the partial last block is another table's too: write into a private copy
+            own = new.pop()
+            self.pool.copy_block(self.blocks[-1], own, tail)
+            self.pool.release([self.blocks[-1]])
+            self.blocks[-1] = own
+        self.blocks += new
+        idx = torch.arange(self.length, self.length + n)
+        table = torch.tensor(self.blocks, dtype=torch.int64)
+        self.length += n
+        return table[idx // page] * page + idx % page
+
+    def truncate(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens; the blocks past them are released (nothing copied)."""
+        if not 0 <= keep <= self.length:
+            raise ValueError(f"cannot keep {keep} of {self.length} tokens")
+        n = -(-keep // self.pool.page)
+        self.pool.release(self.blocks[n:])
+        del self.blocks[n:]
+        self.length = keep
+
+    def fork(self) -> "BlockTable":
+        """Another table over the same tokens (a question after a document): every block shared;
+        the first write to a shared partial block copies it (:meth:`slots`)."""
+        for b in self.blocks:
+            self.pool.acquire(b)
+        return BlockTable(self.pool, self.blocks, self.length)
+
+    def free(self) -> None:
+        self.truncate(0)
+
+    def full_blocks(self) -> list[int]:
+        return self.blocks[: self.length // self.pool.page]
+
+    def tensor(self, width: int | None = None, device=None) -> torch.Tensor:
+        """The block ids as ``[width]`` int32 (padded with 0: past ``length`` nothing is read)."""
+        width = len(self.blocks) if width is None else width
+        out = torch.zeros(width, dtype=torch.int32)
+        out[: len(self.blocks)] = torch.tensor(self.blocks, dtype=torch.int32)
+        return out.to(device or self.pool.device)
+
+
+def tables_tensor(tables: list[BlockTable], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block_tables [B, max blocks] int32, kv_len [B] int64)`` of a batch of tables."""
+    width = max([len(t.blocks) for t in tables] + [1])
+    dev = device or (tables[0].pool.device if tables else "cpu")
+    bt = torch.stack([t.tensor(width, dev) for t in tables]) if tables else torch.zeros(0, 1, dtype=torch.int32)
+    return bt, torch.tensor([t.length for t in tables], dtype=torch.int64, device=dev)
