@@ -186,6 +186,34 @@ def prefill_calls():
                        dict(q=q, k=k, v=v, **kw))
 
 
+PAGE = 64  # the paged launches' block of keys: a multiple of every target's tile (32 or 64 keys)
+
+
+def paged_calls(target: Target):
+    """The split kernel reading through block tables (issue 35): a decode step of 8 rows of
+    different sequences over pools of 64-key blocks, 128K keys a table, per head dim and group
+    size, plain and windowed with soft-capping; an fp8 pool where the target stores fp8."""
+    B, nb = 8, 131072 // PAGE
+    for d, G in itertools.product(HEAD_DIMS, (1, 4, 8)):
+        H_kv = 8 // G
+        for window, softcap in ((None, None), (1024, 30.0)):
+            kw = dict(q=_meta(B, H_kv * G, 1, d, dtype=torch.bfloat16), k_pool=_meta(4096, H_kv, PAGE, d,
+                      dtype=torch.bfloat16), v_pool=_meta(4096, H_kv, PAGE, d, dtype=torch.bfloat16),
+                      block_tables=_meta(B, nb, dtype=torch.int32), kv_len=_meta(B, dtype=torch.int64),
+                      window=window, softcap=softcap)
+            if window is not None:
+                kw.update(q_pos=_meta(B, 1, dtype=torch.int64), pos_pool=_meta(4096, PAGE, dtype=torch.int64))
+            yield f"paged d={d} G={G} bf16 page={PAGE} window={window} softcap={softcap}", kw
+    f8 = FP8_KV.get(target.name)
+    if f8 is not None:
+        G = scale_groups(128)
+        yield (f"paged-fp8 d=128 G=4 bf16 {NAMES[f8]} page={PAGE}",
+               dict(q=_meta(B, 8, 1, 128, dtype=torch.bfloat16), k_pool=_meta(4096, 2, PAGE, 128, dtype=f8),
+                    v_pool=_meta(4096, 2, PAGE, 128, dtype=f8), block_tables=_meta(B, nb, dtype=torch.int32),
+                    kv_len=_meta(B, dtype=torch.int64), k_scale=_meta(4096, 2, PAGE, G, dtype=torch.bfloat16),
+                    v_scale=_meta(4096, 2, PAGE, G, dtype=torch.bfloat16)))
+
+
 def merge_calls():
     """The fused pack/finish of the allreduce merge, per head dim and output dtype."""
     for d, dt in itertools.product(HEAD_DIMS, DTYPES):
@@ -391,7 +419,7 @@ def compile_all(target: Target, calls=None) -> dict:
     "configs": n, "seconds": s}``. Each kernel record carries its resources and the first
     configuration that needed it."""
     from .merge_triton import unweigh_fused, weigh_fused
-    from .partial_triton import partial_attention_triton
+    from .partial_triton import partial_attention_triton, partial_attention_triton_paged
 
     t0 = time.perf_counter()
     kernels, errors, seen, n = [], [], {}, 0
@@ -421,6 +449,8 @@ def compile_all(target: Target, calls=None) -> dict:
                                          prefill_calls() if calls is None else (),
                                          fp8_calls(target) if calls is None else ()):
             record(label, lambda kw=kw: partial_attention_triton(**kw))
+        for label, kw in paged_calls(target) if calls is None else ():
+            record(label, lambda kw=kw: partial_attention_triton_paged(**kw))
         if calls is None:
             for label, d, dt in merge_calls():
                 def merge(d=d, dt=dt):

@@ -50,7 +50,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # never specialised: one compiled kernel serves every N, so eager decode does not recompile as
 # the cache grows. Strides stay specialised (a unit stride gives vectorised loads).
 _RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "window", "has_len", "sorted_pos",
-                 "sqpb", "sqpq", "skpb", "skpn"]  # position strides: 0 or 1 either way
+                 "sqpb", "sqpq", "skpb", "skpn", "stb"]  # position strides: 0 or 1 either way
 SEARCH_FANOUT = 256  # positions one round of the window search reads: 3 rounds reach 16M keys
 
 
@@ -116,6 +116,27 @@ def _live_keys(KPOS, kp_base, skpn, offs, n_ok, nn, q_lo, q_hi, window, HAS_POS:
 
 
 @triton.jit
+def _page(TABLE, tb, n0, N, PAGE: tl.constexpr):
+    """``(block id, offset in it)`` of key ``n0`` of a paged shard: row ``tb`` of the block
+    table, ``PAGE`` keys a block (a multiple of BLOCK_N: a tile never straddles two blocks). An
+    ``n0`` past the shard (a prefetch beyond the last tile, masked) reads the last entry."""
+    idx = tl.minimum(n0 // PAGE, N // PAGE - 1)
+    return tl.load(TABLE + tb + idx).to(tl.int64), n0 % PAGE
+
+
+@triton.jit
+def _scale_tile(S, TABLE, tb, t, N, b, hk, gg, g_ok, nn, stop, ssb, ssh, ssn, ssg, PAGE: tl.constexpr):
+    """The ``(BLOCK_G, BLOCK_N)`` scales of the key tile starting at ``t`` (0 past ``stop``)."""
+    o = t + nn
+    if PAGE > 0:
+        blk, off = _page(TABLE, tb, t, N, PAGE)
+        ptr = S + blk * ssb + hk * ssh + gg[:, None] * ssg + (off + nn).to(tl.int64)[None, :] * ssn
+    else:
+        ptr = S + b * ssb + hk * ssh + gg[:, None] * ssg + o.to(tl.int64)[None, :] * ssn
+    return tl.load(ptr, mask=g_ok & (o < stop)[None, :], other=0.0)
+
+
+@triton.jit
 def _scores(s, qk_scale, softcap):
     """Raw ``q.k`` to base-2 scores (``qk_scale = scale * log2(e)``); soft-capping in natural
     units: ``softcap * tanh(scale * q.k / softcap)``, ``tanh(x) = 1 - 2 / (e^{2x} + 1)``."""
@@ -147,9 +168,10 @@ def _online_softmax(s, m_i, l_i, row_ok, n_ok, qpos, kpos, window, HAS_POS: tl.c
 
 
 # Position and length arrays are sliced at any offset (query slices): no alignment variants.
-@triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN"])
+@triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN", "TABLE"])
 def _split_kernel(
-    Q, K, V, QPOS, KPOS, KVLEN, OP, LP, KS, VS,
+    Q, K, V, QPOS, KPOS, KVLEN, OP, LP, KS, VS, TABLE,
+    stb,
     sqb, sqh, sqq, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
@@ -159,8 +181,11 @@ def _split_kernel(
     N, H_KV, G, NQ, NSPLIT, qk_scale, window, softcap, has_len, sorted_pos,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr, UPCAST: tl.constexpr, FANOUT: tl.constexpr,
-    SCALE_G: tl.constexpr, BLOCK_G: tl.constexpr,
+    SCALE_G: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
 ):
+    # PAGE > 0: a paged shard (issue 35): K, V, KPOS, KS and VS are pools of blocks of PAGE keys
+    # ([blocks, H_kv, PAGE, d], [blocks, PAGE], ...: their first stride is the block's), and
+    # row b's keys are the blocks TABLE[b, :] names, in order; N = the table's width x PAGE.
     # window (0: none), softcap (0: none), has_len and sorted_pos are runtime values tested
     # once per program or block: one compiled kernel per tile shape serves every model, and
     # none of them costs a recompile.
@@ -237,30 +262,35 @@ def _split_kernel(
                       mask=e_ok[:, None] & d_ok[None, :] & ((dd // DG)[None, :] == e_grp[:, None]),
                       other=0.0).to(cdt)  # (E, BLOCK_D): group e_grp's channels of row e_row
         gg = tl.arange(0, BLOCK_G)
-        ks_base = KS + b * sksb + hk * sksh + gg[:, None] * sksg  # (BLOCK_G, 1)
-        vs_base = VS + b * svsb + hk * svsh + gg[:, None] * svsg
         g_ok = (gg < SCALE_G)[:, None]
+        tb = b * stb
         # The scale tiles (BLOCK_G x BLOCK_N, a few bytes a key) are too narrow for the
         # pipeliner's asynchronous copies: each is loaded one block ahead by hand and carried
         # in registers (two ahead would stop the pipelining of the K/V tiles).
-        o1 = start + nn
-        ks1 = tl.load(ks_base + o1.to(tl.int64)[None, :] * sksn, mask=g_ok & (o1 < stop)[None, :], other=0.0)
-        vs1 = tl.load(vs_base + o1.to(tl.int64)[None, :] * svsn, mask=g_ok & (o1 < stop)[None, :], other=0.0)
+        ks1 = _scale_tile(KS, TABLE, tb, start, N, b, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg, PAGE)
+        vs1 = _scale_tile(VS, TABLE, tb, start, N, b, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg, PAGE)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc_e = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         for n0 in range(start, stop, BLOCK_N):
             offs = n0 + nn
-            n_ok, kpos = _live_keys(KPOS, b * skpb, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
-            nb = tl.cast(n0, tl.int64)
+            if PAGE > 0:  # this tile's block: its keys, positions and scales live there
+                blk, off = _page(TABLE, tb, n0, N, PAGE)
+                kp_b = blk * skpb + (off - n0) * skpn  # + offs * skpn: the tile's positions in the block
+                k_t = K + blk * skb + hk * skh + tl.cast(off, tl.int64) * skn
+                v_t = V + blk * svb + hk * svh + tl.cast(off, tl.int64) * svn
+            else:
+                kp_b = b * skpb
+                k_t = k_base + tl.cast(n0, tl.int64) * skn
+                v_t = v_base + tl.cast(n0, tl.int64) * svn
+            n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
             kst = ks1
             vst = tl.where(n_ok[None, :], vs1, 0.0)
-            o2 = offs + BLOCK_N
-            ks1 = tl.load(ks_base + o2.to(tl.int64)[None, :] * sksn, mask=g_ok & (o2 < stop)[None, :], other=0.0)
-            vs1 = tl.load(vs_base + o2.to(tl.int64)[None, :] * svsn, mask=g_ok & (o2 < stop)[None, :], other=0.0)
-            kt = tl.load(k_base + nb * skn + nn[None, :] * skn + dd[:, None] * skd,
+            ks1 = _scale_tile(KS, TABLE, tb, n0 + BLOCK_N, N, b, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg, PAGE)
+            vs1 = _scale_tile(VS, TABLE, tb, n0 + BLOCK_N, N, b, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg, PAGE)
+            kt = tl.load(k_t + nn[None, :] * skn + dd[:, None] * skd,
                          mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_D, BLOCK_N) fp8: K^T
-            v = tl.load(v_base + nb * svn + nn[:, None] * svn + dd[None, :] * svd,
+            v = tl.load(v_t + nn[:, None] * svn + dd[None, :] * svd,
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D) fp8
             if UPCAST:
                 s_e = tl.dot(q_e, kt.to(cdt), input_precision="ieee")  # (E, BLOCK_N) per-group q.k8
@@ -285,13 +315,19 @@ def _split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(start, stop, BLOCK_N):
             offs = n0 + nn
-            n_ok, kpos = _live_keys(KPOS, b * skpb, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
-            nb = tl.cast(n0, tl.int64)
+            if PAGE > 0:  # this tile's block: its keys and positions live there
+                blk, off = _page(TABLE, b * stb, n0, N, PAGE)
+                kp_b = blk * skpb + (off - n0) * skpn  # + offs * skpn: the tile's positions in the block
+                k_t = K + blk * skb + hk * skh + tl.cast(off, tl.int64) * skn
+                v_t = V + blk * svb + hk * svh + tl.cast(off, tl.int64) * svn
+            else:
+                kp_b = b * skpb
+                k_t = k_base + tl.cast(n0, tl.int64) * skn
+                v_t = v_base + tl.cast(n0, tl.int64) * svn
+            n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + nb * skn + nn[:, None] * skn + dd[None, :] * skd,
-                        mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            v = tl.load(v_base + nb * svn + nn[:, None] * svn + dd[None, :] * svd,
-                        mask=kv_mask, other=0.0)
+            k = tl.load(k_t + nn[:, None] * skn + dd[None, :] * skd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_t + nn[:, None] * svn + dd[None, :] * svd, mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -520,7 +556,6 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
             k, v, groups = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype), 0
             k_scale = v_scale = None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    G = H // H_kv
     dev = q.device
     o = torch.empty(B, H, Q, d, dtype=q.dtype, device=dev) if out is None else out
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=dev) if lse_out is None else lse_out
@@ -537,16 +572,35 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
             lse.copy_(sink.to(device=dev, dtype=torch.float32).view(1, H, 1).expand(B, H, Q))
         return o, lse
     tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return _attend(q, k, v, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len,
+                   window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
+                   k_pos_sorted=k_pos_sorted, tuning=tuning)
+
+
+def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, window, softcap, sink, k_scale,
+            v_scale, k_pos_sorted, tuning, table=None, page=0):
+    """The launches of a validated call (``table``, ``page``: a paged shard), query rows in
+    slices the tile can hold."""
+    B, H, Q, d = q.shape
+    G = H // H_kv
+    dev = q.device
     step = max(1, max_rows(d, q.dtype, triton.next_power_of_2(groups) if groups else 0) // G)
     if Q > step:  # long query blocks (prefill): slices of rows the tile can hold
-        kw = dict(scale=scale, k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, sink=sink,
-                  k_scale=k_scale, v_scale=v_scale, k_pos_sorted=k_pos_sorted, **tuning)
         for a in range(0, Q, step):
             b = min(Q, a + step)
-            partial_attention_triton(q[:, :, a:b], k, v, q_pos=None if q_pos is None else q_pos[..., a:b],
-                                     out=o[:, :, a:b], lse_out=lse[:, :, a:b], **kw)
+            _attend(q[:, :, a:b], k, v, o[:, :, a:b], lse[:, :, a:b], N, H_kv, groups, scale=scale,
+                    q_pos=None if q_pos is None else q_pos[..., a:b], k_pos=k_pos, kv_len=kv_len, window=window,
+                    softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale, k_pos_sorted=k_pos_sorted,
+                    tuning=tuning, table=table, page=page)
         return o, lse
 
+    if page:  # a tile never straddles two blocks
+        bn = tuning.get("block_n") or plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype,
+                                                 scale_groups=groups).block_n
+        if page % min(bn, page):
+            raise ValueError(f"a page of {page} keys is no multiple of the kernel's {bn}-key tile")
+        tuning = {**tuning, "block_n": min(bn, page)}
+        k_pos_sorted = False  # the window search reads positions in key order: not through a table (yet)
     plan = plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups,
                       **tuning)
     op = torch.empty(B, H, Q, plan.splits, d, dtype=torch.float32, device=dev)
@@ -570,7 +624,8 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
 
     LAST_LAUNCH["split"] = launch(
         _split_kernel, (B * H_kv, plan.splits),
-        q, k, v, qp, kp, kvl, op, lp, ks, vs,
+        q, k, v, qp, kp, kvl, op, lp, ks, vs, table if table is not None else kvl,
+        table.stride(0) if table is not None else 0,
         *q.stride(), *k.stride(), *v.stride(),
         sqpb, sqpq, skpb, skpn, *s_strides,
         N, H_kv, G, Q, plan.splits, scale * LOG2E,
@@ -578,13 +633,74 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
         float(softcap) if softcap is not None else 0.0, int(kv_len is not None), int(bool(k_pos_sorted)),
         HEAD_D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         HAS_POS=has_pos, UPCAST=plan.upcast, FANOUT=SEARCH_FANOUT, SCALE_G=groups, BLOCK_G=max(1, plan.block_g),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        PAGE=page, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     sk = sink.to(device=dev, dtype=torch.float32).contiguous() if sink is not None else lp  # placeholder: unused
     launch(_reduce_kernel, (B * H * Q,),
            op, lp, o, lse, sk, *o.stride(), *lse.stride(), H, Q, plan.splits, HEAD_D=d,
            BLOCK_S=REDUCE_BLOCK_S, BLOCK_D=plan.block_d, HAS_SINK=sink is not None, num_warps=4)
     return o, lse
+
+
+def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None,
+                                   pos_pool=None, window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
+                                   out=None, lse_out=None, num_splits=None, block_n=None, num_warps=None,
+                                   num_stages=None):
+    """Triton version of :func:`paged_ref.partial_attention_paged_ref` (same arguments and
+    outputs; tuning as :func:`partial_attention_triton`): the split kernel reads each row's keys
+    through its block table, one block id per tile (the page a multiple of the tile), so rows of
+    different sequences and documents share one launch, and rows whose tables name the same
+    blocks read the same storage. ``k_pool, v_pool [blocks, H_kv, page, d]``, ``block_tables
+    [B, nb]`` int32/int64, ``kv_len [B]`` (required), ``pos_pool [blocks, page]``, ``k_scale,
+    v_scale [blocks, H_kv, page, S]``. The sorted-position window search is not used here yet:
+    a window layer walks the table's tiles, skipping those no query sees."""
+    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"k_pool and v_pool must be [blocks, H_kv, page, d]; got {tuple(k_pool.shape)}, "
+                         f"{tuple(v_pool.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or kv_len is None or kv_len.shape != (q.shape[0],):
+        raise ValueError(f"block_tables [B, blocks] and kv_len [B] are needed with B = {q.shape[0]}")
+    if (q_pos is None) != (pos_pool is None):
+        raise ValueError("causal masking needs both q_pos and pos_pool")
+    if window is not None and q_pos is None:
+        raise ValueError("a sliding window needs q_pos and pos_pool")
+    _, H_kv, page, d = k_pool.shape
+    B, H, Q = q.shape[:3]
+    if q.shape[3] != d or H % H_kv:
+        raise ValueError(f"q {tuple(q.shape)} and the pool {tuple(k_pool.shape)} disagree on head dim or heads")
+    if page & (page - 1) or page < 16:
+        raise ValueError(f"the page must be a power of two of at least 16 keys, got {page}")
+    N = block_tables.shape[1] * page
+    groups = 0
+    if k_scale is not None or v_scale is not None:
+        groups = _check_scales(k_pool, v_pool, k_scale, v_scale)
+        if not _tileable(d, groups) or (q.dtype == torch.float32 and target_of(q.device).backend != "interpreter"):
+            from .paged_ref import gather_pages  # groups the kernel cannot tile: the rows dequantized
+
+            k = dequantize(gather_pages(k_pool, block_tables), gather_pages(k_scale, block_tables), q.dtype)
+            v = dequantize(gather_pages(v_pool, block_tables), gather_pages(v_scale, block_tables), q.dtype)
+            return partial_attention_triton(q, k, v, scale=scale, q_pos=q_pos, kv_len=kv_len, window=window,
+                                            softcap=softcap, sink=sink, out=out, lse_out=lse_out,
+                                            k_pos=None if pos_pool is None else gather_pages(pos_pool, block_tables))
+    dev = q.device
+    o = torch.empty(B, H, Q, d, dtype=q.dtype, device=dev) if out is None else out
+    lse = torch.empty(B, H, Q, dtype=torch.float32, device=dev) if lse_out is None else lse_out
+    if o.shape != (B, H, Q, d) or lse.shape != (B, H, Q) or lse.dtype != torch.float32:
+        raise ValueError(f"out must be [{B}, {H}, {Q}, {d}] and lse_out [{B}, {H}, {Q}] fp32")
+    if sink is not None and sink.numel() != H:
+        raise ValueError(f"sink has {sink.numel()} logits for {H} query heads")
+    if B * H * Q == 0:
+        return o, lse
+    if N == 0:
+        o.zero_()
+        lse.fill_(-math.inf)
+        if sink is not None:
+            lse.copy_(sink.to(device=dev, dtype=torch.float32).view(1, H, 1).expand(B, H, Q))
+        return o, lse
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return _attend(q, k_pool, v_pool, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=pos_pool,
+                   kv_len=kv_len, window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
+                   k_pos_sorted=False, tuning=tuning, table=block_tables.to(device=dev).contiguous(), page=page)
 
 
 def _check_scales(k, v, k_scale, v_scale) -> int:

@@ -233,3 +233,44 @@ def test_eviction_takes_the_least_recently_released_cached_blocks():
     assert pool.match([keys[3]]) == [] and pool.match([keys[1]]) == []  # evicted: their keys are gone
     assert pool.match([keys[2]]) == [blocks[2]] and pool.match([keys[0]]) == [blocks[0]]
     assert pool.cached == 0 and pool.used == 6
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_the_triton_kernel_reads_through_block_tables(seed, dtype, fp8, window):
+    """The split kernel with a block table per row (interpreted here): rows of two documents,
+    two questions sharing one document's blocks (one forked at a partial block), an empty shard;
+    several splits and two tiles a block, so tiles of one row come from blocks all over the pool
+    and from both halves of a block; against the paged
+    reference, fp8 blocks with their scales, a window and sinks."""
+    from treeattn_cli.engine.kvquant import KVQuant
+    from treeattn_kernels.partial_triton import partial_attention_triton_paged
+
+    d, H_kv, G, page = 64, 2, 4, 32
+    quant = KVQuant(d, "cpu") if fp8 else None
+    pool = BlockPool(1, H_kv, d, page=page, num_blocks=40, quant=quant)
+    noise = BlockTable(pool)  # blocks in between, so no table's blocks are contiguous
+    doc = BlockTable(pool)
+    for i in range(3):
+        _fill(pool, doc, list(range(32 * i, 32 * i + 14 if i == 2 else 32 * (i + 1))), [])
+        _fill(pool, noise, list(range(32 * i, 32 * i + 32)), [])
+    a, b = doc.fork(), doc.fork()
+    _fill(pool, a, [78, 79, 80], [])
+    _fill(pool, b, list(range(78, 120)), [])
+    other = BlockTable(pool)
+    _fill(pool, other, [5 + i for i in range(33)], [])
+    tables = [a, b, other, BlockTable(pool)]
+    bt, kv_len = tables_tensor(tables)
+    q = torch.randn(len(tables), H_kv * G, 2, d).to(dtype)
+    q_pos = torch.tensor([[t.length - 2 + i for i in range(2)] for t in tables]) + torch.tensor([[0], [0], [5], [0]])
+    kw = dict(q_pos=q_pos, pos_pool=pool.pos, window=window, softcap=30.0, sink=torch.randn(H_kv * G))
+    if fp8:
+        kw.update(k_scale=pool.ks[0], v_scale=pool.vs[0])
+    o, lse = partial_attention_triton_paged(q, pool.k[0], pool.v[0], bt, kv_len, num_splits=3, block_n=16, **kw)  # 2 tiles a block
+    ro, rl = partial_attention_paged_ref(q.float(), pool.k[0], pool.v[0], bt, kv_len, **kw)
+    assert_close(o, ro, dtype, "paged o")
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl))
+    assert torch.allclose(lse.nan_to_num(0, neginf=0), rl.nan_to_num(0, neginf=0), atol=1e-2 if dtype != torch.float32 else 1e-5)
+    with pytest.raises(ValueError, match="power of two"):
+        BlockPool_small = BlockPool(1, H_kv, d, page=12, num_blocks=2)
+        partial_attention_triton_paged(q, BlockPool_small.k[0], BlockPool_small.v[0], bt[:, :1], torch.zeros(4, dtype=torch.int64))
