@@ -21,14 +21,39 @@ def demo_document() -> str:
     return resources.files("treeattn_cli").joinpath("data/demo_document.txt").read_text("utf-8")
 
 
-def write_atomic(path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+def umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it while it reads, a
+    race with any other thread creating files): Linux reports it in ``/proc/self/status``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def temp_beside(path, suffix: str = "") -> str:
+    """A new empty file in ``path``'s directory for an atomic write, with the permissions a plain
+    ``open(path, "w")`` would give it (``mkstemp`` makes it 0600: a file shared with a team
+    would be private to its writer)."""
     import tempfile
 
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".treeattn-", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".treeattn-", suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
+    os.fchmod(fd, 0o666 & ~umask())
+    os.close(fd)
+    return tmp
+
+
+def write_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename;
+    the file gets the permissions the umask gives, as ``open()`` would."""
+    tmp = temp_beside(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -302,7 +302,6 @@ def write_plot(records, path) -> None:
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'treeattn[plot]'") from None
     import os
-    import tempfile
 
     lines: dict = {}
     for r in records:
@@ -320,9 +319,9 @@ def write_plot(records, path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".treeattn-", suffix=".png", dir=d)
-    os.close(fd)
+    from .paths import temp_beside
+
+    tmp = temp_beside(path, ".png")
     try:
         fig.savefig(tmp, dpi=110)
         os.replace(tmp, path)

@@ -177,6 +177,9 @@ def finish_save(tmp: Path, target: Path, *, ids, identity: dict, dtype: str, sha
     from safetensors.torch import save_file
 
     save_file({"ids": torch.as_tensor(list(ids), dtype=torch.int64)}, str(tmp / TOKENS))
+    from ..paths import umask
+
+    os.chmod(tmp / TOKENS, 0o666 & ~umask())  # safetensors writes 0600; the shards beside it follow the umask
     shards = []
     for f in sorted(tmp.glob("kv-c*-t*.safetensors")):
         with safe_open(str(f), "pt") as s:
