@@ -260,5 +260,7 @@ def test_a_closed_pipe_ends_the_run_quietly(setup, tmp_path):
         p.stdout.close()  # what `head -c N` does once it has its bytes
         err = p.stderr.read().decode()
         assert p.wait(timeout=120) == 141, err
-        assert head and "error" not in err and "Traceback" not in err and "Broken pipe" not in err, err
+        assert head and "error" not in err and "Traceback" not in err and "interrupted" not in err, err
+        if cmd[0] == "generate":  # not even the stats line: nobody interrupted anything
+            assert err.strip() == "", err
     assert (tmp_path / "out.txt").read_bytes().startswith(head)

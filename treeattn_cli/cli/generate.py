@@ -63,7 +63,7 @@ def generate_command(o: GenerateOptions) -> int:
     torchrun = launch.under_torchrun()
     lead = not torchrun or int(os.environ["RANK"]) == 0
     view = GenerateView(tok, stream=not o.json and lead, progress=lead and sys.stderr.isatty())
-    code, reason, error = 0, None, None
+    code, reason, error, closed = 0, None, None, False
     try:
         if torchrun:
             local = int(os.environ.get("LOCAL_RANK", 0))
@@ -80,13 +80,13 @@ def generate_command(o: GenerateOptions) -> int:
     except launch.LaunchError as e:
         code, reason, error = 1, "error", e
     except BrokenPipeError:  # `| head`: stop quietly; --output still gets the text so far
-        code, reason = stdout_closed(), "interrupted"
+        code, reason, closed = stdout_closed(), "interrupted", True
     if not lead:
         return code
     record = view.finish(stop_reason=reason, as_json=o.json)
     if o.output:
         write_atomic(o.output, record["text"])
-    if not o.quiet:
+    if not o.quiet and not closed:  # a closed pipe is the reader saying "enough": no message
         print(stats_line(record), file=sys.stderr)
     if error is not None:
         if o.debug:  # the failing rank's own traceback, collected from it
