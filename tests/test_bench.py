@@ -60,6 +60,23 @@ def test_table_output_has_speedup_column():
     assert "ring ÷" in r.stdout and "×" in r.stdout
 
 
+def test_the_one_rank_row_is_compared_with_the_widest_ring():
+    """`single` runs on one rank, so no ring has its rank count: its ratio is against the ring over
+    the most ranks at the same length and batch, which the cell names (issue 39 item 6)."""
+    import io
+    import re
+
+    from treeattn_cli.report import print_bench
+
+    recs = [{"seq_len": 1024, "batch": 1, "nproc": p, "method": m, "step_ms_median": ms}
+            for p, m, ms in ((2, "tree", 1.0), (2, "ring", 3.0), (4, "tree", 0.5), (4, "ring", 2.0), (1, "single", 4.0))]
+    buf = io.StringIO()
+    print_bench(recs, file=buf)
+    rows = {tuple(c.strip() for c in line.split("│")[3:5]): line for line in buf.getvalue().splitlines() if "│" in line}
+    assert re.search(r"×0\.5 \(p=4\)", rows["1", "single"]), buf.getvalue()  # ring at p=4: 2.0 ms / 4.0 ms
+    assert "×3.0" in rows["2", "tree"] and "×4.0" in rows["4", "tree"] and "(p=" not in rows["4", "tree"]
+
+
 def test_simulator_matches_hand_computed_alpha_beta(tmp_path):
     prof = tmp_path / "toy.yaml"
     prof.write_text("name: toy\ngpus_per_node: 4\nmemory_bandwidth_gbps: 1000\nlinks:\n"
