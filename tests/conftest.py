@@ -78,11 +78,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                 f"reproduces every random case of this run)")
 
 
+def _registry() -> dict:
+    """``helpers.EARLY``, or nothing where this conftest runs without this suite's helpers (the
+    suite's own test copies it into a bare folder)."""
+    try:
+        from helpers import EARLY
+    except ImportError:
+        return {}
+    return EARLY
+
+
 def _early(item) -> list[str]:
     """The fixtures of ``item`` that wait for work started at collection (``helpers.EARLY``)."""
-    from helpers import EARLY
-
-    return [f for f, (module, _) in EARLY.items()
+    return [f for f, (module, _) in _registry().items()
             if item.nodeid.startswith(module) and f in getattr(item, "fixturenames", ())]
 
 
@@ -110,16 +118,17 @@ def pytest_collection_finish(session):
         return
     from pathlib import Path
 
-    from helpers import EARLY
-
     for fixture in sorted({f for i in session.items for f in _early(i)}):
-        EARLY[fixture][1](Path(_SESSION_DIR))
+        _registry()[fixture][1](Path(_SESSION_DIR))
 
 
 def pytest_unconfigure(config):
-    from helpers import Background
-
-    Background.stop_all()
+    try:
+        from helpers import Background
+    except ImportError:
+        Background = None
+    if Background is not None:
+        Background.stop_all()
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
