@@ -87,6 +87,7 @@ def test_chat_batch_equals_one_at_a_time(models, tmp_path):
     a, b = recs("--batch", "1", "--stop", stop), recs("--batch", "3", "--stop", stop)
     assert [(r["token_ids"], r["stop_reason"]) for r in a] == [(r["token_ids"], r["stop_reason"]) for r in b]
     assert b[1]["stop_reason"] == "stop" and b[1]["token_ids"] == one[1]["token_ids"][:n]
+    assert stop in b[1]["text"] and stop in a[1]["text"]  # the command line keeps it, as generate does
     sampled = ("--temperature", "0.9", "--seed", "11")
     a, b = recs("--batch", "1", *sampled), recs("--batch", "4", *sampled)
     assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]

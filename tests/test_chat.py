@@ -264,3 +264,21 @@ def test_a_closed_pipe_ends_the_run_quietly(setup, tmp_path):
         if cmd[0] == "generate":  # not even the stats line: nobody interrupted anything
             assert err.strip() == "", err
     assert (tmp_path / "out.txt").read_bytes().startswith(head)
+
+
+def test_output_holds_every_answer_in_the_order_shown(setup, tmp_path):
+    """`chat --output FILE` (issue 39 item 5): the answers, each followed by a newline, in question
+    order, written as each is shown (a batch of 2 over 3 questions); a folder that does not exist
+    is refused before anything runs."""
+    from helpers import assert_usage_error
+
+    model, doc, qs, _ = setup
+    out = tmp_path / "answers.txt"
+    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
+                 "--nproc", "2", "--batch", "2", "--output", str(out))
+    assert [r["question"] for r in recs] == QUESTIONS
+    assert out.read_bytes() == "".join(r["text"] + "\n" for r in recs).encode()  # bytes: a "\r" stays
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".treeattn-")]
+    assert_usage_error(CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc),
+                                                "--questions", str(qs), "--output", str(tmp_path / "no" / "a.txt")]),
+                       "no such directory")

@@ -161,6 +161,12 @@ def test_stop_string_and_output_file(models, tmp_path):
     assert rec["stop_reason"] == "stop" and stop in rec["text"] and rec["token_ids"] == full["token_ids"][:n]
     assert out.read_bytes() == rec["text"].encode()  # bytes: text mode would turn a generated "\r" into "\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".treeattn-")]
+    # the command line's rule (README): the stop string is kept in stdout as in --output and the record
+    r = CliRunner().invoke(app, ["generate", "--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
+                                 "--max-new-tokens", "12", "--nproc", "2", "--stop", stop, "--no-chat"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0 and stop.encode() in r.stdout_bytes
+    assert r.stdout_bytes.rstrip(b"\n") == rec["text"].encode().rstrip(b"\n")
 
 
 def test_streams_text_to_stdout(models):

@@ -289,6 +289,7 @@ def chat(
     conversation: bool = typer.Option(False, help="Keep the turns (default: each question against the document alone)."),
     chat_template: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Wrap document and question in the chat template (default: if the tokenizer has one)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON record per answer (generate's fields and the question)."),
+    output: Optional[str] = typer.Option(None, help="Also write the answers to this file, each followed by a newline, in the order shown (rewritten atomically after each answer)."),
     batch: int = typer.Option(8, help="Questions from --questions or a pipe that decode together over the shared document (typed ones and --conversation: one at a time)."),
     **flags,
 ):
@@ -296,7 +297,7 @@ def chat(
     from .cli.options import ChatOptions
 
     opts = _check_first(ChatOptions(prompt_file=prompt_file, questions=questions, conversation=conversation,
-                                    chat=chat_template, json=json_out, batch=batch, **flags))
+                                    chat=chat_template, json=json_out, output=output, batch=batch, **flags))
     from .cli.chat import chat_command
 
     _run(chat_command, opts, terminated_message=False)

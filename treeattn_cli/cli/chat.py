@@ -17,6 +17,7 @@ returns to the document; ``/save DIR`` saves the cache. SIGTERM stops everything
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ..parallel import launch
@@ -77,6 +78,9 @@ def chat_command(o: ChatOptions) -> int:
             open(o.questions, encoding="utf-8").close()
         except OSError as e:
             raise P.PromptError(f"cannot read --questions {o.questions}: {e.strerror}") from None
+    if o.output is not None and not os.path.isdir(os.path.dirname(os.path.abspath(o.output))):
+        raise P.PromptError(f"--output {o.output}: no such directory")
+    _ANSWERS.start(o.output)
     run = prepare_run(o)
     o.max_new_tokens = o.max_new_tokens or 256
     tok = run.tokenizer
@@ -290,7 +294,31 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> Non
         print(batch_line(done), file=sys.stderr)
 
 
+class AnswerFile:
+    """``chat --output FILE``: every answer's text, in the order the answers are shown, each
+    followed by a newline; the file is rewritten atomically after each answer, so it always
+    holds every answer given so far (an interrupted or stopped run keeps them)."""
+
+    def __init__(self):
+        self.path, self.texts = None, []
+
+    def start(self, path) -> None:
+        self.path, self.texts = path, []
+
+    def add(self, text: str) -> None:
+        if self.path is None:
+            return
+        from ..paths import write_atomic
+
+        self.texts.append(text)
+        write_atomic(self.path, "".join(t + "\n" for t in self.texts))
+
+
+_ANSWERS = AnswerFile()  # one chat per process
+
+
 def _show(o, rec: dict) -> None:
+    _ANSWERS.add(rec["text"])
     if o.json:
         print(json.dumps(rec), flush=True)
     if not o.quiet:
