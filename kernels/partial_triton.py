@@ -137,6 +137,24 @@ def _scale_tile(S, TABLE, tb, t, N, b, hk, gg, g_ok, nn, stop, ssb, ssh, ssn, ss
 
 
 @triton.jit
+def _tile_bases(K, V, TABLE, tb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb, svh, svn, skpb, skpn,
+                PAGE: tl.constexpr):
+    """``(position base, K tile pointer, V tile pointer)`` of the key tile starting at ``n0``:
+    in this (batch, KV head)'s rows, or, paged, in the block the table names for it (its
+    positions at ``base + offs * skpn``)."""
+    if PAGE > 0:
+        blk, off = _page(TABLE, tb, n0, N, PAGE)
+        kp_b = blk * skpb + (off - n0) * skpn
+        k_t = K + blk * skb + hk * skh + tl.cast(off, tl.int64) * skn
+        v_t = V + blk * svb + hk * svh + tl.cast(off, tl.int64) * svn
+    else:
+        kp_b = b * skpb
+        k_t = k_base + tl.cast(n0, tl.int64) * skn
+        v_t = v_base + tl.cast(n0, tl.int64) * svn
+    return kp_b, k_t, v_t
+
+
+@triton.jit
 def _scores(s, qk_scale, softcap):
     """Raw ``q.k`` to base-2 scores (``qk_scale = scale * log2(e)``); soft-capping in natural
     units: ``softcap * tanh(scale * q.k / softcap)``, ``tanh(x) = 1 - 2 / (e^{2x} + 1)``."""
@@ -274,15 +292,8 @@ def _split_kernel(
         acc_e = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         for n0 in range(start, stop, BLOCK_N):
             offs = n0 + nn
-            if PAGE > 0:  # this tile's block: its keys, positions and scales live there
-                blk, off = _page(TABLE, tb, n0, N, PAGE)
-                kp_b = blk * skpb + (off - n0) * skpn  # + offs * skpn: the tile's positions in the block
-                k_t = K + blk * skb + hk * skh + tl.cast(off, tl.int64) * skn
-                v_t = V + blk * svb + hk * svh + tl.cast(off, tl.int64) * svn
-            else:
-                kp_b = b * skpb
-                k_t = k_base + tl.cast(n0, tl.int64) * skn
-                v_t = v_base + tl.cast(n0, tl.int64) * svn
+            kp_b, k_t, v_t = _tile_bases(K, V, TABLE, tb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb, svh,
+                                         svn, skpb, skpn, PAGE)  # paged: the tile's block (scales: above)
             n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
             kst = ks1
             vst = tl.where(n_ok[None, :], vs1, 0.0)
@@ -315,15 +326,8 @@ def _split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(start, stop, BLOCK_N):
             offs = n0 + nn
-            if PAGE > 0:  # this tile's block: its keys and positions live there
-                blk, off = _page(TABLE, b * stb, n0, N, PAGE)
-                kp_b = blk * skpb + (off - n0) * skpn  # + offs * skpn: the tile's positions in the block
-                k_t = K + blk * skb + hk * skh + tl.cast(off, tl.int64) * skn
-                v_t = V + blk * svb + hk * svh + tl.cast(off, tl.int64) * svn
-            else:
-                kp_b = b * skpb
-                k_t = k_base + tl.cast(n0, tl.int64) * skn
-                v_t = v_base + tl.cast(n0, tl.int64) * svn
+            kp_b, k_t, v_t = _tile_bases(K, V, TABLE, b * stb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb,
+                                         svh, svn, skpb, skpn, PAGE)  # paged: the tile's block
             n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_t + nn[:, None] * skn + dd[None, :] * skd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
@@ -556,6 +560,19 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
             k, v, groups = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype), 0
             k_scale = v_scale = None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    o, lse, done = _outputs(q, N, out, lse_out, sink)
+    if done:
+        return o, lse
+    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return _attend(q, k, v, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len,
+                   window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
+                   k_pos_sorted=k_pos_sorted, tuning=tuning)
+
+
+def _outputs(q, N, out, lse_out, sink):
+    """``(o, lse, done)``: the outputs (given or new, checked), and whether the call is already
+    answered (no rows; or no keys: o = 0 and lse = -inf, or the sink's logit)."""
+    B, H, Q, d = q.shape
     dev = q.device
     o = torch.empty(B, H, Q, d, dtype=q.dtype, device=dev) if out is None else out
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=dev) if lse_out is None else lse_out
@@ -564,17 +581,14 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     if sink is not None and sink.numel() != H:
         raise ValueError(f"sink has {sink.numel()} logits for {H} query heads")
     if B * H * Q == 0:
-        return o, lse
+        return o, lse, True
     if N == 0:
         o.zero_()
         lse.fill_(-math.inf)
         if sink is not None:
             lse.copy_(sink.to(device=dev, dtype=torch.float32).view(1, H, 1).expand(B, H, Q))
-        return o, lse
-    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    return _attend(q, k, v, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len,
-                   window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
-                   k_pos_sorted=k_pos_sorted, tuning=tuning)
+        return o, lse, True
+    return o, lse, False
 
 
 def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, window, softcap, sink, k_scale,
@@ -682,19 +696,8 @@ def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, s
                                             softcap=softcap, sink=sink, out=out, lse_out=lse_out,
                                             k_pos=None if pos_pool is None else gather_pages(pos_pool, block_tables))
     dev = q.device
-    o = torch.empty(B, H, Q, d, dtype=q.dtype, device=dev) if out is None else out
-    lse = torch.empty(B, H, Q, dtype=torch.float32, device=dev) if lse_out is None else lse_out
-    if o.shape != (B, H, Q, d) or lse.shape != (B, H, Q) or lse.dtype != torch.float32:
-        raise ValueError(f"out must be [{B}, {H}, {Q}, {d}] and lse_out [{B}, {H}, {Q}] fp32")
-    if sink is not None and sink.numel() != H:
-        raise ValueError(f"sink has {sink.numel()} logits for {H} query heads")
-    if B * H * Q == 0:
-        return o, lse
-    if N == 0:
-        o.zero_()
-        lse.fill_(-math.inf)
-        if sink is not None:
-            lse.copy_(sink.to(device=dev, dtype=torch.float32).view(1, H, 1).expand(B, H, Q))
+    o, lse, done = _outputs(q, N, out, lse_out, sink)
+    if done:
         return o, lse
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
