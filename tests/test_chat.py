@@ -282,3 +282,30 @@ def test_output_holds_every_answer_in_the_order_shown(setup, tmp_path):
     assert_usage_error(CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc),
                                                 "--questions", str(qs), "--output", str(tmp_path / "no" / "a.txt")]),
                        "no such directory")
+
+
+def test_no_questions_is_said_not_silent(setup, tmp_path):
+    """`chat < /dev/null` or an empty --questions file: the document is prefilled (a run may be
+    meant to --save-kv it) and the run says nothing was asked, exit 0 (issue 39 item 8)."""
+    model, doc, _, _ = setup
+    empty = tmp_path / "none.txt"
+    empty.write_text("\n\n")
+    for batch in ("1", "4"):
+        r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(empty),
+                                     "--no-chat", "--nproc", "1", "--dtype", "float32", "--batch", batch])
+        assert r.exit_code == 0, r.output
+        assert f"no questions in {empty}" in r.stderr and r.stdout == "", (batch, r.stderr)
+
+
+def test_questions_from_a_file_are_shown_before_their_answers(setup):
+    """Plain chat (no --json) with questions from a file or a pipe: each question on stderr before
+    its answer streams (stdout stays the answers alone), one at a time and batched (issue 39)."""
+    model, doc, qs, _ = setup
+    for batch in ("1", "2"):
+        r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(qs),
+                                     "--no-chat", "--nproc", "1", "--dtype", "float32", "--max-new-tokens", str(NEW),
+                                     "--batch", batch])
+        assert r.exit_code == 0, r.output
+        shown = [line[2:] for line in r.stderr.splitlines() if line.startswith("> ")]
+        assert shown == QUESTIONS, (batch, r.stderr)
+        assert "> " not in r.stdout

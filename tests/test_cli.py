@@ -61,3 +61,13 @@ def test_kernel_bench_times_an_fp8_cache_beside():
                         copy_bw=1e10, baselines=(), kv_dtype="fp8")
     assert [r["method"] for r in recs] == ["treeattn", "treeattn-fp8"]
     assert recs[1]["kv_bytes"] == 2 * 2 * 100 * (64 + 2 * 2) and recs[1]["kv_dtype"] == "fp8"
+
+
+def test_the_prefill_bar_rate_is_measured_from_its_first_event():
+    """The first event already counts a segment done before the bar existed: no rate until there
+    is time to measure, then tokens since the first event over the time since it (issue 39)."""
+    from treeattn_cli.report import prefill_rate
+
+    assert prefill_rate(4096, 2.6e-5) == ""  # 155,349,838 tok/s, as the first update showed
+    assert prefill_rate(0, 1.0) == ""
+    assert prefill_rate(8192, 2.0) == "4,096 tok/s"

@@ -60,3 +60,4 @@ def test_a_saved_cache_is_readable_as_a_whole(tmp_path, umask):
     assert kvstore.TOKENS in files and kvstore.MANIFEST in files and any(f.startswith("kv-c0-t0") for f in files)
     modes = {f: _mode(target / f) for f in files}
     assert set(modes.values()) == {0o666 & ~umask}, {f: oct(m) for f, m in modes.items()}
+

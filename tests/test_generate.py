@@ -101,6 +101,9 @@ def test_chunked_prefill_is_exact(models):
         n, sizes = rec["prompt_tokens"], [seg["tokens"] for seg in rec["prefill_segments"]]
         assert sum(sizes) == n and max(sizes) < p * chunk + p and (len(sizes) > 1) == (n > p * chunk), (n, sizes)
         assert rec["nproc"] == p
+        # the record's method is the segments' (it said null beside segments saying pass-kv)
+        assert rec["prefill_method"] == "+".join(sorted({seg["method"] for seg in rec["prefill_segments"]}))
+    assert base["prefill_method"] and base["prefill_method"] == base["prefill_segments"][0]["method"]
     rec = run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--nproc", "3",
                    "--dtype", "float32", "--max-new-tokens", "8", "--prefill-chunk", "3")
     from treeattn_cli.engine.model import load_tokenizer
@@ -226,6 +229,19 @@ def test_bad_flags_are_refused_before_torch_is_imported(command):
              "assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--top-p must be in (0, 1]" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command,flag,needle", [("generate", "--prompt-file", "prompt file not found"),
+                                                  ("chat", "--prompt-file", "prompt file not found"),
+                                                  ("chat", "--questions", "--questions file not found")])
+def test_a_missing_file_is_refused_before_torch_is_imported(command, flag, needle, tmp_path):
+    """A mistyped path is named at once, not after the seconds torch takes to load (issue 39)."""
+    probe = ("import sys\nfrom treeattn_cli.main import app\n"
+             f"try:\n    app([{command!r}, {flag!r}, {str(tmp_path / 'nope.txt')!r}])\n"
+             "except SystemExit as e:\n    assert e.code == 2, e.code\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_missing_model_and_prompt_file(tmp_path, models):

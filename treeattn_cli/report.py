@@ -79,9 +79,8 @@ class GenerateView:
                                  console=Console(file=self.err), transient=True)
             self._bar.start()
             self._task = self._bar.add_task("prefill", total=total, rate="")
-            self._t0 = time.perf_counter()
-        dt = time.perf_counter() - self._t0
-        self._bar.update(self._task, completed=done, rate=f"{done / dt:,.0f} tok/s" if dt > 0 else "")
+            self._t0, self._done0 = time.perf_counter(), done
+        self._bar.update(self._task, completed=done, rate=prefill_rate(done - self._done0, time.perf_counter() - self._t0))
 
     def _close_bar(self):
         if self._bar is not None:
@@ -117,6 +116,13 @@ class GenerateView:
         if as_json:
             print(json.dumps(record), file=self.out, flush=True)
         return record
+
+
+def prefill_rate(tokens: int, seconds: float) -> str:
+    """The prefill bar's rate: tokens done since the bar's first event over the time since then
+    (the first event already counts a segment done before it; divided by the microseconds since,
+    it read 155,349,838 tok/s), shown once there is a fifth of a second to measure."""
+    return f"{tokens / seconds:,.0f} tok/s" if seconds >= 0.2 and tokens > 0 else ""
 
 
 def stats_line(rec: dict) -> str:

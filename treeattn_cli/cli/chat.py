@@ -155,8 +155,9 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
                 kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
     if o.batch > 1 and not o.conversation and (o.questions is not None or not sys.stdin.isatty()):
         return _batch(o, run, client, composition, cached, job.eos_ids, info)
-    total, last_reason = cached, None
+    total, last_reason, asked = cached, None, 0
     for q in _question_source(o):
+        asked += 1
         cmd = q.strip()
         if cmd in ("/exit", "/quit"):
             return
@@ -183,6 +184,8 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
         except ValueError as e:
             print(f"treeattn: error: {e}", file=sys.stderr)
             continue
+        if not o.json and (o.questions is not None or not sys.stdin.isatty()):
+            _say_question(o, q)  # typed questions are on the screen already
         rec = _answer(o, client, tok, ids, job.eos_ids, {"question": q, **info},
                       drop_pending=last_reason == "eos" and composition["kind"] == "chat-document")
         if o.conversation:
@@ -190,6 +193,25 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
             turns, last_reason = turns + 1, rec["stop_reason"]
         else:
             client.post(op="rollback", name="doc")
+    if not asked and (o.questions is not None or not sys.stdin.isatty()):
+        _no_questions(o)
+
+
+def _say_question(o, q: str) -> None:
+    """A question from a file or a pipe, on stderr before its answer streams to stdout (which
+    stays the answers alone, as --output holds them), so a reader sees what each answers."""
+    if o.quiet:
+        return
+    sys.stdout.flush()
+    print(f"> {q}", file=sys.stderr, flush=True)
+
+
+def _no_questions(o) -> None:
+    """Questions were to come from a file or a pipe, and none came: say so (the document was
+    prefilled, and saved with --save-kv: a run may be meant for that alone)."""
+    where = "standard input" if o.questions in (None, "-") else o.questions
+    print(f"treeattn chat: no questions in {where}; the document was prefilled"
+          + (f" and saved to {o.save_kv}" if o.save_kv else "") + ", nothing was asked", file=sys.stderr)
 
 
 def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool) -> dict:
@@ -243,6 +265,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> Non
         questions.append(q)
         ids_list.append(ids)
     if not questions:
+        _no_questions(o)
         return
     n = len(questions)
     views = [GenerateView(tok, stream=False, progress=False) for _ in range(n)]
@@ -253,12 +276,17 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> Non
         views[i].summary = {k: v for k, v in rec.items() if k != "token_ids"}
         _show(o, {**views[i].finish(), "question": questions[i], **info})
 
+    def begin(i):  # question i's answer streams now: the question first (on stderr)
+        if not o.json:
+            _say_question(o, questions[i])
+            views[i].begin_stream()
+
     def advance():
         while cur[0] < n and records[cur[0]] is not None:
             show(cur[0], records[cur[0]])
             cur[0] += 1
-            if cur[0] < n and not o.json:
-                views[cur[0]].begin_stream()
+            if cur[0] < n:
+                begin(cur[0])
 
     def on_event(kind, payload):
         if kind == "btoken":
@@ -267,8 +295,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> Non
             records[payload[0]] = payload[1]
             advance()
 
-    if not o.json:
-        views[0].begin_stream()
+    begin(0)
     seq = client.post(op="batch", seq=client.seq, questions=ids_list, slots=o.batch, max_new_tokens=o.max_new_tokens,
                       stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True, speculate=o.speculate,
                       logprobs=o.logprobs,

@@ -71,6 +71,21 @@ def _read_stream(s, limit, context):
     return _read_bounded(s.buffer if hasattr(s, "buffer") else s, limit, "standard input", context)
 
 
+def check_file(path: str | None, what: str = "prompt file") -> None:
+    """Refuse a file that cannot be read, at once (before torch and the model load: a mistyped
+    path costs a fraction of a second, not the seconds of loading); ``-`` is standard input."""
+    import os
+
+    if path in (None, "-"):
+        return
+    if not os.path.exists(path):
+        raise PromptError(f"{what} not found: {path}")
+    if os.path.isdir(path):
+        raise PromptError(f"{what} is a directory: {path}")
+    if not os.access(path, os.R_OK):
+        raise PromptError(f"cannot read {what} {path}: Permission denied")
+
+
 def _read_file(path: str, stdin, limit: int, context: int | None) -> str:
     if path == "-":
         return _decode(_read_stream(stdin or sys.stdin, limit, context), "standard input")

@@ -165,7 +165,7 @@ class Engine:
         progress = (lambda done, total: self.ctx.send("prefill", (done, total))) if self.lead else None
         first = len(self.dec.segments)
         logits = self.dec.prefill(torch.tensor([ids], dtype=torch.int64), req.get("piece"), progress)
-        self.methods = sorted({seg["method"] for seg in self.dec.segments[first:] if seg["cached"]})
+        self.methods = sorted({seg["method"] for seg in self.dec.segments[first:]})  # as prefill_segments say
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.logits, self.ready = logits, True
