@@ -125,14 +125,15 @@ def _page(TABLE, tb, n0, N, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _scale_tile(S, TABLE, tb, t, N, b, hk, gg, g_ok, nn, stop, ssb, ssh, ssn, ssg, PAGE: tl.constexpr):
-    """The ``(BLOCK_G, BLOCK_N)`` scales of the key tile starting at ``t`` (0 past ``stop``)."""
-    o = t + nn
+def _scale_tile(S, s_base, TABLE, tb, t, o, N, hk, gg, g_ok, nn, stop, ssb, ssh, ssn, ssg, PAGE: tl.constexpr):
+    """The ``(BLOCK_G, BLOCK_N)`` scales of the key tile ``o`` starting at ``t`` (0 past
+    ``stop``): at ``s_base`` (this (batch, KV head)'s scale rows, computed once: the dense
+    kernel's registers are as before), or, paged, in the block the table names."""
     if PAGE > 0:
         blk, off = _page(TABLE, tb, t, N, PAGE)
         ptr = S + blk * ssb + hk * ssh + gg[:, None] * ssg + (off + nn).to(tl.int64)[None, :] * ssn
     else:
-        ptr = S + b * ssb + hk * ssh + gg[:, None] * ssg + o.to(tl.int64)[None, :] * ssn
+        ptr = s_base + o.to(tl.int64)[None, :] * ssn
     return tl.load(ptr, mask=g_ok & (o < stop)[None, :], other=0.0)
 
 
@@ -280,13 +281,16 @@ def _split_kernel(
                       mask=e_ok[:, None] & d_ok[None, :] & ((dd // DG)[None, :] == e_grp[:, None]),
                       other=0.0).to(cdt)  # (E, BLOCK_D): group e_grp's channels of row e_row
         gg = tl.arange(0, BLOCK_G)
+        ks_base = KS + b * sksb + hk * sksh + gg[:, None] * sksg  # (BLOCK_G, 1); paged: unused
+        vs_base = VS + b * svsb + hk * svsh + gg[:, None] * svsg
         g_ok = (gg < SCALE_G)[:, None]
         tb = b * stb
         # The scale tiles (BLOCK_G x BLOCK_N, a few bytes a key) are too narrow for the
         # pipeliner's asynchronous copies: each is loaded one block ahead by hand and carried
         # in registers (two ahead would stop the pipelining of the K/V tiles).
-        ks1 = _scale_tile(KS, TABLE, tb, start, N, b, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg, PAGE)
-        vs1 = _scale_tile(VS, TABLE, tb, start, N, b, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg, PAGE)
+        o1 = start + nn
+        ks1 = _scale_tile(KS, ks_base, TABLE, tb, start, o1, N, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg, PAGE)
+        vs1 = _scale_tile(VS, vs_base, TABLE, tb, start, o1, N, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg, PAGE)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc_e = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
@@ -297,8 +301,11 @@ def _split_kernel(
             n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
             kst = ks1
             vst = tl.where(n_ok[None, :], vs1, 0.0)
-            ks1 = _scale_tile(KS, TABLE, tb, n0 + BLOCK_N, N, b, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg, PAGE)
-            vs1 = _scale_tile(VS, TABLE, tb, n0 + BLOCK_N, N, b, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg, PAGE)
+            o2 = offs + BLOCK_N
+            ks1 = _scale_tile(KS, ks_base, TABLE, tb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, sksb, sksh, sksn,
+                              sksg, PAGE)
+            vs1 = _scale_tile(VS, vs_base, TABLE, tb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, svsb, svsh, svsn,
+                              svsg, PAGE)
             kt = tl.load(k_t + nn[None, :] * skn + dd[:, None] * skd,
                          mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_D, BLOCK_N) fp8: K^T
             v = tl.load(v_t + nn[:, None] * svn + dd[None, :] * svd,
