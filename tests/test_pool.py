@@ -274,3 +274,38 @@ def test_the_triton_kernel_reads_through_block_tables(seed, dtype, fp8, window):
     with pytest.raises(ValueError, match="power of two"):
         BlockPool_small = BlockPool(1, H_kv, d, page=12, num_blocks=2)
         partial_attention_triton_paged(q, BlockPool_small.k[0], BlockPool_small.v[0], bt[:, :1], torch.zeros(4, dtype=torch.int64))
+
+
+def test_a_later_request_reuses_the_longest_cached_prefix():
+    """Prefix reuse by block: a finished request's full blocks, keyed from its tokens, serve a
+    later request whose tokens start the same (shared, not copied; its K/V read back equal),
+    up to the first block that differs; a different model's keys find nothing; blocks evicted
+    under pressure are not found."""
+    from treeattn_cli.engine.pool import block_keys
+    from treeattn_kernels import gather_pages
+
+    pool = _pool(blocks=10, page=4)
+    a = BlockTable(pool)
+    ids_a = list(range(100, 110))
+    parts: list = []
+    _fill(pool, a, list(range(10)), parts)
+    keys_a = block_keys(ids_a, list(range(10)), 4, salt="model-a")
+    assert len(keys_a) == 2 and a.publish(keys_a) == 2
+    first_two = list(a.blocks[:2])
+    a.free()
+    assert pool.cached == 2
+    same = block_keys(ids_a[:8] + [7, 7, 7, 7], list(range(12)), 4, salt="model-a")
+    b = BlockTable.from_prefix(pool, same)
+    assert b.blocks == first_two and b.length == 8 and pool.cached == 0
+    k = gather_pages(pool.k[0], tables_tensor([b])[0])[0, :, :8]
+    assert torch.equal(k, _dense(parts)[0][:, :8])
+    _fill(pool, b, [8, 9, 10, 11], [])  # the request goes on in blocks of its own
+    assert len(b.blocks) == 3 and b.blocks[2] not in first_two
+    differs = block_keys(ids_a[:4] + [0] * 4, list(range(8)), 4, salt="model-a")
+    c = BlockTable.from_prefix(pool, differs)
+    assert c.blocks == first_two[:1] and c.length == 4  # up to the first block that differs
+    assert BlockTable.from_prefix(pool, block_keys(ids_a, list(range(10)), 4, salt="model-b")).length == 0
+    b.free()
+    c.free()
+    pool.allocate(pool.available())  # pressure: every cached block evicted
+    assert BlockTable.from_prefix(pool, same).length == 0

@@ -207,11 +207,39 @@ class BlockPool:
         self.pos[dst, :n] = self.pos[src, :n]
 
 
+def block_keys(ids, positions, page: int, salt: str = "") -> list[bytes]:
+    """The chained key of every full block of a shard holding tokens ``ids`` at global
+    ``positions`` (in shard order), ``page`` a block: block i's key covers tokens
+    ``[i * page, (i + 1) * page)`` and, through its parent, everything before them."""
+    keys, parent = [], None
+    for i in range(len(ids) // page):
+        parent = chain_key(parent, ids[i * page:(i + 1) * page], positions[i * page:(i + 1) * page], salt)
+        keys.append(parent)
+    return keys
+
+
 class BlockTable:
     """One sequence's shard on this rank: blocks of ``pool`` in order, and how many tokens."""
 
     def __init__(self, pool: BlockPool, blocks=(), length: int = 0):
         self.pool, self.blocks, self.length = pool, list(blocks), length
+
+    @classmethod
+    def from_prefix(cls, pool: BlockPool, keys) -> "BlockTable":
+        """A table holding the longest prefix of ``keys`` (:func:`block_keys` of the tokens a
+        request starts with) the pool has cached, whatever request made it: those blocks are
+        shared, not copied; the request prefills from ``length`` on."""
+        blocks = pool.match(keys)
+        return cls(pool, blocks, len(blocks) * pool.page)
+
+    def publish(self, keys) -> int:
+        """Offer this table's full blocks to later requests under ``keys`` (:func:`block_keys` of
+        its tokens); returns how many blocks now carry a key (the first block with a key stays
+        the one found)."""
+        n = min(len(keys), self.length // self.pool.page)
+        for b, k in zip(self.blocks[:n], keys[:n]):
+            self.pool.publish(b, k)
+        return sum(self.pool.key_of(b) is not None for b in self.blocks[:n])
 
     def __len__(self) -> int:
         return self.length
