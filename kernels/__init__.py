@@ -17,7 +17,7 @@ from .paged_ref import gather_pages, partial_attention_paged_ref
 from .partial_ref import add_sink, dequantize, partial_attention_ref
 
 __all__ = ["partial_attention", "partial_attention_ref", "partial_attention_paged_ref", "gather_pages",
-           "add_sink", "dequantize", "triton_available",
+           "add_sink", "dequantize", "triton_available", "gpu_route",
            "triton_problem", "use_reference", "reference_only", "TRITON_FLOOR"]
 
 _REFERENCE = {"on": False}
@@ -82,6 +82,15 @@ def triton_available() -> bool:
     return ok
 
 
+def gpu_route(G: int, Q: int) -> str:
+    """What ``auto`` runs on the GPU's path for ``Q`` query rows of a group of ``G`` heads (when
+    Triton can run): the Triton split kernel up to its tile's rows, ATen's flash kernel above
+    (``treeattn check`` checks exactly this choice)."""
+    from .partial_triton import MAX_ROWS
+
+    return "aten" if G * Q > MAX_ROWS else "triton"
+
+
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                       window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
                       k_pos_sorted: bool = False, out=None, lse_out=None, out_dtype=None, impl: str = "auto"):
@@ -117,10 +126,7 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     gpu_path = q.is_cuda or os.environ.get("TREEATTN_KERNEL") == "triton"
     if impl == "auto":
         if gpu_path and triton_available():  # (on CPU, TREEATTN_KERNEL=triton: the same choice, interpreted)
-            from .partial_triton import MAX_ROWS
-
-            G = q.shape[1] // max(1, k.shape[1])
-            impl = "aten" if G * q.shape[2] > MAX_ROWS else "triton"
+            impl = gpu_route(q.shape[1] // max(1, k.shape[1]), q.shape[2])
         else:
             impl = "aten" if q.device.type == "cpu" else "torch"
     if k_scale is not None and impl in ("aten", "cpu"):  # the fused path takes the rows dequantized

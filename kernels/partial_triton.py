@@ -621,7 +621,6 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
         if page % min(bn, page):
             raise ValueError(f"a page of {page} keys is no multiple of the kernel's {bn}-key tile")
         tuning = {**tuning, "block_n": min(bn, page)}
-        k_pos_sorted = False  # the window search reads positions in key order: not through a table (yet)
     plan = plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups,
                       **tuning)
     op = torch.empty(B, H, Q, plan.splits, d, dtype=torch.float32, device=dev)

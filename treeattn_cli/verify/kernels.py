@@ -108,14 +108,14 @@ def _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen):
     H = G * H_kv
     q, k, v = (torch.randn(*s, generator=gen) for s in ((B, H, Q, d), (B, H_kv, N, d), (B, H_kv, N, d)))
     kw, fast = {}, {}
-    lens = [N, N // 3, 0][:B]
+    lens = [N, N // 3, 0][:B] if extra.get("ragged") else [N] * B
     if extra.get("ragged"):
         kw["kv_len"] = torch.tensor(lens)
     if extra.get("sorted"):  # a cache's positions: ascending over each sequence's keys, stale past its length
         k_pos = torch.arange(N).repeat(B, 1) + 7 * torch.arange(B)[:, None]
-        for b, n in enumerate(lens if extra.get("ragged") else [N] * B):
+        for b, n in enumerate(lens):
             k_pos[b, n:] = torch.randint(0, N, (N - n,), generator=gen)
-        last = torch.tensor([7 * b + (lens[b] if extra.get("ragged") else N) for b in range(B)])
+        last = torch.tensor([7 * b + n for b, n in enumerate(lens)])  # the next position of each sequence
         kw.update(k_pos=k_pos, q_pos=last[:, None] + torch.arange(Q))
         fast["k_pos_sorted"] = True
     elif extra.get("cascade"):  # R = 3 sequences x T = 4 rows over one document of N keys
@@ -144,14 +144,17 @@ def _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen):
     return q.to(device, dt), k.to(device, dt), v.to(device, dt), kw, fast
 
 
-def _impls(device) -> list[str]:
-    """The partial-attention implementations this device runs (explicitly, not via "auto"). On
-    a CPU with ``TREEATTN_KERNEL=triton`` (the GPU's path, interpreted) the Triton kernel too."""
-    from treeattn_kernels import triton_available
+def _impls(device, G: int, Q: int) -> list[str]:
+    """The partial-attention implementations this device runs for ``Q`` rows of a group of
+    ``G`` heads, named explicitly: on CUDA what "auto" picks (``gpu_route``; without Triton
+    "auto" runs the reference there: nothing to check); on a CPU the fused CPU path, and with
+    ``TREEATTN_KERNEL=triton`` (the GPU's path, interpreted) also the Triton kernel where "auto"
+    would pick it."""
+    from treeattn_kernels import gpu_route, triton_available
 
     if device.type == "cuda":
-        return (["triton"] if triton_available() else []) + ["aten"]
-    if os.environ.get("TREEATTN_KERNEL") == "triton" and triton_available():
+        return [gpu_route(G, Q)] if triton_available() else []
+    if os.environ.get("TREEATTN_KERNEL") == "triton" and triton_available() and gpu_route(G, Q) == "triton":
         return ["cpu", "triton"]
     return ["cpu"]
 
@@ -172,7 +175,6 @@ def kernel_checks(device, full: bool = True, kinds=None) -> list[dict]:
     CUDA the fused merge kernels and the offline compile for the local target. ``kinds``: only
     the partial-attention cases of these kinds, nothing else (tests)."""
     from treeattn_kernels import partial_attention, partial_attention_ref
-    from treeattn_kernels.partial_triton import MAX_ROWS
 
     device = torch.device(device)
     gen = torch.Generator().manual_seed(1234)
@@ -188,10 +190,7 @@ def kernel_checks(device, full: bool = True, kinds=None) -> list[dict]:
         q, k, v, kw, fast = _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen)
         ref_o, ref_l = partial_attention_ref(q.float(), k if extra.get("fp8") else k.float(),
                                              v if extra.get("fp8") else v.float(), **kw)
-        for impl in _impls(device):
-            if (impl == "aten") != (Q * G > MAX_ROWS) and device.type == "cuda" or \
-                    impl == "triton" and Q * G > MAX_ROWS:
-                continue  # "auto" on CUDA: Triton up to MAX_ROWS query rows per KV head, ATen above
+        for impl in _impls(device, G, Q):
             t0 = time.perf_counter()
             try:
                 o, lse = partial_attention(q, k, v, impl=impl, **kw, **fast)
