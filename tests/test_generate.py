@@ -211,6 +211,7 @@ BAD = [
     (["--max-new-tokens", "600"], "context"),
     (["--logprobs", "21"], "--logprobs"),
     (["--logprobs", "-1"], "--logprobs"),
+    (["--output", "/nonexistent-treeattn/answer.txt"], "no such directory"),  # refused before the answer
 ]
 
 

@@ -17,7 +17,6 @@ returns to the document; ``/save DIR`` saves the cache. SIGTERM stops everything
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from ..parallel import launch
@@ -73,14 +72,7 @@ def chat_command(o: ChatOptions) -> int:
         raise ValueError("chat starts its own local ranks; under torchrun use generate (--load-kv continues a cache)")
     if o.prompt is not None:
         raise P.PromptError("chat reads the document from --prompt-file (questions come after it)")
-    if o.questions not in (None, "-"):
-        try:
-            open(o.questions, encoding="utf-8").close()
-        except OSError as e:
-            raise P.PromptError(f"cannot read --questions {o.questions}: {e.strerror}") from None
-    if o.output is not None and not os.path.isdir(os.path.dirname(os.path.abspath(o.output))):
-        raise P.PromptError(f"--output {o.output}: no such directory")
-    _ANSWERS.start(o.output)
+    _ANSWERS.start(o.output)  # (its folder, and the --questions file, were checked with the flags)
     run = prepare_run(o)
     o.max_new_tokens = o.max_new_tokens or 256
     tok = run.tokenizer
@@ -153,7 +145,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
     cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
     info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind,
                 kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
-    if o.batch > 1 and not o.conversation and (o.questions is not None or not sys.stdin.isatty()):
+    if o.batch > 1 and not o.conversation and _from_file_or_pipe(o):
         return _batch(o, run, client, composition, cached, job.eos_ids, info)
     total, last_reason, asked = cached, None, 0
     for q in _question_source(o):
@@ -184,7 +176,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
         except ValueError as e:
             print(f"treeattn: error: {e}", file=sys.stderr)
             continue
-        if not o.json and (o.questions is not None or not sys.stdin.isatty()):
+        if not o.json and _from_file_or_pipe(o):
             _say_question(o, q)  # typed questions are on the screen already
         rec = _answer(o, client, tok, ids, job.eos_ids, {"question": q, **info},
                       drop_pending=last_reason == "eos" and composition["kind"] == "chat-document")
@@ -193,8 +185,13 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
             turns, last_reason = turns + 1, rec["stop_reason"]
         else:
             client.post(op="rollback", name="doc")
-    if not asked and (o.questions is not None or not sys.stdin.isatty()):
+    if not asked and _from_file_or_pipe(o):
         _no_questions(o)
+
+
+def _from_file_or_pipe(o) -> bool:
+    """Questions come from --questions or piped standard input, not typed at a terminal."""
+    return o.questions is not None or not sys.stdin.isatty()
 
 
 def _say_question(o, q: str) -> None:

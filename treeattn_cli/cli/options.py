@@ -143,10 +143,11 @@ def check_flags(o: GenerateOptions) -> None:
     if not o.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {o.timeout}")
     _speculation(o.speculate)
-    from .prompt import check_file
+    from .prompt import check_file, check_folder
 
     check_file(o.prompt_file)
     check_file(getattr(o, "questions", None), "--questions file")
+    check_folder(o.output, "--output")
     if getattr(o, "batch", 1) < 1:
         raise ValueError(f"--batch must be >= 1, got {o.batch}")
     for flag, val, choices in (("--backend", o.backend, ("auto", "nccl", "gloo")),

@@ -86,6 +86,14 @@ def check_file(path: str | None, what: str = "prompt file") -> None:
         raise PromptError(f"cannot read {what} {path}: Permission denied")
 
 
+def check_folder(path: str | None, flag: str) -> None:
+    """Refuse a file to write whose folder does not exist, at once (not after the answer)."""
+    import os
+
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise PromptError(f"{flag} {path}: no such directory")
+
+
 def _read_file(path: str, stdin, limit: int, context: int | None) -> str:
     if path == "-":
         return _decode(_read_stream(stdin or sys.stdin, limit, context), "standard input")
