@@ -25,7 +25,7 @@ from ..parallel.launch import run_local
 from ..paths import demo_document
 from ..engine.engine import rank_generate
 from ..engine.job import GenerateJob
-from .random_model import SHAPES, device_and_dtype, random_model
+from .random_model import add_model_flags, model_from_flags
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -128,20 +128,14 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--random", default=None, choices=sorted(SHAPES), help="a random-weight model of this shape")
+    add_model_flags(p)
     p.add_argument("--prompt-tokens", default="4096,8000")
     p.add_argument("--nproc", default="1,2")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-dtypes", default="auto", help="comma list of cache storages (auto, bfloat16, fp8, ...)")
     p.add_argument("--json", action="store_true", help="one JSON record per line, as measured")
     a = p.parse_args(argv)
-    try:
-        device, dtype = device_and_dtype(a.device, a.dtype)
-    except ValueError as e:
-        p.error(str(e))
-    model = str(random_model(a.random)) if a.random else a.model
+    model, device, dtype = model_from_flags(p, a)
     recs = model_bench(model, [int(x) for x in a.prompt_tokens.split(",")], [int(x) for x in a.nproc.split(",")],
                        a.new_tokens, device, dtype, [k for k in a.kv_dtypes.split(",") if k],
                        on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)

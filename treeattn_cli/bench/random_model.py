@@ -59,3 +59,23 @@ def device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return device, dtype
+
+
+def add_model_flags(ap, device: bool = True) -> None:
+    """The model-level scripts' flags: ``--random SHAPE``, and ``--device``/``--dtype``."""
+    ap.add_argument("--random", default=None, choices=sorted(SHAPES), help="a random-weight model of this shape")
+    if device:
+        ap.add_argument("--device", default="auto", help="auto | cpu | cuda (auto: the GPU when there is one)")
+        ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 on a GPU)")
+
+
+def model_from_flags(ap, a) -> tuple:
+    """``(model, device, dtype)`` of the parsed flags (:func:`add_model_flags`): the random model
+    built now when one is asked for; a bad device or dtype is ``ap.error`` (one line, exit 2)."""
+    device = dtype = None
+    if hasattr(a, "device"):
+        try:
+            device, dtype = device_and_dtype(a.device, a.dtype)
+        except ValueError as e:
+            ap.error(str(e))
+    return (str(random_model(a.random)) if a.random else a.model), device, dtype

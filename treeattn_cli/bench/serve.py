@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .random_model import SHAPES, random_model
+from .random_model import add_model_flags, model_from_flags
 
 QUESTIONS = ["Who chose the site of the observatory?", "What happened to the first telescope?",
              "Name two people who worked there.", "When was the observatory founded?",
@@ -117,10 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--doc-tokens", type=int, default=1500)
     ap.add_argument("--questions", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--random", default=None, choices=sorted(SHAPES), help="a random-weight model of this shape")
+    add_model_flags(ap, device=False)  # the server picks its device as `serve` does
     ap.add_argument("--json", action="store_true", help="one JSON record per line, as measured")
     a = ap.parse_args(argv)
-    model = str(random_model(a.random)) if a.random else a.model
+    model, _, _ = model_from_flags(ap, a)
     recs = run(model, a.nproc, a.doc_tokens, a.questions, a.new_tokens,
                on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
     if a.json:

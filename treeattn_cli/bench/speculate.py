@@ -20,7 +20,7 @@ import torch
 
 from ..engine import model as M
 from .model import _Clock, time_treeattn
-from .random_model import SHAPES, device_and_dtype, random_model
+from .random_model import add_model_flags, model_from_flags
 from .spec import demo_document_cut
 
 SPECS = ("off", "auto", "ngram:10")
@@ -98,16 +98,10 @@ def main(argv=None):
     p.add_argument("--doc-tokens", type=int, default=2000)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--random", default=None, choices=sorted(SHAPES), help="a random-weight model of this shape")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    add_model_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON record per line, as measured")
     a = p.parse_args(argv)
-    try:
-        device, dtype = device_and_dtype(a.device, a.dtype)
-    except ValueError as e:
-        p.error(str(e))
-    model = str(random_model(a.random)) if a.random else a.model
+    model, device, dtype = model_from_flags(p, a)
     recs = speculate_bench(model, a.doc_tokens, a.new_tokens, a.nproc, device, dtype,
                            on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
     if a.json:
