@@ -94,13 +94,9 @@ def _early(item) -> list[str]:
             if item.nodeid.startswith(module) and f in getattr(item, "fixturenames", ())]
 
 
-def _started_early(item) -> bool:
-    return bool(_early(item))
-
-
 def pytest_collection_modifyitems(config, items):
     # last, so that the work started for them at collection has the whole run to finish in
-    items.sort(key=_started_early)
+    items.sort(key=lambda item: bool(_early(item)))
     if config.getoption("--reverse"):
         items.reverse()
     if HAS_CUDA:
