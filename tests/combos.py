@@ -5,6 +5,8 @@ Exactness broke where features met (a slot refilled while another slot's drafts 
 back), never inside one feature's own tests. So each configuration combines them at random —
 ranks, --tp, merge scheme, fp8 KV, chat --batch with more questions than slots, the server's
 open batch (questions joining it, cancelled, a document asked for again or loaded from disk),
+questions over several documents in the same steps (new documents prefilled a segment at a time
+while the others decode, documents evicted to disk and loaded back),
 --conversation, --speculate off|auto|ngram:K over questions that copy the document and ones
 that do not, questions shorter than the sequence shards, chunked prefill, a saved cache
 reloaded on another number of ranks, seeded sampling, and model families with sliding
@@ -70,6 +72,8 @@ class Config:
     joins: list = field(default_factory=list)  # serve: [after k streamed tokens, question index] joining late
     cancels: list = field(default_factory=list)  # serve: [after k streamed tokens, question index] cancelled
     again: bool = False  # serve: a second batch over the same document (now in memory), after another document
+    docs: list = field(default_factory=list)  # mixed: [start, length] of each document in the family's; q["doc"]
+    budget: int | None = None  # mixed: bytes of resident documents per rank (tiny: evicted to disk, loaded back)
 
     @property
     def world(self) -> int:
@@ -85,10 +89,12 @@ class Config:
     def line(self) -> str:
         """The configuration in one line (what a failure prints)."""
         qs = ",".join(f"{q['kind']}{len(q['ids'])}" + (f"/{q['speculate']}" if q.get("speculate") else "")
+                      + (f"/d{q['doc']}" if "doc" in q else "")
                       + (f"/new{q['new']}" if "new" in q else "") for q in self.questions)
         extra = [f"chunk={self.chunk}" if self.chunk else "", f"reload<-cp{self.reload_cp}" if self.reload_cp else "",
                  f"joins={self.joins}" if self.joins else "", f"cancels={self.cancels}" if self.cancels else "",
-                 "again" if self.again else "",
+                 "again" if self.again else "", f"docs={self.docs}" if self.docs else "",
+                 f"budget={self.budget}" if self.budget is not None else "",
                  "" if self.greedy else f"T={self.sampling['temperature']},k={self.sampling['top_k']},"
                                         f"seed={self.sampling['seed']}"]
         return (f"seed={self.seed} {self.family} cp={self.cp} tp={self.tp} {self.scheme} kv={self.kv} "
@@ -199,8 +205,34 @@ def d_serve(rng, c, fx):
     c.again = rng.random() < 0.3
 
 
+def d_mixed(rng, c, fx):
+    """Half the server's configurations ask about several documents at once: one open batch,
+    each question over its own document (a new one is prefilled a segment per step while the
+    others decode); sometimes the documents leave memory at once (a budget of one byte), saved
+    to disk and loaded back when asked again. Drawn last, so the other dimensions draw what
+    they drew before it existed (the regression seeds keep their configurations)."""
+    if c.route != "serve" or rng.random() < 0.5:
+        return
+    c.route, c.reload_cp = "mixed", None
+    full = len(fx[c.family]["doc"])
+    c.docs = [[5 * k, full - 5 * k - rng.randint(0, 10)] for k in range(rng.randint(2, 3))]
+    for q in c.questions:
+        q["doc"] = rng.randrange(len(c.docs))
+    if rng.random() < 0.3:
+        c.budget = 1
+
+
+def doc_of(c: Config, fx: dict, i: int) -> list:
+    """The document question ``i`` continues."""
+    doc = fx[c.family]["doc"]
+    if c.docs:
+        start, n = c.docs[c.questions[i]["doc"]]
+        return doc[start:start + n]
+    return doc[:c.doc_len]
+
+
 DIMENSIONS = [d_family, d_mesh, d_scheme, d_kv, d_route, d_document, d_questions, d_slots, d_speculate,
-              d_sampling, d_new, d_reload, d_serve]
+              d_sampling, d_new, d_reload, d_serve, d_mixed]
 
 
 def draw(seed: int, fx: dict) -> Config:
@@ -320,10 +352,21 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
     if c.reload_cp:
         req.update(dir=save_root, manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()))
     spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
+    if c.route == "mixed":  # each question names its document; the batch makes them resident
+        spec["piece"] = c.chunk
+        if c.budget is not None:
+            from treeattn_cli.engine.kvstore import model_identity
+
+            spill = Path(save_root) / f"spill-{c.seed}"
+            spec.update(budget=c.budget, dir=str(spill),
+                        save_meta={"identity": model_identity(fx[c.family]["model"]), "composition": {}})
 
     def question(i):
-        return {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec,
-                "max_new_tokens": new_of(c, i)}
+        q = {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec,
+             "max_new_tokens": new_of(c, i)}
+        if c.route == "mixed":
+            q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)}
+        return q
 
     def run_batch(seq: int, order: list, into: dict, posts: bool) -> list:
         """One open batch of questions ``order`` (batch index -> question index); returns (on
@@ -353,6 +396,11 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
             elif kind == "batch_done":
                 done.append(p)
                 events.setdefault("batches", []).append(p)
+            elif kind == "bdoc":
+                events.setdefault("sources", []).append(p[1]["source"])
+            elif kind == "docs":
+                for k, v in p.items():
+                    events.setdefault(k, []).extend(v)
 
         real, ctx.emit = ctx.emit, emit
         try:
@@ -365,13 +413,15 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
 
     late = {i for _, i in c.joins}
     seq = 1000 + 10 * (c.seed % 1000)
-    eng.serve([req])
+    if c.route != "mixed":
+        eng.serve([req])
     rest = run_batch(seq, [i for i in range(len(c.questions)) if i not in late], answers, posts=True)
     if rest:
         events["late"] = len(rest)
         run_batch(seq + 1, list(rest), answers, posts=False)
-    if c.again:  # another document, then this one again: from the engine's memory
-        eng.serve([{"op": "doc", "key": f"other-{c.seed}", "ids": doc[: max(3, len(doc) // 2)]}, req])
+    if c.again:  # another document, then this one again: from the engine's memory (or disk: a budget)
+        if c.route != "mixed":
+            eng.serve([{"op": "doc", "key": f"other-{c.seed}", "ids": doc[: max(3, len(doc) // 2)]}, req])
         events["again"] = {}
         run_batch(seq + 2, list(range(len(c.questions))), events["again"], posts=False)
 
@@ -383,7 +433,7 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
     answers, events, alone = {}, {}, {}
     eng = Engine(ctx, _job(c, fx))
     t0 = time.perf_counter()
-    if c.route == "serve":
+    if c.route in ("serve", "mixed"):
         _serve_case(ctx, eng, c, fx, save_root, answers, events)
     else:
         seq = [0]
@@ -416,9 +466,13 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
     real, ctx.emit = ctx.emit, emit_alone
     spec = "off" if c.greedy else c.speculate
     try:
-        reqs = _document_requests(c, fx, save_root, alone=True) + [{"op": "mark", "name": "doc"}]
+        reqs = _document_requests(c, fx, save_root, alone=True) + [{"op": "mark", "name": "doc"}] \
+            if c.route != "mixed" else []
         for i, q in enumerate(c.questions):
             qspec = "off" if c.greedy else q.get("speculate", spec)
+            if c.route == "mixed":  # its own document, alone (fp8: prefilled in the same segments)
+                reqs += [{"op": "doc", "key": f"alone-{c.seed}-{q['doc']}", "ids": doc_of(c, fx, i),
+                          "piece": c.chunk if c.kv == "fp8" else None}, {"op": "mark", "name": "doc"}]
             reqs += [{"op": "append", "ids": q["ids"]},
                      {"op": "decode", "seq": i, "max_new_tokens": new_of(c, i), "sampling": c.sampling, "stop": [],
                       "eos_ids": [], "logprobs": LOGPROBS, "speculate": qspec, "keep": c.route == "conversation"}]
@@ -480,9 +534,9 @@ def check(c: Config, r: dict, fx: dict, oracle: Oracle, notes: list | None = Non
     answers = {int(k): v for k, v in r["answers"].items()}
     alone = {int(k): v for k, v in r["alone"].items()}
     cancelled = set(r["events"].get("cancel_posted", []))
-    doc = fx[c.family]["doc"][:c.doc_len]
-    context = list(doc)
+    context = list(fx[c.family]["doc"][:c.doc_len])
     for i, q in enumerate(c.questions):
+        doc = doc_of(c, fx, i)
         got, want = answers.get(i), alone.get(i)
         if got is None or want is None:
             bad.append(f"question {i}: no answer ({'config' if got is None else 'alone'})")
@@ -536,7 +590,7 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("drafts accepted")
     if any(s.get("drafted", 0) > s.get("accepted", 0) for s in spec):
         out.add("drafts rejected")
-    if c.route in ("batch", "serve") and len(c.questions) > c.slots:
+    if c.route in ("batch", "serve", "mixed") and len(c.questions) > c.slots:
         out.add("slots refilled")
         if any(s.get("drafted", 0) > s.get("accepted", 0) for s in spec):
             out.add("slots refilled while drafting")
@@ -554,6 +608,13 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("sampling")
     if c.chunk:
         out.add("chunked prefill")
+    batches = r["events"].get("batches", [])
+    if any(b.get("documents_per_step", 0) > 1 for b in batches):
+        out.add("documents mixed in a step")
+    if any(b.get("segments_while_decoding") for b in batches):
+        out.add("document prefilled while others decode")
+    if r["events"].get("spilled") and "disk" in r["events"].get("sources", []):
+        out.add("document evicted to disk and loaded back")
     return out
 
 

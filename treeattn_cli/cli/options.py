@@ -55,7 +55,7 @@ SERVE_FLAGS = (
     Flag("api_key", Optional[str], None, "Require 'Authorization: Bearer KEY' on /v1 requests."),
     Flag("cache_dir", Optional[str], None, "Save each document's sharded KV cache here as it is made (a restart finds them)."),
     Flag("cache_bytes", int, 8 << 30, "Bytes of documents' KV cache each rank keeps in memory (least recently used leave first)."),
-    Flag("batch", int, 8, "Requests about one document that decode together."),
+    Flag("batch", int, 8, "Requests that decode together (about any documents; more wait for a free slot)."),
 )
 RUN_FLAGS = (
     Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory)."),

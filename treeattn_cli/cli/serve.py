@@ -7,17 +7,21 @@ through FastAPI (``openai_api.py``) and a scheduler thread turns them into engin
   a *document* part — the text before the last paragraph break of its prompt (of its last user
   message) — and the rest, its *question*;
 * the document cache (:class:`DocIndex`): a request whose tokens begin with a cached document
-  continues that document's sharded KV cache; a new document is prefilled once (``doc`` op) and
-  kept in the ranks' memory, least recently used first within ``--cache-bytes`` per rank, and,
-  with ``--cache-dir``, saved there in the saved-KV format as it is made, so a restart finds it;
-* requests for the same document decode together (the engine's open ``batch``: continuous
-  batching over the shared document; latecomers join the running batch), each answer exactly
-  the one the request gets alone; other documents take their turn;
+  continues that document's sharded KV cache; a new document is made resident by the engine
+  (``engine/documents.py``: prefilled a segment per step while other answers decode, or loaded
+  from ``--cache-dir``), kept in the ranks' memory least recently used first within
+  ``--cache-bytes`` per rank, and, with ``--cache-dir``, saved there in the saved-KV format as it
+  is made, so a restart finds it;
+* every request joins one open engine batch, whatever its document (continuous batching; rows of
+  different documents share each decode step, each document's shard read once for its rows, one
+  merge across the ranks per layer), each answer exactly the one the request gets alone; the
+  batch ends when it has answered every question it took, and the next request starts another;
 * a client that disconnects cancels its request; a lost rank turns ``/health`` and every request
   into 503 with the reason; SIGTERM or Ctrl-C stops accepting, ends the answers under way within
   seconds, and stops the ranks;
 * what the scheduler did is counted (:class:`Stats`, shown by ``GET /health``): requests, batches,
-  latecomers that joined a running batch, answers by how they ended (``cancelled``: the engine
+  latecomers that joined a running batch, batches whose steps mixed documents, document prefill
+  segments run while answers were under way, answers by how they ended (``cancelled``: the engine
   ended the answer and freed its slot), and requests cancelled before they began.
 """
 
@@ -62,7 +66,8 @@ class Stats:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._n: dict[str, int] = {"requests": 0, "batches": 0, "joined": 0, "dropped": 0}
+        self._n: dict[str, int] = {"requests": 0, "batches": 0, "joined": 0, "dropped": 0, "mixed_batches": 0,
+                                   "segments_while_decoding": 0}
         self._ended: dict[str, int] = {}
 
     def add(self, name: str, n: int = 1) -> None:
@@ -137,7 +142,7 @@ class DocIndex:
 
 
 class Scheduler(threading.Thread):
-    """Turns jobs into engine requests, one document at a time (see the module's docstring)."""
+    """Turns jobs into one open engine batch over every document (see the module's docstring)."""
 
     def __init__(self, server):
         super().__init__(name="treeattn-scheduler", daemon=True)
@@ -145,7 +150,6 @@ class Scheduler(threading.Thread):
         self.pending: deque[Job] = deque()
         self.cv = threading.Condition()
         self.stopping = False
-        self.current: str | None = None  # the document the engine continues now
         self.batch_seq: int | None = None
 
     def submit(self, job: Job) -> None:
@@ -169,6 +173,12 @@ class Scheduler(threading.Thread):
             except Exception:
                 pass
 
+    def _take(self) -> list[Job]:
+        """Every waiting job not cancelled (the caller holds ``cv``)."""
+        jobs = list(self.pending)
+        self.pending.clear()
+        return [j for j in jobs if not self._drop_cancelled(j)]
+
     def run(self) -> None:
         try:
             while True:
@@ -177,11 +187,7 @@ class Scheduler(threading.Thread):
                         self.cv.wait()
                     if self.stopping:
                         break
-                    first = self.pending.popleft()
-                    group = [first] + [j for j in self.pending if j.key == first.key]
-                    for j in group[1:]:
-                        self.pending.remove(j)
-                group = [j for j in group if not self._drop_cancelled(j)]
+                    group = self._take()
                 if group:
                     self._serve(group)
         except launch.LaunchError as e:
@@ -205,49 +211,49 @@ class Scheduler(threading.Thread):
             return True
         return False
 
-    def _document(self, key: str, doc_ids: list) -> str:
-        """Make ``key`` the engine's document; returns where it came from (memory, disk, prefill)."""
+    def _question(self, j: Job) -> dict:
+        q = {"ids": j.ids[j.cached:], "max_new_tokens": j.max_tokens, "sampling": j.sampling, "stop": j.stop,
+             "eos_ids": self.server.eos_ids, "speculate": j.speculate}
+        if j.key:
+            q["doc"] = {"key": j.key, "ids": j.ids[:j.cached]}
+            e = self.server.docs.entries.get(j.key)
+            if e is not None and e.get("disk") and not e.get("resident") and e.get("manifest"):
+                q["doc"]["manifest"] = e["manifest"]
+        return q
+
+    def _batch_request(self) -> dict:
+        """The open batch's options: slots, the document budget and the cache directory."""
         srv = self.server
-        index = srv.docs
-        e = index.entries.get(key)
-        if self.current == key:
-            return "memory"
-        req = {"op": "doc", "key": key, "ids": doc_ids, "budget": srv.o.cache_bytes, "piece": srv.o.prefill_chunk}
+        req = {"op": "batch", "seq": srv.client.seq, "slots": srv.o.batch, "open": True, "interruptible": True,
+               "budget": srv.o.cache_bytes, "piece": srv.o.prefill_chunk}
         if srv.docs.dir is not None:
             req.update(dir=str(srv.docs.dir), save=True, save_meta=srv.save_meta)
-            if e is not None and e.get("disk") and not e.get("resident"):
-                req["manifest"] = e["manifest"]
-        srv.client.post(**req)
-        info = srv.client.wait("doc_ready")
-        self.current = key
-        if key:
-            index.entries[key] = {**(e or {}), "ids": doc_ids, "resident": True,
-                                  "disk": bool(info.get("saved") or (e or {}).get("disk"))}
-            if info.get("saved"):
-                index.entries[key]["manifest"] = srv.run.load_kv(str(srv.docs.dir / key), note=False)
-        for old in info.get("evicted", []):
-            if old in index.entries:
-                index.entries[old]["resident"] = False
-                if not index.entries[old].get("disk"):
-                    del index.entries[old]
-        return info["source"]
+        return req
 
-    def _question(self, j: Job) -> dict:
-        return {"ids": j.ids[j.cached:], "max_new_tokens": j.max_tokens, "sampling": j.sampling, "stop": j.stop,
-                "eos_ids": self.server.eos_ids, "speculate": j.speculate}
+    def _documents_changed(self, ch: dict) -> None:
+        """The engine's report of documents that left memory, were spilled or saved."""
+        srv = self.server
+        index = srv.docs.entries
+        for key in ch.get("saved", []) + ch.get("spilled", []):
+            if key in index:
+                index[key]["disk"] = True
+                index[key]["manifest"] = srv.run.load_kv(str(srv.docs.dir / key), note=False)
+        for key in ch.get("evicted", []):
+            if key in index:
+                index[key]["resident"] = False
+                if not index[key].get("disk"):
+                    del index[key]
 
     def _serve(self, group: list[Job]) -> None:
+        """One open batch: ``group`` first, every later job joins it (whatever its document);
+        it ends when every question it took is answered."""
         srv = self.server
-        key = group[0].key
-        first = group[0]
-        source = self._document(key, first.ids[:first.cached])
-        for j in group:
-            j.deliver("document", {"source": source, "cached": j.cached if source != "prefill" else 0})
         by_index: dict[int, Job] = {}
         for i, j in enumerate(group):
             j.index, by_index[i] = i, j
-        seq = srv.client.post(op="batch", seq=srv.client.seq, questions=[self._question(j) for j in group],
-                              slots=srv.o.batch, open=True, interruptible=True)
+            if j.key:  # the server's view: a document it asked for is (or is becoming) resident
+                srv.docs.entries.setdefault(j.key, {"ids": j.ids[:j.cached], "resident": True, "disk": False})
+        seq = srv.client.post(**self._batch_request(), questions=[self._question(j) for j in group])
         self.batch_seq = seq
         srv.stats.add("batches")
         joins: list[list[Job]] = []
@@ -256,19 +262,19 @@ class Scheduler(threading.Thread):
         n = len(group)
         try:
             while True:
-                with self.cv:  # latecomers for this document join the running batch
-                    late = [j for j in self.pending if j.key == key and not j.cancelled.is_set()] \
-                        if not self.stopping else []
-                    for j in late:
-                        self.pending.remove(j)
+                with self.cv:  # latecomers join the running batch, whatever their document
+                    late = self._take() if not self.stopping else []
                 if late:
+                    for j in late:
+                        if j.key:
+                            srv.docs.entries.setdefault(j.key, {"ids": j.ids[:j.cached], "resident": True,
+                                                                "disk": False})
                     C.post_join(srv.client.store, seq, len(joins), [self._question(j) for j in late])
                     joins.append(late)
                     srv.stats.add("joined", len(late))
                     for j in late:
                         j.index, by_index[n] = n, j
                         n += 1
-                        j.deliver("document", {"source": "memory", "cached": j.cached})
                 gone = [i for i, j in by_index.items() if j.cancelled.is_set() and i not in sent_cancel
                         and not j.finished]
                 if gone:
@@ -281,12 +287,23 @@ class Scheduler(threading.Thread):
                 kind, payload = got
                 if kind == "btoken":
                     by_index[payload[0]].deliver("token", payload[1])
+                elif kind == "bdoc":
+                    j, info = by_index[payload[0]], payload[1]
+                    if j.key and j.key in srv.docs.entries:
+                        srv.docs.entries[j.key]["resident"] = True
+                    j.deliver("document", {"source": info["source"],
+                                           "cached": j.cached if info["source"] != "prefill" else 0})
+                elif kind == "docs":
+                    self._documents_changed(payload)
                 elif kind == "banswer":
                     j = by_index[payload[0]]
                     j.finished = True
                     srv.stats.ended(str(payload[1].get("stop_reason")))
                     j.deliver("done", payload[1])
                 elif kind == "batch_done":
+                    if payload.get("documents_per_step", 0) > 1:
+                        srv.stats.add("mixed_batches")  # rows of several documents shared a step
+                    srv.stats.add("segments_while_decoding", payload.get("segments_while_decoding", 0))
                     for late in joins[payload.get("joins", 0):]:  # joined too late for this batch: next one
                         srv.stats.add("joined", -len(late))
                         with self.cv:

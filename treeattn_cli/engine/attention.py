@@ -49,6 +49,7 @@ class AttentionContext:
     tail: ShardedKVCache | None = None  # cascade: every sequence's own tokens, batch = slots
     rows: list = field(default_factory=list)  # cascade: the tail rows (sequences) of this forward
     step: bool = True  # cascade: one token per sequence (tail.begin_step) or an extension (begin_extend)
+    groups: list = field(default_factory=list)  # cascade: (document cache, its rows [R_g] or None: all)
 
 
 # Arguments of a model's forward that transformers passes on to every attention call and that
@@ -182,21 +183,35 @@ def _sinks(module, s_aux, heads: int):
 
 
 def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
-    """Cascade attention (DESIGN.md §11): ``q [R, H, T, d]`` of R sequences that share one
-    document. Their rows go against this rank's document shard in one call — the R·T query
-    rows of a KV head meet each K/V tile once, so the shard is read once for all of them — and
-    each sequence's rows against its own tokens in the tail (causal); the two partials merge by
-    LSE, then across ranks in one merge for the whole batch. Returns ``[R, T, H, d]``."""
+    """Cascade attention (DESIGN.md §11): ``q [R, H, T, d]`` of R sequences, each continuing a
+    document (``ctx.groups``: each document's cache and its rows; none: ``ctx.cache`` for all).
+    A document's rows go against this rank's shard of it in one call — the query rows of a KV
+    head meet each K/V tile once, so the shard is read once for all of them — and each
+    sequence's rows against its own tokens in the tail (causal); the two partials merge by LSE,
+    then across ranks in one merge for the whole batch, whatever documents its rows read.
+    Returns ``[R, T, H, d]``."""
     R, H, T, d = q.shape
-    doc, tail, comm = ctx.cache, ctx.tail, ctx.comm
+    tail, comm = ctx.tail, ctx.comm
     pos = ctx.positions  # [R, T] global positions of the queries (-1: padding)
-    dk, dv, dlen, dpos = doc.view(layer)  # [1, H_kv, N, d]: the document, never copied per sequence
-    rows = q.transpose(0, 1).reshape(1, H, R * T, d)  # [1, H, R·T, d]: sequences as query rows
-    kw = dict(q_pos=pos.reshape(R * T), k_pos=dpos, window=window, k_pos_sorted=True) if window is not None else {}
-    o_d, l_d = _stored(doc, layer)(rows, dk, dv, scale=scale, kv_len=dlen, softcap=softcap,
-                                   out_dtype=torch.float32, **kw)
-    o_d = o_d.view(H, R, T, d).transpose(0, 1)  # [R, H, T, d]
-    l_d = l_d.view(H, R, T).transpose(0, 1)  # [R, H, T]
+    groups = ctx.groups or [(ctx.cache, None)]
+    o_d = l_d = None
+    for doc, idx in groups:
+        qg, pg = (q, pos) if idx is None else (q[idx], pos[idx])
+        Rg = qg.shape[0]
+        dk, dv, dlen, dpos = doc.view(layer)  # [1, H_kv, N, d]: the document, never copied per sequence
+        rows = qg.transpose(0, 1).reshape(1, H, Rg * T, d)  # [1, H, Rg·T, d]: sequences as query rows
+        kw = dict(q_pos=pg.reshape(Rg * T), k_pos=dpos, window=window, k_pos_sorted=True) if window is not None else {}
+        o, lse = _stored(doc, layer)(rows, dk, dv, scale=scale, kv_len=dlen, softcap=softcap,
+                                     out_dtype=torch.float32, **kw)
+        o = o.view(H, Rg, T, d).transpose(0, 1)  # [Rg, H, T, d]
+        lse = lse.view(H, Rg, T).transpose(0, 1)  # [Rg, H, T]
+        if idx is None:
+            o_d, l_d = o, lse
+            continue
+        if o_d is None:
+            o_d = torch.zeros(R, H, T, d, dtype=o.dtype, device=o.device)
+            l_d = torch.full((R, H, T), float("-inf"), dtype=lse.dtype, device=lse.device)
+        o_d[idx], l_d[idx] = o, lse
     if ctx.step:  # one token per sequence, placed by tail.begin_step
         tk, tv, tlen = tail.update(layer, k_new, v_new)
         tpos = tail.pos[:, : tk.shape[2]]

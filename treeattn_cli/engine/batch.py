@@ -43,6 +43,8 @@ class Question:
     speculate: str = "off"
     stop_check: object = None
     logprobs: int | None = None  # report each token's logprob and this many top alternatives (rank 0)
+    doc: object = None  # documents.Document it continues (resident, or pending a prefill)
+    source: str = "memory"  # how its document became resident when it asked: memory, disk, prefill
 
 
 @dataclass
@@ -60,34 +62,46 @@ class _Slot:
     drafter: object = None  # rank 0: its n-gram drafter over the document, the question and the answer
     cancelled: bool = False
     logprobs: list = field(default_factory=list)  # rank 0: sampling.token_logprobs of each token, when asked
+    doc: object = None  # the question's documents.Document
+    doc_tokens: int = 0  # its tokens: the question's first position
 
 
 class BatchDecoder:
-    """Continuous batching of questions after the document in ``dec``'s cache, ``slots`` at a time."""
+    """Continuous batching of questions after their documents, ``slots`` at a time."""
 
     def __init__(self, dec, slots: int, capacity: int):
         self.dec = dec
         self.slots = slots
-        doc = dec.cache
-        self.doc_tokens = dec.total
+        doc = dec.cache  # the shapes and storage every document's cache shares
         cp = dec.comm.world
         self.tail = ShardedKVCache(doc.num_layers, slots, doc.kv_heads, doc.head_dim, dtype=doc.dtype,
                                    device=doc.device, rank=doc.rank, world=doc.world,
                                    capacity=-(-capacity // cp) + 2, quant=doc.quant)  # stored like the document
+        self.documents_per_step = 0  # the most documents one forward read (rows of several: a mixed step)
+        self.segments_while_decoding = 0  # document prefill segments run while answers were under way
 
     @torch.inference_mode()
     def run(self, questions: list[Question], *, drafter=None, interrupted=None, feed=None, make_question=None,
-            on_token=None, on_answer=None) -> list[dict]:
+            on_token=None, on_answer=None, documents=None, on_doc=None) -> list[dict]:
         """Answer every question; returns (on every rank) one summary per question, in order.
 
         Rank 0 only: each question's ``stop_check(ids) -> reason | None``; ``interrupted() ->
         bool`` (Ctrl-C: every answer ends); ``feed() -> (new questions, cancelled indices)``
         polled each step (questions that join, as raw requests ``make_question`` turns into
         :class:`Question` on every rank; answers to cancel); ``on_token(question, token)``;
-        ``on_answer(question, summary)`` as each answer ends; ``drafter(question tokens) ->
+        ``on_answer(question, summary)`` as each answer ends; ``on_doc(question, Question)`` as a
+        question takes a slot (its document resident); ``drafter(document, question tokens) ->
         speculate.Drafter`` over the document and the question, for questions that speculate:
         each slot then drafts, and accepts, on its own (a step with drafts feeds every busy
-        slot's last token and drafts as one extension of the tail)."""
+        slot's last token and drafts as one extension of the tail).
+
+        Each question continues its own document (``Question.doc``); rows of different
+        documents share the step (``attention._cascade`` reads each document once for its rows,
+        and one merge across the ranks serves them all). A question waits in the queue until its
+        document is resident: each round prefills one segment of the first pending document a
+        queued question needs (``documents.Documents.advance``), and questions whose documents
+        are ready take free slots in their order, so a new document neither stalls the answers
+        under way for longer than a segment nor holds back questions behind it."""
         from .speculate import Speculation, StepCost, accept
 
         dec, S = self.dec, self.slots
@@ -105,31 +119,43 @@ class BatchDecoder:
         msg = torch.zeros(S + 1, WIDTH, dtype=torch.int64, device=dec.device)
 
         def finish(s: _Slot, reason):
+            if documents is not None:
+                documents.release(questions[s.question].doc)
             out[s.question] = self._summary(s, reason)
             if lead and on_answer is not None:
                 lp = {"logprobs": s.logprobs} if questions[s.question].logprobs is not None else {}
                 on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens), **lp})
 
         while True:
+            pending = next((questions[qi].doc for qi in queue if not questions[qi].doc.ready), None)
+            if pending is not None:  # one segment of the first document a queued question waits for
+                documents.advance(pending)
+                self.segments_while_decoding += any(slots)
             free = [b for b in range(S) if slots[b] is None]
             new = []
-            while free and queue:
-                b = free.pop(0)
-                qi = queue.popleft()
+            for qi in list(queue):
                 q = questions[qi]
+                if not free:
+                    break
+                if not q.doc.ready:
+                    continue
+                queue.remove(qi)
+                b = free.pop(0)
                 slots[b] = _Slot(qi, len(q.ids), torch.Generator(device=dec.device).manual_seed(q.sampling.seed)
-                                 if lead else None, time.perf_counter(), t0)
+                                 if lead else None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens)
                 if lead:
                     slots[b].spec = Speculation.for_answer(q.speculate, q.sampling, cost)
-                    slots[b].drafter = drafter(q.ids) if drafter and slots[b].spec.mode != "off" else None
+                    slots[b].drafter = drafter(q.doc, q.ids) if drafter and slots[b].spec.mode != "off" else None
+                    if on_doc is not None:
+                        on_doc(qi, q)
                 new.append(b)
             if new:
-                lg = self._prefill(new, [questions[slots[b].question].ids for b in new])
+                lg = self._prefill([(b, slots[b]) for b in new], [questions[slots[b].question].ids for b in new])
                 for i, b in enumerate(new):
                     slots[b].prefill_s = time.perf_counter() - slots[b].t_start
                     rows[b] = lg[i:i + 1] if lead else None
                     ready[b], drafts[b] = True, []
-            if not any(slots):
+            if not any(slots) and not queue:
                 break
             if lead:  # every ready slot's tokens (several when drafts were accepted), stop, next drafts
                 msg.zero_()
@@ -179,7 +205,9 @@ class BatchDecoder:
                 cancelled |= set(gone)
                 for qi in [qi for qi in queue if qi in cancelled]:  # not begun: answered empty
                     queue.remove(qi)
-                    finish(_Slot(qi, len(questions[qi].ids), None, time.perf_counter(), t0), "cancelled")
+                    q = questions[qi]
+                    finish(_Slot(qi, len(q.ids), None, time.perf_counter(), t0, doc=q.doc,
+                                 doc_tokens=q.doc.tokens if q.doc.ready else 0), "cancelled")
             now = time.perf_counter()
             going = [False] * S
             nxt_all: list[list[int]] = [[] for _ in range(S)]
@@ -217,16 +245,18 @@ class BatchDecoder:
             if any(going):
                 busy = [b for b in range(S) if going[b]]
                 t_step = time.perf_counter()
-                at = {b: self.doc_tokens + slots[b].prompt + len(slots[b].tokens) - 1 for b in busy}  # last token's
+                at = {b: slots[b].doc_tokens + slots[b].prompt + len(slots[b].tokens) - 1 for b in busy}  # last token's
                 if any(nxt_all[b] for b in busy):  # drafts to verify: one extension of every busy slot
                     feeds = [[slots[b].tokens[-1]] + nxt_all[b] for b in busy]
-                    lg = self._extend(busy, feeds, [at[b] for b in busy])
+                    lg = self._extend([(b, slots[b]) for b in busy], feeds, [at[b] for b in busy])
                     for i, b in enumerate(busy):
                         rows[b] = lg[i, :len(feeds[i])] if lead else None
-                else:  # an idle slot's row is computed and dropped; at a live position it widens no window's search
-                    live = max(at.values())
+                else:  # an idle slot's row is computed and dropped: with a busy slot's document and
+                    # position, it widens no window's search and reads no other document
+                    live = busy[0]
                     lg = self._step([slots[b].tokens[-1] if going[b] else 0 for b in range(S)],
-                                    [at.get(b, live) for b in range(S)], going)
+                                    [at.get(b, at[live]) for b in range(S)], going,
+                                    [slots[b if going[b] else live] for b in range(S)])
                     for b in busy:
                         rows[b] = lg[b:b + 1] if lead else None
                 for b in busy:
@@ -239,29 +269,33 @@ class BatchDecoder:
     def _summary(self, s: _Slot, reason) -> dict:
         n = len(s.tokens)
         decode_s = (s.t_last - s.t_first) if n > 1 else 0.0
-        return {"prompt_tokens": s.prompt, "context_tokens": self.doc_tokens + s.prompt, "new_tokens": n,
+        return {"prompt_tokens": s.prompt, "context_tokens": s.doc_tokens + s.prompt, "new_tokens": n,
                 "ttft_s": (s.t_first or s.t_start) - s.t_batch, "prefill_s": s.prefill_s,
                 "prefill_tokens_per_s": s.prompt / s.prefill_s if s.prefill_s else None,
                 "decode_tokens_per_s": (n - 1) / decode_s if decode_s else None,
                 "stop_reason": reason, "prefill_method": "batched",
                 "speculation": s.spec.record() if s.spec is not None else None}
 
-    def _prefill(self, rows: list[int], prompts: list[list[int]]):
-        """Every token of the questions entering slots ``rows``, in one forward (left-padded to
-        the longest, padding kept nowhere); their last position's logits ``[len(rows), V]``."""
+    def _prefill(self, slots: list, prompts: list[list[int]]):
+        """Every token of the questions entering ``slots`` (``(index, _Slot)`` pairs), in one
+        forward (left-padded to the longest, padding kept nowhere); their last position's
+        logits ``[len(slots), V]``."""
+        rows = [b for b, _ in slots]
         T = max(len(p) for p in prompts)
         ids = torch.zeros(len(rows), T, dtype=torch.int64)
         pos = torch.full((len(rows), T), -1, dtype=torch.int64)
-        for i, p in enumerate(prompts):
+        for i, (p, (_, s)) in enumerate(zip(prompts, slots)):
             ids[i, T - len(p):] = torch.tensor(p)
-            pos[i, T - len(p):] = torch.arange(self.doc_tokens, self.doc_tokens + len(p))
+            pos[i, T - len(p):] = torch.arange(s.doc_tokens, s.doc_tokens + len(p))
         self.tail.reset_rows(rows)
         self.tail.begin_extend(rows, pos)
-        return self._forward(ids, pos, rows, step=False, finish=self.tail.end_extend)
+        return self._forward(ids, pos, rows, [s for _, s in slots], step=False, finish=self.tail.end_extend)
 
-    def _extend(self, rows: list[int], feeds: list[list[int]], positions: list[int]):
-        """Each slot of ``rows`` feeds its last token and its drafts (right-padded to the longest,
-        padding kept nowhere): logits of every fed row, ``[len(rows), T, V]``."""
+    def _extend(self, slots: list, feeds: list[list[int]], positions: list[int]):
+        """Each of ``slots`` (``(index, _Slot)`` pairs) feeds its last token and its drafts
+        (right-padded to the longest, padding kept nowhere): logits of every fed row,
+        ``[len(slots), T, V]``."""
+        rows = [b for b, _ in slots]
         T = max(len(f) for f in feeds)
         ids = torch.zeros(len(rows), T, dtype=torch.int64)
         pos = torch.full((len(rows), T), -1, dtype=torch.int64)
@@ -269,25 +303,35 @@ class BatchDecoder:
             ids[i, :len(f)] = torch.tensor(f)
             pos[i, :len(f)] = torch.arange(p, p + len(f))
         self.tail.begin_extend(rows, pos)
-        return self._forward(ids, pos, rows, step=False, finish=self.tail.end_extend, keep=T)
+        return self._forward(ids, pos, rows, [s for _, s in slots], step=False, finish=self.tail.end_extend, keep=T)
 
-    def _step(self, tokens: list[int], positions: list[int], going: list[bool]):
-        """One token for every slot that goes on (the others are written off): logits ``[S, V]``."""
+    def _step(self, tokens: list[int], positions: list[int], going: list[bool], of: list):
+        """One token for every slot that goes on (the others are written off; ``of``: the slot
+        whose document each row reads): logits ``[S, V]``."""
         self.tail.begin_step(torch.tensor(positions), active=going)
         pos = torch.tensor(positions, dtype=torch.int64)[:, None]
-        return self._forward(torch.tensor(tokens)[:, None], pos, list(range(self.slots)), step=True,
+        return self._forward(torch.tensor(tokens)[:, None], pos, list(range(self.slots)), of, step=True,
                              finish=self.tail.end_step)
 
-    def _forward(self, ids, pos, rows, *, step: bool, finish, keep: int = 1):
+    def _forward(self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1):
+        """The model on the tail ``rows`` (``ids, pos [R, T]``), row i continuing the document
+        of slot ``of[i]``: its rows of each document are one group (``attention._cascade``)."""
         dec = self.dec
         actx = dec.actx
         dev = dec.device
+        groups: dict = {}
+        for i, s in enumerate(of):
+            groups.setdefault(id(s.doc), (s.doc.cache, []))[1].append(i)
+        actx.groups = [(cache, None if len(idx) == len(of) else torch.tensor(idx, device=dev))
+                       for cache, idx in groups.values()]
+        self.documents_per_step = max(self.documents_per_step, len(groups))
+        first = torch.tensor([s.doc_tokens for s in of], dtype=torch.int64)[:, None]
         pos_dev = pos.to(dev)
         actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_dev
-        try:
-            logits = dec._forward(ids.to(dev), pos_dev.clamp(min=self.doc_tokens), want_logits=dec.comm.rank == 0,
-                                  rows=keep)
+        try:  # padding (position -1) runs at its row's first position, and is kept nowhere
+            logits = dec._forward(ids.to(dev), torch.where(pos < 0, first, pos).to(dev),
+                                  want_logits=dec.comm.rank == 0, rows=keep)
         finally:
-            actx.phase, actx.tail = "decode", None
+            actx.phase, actx.tail, actx.groups = "decode", None, []
         finish()
         return logits

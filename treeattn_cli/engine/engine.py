@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from ..parallel import comm as C
 from .attention import AttentionContext
 from .cache import ShardedKVCache
 from .decode import Decoder, Timings
+from .documents import Document, Documents
 from .kvquant import storage
 from .sampling import Sampling, token_logprobs
 from .speculate import Speculation
@@ -141,7 +141,8 @@ class Engine:
         self.summary: dict | None = None
         self.methods: list[str] = []  # how the last append's segments met the cache (prefill.plan)
         self._doc_drafter = None  # rank 0: speculation's n-gram index of the cached tokens
-        self.docs = OrderedDict()  # serve: document key -> (cache, its tokens, saved on disk), least recent first
+        self.documents = Documents(self)  # serve, mixed batches: the resident documents (documents.py)
+        self._drafters: dict = {}  # rank 0: speculation's n-gram index of each document, by key
         self._tok = None
 
     # -- requests ----------------------------------------------------------------------
@@ -217,30 +218,45 @@ class Engine:
         if self.lead:
             self.ctx.send("answer", {**self.summary, "token_ids": toks})
 
-    def _drafter(self, own=()):
-        """Rank 0: a drafter over the tokens in the cache (then ``own``). The index of a long
-        document is built once and shared: later answers and every slot of a batch index only
-        what follows it."""
+    def _drafter(self, own=(), doc: Document | None = None):
+        """Rank 0: a drafter over the tokens of ``doc`` (default: those in the engine's cache),
+        then ``own``. The index of a long document is built once and shared: later answers and
+        every slot of a batch index only what follows it."""
         from .speculate import Drafter
 
+        if doc is not None and doc.key is not None:
+            base = self._drafters.get(doc.key)
+            if base is None or base.tokens != doc.ids:
+                for k in [k for k in self._drafters if k not in self.documents.resident]:
+                    del self._drafters[k]  # their documents left memory
+                base = self._drafters[doc.key] = Drafter(doc.ids)
+            return Drafter(list(own), base=base)
         base = self._doc_drafter
         if base is None or len(base.tokens) > len(self.ids) or base.tokens != self.ids[:len(base.tokens)]:
             base = self._doc_drafter = Drafter(self.ids)
         return Drafter(self.ids[len(base.tokens):] + list(own), base=base)
 
     def _op_batch(self, req):
-        """Many questions after the document, ``req["slots"]`` decoding together (``batch.py``);
-        rank 0 streams ``btoken (question, token)`` and ``banswer (question, record)`` events and
-        ends with ``batch_done``. The document's cache is read, never changed.
+        """Many questions, ``req["slots"]`` decoding together (``batch.py``); rank 0 streams
+        ``btoken (question, token)`` and ``banswer (question, record)`` events and ends with
+        ``batch_done``. Documents' caches are read, never changed.
 
-        A question is a list of token ids, or ``{"ids": [...], ...}`` with its own
-        ``max_new_tokens``, ``sampling``, ``stop``, ``eos_ids``, ``speculate`` (default: the
-        request's). With ``"open": True`` more questions may join while the batch runs
+        A question is a list of token ids (it continues the engine's cached tokens), or
+        ``{"ids": [...], ...}`` with its own ``max_new_tokens``, ``sampling``, ``stop``,
+        ``eos_ids``, ``speculate`` (default: the request's) and ``doc``: the document it
+        continues (``{"key", "ids"}`` and the options of ``documents.Documents.get``; ``budget``,
+        ``dir``, ``save_meta`` and ``piece`` default to the request's): questions over different
+        documents decode in the same steps, and a document not resident is loaded or prefilled
+        a segment per step while the others decode (rank 0 reports ``bdoc (question, {source,
+        tokens, seconds})`` when a question starts and ``docs`` with what left memory or was
+        saved). With ``"open": True`` more questions may join while the batch runs
         (``comm.post_join``) and any may be cancelled (``comm.post_cancel``); the batch ends when
         every question it took is answered, and ``batch_done`` says how many joins it took."""
         from .batch import BatchDecoder, Question
 
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs")}
+        doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save") if req.get(k) is not None}
+        here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
 
         def question(q) -> Question:
             spec = {**defaults, **({} if isinstance(q, list) else q)}
@@ -250,8 +266,13 @@ class Engine:
                 if self._tok is None and spec.get("stop"):
                     self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
                 stop_check = _stop_check(self._tok, spec.get("stop") or [], set(spec.get("eos_ids") or []))
+            doc, source = here, "memory"
+            if spec.get("doc"):
+                doc = self.documents.get({**doc_defaults, **spec["doc"]})
+                source = doc.source if doc.ready else "prefill"
+            self.documents.use(doc)
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
-                            spec.get("speculate") or "off", stop_check, spec.get("logprobs"))
+                            spec.get("speculate") or "off", stop_check, spec.get("logprobs"), doc=doc, source=source)
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
@@ -261,7 +282,15 @@ class Engine:
         bd = BatchDecoder(self.dec, slots=max(1, req["slots"] if req.get("open") else min(req["slots"], len(qs))),
                           capacity=max([len(q.ids) + q.max_new_tokens for q in qs] or [64]))
         t0 = time.perf_counter()
-        answers = bd.run(qs, drafter=self._drafter if self.lead else None, make_question=question,
+
+        def on_doc(qi, q):
+            ch = self.documents.take_changes()
+            if any(ch.values()):
+                self.ctx.send("docs", ch)
+            self.ctx.send("bdoc", (qi, {"source": q.source, "tokens": q.doc.tokens, "seconds": q.doc.seconds}))
+
+        answers = bd.run(qs, drafter=(lambda doc, own: self._drafter(own, doc)) if self.lead else None,
+                         make_question=question, documents=self.documents, on_doc=on_doc if self.lead else None,
                          interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
                          feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,
                          on_token=lambda qi, tok: self.ctx.send("btoken", (qi, tok)),
@@ -269,63 +298,39 @@ class Engine:
         done = [a for a in answers if a is not None]
         if done:
             self.summary = done[-1]
+        self.documents.evict(req.get("budget"))  # its questions released their documents
+        changes = self.documents.take_changes()
+        if self.lead and any(changes.values()):
+            self.ctx.send("docs", changes)
         if self.lead:
             self.ctx.send("batch_done", {"answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
                                          "seconds": time.perf_counter() - t0, "slots": bd.slots,
+                                         "documents_per_step": bd.documents_per_step,
+                                         "segments_while_decoding": bd.segments_while_decoding,
                                          "joins": feed.taken if feed else 0})
 
     def _op_doc(self, req):
         """Make the document ``req["key"]`` (tokens ``req["ids"]``) the cached prefix later
-        requests continue (the server's document cache): from memory if this engine holds it,
-        else from ``req["dir"]/key`` (a saved cache), else by prefill. Documents are kept in
-        memory least recently used first within ``req["budget"]`` bytes per rank; one pushed out
-        is saved to ``req["dir"]`` first (``req["save_meta"]``), so it can come back, then
-        dropped. Rank 0 reports ``doc_ready`` with where it came from and what left memory."""
-        from pathlib import Path
-
-        from . import kvstore
-
+        requests continue: from memory if this engine holds it, else from ``req["dir"]/key``
+        (a saved cache), else by prefill (all of it now). Documents are kept in memory least
+        recently used first within ``req["budget"]`` bytes per rank (``documents.py``); one pushed
+        out is saved to ``req["dir"]`` first (``req["save_meta"]``), so it can come back. Rank 0
+        reports ``doc_ready`` with where it came from and what left memory."""
         t0 = time.perf_counter()
-        key, ids = req["key"], list(req["ids"])
-        docs = self.docs
-        source = "memory"
-        if key in docs:
-            docs.move_to_end(key)
-        else:
-            cache = self._new_cache(len(ids))
-            self._activate(cache, [])
-            saved = Path(req["dir"]) / key if req.get("dir") else None
-            if saved is not None and (saved / kvstore.MANIFEST).exists():
-                manifest = req.get("manifest") or {}
-                kvstore.load_into(saved, manifest, cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index,
-                                  head0=self.head0)
-                source = "disk"
-            elif ids:
-                self.dec.prefill(torch.tensor([ids], dtype=torch.int64), req.get("piece"))
-                source = "prefill"
-            docs[key] = (cache, ids, source == "disk")
-        cache, ids, on_disk = docs[key]
-        saved = False
-        if req.get("save") and req.get("dir") and ids and not on_disk:  # write-through: a restart keeps it
-            self._save_cache(cache, ids, Path(req["dir"]) / key, {**req["save_meta"], "nonce": key[:8]})
-            docs[key] = (cache, ids, True)
-            saved = True
-        self._activate(cache, ids)
-        evicted, spilled = [], []
-        budget = req.get("budget")
-        while budget is not None and len(docs) > 1 and sum(c.nbytes() for c, _, _ in docs.values()) > budget:
-            old = next(iter(docs))  # least recently used; never the one just made current
-            c, old_ids, on_disk = docs.pop(old)
-            if req.get("dir") and not on_disk and old_ids:
-                self._save_cache(c, old_ids, Path(req["dir"]) / old, {**req["save_meta"], "nonce": old[:8]})
-                spilled.append(old)
-            evicted.append(old)
+        doc = self.documents.get(req)
+        source = doc.source
+        self.documents.complete(doc)
+        self._activate(doc.cache, doc.ids)
+        self.documents.evict(req.get("budget"), keep=doc)
+        changes = self.documents.take_changes()
         if self.lead:
-            self.ctx.send("doc_ready", {"key": key, "source": source, "tokens": len(ids), "saved": saved,
-                                        "seconds": time.perf_counter() - t0, "evicted": evicted, "spilled": spilled,
-                                        "resident_bytes": sum(c.nbytes() for c, _, _ in docs.values())})
+            self.ctx.send("doc_ready", {"key": doc.key, "source": source, "tokens": len(doc.ids),
+                                        "saved": doc.key in changes["saved"], "seconds": time.perf_counter() - t0,
+                                        "evicted": changes["evicted"], "spilled": changes["spilled"],
+                                        "resident_bytes": self.documents.nbytes()})
 
-    def _new_cache(self, tokens: int) -> ShardedKVCache:
+    def new_cache(self, tokens: int) -> ShardedKVCache:
+        """An empty cache for a document of ``tokens`` tokens (stored like the engine's)."""
         c = self.cache
         return ShardedKVCache(c.num_layers, 1, c.kv_heads, c.head_dim, dtype=c.dtype, device=c.device, rank=c.rank,
                               world=c.world, capacity=math.ceil(tokens / self.mesh.cp) + 2, static=c.static,
@@ -348,12 +353,12 @@ class Engine:
 
     def _op_save(self, req):
         t0 = time.perf_counter()
-        self._save_cache(self.cache, self.ids, Path(req["dir"]), req)
+        self.save_cache(self.cache, self.ids, Path(req["dir"]), req)
         if self.lead:
             self.ctx.send("saved", {"dir": str(req["dir"]), "tokens": len(self.ids),
                                     "seconds": time.perf_counter() - t0})
 
-    def _save_cache(self, cache, ids, target: Path, meta: dict) -> None:
+    def save_cache(self, cache, ids, target: Path, meta: dict) -> None:
         """Every rank's shard of ``cache`` (holding ``ids``) to ``target`` (kvstore.py):
         written under a temporary name, renamed once complete; ``meta``: identity, composition,
         nonce."""
