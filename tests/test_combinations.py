@@ -2,7 +2,7 @@
 a step is computed (tests/combos.py draws and runs them), each answer against the same request
 alone, and against transformers' greedy decode where that applies.
 
-CI runs the first 40 seeds and the regression seeds (ranks start once per rank set).
+CI runs the first 40 seeds, the regression seeds and the coverage seeds (ranks start once per rank set).
 The long run:  TREEATTN_COMBOS=500 pytest tests/test_combinations.py   (or python tests/combos.py --seeds 500)
 One case:      TREEATTN_COMBO_SEEDS=39 pytest tests/test_combinations.py   (or python tests/combos.py --seed 39)
 """
@@ -25,6 +25,12 @@ REGRESSIONS = {
 }
 
 
+# Seeds that exercise a path the first 40 miss (seed: what it adds).
+COVERAGE = {
+    134: "documents evicted to disk at once (a budget of one byte) and loaded back when asked again",
+}
+
+
 def _seeds() -> tuple[list[int], bool]:
     """The seeds to run and whether they are CI's default set (whose coverage is checked)."""
     explicit = os.environ.get("TREEATTN_COMBO_SEEDS")
@@ -32,7 +38,7 @@ def _seeds() -> tuple[list[int], bool]:
         return [int(x) for x in explicit.replace(",", " ").split()], False
     n = int(os.environ.get("TREEATTN_COMBOS", "40"))
     first = int(os.environ.get("TREEATTN_COMBO_FIRST", "0"))
-    return sorted(set(range(first, first + n)) | set(REGRESSIONS)), n >= 40
+    return sorted(set(range(first, first + n)) | set(REGRESSIONS) | set(COVERAGE)), n >= 40
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +61,9 @@ def test_every_answer_equals_the_same_request_alone(outcome):
 def test_the_configurations_meet_where_defects_live(outcome):
     """The run exercised what it claims to: drafts kept and rejected, slots refilled while other
     slots' drafts were verified, requests joining a running batch and cancelled, a cache saved
-    on other ranks, a document from the server's memory, short questions, every mesh, family,
-    route and KV storage."""
+    on other ranks, a document from the server's memory, short questions, rows of several
+    documents in one step, a document prefilled while others decode, documents evicted to disk
+    and loaded back, every mesh, family, route and KV storage."""
     configs, results, _, _, default = outcome
     if not default:
         pytest.skip("coverage is checked on the default seed set")
@@ -65,8 +72,9 @@ def test_the_configurations_meet_where_defects_live(outcome):
         seen |= combos.features(c, results[seed])
     need = {"drafts accepted", "drafts rejected", "slots refilled while drafting", "joined a running batch",
             "cancelled", "reloaded on other ranks", "document from memory", "question shorter than the shards",
-            "sampling", "chunked prefill", "kv:fp8", "kv:auto"}
-    need |= {f"route:{r}" for r in ("batch", "serve", "conversation", "sequential")}
+            "sampling", "chunked prefill", "kv:fp8", "kv:auto", "documents mixed in a step",
+            "document prefilled while others decode", "document evicted to disk and loaded back"}
+    need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)
 

@@ -204,6 +204,45 @@ def test_concurrent_clients_get_the_answers_they_get_alone(server):
     assert after["joined"] - before["joined"] >= 1, (before, after)  # latecomers joined the running batch
 
 
+def test_requests_about_other_documents_share_the_running_steps(server):
+    """While one client streams a long answer about document A, a request about document B
+    (cached) and one about a new document C join its batch: their rows share A's decode
+    steps, C's document is prefilled between them (the stats say both happened), and every
+    answer equals the same request alone."""
+    c, url = server["client"], server["url"]
+    words = DOC.split()
+    docs = {"A": _doc("mixed A"), "B": " ".join(reversed(words)), "C": " ".join(words[1::2] + words[::2])}
+    prompts = [docs["A"] + "\n\nTell all.", docs["B"] + "\n\nWhich toll is first?",
+               docs["C"] + "\n\nWhich arch?"]
+    sizes = [400, NEW, NEW]
+    alone = [c.completions.create(model="m", prompt=p, max_tokens=n).choices[0] for p, n in zip(prompts[:2], sizes)]
+    assert alone[0].finish_reason == "length", "the long answer must outlast the others"
+    got = [None] * 3
+    began = threading.Event()
+
+    def ask(i):
+        parts = []
+        for ch in c.completions.create(model="m", prompt=prompts[i], max_tokens=sizes[i], stream=True):
+            if ch.choices:
+                parts.append(ch.choices[0].text)
+                began.set()
+        got[i] = "".join(parts)
+
+    before = _stats(url)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    threads[0].start()
+    assert began.wait(120), "the first stream never began"
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    after = _stats(url)
+    alone.append(c.completions.create(model="m", prompt=prompts[2], max_tokens=NEW).choices[0])  # C now cached
+    assert got == [a.text for a in alone]
+    assert after["mixed_batches"] > before["mixed_batches"], (before, after)
+    assert after["segments_while_decoding"] > before["segments_while_decoding"], (before, after)
+
+
 def test_a_client_that_leaves_cancels_its_request(server):
     """A client that leaves mid-answer: the engine ends that answer and frees its slot (the
     stats count it as cancelled), and the next request is answered."""
