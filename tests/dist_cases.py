@@ -557,3 +557,54 @@ def triton_sessions(ctx, sessions):
         os.environ.pop("TREEATTN_KERNEL", None)
         PT.partial_attention_triton = real
     return (out if ctx.rank == 0 else None), runs
+
+
+def document_by_segments(ctx, job, doc, piece):
+    """A document made resident a segment at a time (``documents.Documents``) and the same
+    tokens prefilled in one call with the same ``piece``: rank 0 returns whether every rank's
+    keys, values and positions are bitwise equal, and how many segments the first took."""
+    import torch
+
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    d = eng.documents.get({"key": "k", "ids": doc, "piece": piece})
+    segs = len(d.todo)
+    eng.documents.complete(d)
+    other = eng.new_cache(len(doc))
+    eng._activate(other, [])
+    eng.dec.prefill(torch.tensor([doc]), piece)
+    same = d.cache.max_len == other.max_len and all(
+        torch.equal(a[:, :, :other.max_len], b[:, :, :other.max_len])
+        for a, b in zip(d.cache.k + d.cache.v, other.k + other.v)) and \
+        torch.equal(d.cache.pos[:, :other.max_len], other.pos[:, :other.max_len]) and \
+        torch.equal(d.cache.counts, other.counts)
+    every = eng.world.all_gather_values([int(same)])
+    return (bool(every.min()), segs) if ctx.rank == 0 else None
+
+
+def engine_mixed(ctx, job, docs, questions, slots, new):
+    """One batch of ``questions`` (``(document index, ids)``) over several ``docs``, ``slots``
+    at a time, the documents made resident by the batch: rank 0 returns the token ids per
+    question and the batch_done event."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.sampling import Sampling
+
+    got, done = {}, []
+
+    def emit(kind, p):
+        if kind == "banswer":
+            got[p[0]] = p[1]["token_ids"]
+        elif kind == "batch_done":
+            done.append(p)
+
+    real, ctx.emit = ctx.emit, emit
+    try:
+        Engine(ctx, job).serve([{"op": "batch", "slots": slots, "max_new_tokens": new, "piece": 8,
+                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off",
+                                 "questions": [{"ids": q, "doc": {"key": f"d{d}", "ids": docs[d]}}
+                                               for d, q in questions]},
+                                {"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return ([got.get(i) for i in range(len(questions))], done) if ctx.rank == 0 else None

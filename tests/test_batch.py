@@ -141,3 +141,27 @@ def test_chat_batch_with_drafts_refilling_slots_equals_one_at_a_time(tmp_path):
     assert max(gaps) < 1e-4, gaps
     spec = [r["speculation"] for r in many]
     assert sum(s["accepted"] for s in spec) > 0 and any(s["drafted"] > s["accepted"] for s in spec), spec
+
+
+def test_questions_over_several_documents_share_steps_and_equal_transformers(models):
+    """One batch, questions over three documents (one shorter than the others), fewer slots than
+    questions, each document prefilled by the batch eight tokens per rank per segment: every
+    answer is transformers' greedy decode of its document and question, rows of several
+    documents shared steps, and documents were prefilled while other answers decoded."""
+    paths, _ = models
+    docs = [DOC, DOC[::-1][:41], [(7 * i + 3) % 200 + 30 for i in range(60)]]
+    qs = [(0, QS[0]), (1, QS[1]), (2, QS[2]), (1, QS[3]), (0, QS[4])]
+    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    got, done = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 3, NEW, timeout_s=120)[0]
+    assert got == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in qs]
+    assert done[0]["documents_per_step"] >= 2 and done[0]["segments_while_decoding"] >= 1, done
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_document_prefilled_a_segment_at_a_time_holds_the_same_numbers(models, world):
+    """documents.Documents prefills a document one segment per call (a batch decodes between
+    them): the cache it holds equals, bit for bit, one prefill call with the same segments."""
+    paths, _ = models
+    job = GenerateJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
+    same, segs = run_local(dist_cases.document_by_segments, world, job, DOC, 5, timeout_s=120)[0]
+    assert same and segs > 1

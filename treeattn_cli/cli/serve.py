@@ -395,7 +395,9 @@ def serve_command(o: ServeOptions) -> int:
         raise ValueError("serve starts its own local ranks; it does not run under torchrun")
     run = prepare_run(o)
     o.max_new_tokens = o.max_new_tokens or 256
-    job = run.job(o, [], reserve=max(run.context or 4096, 64))
+    # nothing reserved for the model's whole context: each document's cache is sized to it
+    # (engine/documents.py); the engine's own holds requests without a document and grows as they need
+    job = run.job(o, [], reserve=64)
     srv = Server(o, run, job)
     warning = bind_warning(o.host, o.port, o.api_key)
     if warning:
