@@ -345,3 +345,19 @@ def test_saved_documents_of_another_kv_dtype_are_named_at_start(tmp_path):
     assert "fp8_e4m3fn" in lines[0] and "dequantized" in lines[0]
     assert index.conversions("fp8_e4m3fn")[0].startswith("1 saved document(s)")
     assert "rounded to fp8 (lossy)" in index.conversions("fp8_e4m3fn")[0]
+
+
+def test_a_document_that_cannot_fit_even_alone_is_refused_with_the_numbers():
+    """The admission rule behind HTTP 400 ``document_too_large``: a document part whose KV per
+    rank exceeds --cache-bytes is refused with its size and the limit; one that fits alone is
+    taken (others leave memory first); short document parts are not cached, so never refused."""
+    from treeattn_cli.cli.serve import MIN_DOCUMENT, document_too_large
+
+    per_token = 131072  # Llama-3.1-8B in bf16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+    line = document_too_large(1_000_000, per_token, nproc=8, tp=1, cache_bytes=8 << 30)
+    assert line == ("the document part of this request (1000000 tokens) needs 15625.0 MiB of KV cache per rank; "
+                    "this server keeps at most 8192.0 MiB per rank (--cache-bytes)")
+    assert document_too_large(500_000, per_token, nproc=8, tp=1, cache_bytes=8 << 30) is None  # 7.6 GiB per rank
+    assert document_too_large(1_000_000, per_token, nproc=16, tp=2, cache_bytes=8 << 30) is None  # tp splits heads
+    assert document_too_large(1_000_000, per_token, nproc=4, tp=1, cache_bytes=8 << 30) is not None
+    assert document_too_large(MIN_DOCUMENT - 1, per_token, nproc=1, tp=1, cache_bytes=1) is None

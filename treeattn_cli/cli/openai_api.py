@@ -195,6 +195,9 @@ def build_app(srv) -> FastAPI:
                 raise BadRequest(f"This model's maximum context length is {srv.context} tokens; the request has "
                                  f"{len(ids)} prompt tokens and asks for {max_tokens} more", "max_tokens",
                                  code="context_length_exceeded")
+            too_large = srv.too_large(doc)
+            if too_large:
+                raise BadRequest(too_large, "messages" if chat else "prompt", code="document_too_large")
         except BadRequest as e:
             return _error(e.status, str(e), e.param, e.code)
         except PromptError as e:

@@ -141,6 +141,21 @@ class DocIndex:
         return "", 0
 
 
+def document_too_large(doc_tokens: int, bytes_per_token: int, nproc: int, tp: int, cache_bytes: int) -> str | None:
+    """Why a request's document part cannot be held even alone (one line with the numbers), or
+    None: its KV on each rank (``bytes_per_token``: all ranks together, as
+    ``Run.kv_bytes_per_token`` counts it) exceeds ``--cache-bytes``. A document that fits
+    alone always gets in: others leave memory first."""
+    if doc_tokens < MIN_DOCUMENT:
+        return None
+    cp = max(1, nproc // tp)
+    per_rank = bytes_per_token * -(-doc_tokens // cp) // tp
+    if per_rank <= cache_bytes:
+        return None
+    return (f"the document part of this request ({doc_tokens} tokens) needs {per_rank / 2**20:.1f} MiB of KV cache "
+            f"per rank; this server keeps at most {cache_bytes / 2**20:.1f} MiB per rank (--cache-bytes)")
+
+
 class Scheduler(threading.Thread):
     """Turns jobs into one open engine batch over every document (see the module's docstring)."""
 
@@ -354,6 +369,11 @@ class Server:
         self.stats.add("requests")
         self.scheduler.submit(job)
         return job
+
+    def too_large(self, doc_tokens: int) -> str | None:
+        """:func:`document_too_large` for this server."""
+        o = self.o
+        return document_too_large(doc_tokens, self.run.kv_bytes_per_token(o.tp), self.run.nproc, o.tp, o.cache_bytes)
 
     def fail(self, reason: str) -> None:
         self._failed = self._failed or reason
