@@ -31,8 +31,9 @@ from .decode import segments
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
 # pause a new document puts between the tokens of answers under way is one segment (on the
-# project's 2-core CPU box, 512 tokens of the embedded model on 2 ranks take about 1 s).
-PIECE = {"cpu": 256, "cuda": 4096}
+# project's 2-core CPU box, a segment of 2 x 256 tokens of the embedded model took 1.3-1.6 s;
+# 2 x 128 about half that).
+PIECE = {"cpu": 128, "cuda": 4096}
 
 
 @dataclass
