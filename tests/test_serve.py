@@ -282,7 +282,8 @@ def test_bad_requests_get_an_error_object_and_the_server_keeps_serving(server, b
 
 
 def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model, tmp_path):
-    """A server of its own: SIGTERM during an answer: the stream ends with its [DONE] within
+    """A server of its own: SIGTERM during a request (its document being prefilled, or its answer
+    streaming): the stream ends with its [DONE] within
     seconds (the README's promise; bound here at a generous 30 s for a loaded 2-core machine) and
     the process tree is gone. A new server on the same --cache-dir continues the saved document
     on its first request. A rank killed outright: /health and requests turn 503 with the reason."""
@@ -293,10 +294,14 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model
     url = f"http://127.0.0.1:{port}"
     try:
         tree = descendants(proc.pid)
+        c1 = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        c1.completions.create(model="m", prompt=doc + "\n\nWhich toll?", max_tokens=2)  # the document, saved
         with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60,
-                          json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400,
+                          json={"model": "m", "prompt": _doc("sigterm, new") + "\n\nTell all.", "max_tokens": 400,
                                 "stream": True}) as r:
             lines = r.iter_lines()
+            # the stream's first chunk comes at once: the signal lands while the new document is
+            # prefilled or while it is answered, and either way the stream ends with its [DONE]
             next(x for x in lines if x.startswith("data: {"))
             proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()

@@ -319,10 +319,16 @@ class Scheduler(threading.Thread):
                     if payload.get("documents_per_step", 0) > 1:
                         srv.stats.add("mixed_batches")  # rows of several documents shared a step
                     srv.stats.add("segments_while_decoding", payload.get("segments_while_decoding", 0))
+                    again = [j for late in joins[payload.get("joins", 0):] for j in late]
                     for late in joins[payload.get("joins", 0):]:  # joined too late for this batch: next one
                         srv.stats.add("joined", -len(late))
                         with self.cv:
                             self.pending.extendleft(reversed(late))
+                    for j in by_index.values():  # taken, never begun (the batch was interrupted while
+                        if not j.finished and j not in again:  # its document was being prefilled)
+                            j.finished = True
+                            srv.stats.ended("interrupted")
+                            j.deliver("done", {"token_ids": [], "stop_reason": "interrupted"})
                     return
         finally:
             self.batch_seq = None
