@@ -74,6 +74,7 @@ class Config:
     again: bool = False  # serve: a second batch over the same document (now in memory), after another document
     docs: list = field(default_factory=list)  # mixed: [start, length] of each document in the family's; q["doc"]
     budget: int | None = None  # mixed: bytes of resident documents per rank (tiny: evicted to disk, loaded back)
+    tight: bool = False  # mixed: the block pool holds the largest document alone (the others wait their turn)
 
     @property
     def world(self) -> int:
@@ -94,7 +95,7 @@ class Config:
         extra = [f"chunk={self.chunk}" if self.chunk else "", f"reload<-cp{self.reload_cp}" if self.reload_cp else "",
                  f"joins={self.joins}" if self.joins else "", f"cancels={self.cancels}" if self.cancels else "",
                  "again" if self.again else "", f"docs={self.docs}" if self.docs else "",
-                 f"budget={self.budget}" if self.budget is not None else "",
+                 f"budget={self.budget}" if self.budget is not None else "", "tight" if self.tight else "",
                  "" if self.greedy else f"T={self.sampling['temperature']},k={self.sampling['top_k']},"
                                         f"seed={self.sampling['seed']}"]
         return (f"seed={self.seed} {self.family} cp={self.cp} tp={self.tp} {self.scheme} kv={self.kv} "
@@ -209,7 +210,8 @@ def d_mixed(rng, c, fx):
     """Half the server's configurations ask about several documents at once: one open batch,
     each question over its own document (a new one is prefilled a segment per step while the
     others decode); sometimes the documents leave memory at once (a budget of one byte), saved
-    to disk and loaded back when asked again. Drawn last, so the other dimensions draw what
+    to disk and loaded back when asked again; sometimes the block pool holds only the largest
+    document, so a document waits for blocks until the questions over another one end. Drawn last, so the other dimensions draw what
     they drew before it existed (the regression seeds keep their configurations)."""
     if c.route != "serve" or rng.random() < 0.5:
         return
@@ -220,6 +222,7 @@ def d_mixed(rng, c, fx):
         q["doc"] = rng.randrange(len(c.docs))
     if rng.random() < 0.3:
         c.budget = 1
+    c.tight = rng.random() < 0.3
 
 
 def doc_of(c: Config, fx: dict, i: int) -> list:
@@ -354,6 +357,11 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
     spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
     if c.route == "mixed":  # each question names its document; the batch makes them resident
         spec["piece"] = c.chunk
+        if c.tight:  # blocks for the largest document's shard on one rank, no more
+            from treeattn_cli.engine.documents import PAGE
+
+            longest = max(n for _, n in c.docs)
+            spec["pool_blocks"] = -(-(-(-longest // c.cp)) // PAGE)
         if c.budget is not None:
             from treeattn_cli.engine.kvstore import model_identity
 
@@ -613,6 +621,8 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("documents mixed in a step")
     if any(b.get("segments_while_decoding") for b in batches):
         out.add("document prefilled while others decode")
+    if any(b.get("pool_waits") for b in batches):
+        out.add("a document waited for blocks")
     if r["events"].get("spilled") and "disk" in r["events"].get("sources", []):
         out.add("document evicted to disk and loaded back")
     return out

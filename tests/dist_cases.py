@@ -560,9 +560,10 @@ def triton_sessions(ctx, sessions):
 
 
 def document_by_segments(ctx, job, doc, piece):
-    """A document made resident a segment at a time (``documents.Documents``) and the same
-    tokens prefilled in one call with the same ``piece``: rank 0 returns whether every rank's
-    keys, values and positions are bitwise equal, and how many segments the first took."""
+    """A document made resident a segment at a time (``documents.Documents``: in the block
+    pool) and the same tokens prefilled in one call with the same ``piece`` into a plain cache:
+    rank 0 returns whether every rank's keys, values and positions are bitwise equal (and those
+    of the plain copy the ``doc`` op continues), how many segments the first took, and its kind."""
     import torch
 
     from treeattn_cli.engine.engine import Engine
@@ -574,13 +575,20 @@ def document_by_segments(ctx, job, doc, piece):
     other = eng.new_cache(len(doc))
     eng._activate(other, [])
     eng.dec.prefill(torch.tensor([doc]), piece)
-    same = d.cache.max_len == other.max_len and all(
-        torch.equal(a[:, :, :other.max_len], b[:, :, :other.max_len])
-        for a, b in zip(d.cache.k + d.cache.v, other.k + other.v)) and \
-        torch.equal(d.cache.pos[:, :other.max_len], other.pos[:, :other.max_len]) and \
-        torch.equal(d.cache.counts, other.counts)
+    same = d.cache.max_len == other.max_len and torch.equal(d.cache.counts, other.counts) and all(
+        torch.equal(x, y) for layer in range(other.num_layers)
+        for x, y in zip(d.cache.view(layer), other.view(layer)))  # k, v, length, positions
+    ctx.emit, real = (lambda kind, p: None), ctx.emit
+    try:  # the doc op continues a pooled document in a private plain copy of it
+        eng.serve([{"op": "doc", "key": "k", "ids": doc}])
+    finally:
+        ctx.emit = real
+    copy = eng.cache
+    same = same and copy is not d.cache and all(
+        torch.equal(x, y) for layer in range(other.num_layers)
+        for x, y in zip(copy.view(layer), other.view(layer)))
     every = eng.world.all_gather_values([int(same)])
-    return (bool(every.min()), segs) if ctx.rank == 0 else None
+    return (bool(every.min()), segs, type(d.cache).__name__) if ctx.rank == 0 else None
 
 
 def engine_mixed(ctx, job, docs, questions, slots, new):

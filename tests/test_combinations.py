@@ -63,7 +63,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
     slots' drafts were verified, requests joining a running batch and cancelled, a cache saved
     on other ranks, a document from the server's memory, short questions, rows of several
     documents in one step, a document prefilled while others decode, documents evicted to disk
-    and loaded back, every mesh, family, route and KV storage."""
+    and loaded back, a document waiting for blocks of a full pool, every mesh, family, route and
+    KV storage."""
     configs, results, _, _, default = outcome
     if not default:
         pytest.skip("coverage is checked on the default seed set")
@@ -73,7 +74,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
     need = {"drafts accepted", "drafts rejected", "slots refilled while drafting", "joined a running batch",
             "cancelled", "reloaded on other ranks", "document from memory", "question shorter than the shards",
             "sampling", "chunked prefill", "kv:fp8", "kv:auto", "documents mixed in a step",
-            "document prefilled while others decode", "document evicted to disk and loaded back"}
+            "document prefilled while others decode", "document evicted to disk and loaded back",
+            "a document waited for blocks"}
     need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)

@@ -54,7 +54,7 @@ SERVE_FLAGS = (
     Flag("served_model_name", Optional[str], None, "The model's name in the API (default: the model directory's)."),
     Flag("api_key", Optional[str], None, "Require 'Authorization: Bearer KEY' on /v1 requests."),
     Flag("cache_dir", Optional[str], None, "Save each document's sharded KV cache here as it is made (a restart finds them)."),
-    Flag("cache_bytes", int, 8 << 30, "Bytes of documents' KV cache each rank keeps in memory (least recently used leave first)."),
+    Flag("cache_bytes", Optional[int], None, "Bytes of each rank's KV block pool for documents, allocated at the first one (default: 512 MiB on a CPU, 8 GiB on a GPU); least recently used documents leave when it is full."),
     Flag("batch", int, 8, "Requests that decode together (about any documents; more wait for a free slot)."),
 )
 RUN_FLAGS = (
@@ -169,7 +169,7 @@ class ServeOptions(GenerateOptions):
     served_model_name: str | None = None
     api_key: str | None = None
     cache_dir: str | None = None
-    cache_bytes: int = 8 << 30  # per rank
+    cache_bytes: int | None = None  # per rank (None: engine.documents.POOL_BYTES of the device)
     batch: int = 8
 
 
@@ -177,8 +177,8 @@ def check_serve_flags(o: ServeOptions) -> None:
     check_flags(o)
     if not 0 < o.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {o.port}")
-    if o.cache_bytes < 0:
-        raise ValueError(f"--cache-bytes must be >= 0, got {o.cache_bytes}")
+    if o.cache_bytes is not None and o.cache_bytes < 1 << 20:
+        raise ValueError(f"--cache-bytes must be at least 1 MiB (1048576), got {o.cache_bytes}")
 
 
 @dataclass

@@ -240,7 +240,7 @@ class Scheduler(threading.Thread):
         """The open batch's options: slots, the document budget and the cache directory."""
         srv = self.server
         req = {"op": "batch", "seq": srv.client.seq, "slots": srv.o.batch, "open": True, "interruptible": True,
-               "budget": srv.o.cache_bytes, "piece": srv.o.prefill_chunk}
+               "budget": srv.o.cache_bytes, "pool": srv.o.cache_bytes, "piece": srv.o.prefill_chunk}
         if srv.docs.dir is not None:
             req.update(dir=str(srv.docs.dir), save=True, save_meta=srv.save_meta)
         return req
@@ -421,6 +421,10 @@ def serve_command(o: ServeOptions) -> int:
         raise ValueError("serve starts its own local ranks; it does not run under torchrun")
     run = prepare_run(o)
     o.max_new_tokens = o.max_new_tokens or 256
+    if o.cache_bytes is None:
+        from ..engine.documents import POOL_BYTES
+
+        o.cache_bytes = POOL_BYTES.get(run.kind, POOL_BYTES["cuda"])
     # nothing reserved for the model's whole context: each document's cache is sized to it
     # (engine/documents.py); the engine's own holds requests without a document and grows as they need
     job = run.job(o, [], reserve=64)

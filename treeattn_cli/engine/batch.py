@@ -45,6 +45,7 @@ class Question:
     logprobs: int | None = None  # report each token's logprob and this many top alternatives (rank 0)
     doc: object = None  # documents.Document it continues (resident, or pending a prefill)
     source: str = "memory"  # how its document became resident when it asked: memory, disk, prefill
+    doc_spec: dict | None = None  # what documents.Documents.get takes to make its document resident again
 
 
 @dataclass
@@ -64,6 +65,7 @@ class _Slot:
     logprobs: list = field(default_factory=list)  # rank 0: sampling.token_logprobs of each token, when asked
     doc: object = None  # the question's documents.Document
     doc_tokens: int = 0  # its tokens: the question's first position
+    started: bool = True  # took a slot (False: cancelled before it began)
 
 
 class BatchDecoder:
@@ -120,29 +122,46 @@ class BatchDecoder:
 
         def finish(s: _Slot, reason):
             if documents is not None:
-                documents.release(questions[s.question].doc)
+                documents.release(questions[s.question].doc, running=s.started)
             out[s.question] = self._summary(s, reason)
             if lead and on_answer is not None:
                 lp = {"logprobs": s.logprobs} if questions[s.question].logprobs is not None else {}
                 on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens), **lp})
 
         while True:
-            pending = next((questions[qi].doc for qi in queue if not questions[qi].doc.ready), None)
+            for qi in queue:  # a queued question's document left memory (the pool needed room): ask again
+                q = questions[qi]
+                if q.doc.evicted and documents is not None:
+                    documents.release(q.doc)
+                    q.doc = documents.get(q.doc_spec)
+                    documents.use(q.doc)
+                    q.source = q.doc.source if q.doc.ready else "prefill"
+            pending = next((questions[qi].doc for qi in queue if questions[qi].doc.todo
+                            and not questions[qi].doc.evicted), None)
+            blocked = False  # the pool has no room for it while other documents are in use
             if pending is not None:  # one segment of the first document a queued question waits for
-                documents.advance(pending)
-                self.segments_while_decoding += any(slots)
+                blocked = not documents.advance(pending)
+                self.segments_while_decoding += any(slots) and not blocked
+                if blocked and not any(slots):  # nothing will end to make room: it can never fit
+                    raise RuntimeError(f"the documents' KV pool ({documents.pool.num_blocks} blocks of "
+                                       f"{documents.pool.page} tokens per rank) cannot hold a document of "
+                                       f"{len(pending.ids)} tokens")
             free = [b for b in range(S) if slots[b] is None]
             new = []
             for qi in list(queue):
                 q = questions[qi]
                 if not free:
                     break
-                if not q.doc.ready:
+                if not q.doc.ready:  # later questions go first, unless this one waits for blocks:
+                    if blocked:  # then nothing behind it starts (the documents in use finish, it gets room)
+                        break
                     continue
                 queue.remove(qi)
                 b = free.pop(0)
                 slots[b] = _Slot(qi, len(q.ids), torch.Generator(device=dec.device).manual_seed(q.sampling.seed)
                                  if lead else None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens)
+                if documents is not None:
+                    documents.start(q.doc)
                 if lead:
                     slots[b].spec = Speculation.for_answer(q.speculate, q.sampling, cost)
                     slots[b].drafter = drafter(q.doc, q.ids) if drafter and slots[b].spec.mode != "off" else None
@@ -207,7 +226,7 @@ class BatchDecoder:
                     queue.remove(qi)
                     q = questions[qi]
                     finish(_Slot(qi, len(q.ids), None, time.perf_counter(), t0, doc=q.doc,
-                                 doc_tokens=q.doc.tokens if q.doc.ready else 0), "cancelled")
+                                 doc_tokens=q.doc.tokens if q.doc.ready else 0, started=False), "cancelled")
             now = time.perf_counter()
             going = [False] * S
             nxt_all: list[list[int]] = [[] for _ in range(S)]

@@ -358,6 +358,10 @@ class ShardedKVCache:
         for x, store in ((k, self.k), (v, self.v), (scales[0], self.ks), (scales[1], self.vs)):
             store[layer][index] = x.to(store[layer].device)
 
+    def layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        """``k, v`` (and fp8 ``ks, vs``) of a layer, ``[B, H_kv, capacity + 1, X]`` (what a save reads)."""
+        return [self.k[layer], self.v[layer]] + ([self.ks[layer], self.vs[layer]] if self.quant is not None else [])
+
     def view(self, layer: int):
         """``(k, v [B, H_kv, L, d], kv_len [B], pos [B, L])`` of this rank without a new token."""
         L = self.max_len

@@ -1,6 +1,14 @@
 """The documents this rank holds: one sharded cache each, made resident from memory, disk or a
 prefill that runs a segment at a time (DESIGN.md §12).
 
+A batch's documents live in the rank's block pool (``pool.BlockPool``, sized once: ``pool``
+bytes, else :data:`POOL_BYTES` for the device; ``paged_shard.PagedShard``): they take the blocks
+their tokens fill, and an evicted document gives its blocks back. Before each prefill segment the
+ranks agree that every one of them has the blocks it needs (evicting unused documents first);
+when they have not, the document waits, and the answers under way go on. A document shorter than
+the number of sequence shards, and a document the engine continues itself (the ``doc`` op: a
+private copy it appends to), use a plain ``cache.ShardedKVCache``.
+
 A document is the cached prefix that questions continue (a server's document, chat's prompt).
 :meth:`Documents.get` makes one resident: from memory if held; from a saved cache
 (``kvstore``) if one is on disk; else it is *pending* and :meth:`Documents.advance` prefills it
@@ -10,7 +18,7 @@ new document never stalls running answers for longer than one segment). The segm
 document prefilled a segment at a time holds exactly the numbers it holds prefilled at once.
 
 Documents in use (counted by :meth:`use` / :meth:`release`: questions queued or answering) are
-never evicted; the others leave least recently used first when the resident documents exceed
+never evicted by the byte budget, and those answered over (:meth:`start`) never at all; the others leave least recently used first when the resident documents exceed
 the byte budget, saved to the cache directory first when they are not there yet (a restart, or
 a later question, loads them back). Every rank makes the same calls in the same order (the
 batch's questions travel to all ranks), so they hold the same documents.
@@ -28,12 +36,19 @@ import torch
 
 from .cache import ShardedKVCache
 from .decode import segments
+from .paged_shard import PagedShard
+from .pool import BlockPool
+from ..parallel.ring import chunk_bounds
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
 # pause a new document puts between the tokens of answers under way is one segment (on the
 # project's 2-core CPU box, a segment of 2 x 256 tokens of the embedded model took 1.3-1.6 s;
 # 2 x 128 about half that).
 PIECE = {"cpu": 128, "cuda": 4096}
+PAGE = 64  # tokens per block of the documents' pool (a power of two, a multiple of the split kernel's tile)
+# Bytes of the documents' pool per rank when the request names none: it is allocated (and zeroed) at
+# once; a GPU takes this much of its free memory at most.
+POOL_BYTES = {"cpu": 512 << 20, "cuda": 8 << 30}
 
 
 @dataclass
@@ -42,19 +57,23 @@ class Document:
 
     key: str | None  # None: the engine's current prefix (chat's prompt), not a cache entry
     ids: list
-    cache: ShardedKVCache
+    cache: ShardedKVCache | PagedShard
     todo: list = field(default_factory=list)  # prefill segments (start, end) of ids still to run
+    segs: list = field(default_factory=list)  # all of them
     source: str = "memory"  # how it became resident: memory, disk, prefill
     on_disk: bool = False
     save: dict | None = None  # write-through once complete: {"dir": d, "meta": {...}}
     users: int = 0  # questions queued or answering over it
+    running: int = 0  # of them, answering (in a slot)
+    evicted: bool = False  # left memory: its cache is gone (a queued question asks for it again)
     hits: int = 0
     t_start: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # to make it resident
 
     @property
     def ready(self) -> bool:
-        return not self.todo
+        """Resident and complete: questions over it can start."""
+        return not self.todo and not self.evicted
 
     @property
     def tokens(self) -> int:
@@ -70,16 +89,66 @@ class Documents:
         self.resident: OrderedDict[str, Document] = OrderedDict()
         self.changes = {"evicted": [], "spilled": [], "saved": []}  # since the last take_changes()
         self.spill_dir, self.spill_meta = None, None  # where an evicted document not yet saved goes
+        self.pool: BlockPool | None = None  # made at the first paged document
+        self.waits = 0  # segments a document waited for blocks (the pool was full of documents in use)
+
+    def _pool(self, spec: dict) -> BlockPool:
+        if self.pool is None:
+            c = self.engine.cache
+            if spec.get("pool_blocks"):  # an exact count (tests of a full pool)
+                self.pool = BlockPool(c.num_layers, c.kv_heads, c.head_dim, page=PAGE, num_blocks=spec["pool_blocks"],
+                                      dtype=c.dtype, device=c.device, quant=c.quant)
+                return self.pool
+            want = int(spec.get("pool") or POOL_BYTES.get(c.device.type, POOL_BYTES["cuda"]))
+            if c.device.type == "cuda":
+                want = min(want, int(0.9 * torch.cuda.mem_get_info(c.device)[0]))
+            self.pool = BlockPool.sized(want, c.num_layers, c.kv_heads, c.head_dim, page=PAGE, dtype=c.dtype,
+                                        device=c.device, quant=c.quant)
+        return self.pool
+
+    def _new(self, tokens: int, paged: bool, spec: dict):
+        eng = self.engine
+        if paged and tokens >= eng.mesh.cp:
+            return PagedShard(self._pool(spec), rank=eng.cache.rank, world=eng.cache.world)
+        return eng.new_cache(tokens)
+
+    def _room(self, doc: Document, add: int, evict: bool = True) -> bool:
+        """Whether every rank's pool has the blocks for ``add`` more tokens of ``doc`` on that
+        rank (``evict``: making room first by evicting documents no question answers over); the
+        same answer on every rank."""
+        cache = doc.cache
+        need = -(-(cache.table.length + add) // self.pool.page) - len(cache.table.blocks)
+        agreed = self.engine.world.all_true(need <= self.pool.available())
+        if not agreed and evict:
+            self._make_room(keep=doc)
+            agreed = self.engine.world.all_true(need <= self.pool.available())
+        return agreed
+
+    def _make_room(self, keep: Document) -> None:
+        """Every resident pooled document no question is answering over leaves memory (saved
+        first when it can be; queued questions over it ask for it again when they start)."""
+        for key in list(self.resident):
+            d = self.resident[key]
+            if d is keep or d.running or not isinstance(d.cache, PagedShard):
+                continue
+            if d.ready:
+                self._evict(key)
+            elif d.todo != d.segs:  # another pending document's blocks: it starts over when its turn comes
+                d.cache.free()
+                d.todo = list(d.segs)
 
     def nbytes(self) -> int:
-        return sum(d.cache.nbytes() for d in self.resident.values())
+        """Bytes of KV the resident documents hold per rank, counted from their token counts
+        (the same on every rank, so every rank evicts the same documents)."""
+        cp = self.engine.mesh.cp
+        return sum(-(-d.tokens // cp) * d.cache.bytes_per_token() for d in self.resident.values())
 
-    def get(self, spec: dict) -> Document:
+    def get(self, spec: dict, paged: bool = True) -> Document:
         """The document of ``spec`` (``key``, ``ids``; optional ``dir`` (the cache directory),
         ``manifest`` (of its saved copy), ``save`` + ``save_meta`` (write-through), ``piece``
         (tokens per rank per prefill segment, default :data:`PIECE`), ``budget`` (bytes per
-        rank)): resident, or
-        pending (:meth:`advance` prefills it)."""
+        rank), ``pool`` (bytes of the pool, when it is made; ``pool_blocks``: blocks)): resident, or pending
+        (:meth:`advance` prefills it). ``paged``: kept in the pool (else a plain cache)."""
         from . import kvstore
 
         key, ids = spec["key"], list(spec["ids"])
@@ -93,11 +162,16 @@ class Documents:
             return doc
         eng = self.engine
         t0 = time.perf_counter()
-        cache = eng.new_cache(len(ids))
+        cache = self._new(len(ids), paged, spec)
         saved = Path(spec["dir"]) / key if spec.get("dir") else None
         doc = Document(key, ids, cache, t_start=t0)
         if saved is not None and (saved / kvstore.MANIFEST).exists():
             manifest = spec.get("manifest") or json.loads((saved / kvstore.MANIFEST).read_text())  # ours: spilled
+            bounds = chunk_bounds(int(manifest["tokens"]["count"]), eng.mesh.cp)
+            mine = bounds[eng.mesh.cp_index + 1] - bounds[eng.mesh.cp_index]
+            if isinstance(cache, PagedShard) and not self._room(doc, mine, evict=False):
+                cache = doc.cache = eng.new_cache(len(ids))  # no free blocks: outside the pool (evicting
+                # others here could evict, in turn, the documents of the questions queued before it)
             kvstore.load_into(saved, manifest, cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index,
                               head0=eng.head0)
             doc.source, doc.on_disk = "disk", True
@@ -105,18 +179,28 @@ class Documents:
         else:
             doc.source = "prefill"
             piece = spec.get("piece") or PIECE.get(cache.device.type, PIECE["cuda"])
-            doc.todo = list(segments(len(ids), eng.mesh.cp, piece)) if ids else []
+            doc.segs = list(segments(len(ids), eng.mesh.cp, piece)) if ids else []
+            doc.todo = list(doc.segs)
         if spec.get("save") and spec.get("dir") and not doc.on_disk:
             doc.save = {"dir": spec["dir"], "meta": spec["save_meta"]}
         self.resident[key] = doc
         if doc.ready:
             self._complete(doc)
-        self.evict(spec.get("budget"))
+        self.evict(spec.get("budget"), keep=doc)
         return doc
 
     def advance(self, doc: Document) -> int:
-        """Prefill the next segment of a pending document; returns the tokens it took."""
+        """Prefill the next segment of a pending document; returns the tokens it took (0: it
+        waits, the pool being full of documents in use)."""
+        from .prefill import shard, size
+
         s0, s1 = doc.todo[0]
+        if isinstance(doc.cache, PagedShard):
+            eng = self.engine
+            mine = size(shard(s0, s1 - s0, eng.mesh.cp, balanced=eng.dec.sharding == "balanced")[eng.mesh.cp_index])
+            if not self._room(doc, mine):
+                self.waits += 1
+                return 0
         dec = self.engine.dec
         was = dec.cache
         dec.cache = dec.actx.cache = doc.cache
@@ -135,7 +219,9 @@ class Documents:
     def complete(self, doc: Document) -> None:
         """Every remaining segment of ``doc`` now."""
         while doc.todo:
-            self.advance(doc)
+            if not self.advance(doc):
+                raise RuntimeError(f"the documents' KV pool ({self.pool.num_blocks} blocks of {self.pool.page} tokens "
+                                   f"per rank) cannot hold a document of {len(doc.ids)} tokens")
 
     def _complete(self, doc: Document) -> None:
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
@@ -147,8 +233,14 @@ class Documents:
     def use(self, doc: Document) -> None:
         doc.users += 1
 
-    def release(self, doc: Document) -> None:
+    def release(self, doc: Document, running: bool = False) -> None:
         doc.users = max(0, doc.users - 1)
+        if running:
+            doc.running = max(0, doc.running - 1)
+
+    def start(self, doc: Document) -> None:
+        """A question over ``doc`` takes a slot: it stays in memory until that answer ends."""
+        doc.running += 1
 
     def evict(self, budget: int | None, keep: Document | None = None) -> list[str]:
         """Documents out of memory, least recently used first, until the resident ones fit
@@ -156,6 +248,9 @@ class Documents:
         one document alone may exceed the budget). One not saved yet is saved first when a
         cache directory is known."""
         out = []
+        for key in [k for k, d in self.resident.items() if not d.ready and not d.users and d is not keep]:
+            self._evict(key)  # a prefill nobody waits for any more (its questions were cancelled)
+            out.append(key)
         if budget is None:
             return out
         newest = next(reversed(self.resident), None)
@@ -165,14 +260,32 @@ class Documents:
             doc = self.resident[key]
             if doc.users or not doc.ready or doc is keep or key == newest:
                 continue
-            if not doc.on_disk and doc.ids and self.spill_dir is not None:
-                self.engine.save_cache(doc.cache, doc.ids, Path(self.spill_dir) / key,
-                                       {**self.spill_meta, "nonce": key[:8]})
-                doc.on_disk = True
-                self.changes["spilled"].append(key)
-            del self.resident[key]
-            self.changes["evicted"].append(key)
+            self._evict(key)
             out.append(key)
+        return out
+
+    def _evict(self, key: str) -> None:
+        doc = self.resident.pop(key)
+        if not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None:
+            self.engine.save_cache(doc.cache, doc.ids, Path(self.spill_dir) / key,
+                                   {**self.spill_meta, "nonce": key[:8]})
+            doc.on_disk = True
+            self.changes["spilled"].append(key)
+        if isinstance(doc.cache, PagedShard):
+            doc.cache.free()
+        doc.evicted = True
+        self.changes["evicted"].append(key)
+
+    def private_copy(self, doc: Document) -> ShardedKVCache:
+        """A plain cache holding ``doc``'s tokens (the engine continues it: appends its own)."""
+        src = doc.cache
+        if not isinstance(src, PagedShard):
+            return src
+        out = self.engine.new_cache(len(doc.ids))
+        out.begin_fill(src.pos[0], src.counts[0].tolist())
+        for layer in range(src.num_layers):
+            t = src.layer_tensors(layer)
+            out.fill_layer(layer, t[0], t[1], scales=(t[2], t[3]) if src.quant is not None else None)
         return out
 
     def take_changes(self) -> dict:

@@ -255,7 +255,8 @@ class Engine:
         from .batch import BatchDecoder, Question
 
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs")}
-        doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save") if req.get(k) is not None}
+        doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks")
+                        if req.get(k) is not None}
         here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
 
         def question(q) -> Question:
@@ -266,13 +267,15 @@ class Engine:
                 if self._tok is None and spec.get("stop"):
                     self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
                 stop_check = _stop_check(self._tok, spec.get("stop") or [], set(spec.get("eos_ids") or []))
-            doc, source = here, "memory"
+            doc, source, doc_spec = here, "memory", None
             if spec.get("doc"):
-                doc = self.documents.get({**doc_defaults, **spec["doc"]})
+                doc_spec = {**doc_defaults, **spec["doc"]}
+                doc = self.documents.get(doc_spec)
                 source = doc.source if doc.ready else "prefill"
             self.documents.use(doc)
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
-                            spec.get("speculate") or "off", stop_check, spec.get("logprobs"), doc=doc, source=source)
+                            spec.get("speculate") or "off", stop_check, spec.get("logprobs"), doc=doc, source=source,
+                            doc_spec=doc_spec)
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
@@ -307,6 +310,7 @@ class Engine:
                                          "seconds": time.perf_counter() - t0, "slots": bd.slots,
                                          "documents_per_step": bd.documents_per_step,
                                          "segments_while_decoding": bd.segments_while_decoding,
+                                         "pool_waits": self.documents.waits,
                                          "joins": feed.taken if feed else 0})
 
     def _op_doc(self, req):
@@ -317,10 +321,10 @@ class Engine:
         out is saved to ``req["dir"]`` first (``req["save_meta"]``), so it can come back. Rank 0
         reports ``doc_ready`` with where it came from and what left memory."""
         t0 = time.perf_counter()
-        doc = self.documents.get(req)
+        doc = self.documents.get(req, paged=False)
         source = doc.source
         self.documents.complete(doc)
-        self._activate(doc.cache, doc.ids)
+        self._activate(self.documents.private_copy(doc), doc.ids)  # a batch's pooled document: a copy
         self.documents.evict(req.get("budget"), keep=doc)
         changes = self.documents.take_changes()
         if self.lead:

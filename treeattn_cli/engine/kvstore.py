@@ -140,8 +140,11 @@ def _write_streamed(path: Path, entries, metadata: dict) -> None:
 
 
 def _rows(t, n: int):
-    """The bytes of ``t[:, :, :n]`` (``t [B, H, capacity, d]``) as contiguous pieces, no copy."""
+    """The bytes of ``t[:, :, :n]`` (``t [B, H, capacity, d]``, or a function returning it, called
+    when the pieces are read) as contiguous pieces, no copy."""
     def pieces():
+        nonlocal t
+        t = t() if callable(t) else t
         for b in range(t.shape[0]):
             for h in range(t.shape[1]):
                 yield t[b, h, :n]
@@ -154,13 +157,17 @@ def save_shard(tmp: Path, cache, *, cp_index: int, tp_index: int, head0: int) ->
     n = int(cache.host_length[0])
     shape = (cache.batch, cache.kv_heads, n, cache.head_dim)
     entries = []
+
+    def part(i: int, j: int):  # one layer's K, V (fp8: and their scales), read when written
+        return lambda: cache.layer_tensors(i)[j]
+
     for i in range(cache.num_layers):
-        entries.append((f"k.{i}", cache.dtype, shape, _rows(cache.k[i], n)))
-        entries.append((f"v.{i}", cache.dtype, shape, _rows(cache.v[i], n)))
+        entries.append((f"k.{i}", cache.dtype, shape, _rows(part(i, 0), n)))
+        entries.append((f"v.{i}", cache.dtype, shape, _rows(part(i, 1), n)))
         if cache.quant is not None:  # fp8: each row's scales, [B, H_kv, n, G] bf16
             sshape = shape[:3] + (cache.quant.groups,)
-            entries.append((f"ks.{i}", torch.bfloat16, sshape, _rows(cache.ks[i], n)))
-            entries.append((f"vs.{i}", torch.bfloat16, sshape, _rows(cache.vs[i], n)))
+            entries.append((f"ks.{i}", torch.bfloat16, sshape, _rows(part(i, 2), n)))
+            entries.append((f"vs.{i}", torch.bfloat16, sshape, _rows(part(i, 3), n)))
     entries.append(("pos", torch.int64, (n,), lambda: iter([cache.pos[0, :n]])))
     meta = {"cp_index": str(cp_index), "tp_index": str(tp_index), "kv_heads": f"{head0}:{head0 + cache.kv_heads}",
             "format": "pt"}

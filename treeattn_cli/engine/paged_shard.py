@@ -1,0 +1,156 @@
+"""A document's shard on this rank, kept in the rank's block pool (DESIGN.md §12; issue 35).
+
+:class:`PagedShard` is the face of one sequence's shard that prefill, the cascade and
+``kvstore`` use (the methods of a batch-1 ``cache.ShardedKVCache`` they call), its tokens in
+blocks of a :class:`pool.BlockPool` named by a :class:`pool.BlockTable`: nothing is reserved
+beyond the blocks its tokens fill, growth allocates blocks (nothing copied, nothing doubles), and
+freeing the document returns its blocks to the pool. Reads gather the table's blocks into a dense
+shard (``view``): what the reference and ATen kernels take; the paged split kernel reads the
+table itself. A document's tokens are written once (its prefill or a load) and read by many
+questions, whose own tokens live elsewhere (a batch's tail).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pool import BlockPool, BlockTable
+
+
+class PagedShard:
+    """One sequence's shard on this rank, in ``pool``'s blocks (see the module)."""
+
+    batch = 1
+    static = False
+
+    def __init__(self, pool: BlockPool, *, rank: int, world: int):
+        self.pool, self.table = pool, BlockTable(pool)
+        self.num_layers, self.kv_heads, self.head_dim = pool.num_layers, pool.kv_heads, pool.head_dim
+        self.device, self.quant, self.dtype = pool.device, pool.quant, pool.dtype
+        self.rank, self.world = rank, world
+        self.counts = torch.zeros(1, world, dtype=torch.int64)  # host: every rank's tokens
+        self._slots = torch.zeros(0, dtype=torch.int64)  # flat pool slot of each token, in shard order
+        self.n = 0  # tokens that count (a piece being appended counts after its last layer)
+        self._pending: torch.Tensor | None = None  # slots of the piece being appended (every layer)
+
+    # -- what a ShardedKVCache answers ----------------------------------------------------
+    @property
+    def k(self) -> list:
+        return self.pool.k
+
+    @property
+    def host_length(self) -> torch.Tensor:
+        return torch.tensor([self.n], dtype=torch.int64)
+
+    @property
+    def max_len(self) -> int:
+        return self.n
+
+    @property
+    def capacity(self) -> int:
+        return len(self.table.blocks) * self.pool.page
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks this shard holds (shared blocks counted in full)."""
+        return len(self.table.blocks) * self.pool.block_bytes
+
+    def bytes_per_token(self) -> int:
+        per = self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        if self.quant is not None:
+            per += 2 * self.quant.groups
+        return self.num_layers * 2 * self.kv_heads * per
+
+    def reserve(self, capacity: int) -> None:
+        """Nothing: blocks are taken as tokens arrive."""
+
+    def set_counts(self, counts) -> None:
+        c = torch.as_tensor(counts, dtype=torch.int64)
+        self.counts = (c.expand(1, self.world) if c.dim() == 1 else c).clone()
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.roundtrip(x)
+        if self.dtype != x.dtype:
+            return x.to(self.dtype).to(x.dtype)
+        return x
+
+    def free(self) -> None:
+        """Every block back to the pool (the document leaves memory)."""
+        self.table.free()
+        self._slots = self._slots[:0]
+        self.n = 0
+        self.counts = torch.zeros(1, self.world, dtype=torch.int64)
+
+    # -- writing ----------------------------------------------------------------------------
+    def append_chunk(self, layer: int, k, v, positions) -> None:
+        """Append ``k, v [1, H_kv, C, d]`` at global ``positions [C]`` (once per layer, in layer
+        order; the blocks are taken at layer 0, the tokens count after the last layer: until
+        then :meth:`view` is the shard before the piece, as prefill's attention needs)."""
+        C = k.shape[2]
+        if layer == 0:
+            self._pending = self.table.slots(C)  # all or nothing: pool.PoolFull
+            self._slots = torch.cat([self._slots, self._pending])
+            self.pool.place(self._pending.to(self.device), torch.as_tensor(positions).reshape(-1))
+        self.pool.write(layer, self._pending.to(self.device), k[0].transpose(0, 1), v[0].transpose(0, 1))
+        if layer == self.num_layers - 1:
+            self.n += C
+
+    def begin_fill(self, positions, counts) -> None:
+        """Replace the shard by ``positions [n]`` (a loaded cache) and every rank's counts."""
+        self.free()
+        n = int(positions.shape[-1])
+        self._slots = self.table.slots(n)
+        self.n = n
+        self.pool.place(self._slots.to(self.device), torch.as_tensor(positions).reshape(-1))
+        self.set_counts(counts)
+
+    def fill_layer(self, layer: int, k, v, slots=None, heads: slice = slice(None), scales=None) -> None:
+        """``k, v [1, h, m, d]`` into shard slots ``slots [m]`` (default ``0 .. m - 1``) and KV
+        heads ``heads``; ``scales``: ``(k_scale, v_scale [1, h, m, G])`` when the rows are this
+        pool's fp8 already (copied), else they are stored like fresh keys and values."""
+        idx = torch.arange(k.shape[2]) if slots is None else torch.as_tensor(slots)
+        flat = self._slots[idx].to(self.device)
+        b, o = flat // self.pool.page, flat % self.pool.page
+        rows = [(k, self.pool.k, 0), (v, self.pool.v, 1)]
+        for x, store, i in rows:
+            x = x[0].transpose(0, 1).to(self.device)  # [m, h, d]
+            if scales is not None:
+                store[layer][b, heads, o] = x
+                (self.pool.ks, self.pool.vs)[i][layer][b, heads, o] = scales[i][0].transpose(0, 1).to(self.device)
+            elif self.quant is not None:
+                x8, s = self.quant.quantize(x)
+                store[layer][b, heads, o] = x8
+                (self.pool.ks, self.pool.vs)[i][layer][b, heads, o] = s
+            else:
+                store[layer][b, heads, o] = x.to(self.dtype)
+
+    # -- reading ----------------------------------------------------------------------------
+    def _gather(self, store: torch.Tensor) -> torch.Tensor:
+        """``store [blocks, H_kv, page, X]`` -> this shard's ``[1, H_kv, n, X]`` (a copy)."""
+        flat = self._slots[:self.n].to(self.device)
+        return store[flat // self.pool.page, :, flat % self.pool.page].transpose(0, 1).contiguous()[None]
+
+    @property
+    def pos(self) -> torch.Tensor:
+        """``[1, n]`` global positions of the shard's tokens."""
+        flat = self._slots[:self.n].to(self.device)
+        return self.pool.pos[flat // self.pool.page, flat % self.pool.page][None]
+
+    def view(self, layer: int):
+        """``(k, v [1, H_kv, n, d], kv_len [1], pos [1, n])``: the shard, gathered."""
+        n = self.n
+        return (self._gather(self.pool.k[layer]), self._gather(self.pool.v[layer]),
+                torch.tensor([n], dtype=torch.int64, device=self.device), self.pos)
+
+    def scales(self, layer: int, L: int, rows=None):
+        """``(k_scale, v_scale [1, H_kv, L, G])`` of an fp8 pool, else ``(None, None)``."""
+        if self.quant is None:
+            return None, None
+        return self._gather(self.pool.ks[layer])[:, :, :L], self._gather(self.pool.vs[layer])[:, :, :L]
+
+    def layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        """``k, v`` (and fp8 ``ks, vs``) of a layer as ``[1, H_kv, n, X]`` (what a save writes)."""
+        out = [self._gather(self.pool.k[layer]), self._gather(self.pool.v[layer])]
+        if self.quant is not None:
+            out += [self._gather(self.pool.ks[layer]), self._gather(self.pool.vs[layer])]
+        return out
