@@ -16,7 +16,8 @@ import torch
 from .paged_ref import gather_pages, partial_attention_paged_ref
 from .partial_ref import add_sink, dequantize, partial_attention_ref
 
-__all__ = ["partial_attention", "partial_attention_ref", "partial_attention_paged_ref", "gather_pages",
+__all__ = ["partial_attention", "partial_attention_paged", "partial_attention_ref", "partial_attention_paged_ref",
+           "gather_pages", "gpu_path",
            "add_sink", "dequantize", "triton_available", "gpu_route",
            "triton_problem", "use_reference", "reference_only", "TRITON_FLOOR"]
 
@@ -91,6 +92,42 @@ def gpu_route(G: int, Q: int) -> str:
     return "aten" if G * Q > MAX_ROWS else "triton"
 
 
+def gpu_path(q) -> bool:
+    """Whether ``auto`` takes the GPU's kernels for ``q``: on CUDA, or with ``TREEATTN_KERNEL=triton``
+    (Triton's interpreter on a CPU, for tests of that path end to end)."""
+    return q.is_cuda or os.environ.get("TREEATTN_KERNEL") == "triton"
+
+
+def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None, pos_pool=None,
+                            window=None, softcap=None, k_scale=None, v_scale=None, out_dtype=None,
+                            impl: str = "auto"):
+    """Partial attention of ``q [B, H, Q, d]`` to the shards ``block_tables [B, nb]`` name in a
+    layer's pool ``k_pool, v_pool [blocks, H_kv, page, d]`` (row b: the first ``kv_len[b]``
+    tokens of its blocks; ``pos_pool [blocks, page]`` their positions, for ``q_pos [B, Q]``
+    masks and windows; ``k_scale, v_scale [blocks, H_kv, page, G]``: an fp8 pool). On the GPU's
+    path (:func:`gpu_path`) the Triton split kernel reads through the tables, one launch for the
+    rows of every sequence; elsewhere, or past its rows, each row's blocks are gathered and
+    :func:`partial_attention` runs on them. Returns ``(o [B, H, Q, d], lse [B, H, Q])``."""
+    if impl == "auto" and _REFERENCE["on"]:
+        impl = "torch"
+    G = q.shape[1] // k_pool.shape[1]
+    fast = impl == "auto" and gpu_path(q) and triton_available() and gpu_route(G, q.shape[2]) == "triton"
+    if impl == "triton" or fast:
+        from .partial_triton import partial_attention_triton_paged
+
+        out = torch.empty(*q.shape, dtype=out_dtype or q.dtype, device=q.device)
+        return partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, scale=scale, q_pos=q_pos,
+                                              pos_pool=pos_pool, window=window, softcap=softcap, k_scale=k_scale,
+                                              v_scale=v_scale, out=out)
+    kw = {}
+    if k_scale is not None:
+        kw.update(k_scale=gather_pages(k_scale, block_tables), v_scale=gather_pages(v_scale, block_tables))
+    if q_pos is not None:
+        kw.update(q_pos=q_pos, k_pos=gather_pages(pos_pool, block_tables), k_pos_sorted=True)
+    return partial_attention(q, gather_pages(k_pool, block_tables), gather_pages(v_pool, block_tables), scale=scale,
+                             kv_len=kv_len, window=window, softcap=softcap, out_dtype=out_dtype, impl=impl, **kw)
+
+
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                       window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
                       k_pos_sorted: bool = False, out=None, lse_out=None, out_dtype=None, impl: str = "auto"):
@@ -123,9 +160,9 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
               softcap=softcap, sink=sink, out=out, lse_out=lse_out)
     if impl == "auto" and _REFERENCE["on"]:
         impl = "torch"
-    gpu_path = q.is_cuda or os.environ.get("TREEATTN_KERNEL") == "triton"
+    on_gpu_path = gpu_path(q)
     if impl == "auto":
-        if gpu_path and triton_available():  # (on CPU, TREEATTN_KERNEL=triton: the same choice, interpreted)
+        if on_gpu_path and triton_available():  # (on CPU, TREEATTN_KERNEL=triton: the same choice, interpreted)
             impl = gpu_route(q.shape[1] // max(1, k.shape[1]), q.shape[2])
         else:
             impl = "aten" if q.device.type == "cpu" else "torch"
@@ -137,7 +174,7 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
         from .partial_aten import partial_attention_aten
 
         slow = None
-        if gpu_path and triton_available():
+        if on_gpu_path and triton_available():
             import functools
 
             from .partial_triton import partial_attention_triton

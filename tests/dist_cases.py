@@ -616,3 +616,25 @@ def engine_mixed(ctx, job, docs, questions, slots, new):
     finally:
         ctx.emit = real
     return ([got.get(i) for i in range(len(questions))], done) if ctx.rank == 0 else None
+
+
+def triton_mixed(ctx, job, docs, questions, slots, new):
+    """:func:`engine_mixed` with ``TREEATTN_KERNEL=triton``: the documents' rows of each step go
+    through the paged Triton kernel (interpreted here); every rank returns how many times it
+    ran, rank 0 the batch's result too."""
+    import treeattn_kernels.partial_triton as PT
+
+    calls = [0]
+    real = PT.partial_attention_triton_paged
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    os.environ["TREEATTN_KERNEL"], PT.partial_attention_triton_paged = "triton", counted
+    try:
+        got = engine_mixed(ctx, job, docs, questions, slots, new)
+    finally:
+        os.environ.pop("TREEATTN_KERNEL", None)
+        PT.partial_attention_triton_paged = real
+    return got, calls[0]

@@ -170,16 +170,10 @@ def test_streaming_and_stop_strings(server):
     assert cut.finish_reason == "stop" and cut.text == whole[: whole.find(stop)]
 
 
-def test_concurrent_clients_get_the_answers_they_get_alone(server):
-    """Six streams over one document: the first one long, the other five sent once its first
-    token has come (so they find its batch running and join it: the stats say they did), equal
-    the same requests one at a time."""
-    c, url, doc = server["client"], server["url"], _doc("concurrent")
-    prompts = [doc + f"\n\nQuestion {i}: which toll is {['first', 'last', 'highest'][i % 3]}?" for i in range(6)]
-    sizes = [LONG] + [NEW] * 5
-    alone = [c.completions.create(model="m", prompt=p, max_tokens=n).choices[0] for p, n in zip(prompts, sizes)]
-    assert alone[0].finish_reason == "length", "the long answer must outlast the joiners' requests"
-    got = [None] * 6
+def _first_then_the_rest(c, prompts, sizes, timeout: float = 180) -> list[str]:
+    """Stream ``prompts[0]``; once its first token has come, stream the others alongside it;
+    each stream's text, in order."""
+    got = [None] * len(prompts)
     began = threading.Event()
 
     def ask(i):
@@ -190,15 +184,27 @@ def test_concurrent_clients_get_the_answers_they_get_alone(server):
                 began.set()
         got[i] = "".join(parts)
 
-    before = _stats(url)
-    threads = [threading.Thread(target=ask, args=(0,))]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     threads[0].start()
     assert began.wait(120), "the first stream never began"
-    threads += [threading.Thread(target=ask, args=(i,)) for i in range(1, 6)]
     for t in threads[1:]:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=timeout)
+    return got
+
+
+def test_concurrent_clients_get_the_answers_they_get_alone(server):
+    """Six streams over one document: the first one long, the other five sent once its first
+    token has come (so they find its batch running and join it: the stats say they did), equal
+    the same requests one at a time."""
+    c, url, doc = server["client"], server["url"], _doc("concurrent")
+    prompts = [doc + f"\n\nQuestion {i}: which toll is {['first', 'last', 'highest'][i % 3]}?" for i in range(6)]
+    sizes = [LONG] + [NEW] * 5
+    alone = [c.completions.create(model="m", prompt=p, max_tokens=n).choices[0] for p, n in zip(prompts, sizes)]
+    assert alone[0].finish_reason == "length", "the long answer must outlast the joiners' requests"
+    before = _stats(url)
+    got = _first_then_the_rest(c, prompts, sizes)
     assert got == [a.text for a in alone]
     after = _stats(url)
     assert after["joined"] - before["joined"] >= 1, (before, after)  # latecomers joined the running batch
@@ -217,25 +223,8 @@ def test_requests_about_other_documents_share_the_running_steps(server):
     sizes = [400, NEW, NEW]
     alone = [c.completions.create(model="m", prompt=p, max_tokens=n).choices[0] for p, n in zip(prompts[:2], sizes)]
     assert alone[0].finish_reason == "length", "the long answer must outlast the others"
-    got = [None] * 3
-    began = threading.Event()
-
-    def ask(i):
-        parts = []
-        for ch in c.completions.create(model="m", prompt=prompts[i], max_tokens=sizes[i], stream=True):
-            if ch.choices:
-                parts.append(ch.choices[0].text)
-                began.set()
-        got[i] = "".join(parts)
-
     before = _stats(url)
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
-    threads[0].start()
-    assert began.wait(120), "the first stream never began"
-    for t in threads[1:]:
-        t.start()
-    for t in threads:
-        t.join(timeout=180)
+    got = _first_then_the_rest(c, prompts, sizes)
     after = _stats(url)
     alone.append(c.completions.create(model="m", prompt=prompts[2], max_tokens=NEW).choices[0])  # C now cached
     assert got == [a.text for a in alone]

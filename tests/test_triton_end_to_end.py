@@ -61,3 +61,22 @@ def test_the_triton_decode_kernel_end_to_end_equals_transformers(tiny):
         assert all(s["drafted"] > 0 and s["accepted"] > 0 for s in copied), g["speculation"]
     # every rank ran the Triton kernel in every session: at least once per decode step
     assert all(n >= NEW - 1 for rank in runs for n in rank), runs
+
+
+def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny):
+    """Questions over two documents in the block pool, one batch: on the GPU's path every
+    step's document rows go through the paged Triton kernel (one launch per layer for both
+    documents' rows; counted), and the answers are transformers' greedy decode; the same with
+    an fp8 pool and a sliding-window model."""
+    llama, gemma2 = tiny("llama", seed=3, head_dim=64, **ONE_LAYER), tiny("gemma2", seed=4, **ONE_LAYER)
+    rnd = KVQuant(64, "cpu").roundtrip
+    docs = [DOC, DOC[::-1][:20]]
+    qs = [(0, QS[0]), (1, QS[1]), (0, QS[1])]
+    new = 10  # the first answer still runs for several steps once the second document is in
+    for model, kv, kw in ((llama, "auto", {}), (llama, "fp8", {"kv_round": rnd}), (gemma2, "auto", {})):
+        job = GenerateJob(str(model), [], max_new_tokens=new, dtype="float32", kv_dtype=kv)
+        per_rank = run_local(dist_cases.triton_mixed, 2, job, docs, qs, 3, new, timeout_s=600)
+        (got, done), _ = per_rank[0]
+        assert got == [tiny_models.hf_greedy(model, docs[d] + q, new, **kw) for d, q in qs], (kv, model)
+        assert done[0]["documents_per_step"] == 2
+        assert all(n >= new for _, n in per_rank), per_rank  # the paged kernel ran on every rank

@@ -16,6 +16,7 @@ content chunk and to the end, and the cached tokens the usage reports. Needs ``t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import statistics
@@ -64,18 +65,15 @@ def ask(url: str, model: str, text: str, new_tokens: int) -> dict:
             "text": "".join(pieces)}
 
 
-def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, new_tokens: int = 16,
-        on_record=None) -> list[dict]:
+@contextlib.contextmanager
+def serving(model=None, nproc: int = 2, *flags: str):
+    """``treeattn serve`` on a free loopback port until the block ends: yields ``(url, the
+    server's process)`` once ``/health`` answers."""
     import httpx
 
-    from ..engine.model import load_tokenizer, resolve
-    from .spec import demo_document_cut
-
-    model_dir = resolve(model)
-    doc = demo_document_cut(load_tokenizer(model_dir), doc_tokens)
     port = _free_port()
     treeattn = str(Path(sys.executable).with_name("treeattn"))
-    cmd = [treeattn, "serve", "--nproc", str(nproc), "--port", str(port), "--quiet"]
+    cmd = [treeattn, "serve", "--nproc", str(nproc), "--port", str(port), "--quiet", *flags]
     if model:
         cmd += ["--model", str(model)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
@@ -93,6 +91,25 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, 
             if time.monotonic() - t0 > 300:
                 raise RuntimeError("the server did not come up in 300 s")
             time.sleep(0.1)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, new_tokens: int = 16,
+        on_record=None) -> list[dict]:
+    import httpx
+
+    from ..engine.model import load_tokenizer, resolve
+    from .spec import demo_document_cut
+
+    model_dir = resolve(model)
+    doc = demo_document_cut(load_tokenizer(model_dir), doc_tokens)
+    with serving(model, nproc) as (url, _):
         name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         out = []
         for i in range(questions):
@@ -102,12 +119,6 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, 
             if on_record is not None:
                 on_record(out[-1])
         return out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main(argv=None) -> int:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from .serve import _free_port
+from .serve import serving
 
 QUESTIONS = ["Who is named first in this part, and what did they do?", "What year is mentioned first here?",
              "Name one instrument or building described here.", "What went wrong, according to this part?"]
@@ -145,13 +144,6 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1200, long_tokens: int = 1
     model_dir = resolve(model)
     tok = load_tokenizer(model_dir)
     docs = documents(tok, doc_tokens, 5)
-    port = _free_port()
-    treeattn = str(Path(sys.executable).with_name("treeattn"))
-    cmd = [treeattn, "serve", "--nproc", str(nproc), "--port", str(port), "--quiet", "--batch", "8"]
-    if model:
-        cmd += ["--model", str(model)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     out: list[dict] = []
 
     def record(r):
@@ -159,19 +151,7 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1200, long_tokens: int = 1
         if on_record is not None:
             on_record(out[-1])
 
-    try:
-        t0 = time.monotonic()
-        while True:  # the event: /health answers
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read().decode()[-2000:])
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 300:
-                raise RuntimeError("the server did not come up in 300 s")
-            time.sleep(0.1)
+    with serving(model, nproc, "--batch", "8") as (url, proc):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
         name = client.models.list().data[0].id
 
@@ -245,14 +225,8 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1200, long_tokens: int = 1
         held = sum(len(tok(x)["input_ids"]) for x in docs[:4]) + cold_tokens + new_tokens
         kv_bytes = per_token * held // nproc
         record({"measure": "d", "peak_rss_bytes_per_rank": rank_peaks(proc.pid)[:nproc],
-                "kv_bytes_per_rank_of_the_documents": kv_bytes})
+                "kv_bytes_per_rank_of_the_documents": kv_bytes, "kv_blocks_rank0": stats().get("kv_blocks")})
         return out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main(argv=None) -> int:

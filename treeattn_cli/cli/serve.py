@@ -69,6 +69,7 @@ class Stats:
         self._n: dict[str, int] = {"requests": 0, "batches": 0, "joined": 0, "dropped": 0, "mixed_batches": 0,
                                    "segments_while_decoding": 0}
         self._ended: dict[str, int] = {}
+        self._now: dict = {}  # the latest values of what is not a count (the KV pool's blocks)
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -78,9 +79,13 @@ class Stats:
         with self._lock:
             self._ended[reason] = self._ended.get(reason, 0) + 1
 
+    def set(self, name: str, value) -> None:
+        with self._lock:
+            self._now[name] = value
+
     def snapshot(self) -> dict:
         with self._lock:
-            return {**self._n, "answers": dict(self._ended)}
+            return {**self._n, **self._now, "answers": dict(self._ended)}
 
 
 class DocIndex:
@@ -319,6 +324,8 @@ class Scheduler(threading.Thread):
                     if payload.get("documents_per_step", 0) > 1:
                         srv.stats.add("mixed_batches")  # rows of several documents shared a step
                     srv.stats.add("segments_while_decoding", payload.get("segments_while_decoding", 0))
+                    if payload.get("pool"):  # rank 0's pool after the batch: blocks used, cached, free
+                        srv.stats.set("kv_blocks", payload["pool"])
                     again = [j for late in joins[payload.get("joins", 0):] for j in late]
                     for late in joins[payload.get("joins", 0):]:  # joined too late for this batch: next one
                         srv.stats.add("joined", -len(late))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeattn_kernels import add_sink, dequantize, partial_attention
+from treeattn_kernels import add_sink, dequantize, gpu_path, partial_attention, partial_attention_paged
 
 from .cache import ShardedKVCache
 from ..parallel.comm import Comm
@@ -195,6 +195,9 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     pos = ctx.positions  # [R, T] global positions of the queries (-1: padding)
     groups = ctx.groups or [(ctx.cache, None)]
     o_d = l_d = None
+    if gpu_path(q) and _one_pool(groups):  # the GPU's path: one launch through the documents' tables
+        o_d, l_d = _documents_paged(groups, layer, q, pos, scale, window, softcap)
+        groups = []
     for doc, idx in groups:
         qg, pg = (q, pos) if idx is None else (q[idx], pos[idx])
         Rg = qg.shape[0]
@@ -227,6 +230,49 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
     comm.merge(o, lse, out=out.transpose(1, 2))
     return out
+
+
+def _one_pool(groups) -> bool:
+    """Whether every document of a cascade lives in the same block pool (``paged_shard``)."""
+    pools = {id(getattr(doc, "pool", None)) for doc, _ in groups}
+    return len(pools) == 1 and getattr(groups[0][0], "pool", None) is not None
+
+
+def _documents_paged(groups, layer: int, q, pos, scale, window, softcap):
+    """The documents' partials of a cascade in one paged call (``q [R, H, T, d]``, ``pos [R, T]``):
+    each document is a row of the call, its sequences' T-token rows its query rows (padded to
+    the longest group; padding at position -1), read through its block table. Returns
+    ``(o [R, H, T, d] fp32, lse [R, H, T])``."""
+    from .pool import tables_tensor
+
+    R, H, T, d = q.shape
+    shards = [doc for doc, _ in groups]
+    pool = shards[0].pool
+    idxs = [torch.arange(R, device=q.device) if idx is None else idx for _, idx in groups]
+    width = max(len(i) for i in idxs) * T
+    qq = q.new_zeros(len(groups), H, width, d)
+    qp = torch.full((len(groups), width), -1, dtype=torch.int64, device=q.device)
+    for g, idx in enumerate(idxs):
+        qq[g, :, :len(idx) * T] = q[idx].transpose(0, 1).reshape(H, len(idx) * T, d)
+        qp[g, :len(idx) * T] = pos[idx].reshape(-1)
+    tables, _ = tables_tensor([s.table for s in shards], device=q.device)
+    kv_len = torch.tensor([s.n for s in shards], dtype=torch.int64, device=q.device)
+    quant = pool.quant
+    kw = dict(q_pos=qp, pos_pool=pool.pos, window=window) if window is not None else {}
+    if quant is not None:
+        kw.update(k_scale=pool.ks[layer], v_scale=pool.vs[layer])
+        qq = quant.rotate(qq)
+    o, lse = partial_attention_paged(qq, pool.k[layer], pool.v[layer], tables, kv_len, scale=scale, softcap=softcap,
+                                     out_dtype=torch.float32, **kw)
+    if quant is not None:
+        o = quant.unrotate(o)
+    o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
+    l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
+    for g, idx in enumerate(idxs):
+        n = len(idx)
+        o_d[idx] = o[g, :, :n * T].reshape(H, n, T, d).transpose(0, 1).to(o_d.dtype)
+        l_d[idx] = lse[g, :, :n * T].reshape(H, n, T).transpose(0, 1)
+    return o_d, l_d
 
 
 def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):

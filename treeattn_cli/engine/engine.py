@@ -311,6 +311,7 @@ class Engine:
                                          "documents_per_step": bd.documents_per_step,
                                          "segments_while_decoding": bd.segments_while_decoding,
                                          "pool_waits": self.documents.waits,
+                                         "pool": self.documents.pool.stats() if self.documents.pool else None,
                                          "joins": feed.taken if feed else 0})
 
     def _op_doc(self, req):
