@@ -6,6 +6,7 @@ shard, and returns numbers for the parent test to check against the one-rank ora
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -532,30 +533,39 @@ def engine_batch_step_positions(ctx, job, doc, questions, slots, new):
     return (got[0], seen) if ctx.rank == 0 else None
 
 
-def triton_sessions(ctx, sessions):
-    """:func:`engine_sessions_full` with ``TREEATTN_KERNEL=triton``: the attention kernel GPUs
-    run (Triton, interpreted here) for every decode and verify row; every rank returns how many
-    times its Triton kernel ran per session, rank 0 the sessions' results too."""
+@contextlib.contextmanager
+def _triton_path(kernel: str):
+    """``TREEATTN_KERNEL=triton`` for the block, with ``partial_triton.<kernel>`` counted: yields
+    a one-item list holding the number of calls so far."""
     import treeattn_kernels.partial_triton as PT
 
     calls = [0]
-    real = PT.partial_attention_triton
+    real = getattr(PT, kernel)
 
     def counted(*a, **kw):
         calls[0] += 1
         return real(*a, **kw)
 
-    os.environ["TREEATTN_KERNEL"], PT.partial_attention_triton = "triton", counted
-    out, runs = [], []
+    os.environ["TREEATTN_KERNEL"] = "triton"
+    setattr(PT, kernel, counted)
     try:
+        yield calls
+    finally:
+        os.environ.pop("TREEATTN_KERNEL", None)
+        setattr(PT, kernel, real)
+
+
+def triton_sessions(ctx, sessions):
+    """:func:`engine_sessions_full` with ``TREEATTN_KERNEL=triton``: the attention kernel GPUs
+    run (Triton, interpreted here) for every decode and verify row; every rank returns how many
+    times its Triton kernel ran per session, rank 0 the sessions' results too."""
+    out, runs = [], []
+    with _triton_path("partial_attention_triton") as calls:
         for session in sessions:
             before = calls[0]
             got = engine_sessions_full(ctx, [session])
             out.append(got[0] if got else None)
             runs.append(calls[0] - before)
-    finally:
-        os.environ.pop("TREEATTN_KERNEL", None)
-        PT.partial_attention_triton = real
     return (out if ctx.rank == 0 else None), runs
 
 
@@ -622,19 +632,6 @@ def triton_mixed(ctx, job, docs, questions, slots, new):
     """:func:`engine_mixed` with ``TREEATTN_KERNEL=triton``: the documents' rows of each step go
     through the paged Triton kernel (interpreted here); every rank returns how many times it
     ran, rank 0 the batch's result too."""
-    import treeattn_kernels.partial_triton as PT
-
-    calls = [0]
-    real = PT.partial_attention_triton_paged
-
-    def counted(*a, **kw):
-        calls[0] += 1
-        return real(*a, **kw)
-
-    os.environ["TREEATTN_KERNEL"], PT.partial_attention_triton_paged = "triton", counted
-    try:
+    with _triton_path("partial_attention_triton_paged") as calls:
         got = engine_mixed(ctx, job, docs, questions, slots, new)
-    finally:
-        os.environ.pop("TREEATTN_KERNEL", None)
-        PT.partial_attention_triton_paged = real
     return got, calls[0]

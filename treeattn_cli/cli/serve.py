@@ -326,13 +326,13 @@ class Scheduler(threading.Thread):
                     srv.stats.add("segments_while_decoding", payload.get("segments_while_decoding", 0))
                     if payload.get("pool"):  # rank 0's pool after the batch: blocks used, cached, free
                         srv.stats.set("kv_blocks", payload["pool"])
-                    again = [j for late in joins[payload.get("joins", 0):] for j in late]
+                    again = {id(j) for late in joins[payload.get("joins", 0):] for j in late}
                     for late in joins[payload.get("joins", 0):]:  # joined too late for this batch: next one
                         srv.stats.add("joined", -len(late))
                         with self.cv:
                             self.pending.extendleft(reversed(late))
                     for j in by_index.values():  # taken, never begun (the batch was interrupted while
-                        if not j.finished and j not in again:  # its document was being prefilled)
+                        if not j.finished and id(j) not in again:  # its document was being prefilled)
                             j.finished = True
                             srv.stats.ended("interrupted")
                             j.deliver("done", {"token_ids": [], "stop_reason": "interrupted"})

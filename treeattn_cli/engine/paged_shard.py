@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache import ShardedKVCache
 from .pool import BlockPool, BlockTable
 
 
@@ -46,19 +47,9 @@ class PagedShard:
     def max_len(self) -> int:
         return self.n
 
-    @property
-    def capacity(self) -> int:
-        return len(self.table.blocks) * self.pool.page
-
-    def nbytes(self) -> int:
-        """Bytes of the blocks this shard holds (shared blocks counted in full)."""
-        return len(self.table.blocks) * self.pool.block_bytes
-
-    def bytes_per_token(self) -> int:
-        per = self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
-        if self.quant is not None:
-            per += 2 * self.quant.groups
-        return self.num_layers * 2 * self.kv_heads * per
+    # the same rules as a plain cache (they read only the shapes, the dtype and the fp8 codec)
+    bytes_per_token = ShardedKVCache.bytes_per_token
+    as_stored = ShardedKVCache.as_stored
 
     def reserve(self, capacity: int) -> None:
         """Nothing: blocks are taken as tokens arrive."""
@@ -66,13 +57,6 @@ class PagedShard:
     def set_counts(self, counts) -> None:
         c = torch.as_tensor(counts, dtype=torch.int64)
         self.counts = (c.expand(1, self.world) if c.dim() == 1 else c).clone()
-
-    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self.quant.roundtrip(x)
-        if self.dtype != x.dtype:
-            return x.to(self.dtype).to(x.dtype)
-        return x
 
     def free(self) -> None:
         """Every block back to the pool (the document leaves memory)."""

@@ -66,8 +66,6 @@ class BlockPool:
             self.ks = [torch.ones(sshape, dtype=torch.bfloat16, device=self.device) for _ in range(num_layers)]
             self.vs = [torch.ones(sshape, dtype=torch.bfloat16, device=self.device) for _ in range(num_layers)]
         self.pos = torch.full((num_blocks, page), -1, dtype=torch.int64, device=self.device)
-        self.block_bytes = self.bytes_per_block(num_layers, kv_heads, head_dim, page, self.dtype,
-                                                quant.groups if quant is not None else 0)
         # host bookkeeping
         self.refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids first
