@@ -75,6 +75,7 @@ class Config:
     docs: list = field(default_factory=list)  # mixed: [start, length] of each document in the family's; q["doc"]
     budget: int | None = None  # mixed: bytes of resident documents per rank (tiny: evicted to disk, loaded back)
     tight: bool = False  # mixed: the block pool holds the largest document alone (the others wait their turn)
+    page: int | None = None  # mixed: tokens per block of the pool (16: tiny documents fill blocks, share prefixes)
 
     @property
     def world(self) -> int:
@@ -96,6 +97,7 @@ class Config:
                  f"joins={self.joins}" if self.joins else "", f"cancels={self.cancels}" if self.cancels else "",
                  "again" if self.again else "", f"docs={self.docs}" if self.docs else "",
                  f"budget={self.budget}" if self.budget is not None else "", "tight" if self.tight else "",
+                 f"page={self.page}" if self.page else "",
                  "" if self.greedy else f"T={self.sampling['temperature']},k={self.sampling['top_k']},"
                                         f"seed={self.sampling['seed']}"]
         return (f"seed={self.seed} {self.family} cp={self.cp} tp={self.tp} {self.scheme} kv={self.kv} "
@@ -210,8 +212,10 @@ def d_mixed(rng, c, fx):
     """Half the server's configurations ask about several documents at once: one open batch,
     each question over its own document (a new one is prefilled a segment per step while the
     others decode); sometimes the documents leave memory at once (a budget of one byte), saved
-    to disk and loaded back when asked again; sometimes the block pool holds only the largest
-    document, so a document waits for blocks until the questions over another one end. Drawn last, so the other dimensions draw what
+    to disk and loaded back when asked again (or found in the pool's cached blocks); sometimes the
+    block pool holds only the largest document, so a document waits for blocks until the
+    questions over another one end; sometimes blocks are small enough for the tiny documents to
+    fill, and the documents begin alike, so later ones take the earlier ones' blocks. Drawn last, so the other dimensions draw what
     they drew before it existed (the regression seeds keep their configurations)."""
     if c.route != "serve" or rng.random() < 0.5:
         return
@@ -223,6 +227,10 @@ def d_mixed(rng, c, fx):
     if rng.random() < 0.3:
         c.budget = 1
     c.tight = rng.random() < 0.3
+    if rng.random() < 0.5:  # blocks tiny documents fill: full blocks carry keys, later documents reuse them
+        c.page = 16
+        if rng.random() < 0.6:  # documents that begin alike: a later one takes the earlier one's blocks
+            c.docs = [[0, n] for _, n in c.docs]
 
 
 def doc_of(c: Config, fx: dict, i: int) -> list:
@@ -361,7 +369,9 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
             from treeattn_cli.engine.documents import PAGE
 
             longest = max(n for _, n in c.docs)
-            spec["pool_blocks"] = -(-(-(-longest // c.cp)) // PAGE)
+            spec["pool_blocks"] = -(-(-(-longest // c.cp)) // (c.page or PAGE))
+        if c.page:
+            spec["page"] = c.page
         if c.budget is not None:
             from treeattn_cli.engine.kvstore import model_identity
 
@@ -406,6 +416,7 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
                 events.setdefault("batches", []).append(p)
             elif kind == "bdoc":
                 events.setdefault("sources", []).append(p[1]["source"])
+                events.setdefault("reused", []).append(p[1].get("reused", 0))
             elif kind == "docs":
                 for k, v in p.items():
                     events.setdefault(k, []).extend(v)
@@ -625,6 +636,10 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("a document waited for blocks")
     if r["events"].get("spilled") and "disk" in r["events"].get("sources", []):
         out.add("document evicted to disk and loaded back")
+    if "pool" in r["events"].get("sources", []):
+        out.add("document found whole in the pool's cached blocks")
+    if any(n and s == "prefill" for n, s in zip(r["events"].get("reused", []), r["events"].get("sources", []))):
+        out.add("document prefilled after a prefix found in the pool")
     return out
 
 
@@ -683,6 +698,7 @@ def main(argv=None) -> int:
     ap.add_argument("--first", type=int, default=0, help="the first seed of --seeds")
     ap.add_argument("--root", default=None, help="where models, documents and saved caches go (default: a temp dir)")
     ap.add_argument("--show", action="store_true", help="print the configurations and exit")
+    ap.add_argument("--by-feature", action="store_true", help="also list the seeds that covered each feature")
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the ranks load a model per configuration
@@ -697,11 +713,16 @@ def main(argv=None) -> int:
     configs, results, problems, notes = run(seeds, root, progress=lambda m, n, s: print(
         f"rank set {m[0]}x{m[1]}: {n} configurations in {s:.1f} s", file=sys.stderr, flush=True))
     seen: dict = {}
+    by: dict = {}
     for s, c in configs.items():
         for f in features(c, results.get(s, {"error": ""})):
             seen[f] = seen.get(f, 0) + 1
+            by.setdefault(f, []).append(s)
     print(f"{len(configs)} configurations in {time.perf_counter() - t0:.0f} s: {len(problems)} failed")
     print("covered: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
+    if a.by_feature:
+        for f, ss in sorted(by.items()):
+            print(f"seeds of {f}: {' '.join(map(str, ss))}")
     for line in notes:
         print(f"note: {line}")
     if problems:

@@ -635,3 +635,77 @@ def triton_mixed(ctx, job, docs, questions, slots, new):
     with _triton_path("partial_attention_triton_paged") as calls:
         got = engine_mixed(ctx, job, docs, questions, slots, new)
     return got, calls[0]
+
+
+def document_prefix_reuse(ctx, job, doc_a, extra, piece):
+    """Documents sharing a prefix in the block pool (``documents.Documents``): A prefilled;
+    B = A + ``extra`` takes A's cached blocks for their common segments; both leave memory and
+    come back from their cached blocks, without a prefill; C, A less its last 10 tokens, takes
+    A's blocks up to inside a block and writes its own tail into a copy of that block (B holds it
+    too); E, A less 15, does the same when no other table holds it: it writes into that block,
+    which loses its key; A asked with another ``piece``
+    takes nothing. Each time the document's keys, values, positions and counts must equal a
+    plain cache prefilled alone with the same ``piece``. Rank 0 returns ``{check: bool or
+    number}``, every rank's booleans and-ed."""
+    import torch
+
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    D = eng.documents
+
+    def plain(ids, pc):
+        other = eng.new_cache(len(ids))
+        eng._activate(other, [])
+        eng.dec.prefill(torch.tensor([ids]), pc)
+        return other
+
+    def same(doc, ids, pc=piece):
+        ref = plain(ids, pc)
+        return bool(doc.cache.max_len == ref.max_len and torch.equal(doc.cache.counts, ref.counts) and all(
+            torch.equal(x, y) for layer in range(ref.num_layers) for x, y in zip(doc.cache.view(layer), ref.view(layer))))
+
+    def get(key, ids, pc=piece):
+        d = D.get({"key": key, "ids": ids, "piece": pc})
+        info = {"source": d.source, "reused": d.reused, "segments": len(d.todo)}
+        D.complete(d)
+        return d, info
+
+    out = {}
+    a, out["a"] = get("a", doc_a)
+    b_ids = doc_a + extra
+    b, out["b"] = get("b", b_ids)
+    out["b_same"] = same(b, b_ids)
+    D._evict("a")
+    D._evict("b")
+    b2, out["b_again"] = get("b", b_ids)
+    out["b_again_same"] = same(b2, b_ids)
+    c_ids = doc_a[:len(doc_a) - 10]  # while B holds A's blocks: C's tail goes into a copy
+    copies = D.pool.copies
+    c, out["c"] = get("c", c_ids)
+    out["c_same"] = same(c, c_ids)
+    out["c_copied"] = D.pool.copies > copies
+    out["c_reads_its_table"] = set((c.cache._slots // D.pool.page).tolist()) == set(c.cache.table.blocks)
+    for key in ("b", "c"):
+        D._evict(key)
+    e_ids = doc_a[:len(doc_a) - 15]  # no table holds A's blocks now: E takes over the partial one
+    copies = D.pool.copies
+    e, out["e"] = get("e", e_ids)
+    out["e_same"] = same(e, e_ids)
+    out["e_took_over"] = D.pool.copies == copies
+    D._evict("e")
+    a2, out["a_again"] = get("a", doc_a)  # C wrote into a copy, E into a block whose key it dropped
+    out["a_again_same"] = same(a2, doc_a)
+    other, out["other_piece"] = get("a-other-piece", doc_a, piece + 8)
+    out["other_piece_same"] = same(other, doc_a, piece + 8)
+    for key in ("a", "a-other-piece"):
+        D._evict(key)
+    if ctx.rank == eng.world.world - 1:  # this rank's pool lost some of B's blocks: it finds fewer
+        out["forgot"] = D.pool.forget(b2.keys[2:])
+    b3, out["b_uneven"] = get("b", b_ids)
+    out["b_uneven_same"] = same(b3, b_ids)
+    flags = [v for v in out.values() if isinstance(v, bool)]
+    every = eng.world.all_gather_values([int(all(flags))] + [int(v) for v in flags])
+    ok = every.min(dim=0).values.tolist()
+    names = [k for k, v in out.items() if isinstance(v, bool)]
+    return {**out, **{k: bool(x) for k, x in zip(names, ok[1:])}} if ctx.rank == 0 else None

@@ -309,3 +309,50 @@ def test_a_later_request_reuses_the_longest_cached_prefix():
     c.free()
     pool.allocate(pool.available())  # pressure: every cached block evicted
     assert BlockTable.from_prefix(pool, same).length == 0
+
+
+def test_a_cached_prefix_taken_shorter_is_copied_or_loses_its_key_before_a_write():
+    """A table that takes a cached (keyed) block only in part and writes there: when another
+    table holds the block too, into a copy (``blocks_for`` counts it; the block keeps what its
+    key names); when none does, into the block itself, which loses its key first (no extra
+    block: a full pool still fits). A freed table releases its last block first, so pressure
+    evicts the end of a cached prefix before its beginning; ``forget`` frees cached blocks by key."""
+    pool = _pool(blocks=8, page=4)
+    a = BlockTable(pool)
+    _fill(pool, a, list(range(8)), [])
+    keys = [chain_key(None, [i], [i]) for i in range(2)]
+    assert a.publish(keys) == 2
+    x0, x1 = a.blocks
+    a.free()
+    held = BlockTable(pool, pool.match(keys), 8)  # another table holds both blocks
+    b = BlockTable(pool, pool.match(keys), 8)
+    b.truncate(6)
+    assert b.blocks == [x0, x1] and pool.refs[x1] == 2
+    assert b.blocks_for(1) == 1 and b.blocks_for(3) == 2  # the copy, then one more block
+    kept = pool.k[0][x1].clone()
+    _fill(pool, b, [6, 7, 8], [])
+    assert pool.copies == 1 and b.blocks[0] == x0 and x1 not in b.blocks
+    assert torch.equal(pool.k[0][x1], kept) and pool.key_of(x1) == keys[1]  # what its key names, intact
+    assert torch.equal(pool.k[0][b.blocks[1]][:, :2], kept[:, :2])  # the copy began as it
+    held.free()
+    b.free()
+    d = BlockTable(pool, pool.match(keys), 8)
+    d.truncate(6)  # x1 in part again, no other holder
+    assert d.blocks == [x0, x1] and pool.refs[x1] == 1 and d.blocks_for(2) == 0
+    _fill(pool, d, [6, 7], [])
+    assert pool.copies == 1 and d.blocks == [x0, x1] and pool.key_of(x1) is None and pool.key_of(x0) == keys[0]
+    assert pool.match(keys) == [x0]  # x1's key names nothing now: the prefix found ends before it
+    pool.release([x0])
+    d.free()
+    assert pool.forget(keys) == 1 and pool.cached == 0 and pool.forget(keys) == 0
+    c = BlockTable(pool)
+    _fill(pool, c, list(range(12)), [])
+    ckeys = [chain_key(None, [i], [i], salt="c") for i in range(3)]
+    assert c.publish(ckeys) == 3
+    c.free()
+    free = pool.free
+    pool.release(pool.allocate(free + 1))  # one eviction: the oldest cached block
+    found = pool.match(ckeys)
+    assert len(found) == 2, "the prefix lost its end, not its beginning"
+    pool.release(found)
+    assert pool.forget(ckeys) == 2 and pool.match(ckeys) == []

@@ -149,6 +149,24 @@ def test_answers_equal_generate_and_the_document_is_cached(server):
     assert chat.usage.completion_tokens == NEW and chat.choices[0].finish_reason == "length"
 
 
+def test_a_document_that_extends_a_cached_one_takes_its_blocks(server):
+    """A request whose document begins with a cached document and goes on (an appendix) is a
+    document of its own: its prefill takes the cached one's blocks for their common segments
+    (reported as cached tokens, fewer than the document) and prefills the rest; the answer is
+    still `generate`'s."""
+    c, m, doc = server["client"], server["model"], _doc("extends")
+    first = c.completions.create(model="m", prompt=doc + "\n\nWhich arch?", max_tokens=NEW)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    longer = doc + "\n\nAppendix. " + DOC[::-1]
+    prompt = longer + "\n\nWhich arch?"
+    ext = c.completions.create(model="m", prompt=prompt, max_tokens=NEW)
+    found = ext.usage.prompt_tokens_details.cached_tokens
+    assert 0 < found < len(doc) and found % 2 == 0, found  # whole segments of 2 ranks, not the document
+    assert ext.choices[0].text == _generate(m, prompt, "--no-chat")["text"]
+    again = c.completions.create(model="m", prompt=longer + "\n\nHow many tolls?", max_tokens=NEW)
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(longer)  # now a cached document itself
+
+
 def test_streaming_and_stop_strings(server):
     c = server["client"]
     prompt = _doc("streaming") + "\n\nWhen did the river rise?"

@@ -132,18 +132,18 @@ class DocIndex:
 
     def match(self, ids, doc: int) -> tuple[str, int]:
         """The document a request of tokens ``ids`` (document part: the first ``doc``) continues:
-        the longest cached one its tokens begin with, else its own document part (a new entry
-        once prefilled), else none ("", 0)."""
+        the longest cached one its tokens begin with (a conversation's later turn), unless its own
+        document part is longer (a document that extends a cached one: a new entry, whose
+        prefill finds the common beginning in the ranks' block pool and prefills the rest a
+        segment at a time); else none ("", 0)."""
         best, n = "", 0
         for key, e in self.entries.items():
             m = len(e["ids"])
             if n < m <= len(ids) - 1 and ids[:m] == e["ids"]:
                 best, n = key, m
-        if n:
-            return best, n
-        if doc >= MIN_DOCUMENT:
+        if doc >= MIN_DOCUMENT and doc > n:
             return self.key_of(ids[:doc]), doc
-        return "", 0
+        return best, n
 
 
 def document_too_large(doc_tokens: int, bytes_per_token: int, nproc: int, tp: int, cache_bytes: int) -> str | None:
@@ -312,7 +312,8 @@ class Scheduler(threading.Thread):
                     if j.key and j.key in srv.docs.entries:
                         srv.docs.entries[j.key]["resident"] = True
                     j.deliver("document", {"source": info["source"],
-                                           "cached": j.cached if info["source"] != "prefill" else 0})
+                                           "cached": j.cached if info["source"] != "prefill"
+                                           else info.get("reused", 0)})
                 elif kind == "docs":
                     self._documents_changed(payload)
                 elif kind == "banswer":

@@ -37,7 +37,7 @@ import torch
 from .cache import ShardedKVCache
 from .decode import segments
 from .paged_shard import PagedShard
-from .pool import BlockPool
+from .pool import BlockPool, block_keys
 from ..parallel.ring import chunk_bounds
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
@@ -60,13 +60,16 @@ class Document:
     cache: ShardedKVCache | PagedShard
     todo: list = field(default_factory=list)  # prefill segments (start, end) of ids still to run
     segs: list = field(default_factory=list)  # all of them
-    source: str = "memory"  # how it became resident: memory, disk, prefill
+    source: str = "memory"  # how it became resident: memory, pool (its blocks were cached), disk, prefill
     on_disk: bool = False
     save: dict | None = None  # write-through once complete: {"dir": d, "meta": {...}}
     users: int = 0  # questions queued or answering over it
     running: int = 0  # of them, answering (in a slot)
     evicted: bool = False  # left memory: its cache is gone (a queued question asks for it again)
     hits: int = 0
+    keys: list | None = None  # this rank's chained key of each full block of its shard (pool.block_keys)
+    counts: list | None = None  # every rank's shard tokens after each segment: [segments + 1][ranks]
+    reused: int = 0  # tokens (over all ranks) found in the pool's cached blocks instead of prefilled
     t_start: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # to make it resident
 
@@ -95,14 +98,15 @@ class Documents:
     def _pool(self, spec: dict) -> BlockPool:
         if self.pool is None:
             c = self.engine.cache
+            page = int(spec.get("page") or PAGE)  # tests: small blocks for tiny documents
             if spec.get("pool_blocks"):  # an exact count (tests of a full pool)
-                self.pool = BlockPool(c.num_layers, c.kv_heads, c.head_dim, page=PAGE, num_blocks=spec["pool_blocks"],
+                self.pool = BlockPool(c.num_layers, c.kv_heads, c.head_dim, page=page, num_blocks=spec["pool_blocks"],
                                       dtype=c.dtype, device=c.device, quant=c.quant)
                 return self.pool
             want = int(spec.get("pool") or POOL_BYTES.get(c.device.type, POOL_BYTES["cuda"]))
             if c.device.type == "cuda":
                 want = min(want, int(0.9 * torch.cuda.mem_get_info(c.device)[0]))
-            self.pool = BlockPool.sized(want, c.num_layers, c.kv_heads, c.head_dim, page=PAGE, dtype=c.dtype,
+            self.pool = BlockPool.sized(want, c.num_layers, c.kv_heads, c.head_dim, page=page, dtype=c.dtype,
                                         device=c.device, quant=c.quant)
         return self.pool
 
@@ -116,8 +120,7 @@ class Documents:
         """Whether every rank's pool has the blocks for ``add`` more tokens of ``doc`` on that
         rank (``evict``: making room first by evicting documents no question answers over); the
         same answer on every rank."""
-        cache = doc.cache
-        need = -(-(cache.table.length + add) // self.pool.page) - len(cache.table.blocks)
+        need = doc.cache.table.blocks_for(add)
         agreed = self.engine.world.all_true(need <= self.pool.available())
         if not agreed and evict:
             self._make_room(keep=doc)
@@ -133,9 +136,73 @@ class Documents:
                 continue
             if d.ready:
                 self._evict(key)
-            elif d.todo != d.segs:  # another pending document's blocks: it starts over when its turn comes
-                d.cache.free()
-                d.todo = list(d.segs)
+            elif d.todo != d.segs or d.reused:  # another pending document's blocks: it starts over
+                d.cache.free()  # when its turn comes (its published blocks stay cached while room lasts)
+                d.todo, d.reused = list(d.segs), 0
+
+    # -- prefix reuse by block ------------------------------------------------------------
+    def _salt(self, piece: int) -> str:
+        """What, besides the tokens, fixes the numbers a prefill writes into this rank's blocks:
+        the rank's place in the mesh (its sequence shard, its heads), how segments are cut and
+        sharded, the storage (the pool belongs to one engine: one model, one dtype)."""
+        eng = self.engine
+        m = eng.mesh
+        return (f"treeattn-doc|cp={m.cp}.{m.cp_index}|tp={m.tp}.{m.tp_index}|head0={eng.head0}|"
+                f"{eng.dec.sharding}|segment={m.cp * piece}|{eng.kv_name}|{self.pool.dtype}|page={self.pool.page}")
+
+    def _plan(self, doc: Document, piece: int) -> None:
+        """Where the document's tokens go (every rank's shard after each segment) and this rank's
+        chained block keys (``doc.keys``). A block's keys and values depend on every token
+        before it on every rank, and (bitwise) on the segments that computed them, so its key's
+        scope is the digest of every token up to the end of the segment its last token was
+        prefilled in; with the segment length in the salt, equal keys mean equal numbers."""
+        import hashlib
+
+        import numpy as np
+
+        from .prefill import positions, shard, size
+
+        eng = self.engine
+        p, r = eng.mesh.cp, eng.mesh.cp_index
+        ids = np.asarray(doc.ids, dtype=np.int64)
+        counts, mine, digests, ends = [[0] * p], [], [], []
+        h = hashlib.sha256()
+        for s0, s1 in doc.segs:
+            pieces = shard(s0, s1 - s0, p, balanced=eng.dec.sharding == "balanced")
+            counts.append([c + size(pc) for c, pc in zip(counts[-1], pieces)])
+            mine.append(positions(pieces[r]).numpy())
+            h.update(ids[s0:s1].tobytes())
+            digests.append(h.copy().digest())
+            ends.append(counts[-1][r])
+        pos = np.concatenate(mine) if mine else np.zeros(0, dtype=np.int64)
+        page = self.pool.page
+        last = np.minimum(np.arange(page, len(pos) + page, page), len(pos))  # each block's end
+        seg_of_block = np.searchsorted(np.asarray(ends), last, side="left")
+        doc.counts = counts
+        doc.keys = block_keys(ids[pos].tolist(), pos.tolist(), page, self._salt(piece),
+                              [digests[j] for j in seg_of_block], tail=True)
+
+    def _reuse(self, doc: Document) -> None:
+        """Take the longest prefix of ``doc``'s segments whose blocks every rank's pool holds
+        (cached by any earlier document: the same tokens prefilled the same way), shared, not
+        copied; its prefill goes on from there. The ranks agree on how many segments."""
+        cache, page = doc.cache, self.pool.page
+        found = self.pool.match(doc.keys)  # acquired for this table
+        ends = [c[self.engine.mesh.cp_index] for c in doc.counts]  # this rank's tokens after j segments
+        j = max(i for i, e in enumerate(ends) if e <= min(len(found) * page, ends[-1]))
+        j = self.engine.world.all_min(j)
+        if j == 0:
+            self.pool.release(found)
+            return
+        cache.adopt(found, ends[j], doc.counts[j])
+        doc.todo = list(doc.segs[j:])
+        doc.reused = sum(doc.counts[j])
+
+    def _publish(self, doc: Document) -> None:
+        """Offer the document's full blocks to later documents that start with the same tokens."""
+        if doc.keys and isinstance(doc.cache, PagedShard):
+            table = doc.cache.table
+            table.publish(doc.keys if not doc.todo else doc.keys[:table.length // table.pool.page])
 
     def nbytes(self) -> int:
         """Bytes of KV the resident documents hold per rank, counted from their token counts
@@ -147,7 +214,8 @@ class Documents:
         """The document of ``spec`` (``key``, ``ids``; optional ``dir`` (the cache directory),
         ``manifest`` (of its saved copy), ``save`` + ``save_meta`` (write-through), ``piece``
         (tokens per rank per prefill segment, default :data:`PIECE`), ``budget`` (bytes per
-        rank), ``pool`` (bytes of the pool, when it is made; ``pool_blocks``: blocks)): resident, or pending
+        rank), ``pool`` (bytes of the pool, when it is made; ``pool_blocks``: blocks; ``page``: tokens per
+        block, default :data:`PAGE`)): resident, or pending
         (:meth:`advance` prefills it). ``paged``: kept in the pool (else a plain cache)."""
         from . import kvstore
 
@@ -165,7 +233,20 @@ class Documents:
         cache = self._new(len(ids), paged, spec)
         saved = Path(spec["dir"]) / key if spec.get("dir") else None
         doc = Document(key, ids, cache, t_start=t0)
-        if saved is not None and (saved / kvstore.MANIFEST).exists():
+        if isinstance(cache, PagedShard) and ids:
+            piece = spec.get("piece") or PIECE.get(cache.device.type, PIECE["cuda"])
+            doc.segs = list(segments(len(ids), eng.mesh.cp, piece))
+            doc.todo = list(doc.segs)
+            self._plan(doc, piece)
+            self._reuse(doc)
+            if not doc.todo:
+                doc.source = "pool"
+            elif saved is not None and (saved / kvstore.MANIFEST).exists():
+                cache.free()  # a saved copy holds it all: load that instead of a part
+                doc.segs, doc.todo, doc.reused = [], [], 0
+        if doc.source == "pool":
+            doc.seconds = time.perf_counter() - t0
+        elif saved is not None and (saved / kvstore.MANIFEST).exists():
             manifest = spec.get("manifest") or json.loads((saved / kvstore.MANIFEST).read_text())  # ours: spilled
             bounds = chunk_bounds(int(manifest["tokens"]["count"]), eng.mesh.cp)
             mine = bounds[eng.mesh.cp_index + 1] - bounds[eng.mesh.cp_index]
@@ -178,9 +259,10 @@ class Documents:
             doc.seconds = time.perf_counter() - t0
         else:
             doc.source = "prefill"
-            piece = spec.get("piece") or PIECE.get(cache.device.type, PIECE["cuda"])
-            doc.segs = list(segments(len(ids), eng.mesh.cp, piece)) if ids else []
-            doc.todo = list(doc.segs)
+            if not doc.segs:
+                piece = spec.get("piece") or PIECE.get(cache.device.type, PIECE["cuda"])
+                doc.segs = list(segments(len(ids), eng.mesh.cp, piece)) if ids else []
+                doc.todo = list(doc.segs)
         if spec.get("save") and spec.get("dir") and not doc.on_disk:
             doc.save = {"dir": spec["dir"], "meta": spec["save_meta"]}
         self.resident[key] = doc
@@ -194,6 +276,11 @@ class Documents:
         waits, the pool being full of documents in use)."""
         from .prefill import shard, size
 
+        if isinstance(doc.cache, PagedShard) and doc.todo == doc.segs:  # not begun: documents prefilled
+            self._reuse(doc)  # since it was asked for (or before a reset) may hold its prefix
+            if not doc.todo:
+                self._ready(doc)
+                return doc.reused
         s0, s1 = doc.todo[0]
         if isinstance(doc.cache, PagedShard):
             eng = self.engine
@@ -209,12 +296,16 @@ class Documents:
         finally:
             dec.cache = dec.actx.cache = was
         doc.todo.pop(0)
+        self._publish(doc)
+        self._ready(doc)
+        return s1 - s0
+
+    def _ready(self, doc: Document) -> None:
         if doc.ready:
             if doc.cache.device.type == "cuda":
                 torch.cuda.synchronize(doc.cache.device)
             doc.seconds = time.perf_counter() - doc.t_start
             self._complete(doc)
-        return s1 - s0
 
     def complete(self, doc: Document) -> None:
         """Every remaining segment of ``doc`` now."""

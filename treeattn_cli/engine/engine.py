@@ -248,14 +248,14 @@ class Engine:
         ``dir``, ``save_meta`` and ``piece`` default to the request's): questions over different
         documents decode in the same steps, and a document not resident is loaded or prefilled
         a segment per step while the others decode (rank 0 reports ``bdoc (question, {source,
-        tokens, seconds})`` when a question starts and ``docs`` with what left memory or was
+        tokens, seconds, reused})`` when a question starts and ``docs`` with what left memory or was
         saved). With ``"open": True`` more questions may join while the batch runs
         (``comm.post_join``) and any may be cancelled (``comm.post_cancel``); the batch ends when
         every question it took is answered, and ``batch_done`` says how many joins it took."""
         from .batch import BatchDecoder, Question
 
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs")}
-        doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks")
+        doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks", "page")
                         if req.get(k) is not None}
         here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
 
@@ -290,7 +290,8 @@ class Engine:
             ch = self.documents.take_changes()
             if any(ch.values()):
                 self.ctx.send("docs", ch)
-            self.ctx.send("bdoc", (qi, {"source": q.source, "tokens": q.doc.tokens, "seconds": q.doc.seconds}))
+            self.ctx.send("bdoc", (qi, {"source": q.source, "tokens": q.doc.tokens, "seconds": q.doc.seconds,
+                                         "reused": q.doc.reused}))
 
         answers = bd.run(qs, drafter=(lambda doc, own: self._drafter(own, doc)) if self.lead else None,
                          make_question=question, documents=self.documents, on_doc=on_doc if self.lead else None,

@@ -65,6 +65,17 @@ class PagedShard:
         self.n = 0
         self.counts = torch.zeros(1, self.world, dtype=torch.int64)
 
+    def adopt(self, blocks, n: int, counts) -> None:
+        """Become the first ``n`` tokens of ``blocks`` (a cached prefix, already acquired for
+        this shard: shared, nothing copied; blocks past ``n`` are released) and every rank's
+        ``counts``. A later append to a partial last block another table holds copies it first."""
+        self.free()
+        self.table = BlockTable(self.pool, blocks, len(blocks) * self.pool.page)
+        self.table.truncate(n)
+        self._slots = self.table.flat(0, n)
+        self.n = n
+        self.set_counts(counts)
+
     # -- writing ----------------------------------------------------------------------------
     def append_chunk(self, layer: int, k, v, positions) -> None:
         """Append ``k, v [1, H_kv, C, d]`` at global ``positions [C]`` (once per layer, in layer
@@ -73,7 +84,7 @@ class PagedShard:
         C = k.shape[2]
         if layer == 0:
             self._pending = self.table.slots(C)  # all or nothing: pool.PoolFull
-            self._slots = torch.cat([self._slots, self._pending])
+            self._slots = self.table.flat(0, self.table.length)  # a copied last block moves its tokens
             self.pool.place(self._pending.to(self.device), torch.as_tensor(positions).reshape(-1))
         self.pool.write(layer, self._pending.to(self.device), k[0].transpose(0, 1), v[0].transpose(0, 1))
         if layer == self.num_layers - 1:

@@ -1,6 +1,5 @@
 """One rank's KV memory as a pool of fixed-size blocks, and the block tables of the sequences
-that live in it (DESIGN.md §12; issue 35, first part: the pool and its tables, read by the
-torch reference through block tables; the engine still runs on ``cache.ShardedKVCache``).
+that live in it (DESIGN.md §12; issue 35: the documents of a batch live here, ``paged_shard.PagedShard``).
 
 A block holds ``page`` tokens of every layer: ``k[layer][block] [H_kv, page, d]`` (the storage
 dtype; fp8 with ``ks``/``vs`` scales per row, per block), and each token's global position in
@@ -33,12 +32,15 @@ class PoolFull(RuntimeError):
         self.needed, self.free, self.cached, self.total = needed, free, cached, total
 
 
-def chain_key(parent: bytes | None, ids, positions, salt: str = "") -> bytes:
+def chain_key(parent: bytes | None, ids, positions, salt: str = "", scope: bytes = b"") -> bytes:
     """The key of a full block: its tokens and their global positions, chained to the key of the
     block before it in its sequence (``parent``; None for a sequence's first block on this rank)
-    and ``salt`` (the model's identity, the rank's place in its mesh): equal keys mean equal
-    contents for the same model and placement."""
+    and ``salt`` (the model's identity, the rank's place in its mesh); ``scope``: a digest of
+    whatever else its contents depend on (a sequence-sharded shard's keys and values depend on
+    the tokens other ranks hold too: ``documents`` passes the digest of every token up to the
+    end of the prefill segment that computed the block). Equal keys mean equal contents."""
     h = hashlib.sha256(parent or salt.encode())
+    h.update(scope)
     h.update(torch.as_tensor(list(ids), dtype=torch.int64).numpy().tobytes())
     h.update(torch.as_tensor(list(positions), dtype=torch.int64).numpy().tobytes())
     return h.digest()
@@ -72,6 +74,7 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # released blocks with a key, oldest first
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        self.copies = 0  # blocks copied on write (a shared partial block a table extends)
 
     # -- sizing -------------------------------------------------------------------------
     @staticmethod
@@ -177,6 +180,24 @@ class BlockPool:
             out.append(b)
         return out
 
+    def unpublish(self, block: int) -> None:
+        """``block`` no longer stands for its key (a table that holds it alone writes into it)."""
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+
+    def forget(self, keys) -> int:
+        """Cached blocks under ``keys`` become free (a document deleted for good); blocks a table
+        holds keep their keys. Returns how many were freed."""
+        n = 0
+        for key in keys:
+            b = self._block_of.get(key)
+            if b is not None and self.refs[b] == 0:
+                del self._cached[b], self._block_of[key], self._key_of[b]
+                self._free.append(b)
+                n += 1
+        return n
+
     def key_of(self, block: int) -> bytes | None:
         return self._key_of.get(block)
 
@@ -201,19 +222,25 @@ class BlockPool:
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """The first ``n`` tokens of block ``src`` into block ``dst`` (a table's private copy of a
         shared partial block, before it writes there)."""
+        self.copies += 1
         for store in (self.k, self.v, self.ks, self.vs):
             for t in store:
                 t[dst, :, :n] = t[src, :, :n]
         self.pos[dst, :n] = self.pos[src, :n]
 
 
-def block_keys(ids, positions, page: int, salt: str = "") -> list[bytes]:
+def block_keys(ids, positions, page: int, salt: str = "", scopes=None, tail: bool = False) -> list[bytes]:
     """The chained key of every full block of a shard holding tokens ``ids`` at global
     ``positions`` (in shard order), ``page`` a block: block i's key covers tokens
-    ``[i * page, (i + 1) * page)`` and, through its parent, everything before them."""
+    ``[i * page, (i + 1) * page)`` and, through its parent, everything before them; ``scopes[i]``
+    (optional) is block i's ``scope`` (:func:`chain_key`). ``tail``: the last, partial block
+    too (a sequence nothing will extend: its key names fewer positions, so it never stands for
+    a full block of a longer sequence)."""
     keys, parent = [], None
-    for i in range(len(ids) // page):
-        parent = chain_key(parent, ids[i * page:(i + 1) * page], positions[i * page:(i + 1) * page], salt)
+    n = -(-len(ids) // page) if tail else len(ids) // page
+    for i in range(n):
+        parent = chain_key(parent, ids[i * page:(i + 1) * page], positions[i * page:(i + 1) * page], salt,
+                           scopes[i] if scopes is not None else b"")
         keys.append(parent)
     return keys
 
@@ -233,10 +260,11 @@ class BlockTable:
         return cls(pool, blocks, len(blocks) * pool.page)
 
     def publish(self, keys) -> int:
-        """Offer this table's full blocks to later requests under ``keys`` (:func:`block_keys` of
-        its tokens); returns how many blocks now carry a key (the first block with a key stays
-        the one found)."""
-        n = min(len(keys), self.length // self.pool.page)
+        """Offer this table's blocks to later requests under ``keys`` (:func:`block_keys` of its
+        tokens whose contents are final: full blocks, and a last partial one nothing will write
+        to); returns how many blocks now carry a key (the first block with a key stays the one
+        found)."""
+        n = min(len(keys), len(self.blocks))
         for b, k in zip(self.blocks[:n], keys[:n]):
             self.pool.publish(b, k)
         return sum(self.pool.key_of(b) is not None for b in self.blocks[:n])
@@ -246,29 +274,43 @@ class BlockTable:
 
     def slots(self, n: int) -> torch.Tensor:
         """Flat slots for ``n`` more tokens (allocating blocks as needed, all or nothing), and the
-        length grows by ``n``. A shared last block is copied first (copy on write)."""
+        length grows by ``n``. A partial last block another table holds is copied first (copy on
+        write); one with a key that only this table holds (a cached prefix it took shorter) loses
+        its key instead, its contents being about to change."""
         page = self.pool.page
-        need = -(-(self.length + n) // page) - len(self.blocks)
-        tail = self.length % page
-        cow = bool(n and tail and self.pool.refs[self.blocks[-1]] > 1)
-        new = self.pool.allocate(max(0, need) + cow)
+        cow = self._cow(n)
+        new = self.pool.allocate(self.blocks_for(n))
+        if n and self.length % page and not cow:
+            self.pool.unpublish(self.blocks[-1])
         if cow:  # the partial last block is another table's too: write into a private copy
             own = new.pop()
-            self.pool.copy_block(self.blocks[-1], own, tail)
+            self.pool.copy_block(self.blocks[-1], own, self.length % page)
             self.pool.release([self.blocks[-1]])
             self.blocks[-1] = own
         self.blocks += new
-        idx = torch.arange(self.length, self.length + n)
-        table = torch.tensor(self.blocks, dtype=torch.int64)
         self.length += n
-        return table[idx // page] * page + idx % page
+        return self.flat(self.length - n, self.length)
+
+    def flat(self, start: int, end: int) -> torch.Tensor:
+        """The flat pool slots (``block * page + offset``) of tokens ``[start, end)``: ``[end - start]``."""
+        page = self.pool.page
+        idx = torch.arange(start, end)
+        return torch.tensor(self.blocks, dtype=torch.int64)[idx // page] * page + idx % page
+
+    def _cow(self, n: int) -> bool:
+        tail = self.length % self.pool.page
+        return bool(n and tail and self.pool.refs[self.blocks[-1]] > 1)
+
+    def blocks_for(self, n: int) -> int:
+        """Blocks :meth:`slots` takes from the pool for ``n`` more tokens (a copied last block too)."""
+        return max(0, -(-(self.length + n) // self.pool.page) - len(self.blocks)) + self._cow(n)
 
     def truncate(self, keep: int) -> None:
         """Keep the first ``keep`` tokens; the blocks past them are released (nothing copied)."""
         if not 0 <= keep <= self.length:
             raise ValueError(f"cannot keep {keep} of {self.length} tokens")
         n = -(-keep // self.pool.page)
-        self.pool.release(self.blocks[n:])
+        self.pool.release(self.blocks[n:][::-1])  # the last block first: a cached prefix loses its end first
         del self.blocks[n:]
         self.length = keep
 

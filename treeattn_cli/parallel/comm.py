@@ -302,6 +302,13 @@ class Comm:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
         return bool(self.all_reduce(t, "min")[0])
 
+    def all_min(self, n: int) -> int:
+        """The least of every rank's ``n`` (how far all ranks can go together)."""
+        if self.world == 1:
+            return int(n)
+        t = torch.tensor([int(n)], dtype=torch.int64, device=self.device)
+        return int(self.all_reduce(t, "min")[0])
+
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In place from group rank ``src``."""
         if self.world == 1:
