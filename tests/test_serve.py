@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,12 +50,17 @@ def _free_port() -> int:
 
 
 def _start(model, cache_dir, port, *extra):
-    proc = subprocess.Popen([TREEATTN, "serve", "--model", str(model), "--nproc", "2", "--dtype", "float32",
-                             "--port", str(port), "--api-key", KEY, "--cache-dir", str(cache_dir), "--batch", "4",
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    """A server whose stderr goes to a file (``proc.log``): a pipe nobody reads would fill with
+    its per-request lines and stop it."""
+    log = Path(tempfile.mkstemp(prefix="treeattn-serve-", suffix=".log")[1])
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([TREEATTN, "serve", "--model", str(model), "--nproc", "2", "--dtype", "float32",
+                                 "--port", str(port), "--api-key", KEY, "--cache-dir", str(cache_dir), "--batch", "4",
+                                 *extra], stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+    proc.log = log
     t0 = time.monotonic()
     while time.monotonic() - t0 < 180:  # the event: /health answers
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert proc.poll() is None, log.read_bytes().decode()[-2000:]
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
@@ -373,3 +379,102 @@ def test_a_document_that_cannot_fit_even_alone_is_refused_with_the_numbers():
     assert document_too_large(1_000_000, per_token, nproc=16, tp=2, cache_bytes=8 << 30) is None  # tp splits heads
     assert document_too_large(1_000_000, per_token, nproc=4, tp=1, cache_bytes=8 << 30) is not None
     assert document_too_large(MIN_DOCUMENT - 1, per_token, nproc=1, tp=1, cache_bytes=1) is None
+
+
+def _metrics(url) -> dict:
+    """``GET /metrics`` parsed: ``{(name, labels as sorted tuple): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text[:200]
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(r.text) for smp in fam.samples}
+
+
+def test_every_request_is_counted_in_the_metrics_and_logged_on_one_line(server):
+    """Two requests, one streamed and one not: /metrics (Prometheus text, prometheus-client)
+    counts both by outcome, their prompt, cached and generated tokens, observes their first
+    token, every gap between tokens and their whole latency, shows each rank's KV pool; the
+    server's stderr has one line per request with its id, document, tokens and status."""
+    c, url, doc = server["client"], server["url"], _doc("metrics")
+    before = _metrics(url)
+    first = c.completions.create(model="m", prompt=doc + "\n\nWhich arch?", max_tokens=NEW)
+    chunks = list(c.completions.create(model="m", prompt=doc + "\n\nWhy?", max_tokens=NEW, stream=True,
+                                       stream_options={"include_usage": True}))  # the same document: cached
+    usage = chunks[-1].usage
+    after = _metrics(url)
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("treeattn_requests_total", outcome="length") == 2
+    assert grew("treeattn_prompt_tokens_total") == first.usage.prompt_tokens + usage.prompt_tokens
+    assert grew("treeattn_generation_tokens_total") == 2 * NEW
+    cached = first.usage.prompt_tokens_details.cached_tokens + usage.prompt_tokens_details.cached_tokens
+    assert grew("treeattn_cached_prompt_tokens_total") == cached > 0
+    assert grew("treeattn_time_to_first_token_seconds_count") == 2
+    assert grew("treeattn_e2e_request_latency_seconds_count") == 2
+    assert grew("treeattn_time_per_output_token_seconds_count") == 2 * (NEW - 1)
+    for rank in ("0", "1"):
+        assert after[("treeattn_kv_blocks_total", (("rank", rank),))] > 0
+        assert 0 < after[("treeattn_kv_blocks_used", (("rank", rank),))] <= after[("treeattn_kv_blocks_total", (("rank", rank),))]
+    assert after[("treeattn_requests_running", ())] == 0 and after[("treeattn_requests_waiting", ())] == 0
+    assert after[("treeattn_documents_resident", ())] >= 1
+    lines = [x for x in server["proc"].log.read_text().splitlines() if x.startswith("treeattn: request ")]
+    mine = [x for x in lines if f"id={first.id} " in x]
+    assert len(mine) == 1, lines[-5:]
+    assert f"prompt_tokens={first.usage.prompt_tokens} " in mine[0] and f"generated_tokens={NEW} " in mine[0]
+    assert "status=length" in mine[0] and "document=" in mine[0] and "ttft_s=" in mine[0]
+
+
+def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(model, tmp_path):
+    """A server of its own, --batch 1 --max-waiting 1, JSON log lines: while one answer streams
+    and one request waits, a third gets 429 with Retry-After and an OpenAI error object at once;
+    a body over --max-request-bytes gets 413; the two taken requests still end well; each is one
+    JSON line on stderr, the refused ones too."""
+    m, _ = model
+    port = _free_port()
+    proc = _start(m, tmp_path / "cache", port, "--batch", "1", "--max-waiting", "1", "--max-request-bytes", "8192",
+                  "--log-format", "json")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        doc = _doc("back-pressure")
+        with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120,
+                          json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: {") and '"text": ""' not in x)  # answering now
+            waiting = {}
+            t = threading.Thread(target=lambda: waiting.setdefault(
+                "r", c.completions.create(model="m", prompt=doc + "\n\nWhich toll?", max_tokens=2)))
+            t.start()
+            t0 = time.monotonic()
+            while _metrics(url).get(("treeattn_requests_waiting", ())) != 1:  # the event: it waits
+                assert time.monotonic() - t0 < 60 and t.is_alive()
+                time.sleep(0.05)
+            t1 = time.monotonic()
+            refused = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
+                                 json={"model": "m", "prompt": "hello there", "max_tokens": 2})
+            assert time.monotonic() - t1 < 10  # at once, not after the answers under way
+            assert refused.status_code == 429, refused.text
+            assert int(refused.headers["retry-after"]) >= 1
+            err = refused.json()["error"]
+            assert err["code"] == "rate_limit_exceeded" and "--max-waiting" in err["message"]
+            big = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
+                             json={"model": "m", "prompt": "x" * 9000, "max_tokens": 2})
+            assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large", big.text
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]"
+        t.join(60)
+        assert waiting["r"].choices[0].finish_reason == "length"
+        after = _metrics(url)
+        assert after[("treeattn_requests_total", (("outcome", "rejected"),))] == 1
+        assert after[("treeattn_requests_total", (("outcome", "too_large"),))] == 1
+        recs = [json.loads(x) for x in proc.log.read_text().splitlines() if x.startswith("{")]
+        assert sorted(r["status"] for r in recs) == ["length", "length", "rejected", "too_large"], recs
+        assert all({"id", "document", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "status"} <= set(r)
+                   for r in recs)
+    finally:
+        _stop(proc)

@@ -73,7 +73,7 @@ def serving(model=None, nproc: int = 2, *flags: str):
 
     port = _free_port()
     treeattn = str(Path(sys.executable).with_name("treeattn"))
-    cmd = [treeattn, "serve", "--nproc", str(nproc), "--port", str(port), "--quiet", *flags]
+    cmd = [treeattn, "serve", "--nproc", str(nproc), "--port", str(port), "--quiet", "--log-format", "none", *flags]
     if model:
         cmd += ["--model", str(model)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)

@@ -1,9 +1,12 @@
-"""OpenAI's wire format over a ``serve.Server`` (``srv``: what it serves, ``submit`` a request,
-``scheduler.cancel`` one): ``GET /health``, ``GET /v1/models``,
+"""OpenAI's wire format over a ``serve.Server`` (``srv``: what it serves, ``admit`` and
+``submit`` a request, ``scheduler.cancel`` one): ``GET /health``, ``GET /metrics`` (Prometheus),
+``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``, streamed as server-sent events ending
 with ``[DONE]``, with ``usage`` (``prompt_tokens_details.cached_tokens``: the document tokens
 found in the cache). Requests are checked here: a malformed one gets HTTP 400 with an OpenAI
-error object, an unknown model 404, a missing or wrong key 401, a server whose ranks are lost 503.
+error object, an unknown model 404, a missing or wrong key 401, a server whose ranks are lost 503,
+a body over ``--max-request-bytes`` 413, and a request past ``--batch`` + ``--max-waiting`` 429
+with ``Retry-After`` (at once: the server goes on serving the others).
 Parameters treeattn does not honour are refused with 400, never ignored."""
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .prompt import PromptError, split_chat, split_completion
 
@@ -165,17 +168,33 @@ def build_app(srv) -> FastAPI:
             return JSONResponse({"status": "error", "reason": srv.failed}, status_code=503)
         return {"status": "ok", "model": srv.name, "stats": srv.stats.snapshot()}
 
+    @app.get("/metrics")
+    async def metrics():
+        from .metrics import CONTENT_TYPE
+
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": srv.name, "object": "model", "created": srv.created,
                                             "owned_by": "treeattn"}]}
 
     async def answer(request: Request, chat: bool):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if srv.failed:
             return _error(503, f"the server's ranks are gone: {srv.failed}", kind="server_error")
+        limit = srv.o.max_request_bytes
+        size = request.headers.get("content-length")
+        raw = b"" if size is not None and size.isdigit() and int(size) > limit else await request.body()
+        if (size is not None and size.isdigit() and int(size) > limit) or len(raw) > limit:
+            why = f"the request body ({int(size) if size and size.isdigit() else len(raw)} bytes) exceeds " \
+                  f"this server's limit of {limit} bytes (--max-request-bytes)"
+            srv.refused(rid, 0, "too_large", why)
+            return _error(413, why, code="request_too_large")
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            srv.metrics.requests.labels(outcome="invalid").inc()
             return _error(400, "the request body is not valid JSON")
         try:
             p = _common(srv, body, chat)
@@ -199,13 +218,22 @@ def build_app(srv) -> FastAPI:
             if too_large:
                 raise BadRequest(too_large, "messages" if chat else "prompt", code="document_too_large")
         except BadRequest as e:
+            srv.metrics.requests.labels(outcome="invalid").inc()
             return _error(e.status, str(e), e.param, e.code)
         except PromptError as e:
+            srv.metrics.requests.labels(outcome="invalid").inc()
             return _error(400, str(e))
+        retry = srv.admit()
+        if retry is not None:
+            why = (f"this server is answering {srv.o.batch} requests and {srv.o.max_waiting} more are waiting "
+                   f"(--batch, --max-waiting); retry in {retry:.0f} s")
+            srv.refused(rid, len(ids), "rejected", why)
+            resp = _error(429, why, code="rate_limit_exceeded", kind="rate_limit_error")
+            resp.headers["Retry-After"] = str(int(retry + 0.999))
+            return resp
         reply = _Reply(asyncio.get_running_loop())
-        job = srv.submit(ids, doc, max_tokens=max_tokens, stop=p["stop"], deliver=reply,
+        job = srv.submit(ids, doc, max_tokens=max_tokens, stop=p["stop"], deliver=reply, rid=rid,
                          sampling={"temperature": p["temperature"], "top_k": 0, "top_p": p["top_p"], "seed": p["seed"]})
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         text = _Text(srv.tokenizer, p["stop"])
         meta = {"cached": 0}
 

@@ -56,6 +56,10 @@ SERVE_FLAGS = (
     Flag("cache_dir", Optional[str], None, "Save each document's sharded KV cache here as it is made (a restart finds them)."),
     Flag("cache_bytes", Optional[int], None, "Bytes of each rank's KV block pool for documents, allocated at the first one (default: 512 MiB on a CPU, 8 GiB on a GPU); least recently used documents leave when it is full."),
     Flag("batch", int, 8, "Requests that decode together (about any documents; more wait for a free slot)."),
+    Flag("max_waiting", int, 64, "Requests that may wait for a slot; past --batch + this many, a request gets "
+         "HTTP 429 with Retry-After at once."),
+    Flag("max_request_bytes", int, 64 << 20, "Largest request body in bytes (HTTP 413 past it)."),
+    Flag("log_format", str, "text", "One line per request on stderr: text | json | none."),
 )
 RUN_FLAGS = (
     Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory)."),
@@ -171,12 +175,21 @@ class ServeOptions(GenerateOptions):
     cache_dir: str | None = None
     cache_bytes: int | None = None  # per rank (None: engine.documents.POOL_BYTES of the device)
     batch: int = 8
+    max_waiting: int = 64
+    max_request_bytes: int = 64 << 20
+    log_format: str = "text"
 
 
 def check_serve_flags(o: ServeOptions) -> None:
     check_flags(o)
     if not 0 < o.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {o.port}")
+    if o.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {o.max_waiting}")
+    if o.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1024, got {o.max_request_bytes}")
+    if o.log_format not in ("text", "json", "none"):
+        raise ValueError(f"--log-format must be text, json or none, got {o.log_format!r}")
     if o.cache_bytes is not None and o.cache_bytes < 1 << 20:
         raise ValueError(f"--cache-bytes must be at least 1 MiB (1048576), got {o.cache_bytes}")
 

@@ -19,6 +19,9 @@ through FastAPI (``openai_api.py``) and a scheduler thread turns them into engin
 * a client that disconnects cancels its request; a lost rank turns ``/health`` and every request
   into 503 with the reason; SIGTERM or Ctrl-C stops accepting, ends the answers under way within
   seconds, and stops the ranks;
+* at most ``--batch`` requests answer and ``--max-waiting`` wait (:meth:`Server.admit`; past
+  that, HTTP 429 with ``Retry-After`` at once); each request is followed from arrival to end by a
+  ``metrics.RequestLog`` (Prometheus metrics at ``GET /metrics``, one line on stderr);
 * what the scheduler did is counted (:class:`Stats`, shown by ``GET /health``): requests, batches,
   latecomers that joined a running batch, batches whose steps mixed documents, document prefill
   segments run while answers were under way, answers by how they ended (``cancelled``: the engine
@@ -59,6 +62,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     index: int | None = None  # its question index in the running batch
     finished: bool = False
+    log: object = None  # metrics.RequestLog: its timeline, metrics and log line
 
 
 class Stats:
@@ -322,6 +326,8 @@ class Scheduler(threading.Thread):
                     srv.stats.ended(str(payload[1].get("stop_reason")))
                     j.deliver("done", payload[1])
                 elif kind == "batch_done":
+                    if payload.get("pools"):
+                        srv.metrics.pools(payload["pools"])
                     if payload.get("documents_per_step", 0) > 1:
                         srv.stats.add("mixed_batches")  # rows of several documents shared a step
                     srv.stats.add("segments_while_decoding", payload.get("segments_while_decoding", 0))
@@ -347,6 +353,7 @@ class Server:
 
     def __init__(self, o: ServeOptions, run, job):
         from .engine_client import ResidentEngine
+        from .metrics import Metrics
 
         self.o, self.run = o, run
         self.tokenizer = run.tokenizer
@@ -358,6 +365,11 @@ class Server:
         self.save_meta = None
         self._failed: str | None = None
         self.stats = Stats()
+        self.metrics = Metrics(live=self.live)
+        self._lock = threading.Lock()
+        self._in_flight = 0  # requests taken and not ended (answering or waiting for a slot)
+        self._running: set[int] = set()  # of them, answering (their document event came)
+        self._recent: deque[float] = deque(maxlen=32)  # seconds of the latest requests, end to end
         self.scheduler = Scheduler(self)
         self.name = o.served_model_name or (Path(str(o.model)).name if o.model else "SmolLM2-135M-Instruct")
         self.created = int(time.time())
@@ -374,12 +386,57 @@ class Server:
         self.client = self.engine.start()
         self.scheduler.start()
 
-    def submit(self, ids, doc: int, *, max_tokens: int, sampling: dict, stop: list, deliver) -> Job:
-        """A request of tokens ``ids`` (its document part: the first ``doc``) into the queue;
-        ``deliver(kind, payload)`` receives its events."""
+    def live(self) -> dict:
+        """Requests answering and waiting, documents resident: now (the metrics' gauges)."""
+        with self._lock:
+            running = len(self._running)
+            waiting = self._in_flight - running
+        return {"running": running, "waiting": waiting,
+                "documents": sum(1 for e in list(self.docs.entries.values()) if e.get("resident"))}
+
+    def admit(self) -> float | None:
+        """Take one more request (None), or refuse it: every slot busy and ``--max-waiting``
+        waiting; returns then the seconds a client should wait (the recent requests' mean
+        latency, at least 1)."""
+        with self._lock:
+            if self._in_flight >= self.o.batch + self.o.max_waiting:
+                recent = list(self._recent)
+                return max(1.0, sum(recent) / len(recent)) if recent else 1.0
+            self._in_flight += 1
+            return None
+
+    def refused(self, rid: str, prompt_tokens: int, status: str, why: str) -> None:
+        """Count (and log) a request refused before it queued."""
+        from .metrics import RequestLog
+
+        RequestLog(self.metrics, rid, prompt_tokens, self.o.log_format).end(status, 0, why)
+
+    def submit(self, ids, doc: int, *, max_tokens: int, sampling: dict, stop: list, deliver, rid: str = "") -> Job:
+        """A request of tokens ``ids`` (its document part: the first ``doc``) into the queue, once
+        :meth:`admit` took it; ``deliver(kind, payload)`` receives its events."""
+        from .metrics import RequestLog
+
         key, cached = self.docs.match(ids, doc)
+        log = RequestLog(self.metrics, rid, len(ids), self.o.log_format)
+        log.document = key
         job = Job(ids=ids, doc=doc, max_tokens=max_tokens, sampling=sampling, stop=stop, speculate=self.o.speculate,
-                  deliver=deliver, key=key, cached=cached)
+                  deliver=None, key=key, cached=cached, log=log)
+
+        def ended(seconds: float) -> None:
+            with self._lock:
+                self._in_flight -= 1
+                self._running.discard(id(job))
+                self._recent.append(seconds)
+
+        def observed(kind, payload):
+            if kind == "document":
+                with self._lock:
+                    self._running.add(id(job))
+            log.event(kind, payload)
+            deliver(kind, payload)
+
+        log.on_end = ended
+        job.deliver = observed
         self.stats.add("requests")
         self.scheduler.submit(job)
         return job
@@ -416,11 +473,13 @@ def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
 def serve_command(o: ServeOptions) -> int:
     """Run ``treeattn serve`` until SIGTERM or Ctrl-C; returns the exit status."""
     try:
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
 
         from .openai_api import build_app
     except ImportError:
-        raise ValueError("treeattn serve needs FastAPI and uvicorn: pip install 'treeattn[serve]'") from None
+        raise ValueError("treeattn serve needs FastAPI, uvicorn and prometheus-client: "
+                         "pip install 'treeattn[serve]'") from None
     import uvicorn
 
     from .prepare import prepare_run

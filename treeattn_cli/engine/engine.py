@@ -306,8 +306,11 @@ class Engine:
         changes = self.documents.take_changes()
         if self.lead and any(changes.values()):
             self.ctx.send("docs", changes)
+        pool = self.documents.pool  # made on every rank at the same document: every rank gathers
+        pools = [[int(u), int(t)] for u, t in self.world.all_gather_values([pool.used, pool.num_blocks]).tolist()] \
+            if pool is not None else None
         if self.lead:
-            self.ctx.send("batch_done", {"answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
+            self.ctx.send("batch_done", {"pools": pools, "answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
                                          "seconds": time.perf_counter() - t0, "slots": bd.slots,
                                          "documents_per_step": bd.documents_per_step,
                                          "segments_while_decoding": bd.segments_while_decoding,
