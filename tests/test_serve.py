@@ -432,13 +432,19 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
     """A server of its own, --batch 1 --max-waiting 1, JSON log lines: while one answer streams
     and one request waits, a third gets 429 with Retry-After and an OpenAI error object at once;
     a body over --max-request-bytes gets 413; the two taken requests still end well; each is one
-    JSON line on stderr, the refused ones too."""
+    JSON line on stderr, the refused ones too. Its pool is 1 MiB: documents pinned past 3/4 of
+    it are refused with 409 (and kept, unpinned), and pinned ones stay resident whatever comes;
+    one of them was pinned by --document --pin before the server listened."""
     m, _ = model
     port = _free_port()
+    start_doc = tmp_path / "contract.txt"
+    start_doc.write_text(_doc("pinned at start"))
     proc = _start(m, tmp_path / "cache", port, "--batch", "1", "--max-waiting", "1", "--max-request-bytes", "8192",
-                  "--log-format", "json")
+                  "--log-format", "json", "--cache-bytes", str(1 << 20), "--document", str(start_doc), "--pin")
     url = f"http://127.0.0.1:{port}"
     try:
+        first = httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]
+        assert len(first) == 1 and first[0]["pinned"] and first[0]["resident"], first
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         doc = _doc("back-pressure")
         with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120,
@@ -474,7 +480,70 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
         assert after[("treeattn_requests_total", (("outcome", "too_large"),))] == 1
         recs = [json.loads(x) for x in proc.log.read_text().splitlines() if x.startswith("{")]
         assert sorted(r["status"] for r in recs) == ["length", "length", "rejected", "too_large"], recs
+        # pinned documents may fill the 1 MiB pool, not more: the pin past it is refused (409)
+        pinned, refused = [], None
+        for i in range(16):
+            r = httpx.post(f"{url}/v1/documents", headers=AUTH, timeout=120,
+                           json={"text": f"Part {i}. " + DOC * 2, "pin": True})
+            if r.status_code == 409:
+                refused = r.json()["error"]
+                break
+            assert r.status_code == 200, r.text
+            pinned.append(r.json())
+        assert refused is not None and refused["code"] == "pin_exceeds_pool" and "--cache-bytes" in refused["message"]
+        pinned += first
+        assert len(pinned) > 1 and sum(d["bytes"] for d in pinned) <= 0.75 * (1 << 20)
+        listed = httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]
+        assert sum(d["pinned"] for d in listed) == len(pinned)
+        assert any(d["id"] not in {p["id"] for p in pinned} and d["resident"] and not d["pinned"] for d in listed)
+        # pinned documents stay: a request over a new one evicts others, never them
+        c.completions.create(model="m", prompt="Another. " + DOC * 2 + "\n\nWhich arch?", max_tokens=2)
+        listed = {d["id"]: d for d in httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]}
+        assert all(listed[p["id"]]["resident"] and listed[p["id"]]["pinned"] for p in pinned)
         assert all({"id", "document", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "status"} <= set(r)
                    for r in recs)
     finally:
         _stop(proc)
+
+
+def test_the_documents_api_posts_pins_lists_and_deletes(server):
+    """POST /v1/documents prefills a document that a chat request beginning with its text then
+    finds cached; GET lists it (posted or made by requests) and one by id; PATCH unpins and sets
+    a TTL; a document whose TTL runs out leaves memory (its saved copy stays); DELETE frees it
+    (the next request prefills again) and a second DELETE is 404; bad bodies get 400, unknown
+    ids 404, requests without the key 401."""
+    url, c = server["url"], server["client"]
+    text = _doc("documents api")
+    r = httpx.post(f"{url}/v1/documents", headers=AUTH, json={"text": text, "pin": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["object"] == "document" and d["pinned"] and d["resident"] and d["tokens"] > len(text) // 2
+    chat = c.chat.completions.create(model="m", max_tokens=2,
+                                     messages=[{"role": "user", "content": text + "\n\nWhich arch?"}])
+    assert chat.usage.prompt_tokens_details.cached_tokens == d["tokens"]
+    listed = httpx.get(f"{url}/v1/documents", headers=AUTH).json()
+    mine = [x for x in listed["data"] if x["id"] == d["id"]]
+    assert listed["object"] == "list" and len(mine) == 1 and mine[0]["hits"] >= 1 and mine[0]["bytes"] > 0
+    assert httpx.get(f"{url}/v1/documents/{d['id']}", headers=AUTH).json()["pinned"]
+    p = httpx.patch(f"{url}/v1/documents/{d['id']}", headers=AUTH, json={"pin": False, "ttl_s": 3600}).json()
+    assert not p["pinned"] and p["ttl_s"] == 3600 and p["resident"]
+    for bad, why in (({"text": ""}, "text"), ({"text": text, "pin": "yes"}, "pin"), ({"text": text, "ttl_s": -1}, "ttl_s"),
+                     ({"text": text, "colour": 1}, "colour"), ({"text": "too short"}, "text")):
+        r = httpx.post(f"{url}/v1/documents", headers=AUTH, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == why, (bad, r.text)
+    assert httpx.get(f"{url}/v1/documents/nope", headers=AUTH).status_code == 404
+    assert httpx.get(f"{url}/v1/documents", headers={}).status_code == 401
+    short = httpx.post(f"{url}/v1/documents", headers=AUTH, timeout=120,
+                       json={"text": _doc("documents api, ttl"), "ttl_s": 0.5}).json()
+    assert short["resident"] and short["ttl_s"] == 0.5
+    t0 = time.monotonic()
+    while httpx.get(f"{url}/v1/documents/{short['id']}", headers=AUTH).json()["resident"]:  # the event: it left
+        assert time.monotonic() - t0 < 60, "the TTL never evicted it"
+        time.sleep(0.2)
+    assert httpx.get(f"{url}/v1/documents/{short['id']}", headers=AUTH).json()["on_disk"]  # saved: it comes back
+    gone = httpx.delete(f"{url}/v1/documents/{d['id']}", headers=AUTH)
+    assert gone.status_code == 200 and gone.json()["deleted"], gone.text
+    assert httpx.delete(f"{url}/v1/documents/{d['id']}", headers=AUTH).status_code == 404
+    again = c.chat.completions.create(model="m", max_tokens=2,
+                                      messages=[{"role": "user", "content": text + "\n\nWhich arch?"}])
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # deleted: its blocks and saved copy too

@@ -214,7 +214,7 @@ def build_app(srv) -> FastAPI:
                 raise BadRequest(f"This model's maximum context length is {srv.context} tokens; the request has "
                                  f"{len(ids)} prompt tokens and asks for {max_tokens} more", "max_tokens",
                                  code="context_length_exceeded")
-            too_large = srv.too_large(doc)
+            too_large = srv.too_large(doc, ids)
             if too_large:
                 raise BadRequest(too_large, "messages" if chat else "prompt", code="document_too_large")
         except BadRequest as e:
@@ -316,6 +316,10 @@ def build_app(srv) -> FastAPI:
             choice = {"index": 0, "text": whole, "finish_reason": finish, "logprobs": None}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": srv.name, "choices": [choice], "usage": usage(n)}
+
+    from .documents_api import add_routes
+
+    add_routes(app, srv)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

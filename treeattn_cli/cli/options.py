@@ -10,6 +10,7 @@ before it imports what runs them, so a bad flag costs a fraction of a second.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 from ..engine.kvdtypes import KV_DTYPES
@@ -60,6 +61,9 @@ SERVE_FLAGS = (
          "HTTP 429 with Retry-After at once."),
     Flag("max_request_bytes", int, 64 << 20, "Largest request body in bytes (HTTP 413 past it)."),
     Flag("log_format", str, "text", "One line per request on stderr: text | json | none."),
+    Flag("document", List[str], [], "A text file to cache as a document before listening (repeatable; as "
+         "POST /v1/documents would)."),
+    Flag("pin", bool, False, "Pin the --document files: they never leave memory."),
 )
 RUN_FLAGS = (
     Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory)."),
@@ -178,6 +182,8 @@ class ServeOptions(GenerateOptions):
     max_waiting: int = 64
     max_request_bytes: int = 64 << 20
     log_format: str = "text"
+    document: list = field(default_factory=list)
+    pin: bool = False
 
 
 def check_serve_flags(o: ServeOptions) -> None:
@@ -190,6 +196,11 @@ def check_serve_flags(o: ServeOptions) -> None:
         raise ValueError(f"--max-request-bytes must be at least 1024, got {o.max_request_bytes}")
     if o.log_format not in ("text", "json", "none"):
         raise ValueError(f"--log-format must be text, json or none, got {o.log_format!r}")
+    for path in o.document:
+        if not Path(path).is_file():
+            raise ValueError(f"--document {path}: no such file")
+    if o.pin and not o.document:
+        raise ValueError("--pin pins the --document files: name one")
     if o.cache_bytes is not None and o.cache_bytes < 1 << 20:
         raise ValueError(f"--cache-bytes must be at least 1 MiB (1048576), got {o.cache_bytes}")
 

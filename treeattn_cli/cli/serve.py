@@ -63,6 +63,7 @@ class Job:
     index: int | None = None  # its question index in the running batch
     finished: bool = False
     log: object = None  # metrics.RequestLog: its timeline, metrics and log line
+    action: dict | None = None  # a documents-API request (nothing to answer): {"pin": b} or {"action": a}
 
 
 class Stats:
@@ -133,6 +134,17 @@ class DocIndex:
             if line:
                 by.setdefault(line, []).append(key)
         return [f"{len(keys)} saved document(s) in {self.dir}: {line}" for line, keys in by.items()]
+
+    def touch(self, key: str, ids, resident: bool | None = None) -> dict:
+        """The entry of ``key`` (made if new), used now."""
+        now = time.time()
+        e = self.entries.setdefault(key, {"ids": list(ids), "resident": False, "disk": False})
+        e.setdefault("created", now)
+        e.setdefault("hits", 0)
+        e["last_used"] = now
+        if resident is not None:
+            e["resident"] = resident
+        return e
 
     def match(self, ids, doc: int) -> tuple[str, int]:
         """The document a request of tokens ``ids`` (document part: the first ``doc``) continues:
@@ -239,7 +251,7 @@ class Scheduler(threading.Thread):
         q = {"ids": j.ids[j.cached:], "max_new_tokens": j.max_tokens, "sampling": j.sampling, "stop": j.stop,
              "eos_ids": self.server.eos_ids, "speculate": j.speculate}
         if j.key:
-            q["doc"] = {"key": j.key, "ids": j.ids[:j.cached]}
+            q["doc"] = {"key": j.key, "ids": j.ids[:j.cached], **(j.action or {})}
             e = self.server.docs.entries.get(j.key)
             if e is not None and e.get("disk") and not e.get("resident") and e.get("manifest"):
                 q["doc"]["manifest"] = e["manifest"]
@@ -276,7 +288,7 @@ class Scheduler(threading.Thread):
         for i, j in enumerate(group):
             j.index, by_index[i] = i, j
             if j.key:  # the server's view: a document it asked for is (or is becoming) resident
-                srv.docs.entries.setdefault(j.key, {"ids": j.ids[:j.cached], "resident": True, "disk": False})
+                srv.docs.touch(j.key, j.ids[:j.cached], resident=not j.action or "action" not in j.action)
         seq = srv.client.post(**self._batch_request(), questions=[self._question(j) for j in group])
         self.batch_seq = seq
         srv.stats.add("batches")
@@ -291,8 +303,7 @@ class Scheduler(threading.Thread):
                 if late:
                     for j in late:
                         if j.key:
-                            srv.docs.entries.setdefault(j.key, {"ids": j.ids[:j.cached], "resident": True,
-                                                                "disk": False})
+                            srv.docs.touch(j.key, j.ids[:j.cached], resident=not j.action or "action" not in j.action)
                     C.post_join(srv.client.store, seq, len(joins), [self._question(j) for j in late])
                     joins.append(late)
                     srv.stats.add("joined", len(late))
@@ -313,8 +324,10 @@ class Scheduler(threading.Thread):
                     by_index[payload[0]].deliver("token", payload[1])
                 elif kind == "bdoc":
                     j, info = by_index[payload[0]], payload[1]
-                    if j.key and j.key in srv.docs.entries:
+                    if j.key and j.key in srv.docs.entries and not (j.action and "action" in j.action):
                         srv.docs.entries[j.key]["resident"] = True
+                        e = srv.docs.entries[j.key]
+                        e["hits"] = e.get("hits", 0) + (j.action is None)
                     j.deliver("document", {"source": info["source"],
                                            "cached": j.cached if info["source"] != "prefill"
                                            else info.get("reused", 0)})
@@ -328,6 +341,7 @@ class Scheduler(threading.Thread):
                 elif kind == "batch_done":
                     if payload.get("pools"):
                         srv.metrics.pools(payload["pools"])
+                        srv._pool_total = min(t for _, t in payload["pools"])
                     if payload.get("documents_per_step", 0) > 1:
                         srv.stats.add("mixed_batches")  # rows of several documents shared a step
                     srv.stats.add("segments_while_decoding", payload.get("segments_while_decoding", 0))
@@ -370,6 +384,8 @@ class Server:
         self._in_flight = 0  # requests taken and not ended (answering or waiting for a slot)
         self._running: set[int] = set()  # of them, answering (their document event came)
         self._recent: deque[float] = deque(maxlen=32)  # seconds of the latest requests, end to end
+        self._using: dict[str, int] = {}  # document key -> requests in flight over it
+        self._pool_total = 0  # blocks per rank, as the ranks reported (0: not yet)
         self.scheduler = Scheduler(self)
         self.name = o.served_model_name or (Path(str(o.model)).name if o.model else "SmolLM2-135M-Instruct")
         self.created = int(time.time())
@@ -385,6 +401,7 @@ class Server:
                 print(f"treeattn: note: {line}", file=sys.stderr)
         self.client = self.engine.start()
         self.scheduler.start()
+        threading.Thread(target=self._sweep, name="treeattn-ttl", daemon=True).start()
 
     def live(self) -> dict:
         """Requests answering and waiting, documents resident: now (the metrics' gauges)."""
@@ -422,11 +439,17 @@ class Server:
         job = Job(ids=ids, doc=doc, max_tokens=max_tokens, sampling=sampling, stop=stop, speculate=self.o.speculate,
                   deliver=None, key=key, cached=cached, log=log)
 
+        if key:
+            with self._lock:
+                self._using[key] = self._using.get(key, 0) + 1
+
         def ended(seconds: float) -> None:
             with self._lock:
                 self._in_flight -= 1
                 self._running.discard(id(job))
                 self._recent.append(seconds)
+                if key:
+                    self._using[key] -= 1
 
         def observed(kind, payload):
             if kind == "document":
@@ -441,10 +464,76 @@ class Server:
         self.scheduler.submit(job)
         return job
 
-    def too_large(self, doc_tokens: int) -> str | None:
-        """:func:`document_too_large` for this server."""
+    # -- the documents API (documents_api.py) ------------------------------------------------
+    def in_use(self, key: str) -> bool:
+        """Whether a request in flight (answering or waiting) reads document ``key``."""
+        with self._lock:
+            return self._using.get(key, 0) > 0
+
+    def document_job(self, key: str, ids, action: dict, deliver) -> Job:
+        """A request with nothing to answer that makes document ``key`` (tokens ``ids``) resident
+        and applies ``{"pin": bool}``, or runs ``{"action": "evict" | "drop"}`` on it; ``deliver``
+        gets its ``document`` event (the engine's outcome in ``source``) and ``done``."""
+        job = Job(ids=list(ids), doc=len(ids), max_tokens=0, sampling={"temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                  "seed": 0}, stop=[], speculate="off", deliver=deliver, key=key, cached=len(ids), action=action)
+        self.scheduler.submit(job)
+        return job
+
+    def kv_bytes_per_rank(self, tokens: int) -> int:
+        """Bytes of KV a document of ``tokens`` takes on each rank."""
+        cp = max(1, self.run.nproc // self.o.tp)
+        return self.run.kv_bytes_per_token(self.o.tp) * -(-tokens // cp) // self.o.tp
+
+    def _sweep(self) -> None:
+        """Every second: documents whose TTL ran out since their last use leave memory."""
+        while not self.scheduler.stopping and not self.failed:
+            now = time.time()
+            for key, e in list(self.docs.entries.items()):
+                ttl = e.get("ttl_s")
+                if ttl and e.get("resident") and not e.get("pinned") and not e.get("evicting") \
+                        and now - e.get("last_used", now) > ttl and not self.in_use(key):
+                    e["evicting"] = True
+                    self.document_job(key, e["ids"], {"action": "evict"},
+                                      lambda kind, p, e=e: e.pop("evicting", None) if kind in ("done", "error") else None)
+            time.sleep(1.0)
+
+    def pool_blocks(self) -> int:
+        """Blocks of each rank's pool (the ranks' own count once a batch reported it)."""
+        from ..engine.documents import PAGE
+
+        if self._pool_total:
+            return self._pool_total
+        per_token = self.run.kv_bytes_per_token(self.o.tp) // self.o.tp
+        return self.o.cache_bytes // (PAGE * per_token + 8 * PAGE)
+
+    def blocks_of(self, tokens: int) -> int:
+        """Blocks a document of ``tokens`` takes on its largest shard."""
+        from ..engine.documents import PAGE
+
+        cp = max(1, self.run.nproc // self.o.tp)
+        return -(-(-(-tokens // cp)) // PAGE)
+
+    def pinned_blocks(self, exclude: str | None = None) -> int:
+        return sum(self.blocks_of(len(e["ids"])) for k, e in list(self.docs.entries.items())
+                   if e.get("pinned") and k != exclude)
+
+    def too_large(self, doc_tokens: int, ids=None) -> str | None:
+        """Why a request's document part cannot be held (:func:`document_too_large`, or the
+        room pinned documents leave), or None. A request over a resident document needs no room."""
         o = self.o
-        return document_too_large(doc_tokens, self.run.kv_bytes_per_token(o.tp), self.run.nproc, o.tp, o.cache_bytes)
+        why = document_too_large(doc_tokens, self.run.kv_bytes_per_token(o.tp), self.run.nproc, o.tp, o.cache_bytes)
+        if why or doc_tokens < MIN_DOCUMENT:
+            return why
+        if ids is not None:
+            key, n = self.docs.match(ids, doc_tokens)
+            if n >= doc_tokens and self.docs.entries.get(key, {}).get("resident"):
+                return None
+        total, pinned = self.pool_blocks(), self.pinned_blocks()
+        need = self.blocks_of(doc_tokens)
+        if need <= total - pinned:
+            return None
+        return (f"the document part of this request ({doc_tokens} tokens) needs {need} blocks of the KV pool per rank; "
+                f"pinned documents hold {pinned} of its {total} (unpin or delete some: /v1/documents)")
 
     def fail(self, reason: str) -> None:
         self._failed = self._failed or reason
@@ -500,6 +589,17 @@ def serve_command(o: ServeOptions) -> int:
     if warning:
         print(f"treeattn: warning: {warning}", file=sys.stderr)
     srv.start()
+    try:
+        for path in o.document:  # cached (pinned) before the server listens
+            from .documents_api import post_at_start
+
+            d = post_at_start(srv, path, o.pin)
+            if not o.quiet:
+                print(f"[document {path}: {d['tokens']:,} tokens, id {d['id']}{', pinned' if d['pinned'] else ''}]",
+                      file=sys.stderr)
+    except BaseException:
+        srv.stop()
+        raise
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: end the answers under way now

@@ -150,6 +150,15 @@ class BatchDecoder:
             new = []
             for qi in list(queue):
                 q = questions[qi]
+                if q.max_new_tokens == 0 and (q.doc.ready or q.doc_spec is None):  # a document's own request
+                    queue.remove(qi)  # (documents API): nothing to answer, no slot; its document now resident
+                    if documents is not None and q.doc_spec is not None:
+                        q.source = documents.settle(q.doc, q.doc_spec)
+                    if lead and on_doc is not None:
+                        on_doc(qi, q)
+                    finish(_Slot(qi, 0, None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens,
+                                 started=False), "document")
+                    continue
                 if not free:
                     break
                 if not q.doc.ready:  # later questions go first, unless this one waits for blocks:

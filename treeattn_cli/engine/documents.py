@@ -70,6 +70,7 @@ class Document:
     keys: list | None = None  # this rank's chained key of each full block of its shard (pool.block_keys)
     counts: list | None = None  # every rank's shard tokens after each segment: [segments + 1][ranks]
     reused: int = 0  # tokens (over all ranks) found in the pool's cached blocks instead of prefilled
+    pinned: bool = False  # never leaves memory (the documents API's pin)
     t_start: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # to make it resident
 
@@ -132,7 +133,7 @@ class Documents:
         first when it can be; queued questions over it ask for it again when they start)."""
         for key in list(self.resident):
             d = self.resident[key]
-            if d is keep or d.running or not isinstance(d.cache, PagedShard):
+            if d is keep or d.running or d.pinned or not isinstance(d.cache, PagedShard):
                 continue
             if d.ready:
                 self._evict(key)
@@ -335,8 +336,8 @@ class Documents:
 
     def evict(self, budget: int | None, keep: Document | None = None) -> list[str]:
         """Documents out of memory, least recently used first, until the resident ones fit
-        ``budget`` bytes; never one in use, a pending one, or ``keep`` (the newest is kept too:
-        one document alone may exceed the budget). One not saved yet is saved first when a
+        ``budget`` bytes; never one in use, a pending one, a pinned one, or ``keep`` (the newest
+        is kept too: one document alone may exceed the budget). One not saved yet is saved first when a
         cache directory is known."""
         out = []
         for key in [k for k, d in self.resident.items() if not d.ready and not d.users and d is not keep]:
@@ -349,7 +350,7 @@ class Documents:
             if self.nbytes() <= budget:
                 break
             doc = self.resident[key]
-            if doc.users or not doc.ready or doc is keep or key == newest:
+            if doc.users or not doc.ready or doc.pinned or doc is keep or key == newest:
                 continue
             self._evict(key)
             out.append(key)
@@ -366,6 +367,45 @@ class Documents:
             doc.cache.free()
         doc.evicted = True
         self.changes["evicted"].append(key)
+
+    # -- the documents API (serve) ---------------------------------------------------------
+    def settle(self, doc: Document, spec: dict) -> None:
+        """A document's own request found it resident: its ``pin`` (True / False) applies."""
+        if spec.get("pin") is not None:
+            doc.pinned = bool(spec["pin"])
+
+    def act(self, spec: dict) -> str:
+        """``spec["action"]`` on the document ``spec["key"]`` (tokens ``spec["ids"]``), now:
+        ``evict`` (out of memory, saved first as any eviction: a TTL ran out) or ``drop`` (out
+        of memory, and its cached blocks freed: deleted); returns what happened: evicted,
+        dropped, absent (not in memory; a drop still frees its cached blocks), or busy (questions
+        over it are queued or answering: nothing done)."""
+        key, doc = spec["key"], self.resident.get(spec["key"])
+        if doc is not None and (doc.users or doc.running):
+            return "busy"
+        if spec["action"] == "evict":
+            if doc is None:
+                return "absent"
+            self._evict(key)
+            return "evicted"
+        if spec["action"] != "drop":
+            raise ValueError(f"unknown document action {spec['action']!r}")
+        keys = doc.keys if doc is not None else None
+        if doc is not None:
+            del self.resident[key]
+            if isinstance(doc.cache, PagedShard):
+                doc.cache.free()
+            doc.evicted = True
+            self.changes["evicted"].append(key)
+        if keys is None and self.pool is not None and len(spec["ids"]) >= self.engine.mesh.cp:
+            tmp = Document(key, list(spec["ids"]), None)
+            piece = spec.get("piece") or PIECE.get(self.pool.device.type, PIECE["cuda"])
+            tmp.segs = list(segments(len(tmp.ids), self.engine.mesh.cp, piece))
+            self._plan(tmp, piece)
+            keys = tmp.keys
+        if keys and self.pool is not None:
+            self.pool.forget(keys)
+        return "dropped" if doc is not None else "absent"
 
     def private_copy(self, doc: Document) -> ShardedKVCache:
         """A plain cache holding ``doc``'s tokens (the engine continues it: appends its own)."""

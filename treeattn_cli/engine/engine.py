@@ -268,7 +268,10 @@ class Engine:
                     self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
                 stop_check = _stop_check(self._tok, spec.get("stop") or [], set(spec.get("eos_ids") or []))
             doc, source, doc_spec = here, "memory", None
-            if spec.get("doc"):
+            if spec.get("doc") and spec["doc"].get("action"):  # the documents API: evict, drop (now)
+                source = self.documents.act({**doc_defaults, **spec["doc"]})
+                doc = Document(None, [], self.cache)  # nothing to answer over
+            elif spec.get("doc"):
                 doc_spec = {**doc_defaults, **spec["doc"]}
                 doc = self.documents.get(doc_spec)
                 source = doc.source if doc.ready else "prefill"
