@@ -445,6 +445,9 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
     try:
         first = httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]
         assert len(first) == 1 and first[0]["pinned"] and first[0]["resident"], first
+        for _ in range(4):  # refused after admission: each gives its place back
+            bad = httpx.post(f"{url}/v1/completions", headers=AUTH, content=b"{not json")
+            assert bad.status_code == 400, bad.text
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         doc = _doc("back-pressure")
         with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120,

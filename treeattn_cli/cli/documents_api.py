@@ -78,7 +78,8 @@ def document_ids(srv, text: str) -> list[int]:
     from .serve import MIN_DOCUMENT
 
     try:
-        ids, d = split_chat(srv.tokenizer, [{"role": "user", "content": text.rstrip("\n") + "\n\n?"}])
+        with srv.tokenizing:
+            ids, d = split_chat(srv.tokenizer, [{"role": "user", "content": text.rstrip("\n") + "\n\n?"}])
     except PromptError as e:
         raise _Bad(400, str(e)) from None
     if d < MIN_DOCUMENT:
@@ -187,7 +188,7 @@ def add_routes(app: FastAPI, srv) -> None:
         text = body.get("text")
         if not isinstance(text, str) or not text.strip():
             raise _Bad(400, "'text' must be a non-empty string", "text")
-        ids = document_ids(srv, text)
+        ids = await asyncio.to_thread(document_ids, srv, text)
         d = len(ids)
         key = docs.key_of(ids)
         refusal = pin_refusal(srv, key, d) if pin else None

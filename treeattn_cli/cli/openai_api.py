@@ -191,23 +191,35 @@ def build_app(srv) -> FastAPI:
                   f"this server's limit of {limit} bytes (--max-request-bytes)"
             srv.refused(rid, 0, "too_large", why)
             return _error(413, why, code="request_too_large")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            srv.metrics.requests.labels(outcome="invalid").inc()
-            return _error(400, "the request body is not valid JSON")
-        try:
+        retry = srv.admit()  # first: a refusal costs no parsing and no tokenizing
+        if retry is not None:
+            why = (f"this server is answering {srv.o.batch} requests and {srv.o.max_waiting} more are waiting "
+                   f"(--batch, --max-waiting); retry in {retry:.0f} s")
+            srv.refused(rid, 0, "rejected", why)
+            resp = _error(429, why, code="rate_limit_exceeded", kind="rate_limit_error")
+            resp.headers["Retry-After"] = str(int(retry + 0.999))
+            return resp
+
+        def prepare():
+            """The request checked and tokenized (off the event loop: a long document takes a while)."""
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+                raise BadRequest("the request body is not valid JSON") from None
             p = _common(srv, body, chat)
             tok = srv.tokenizer
             if chat:
-                ids, doc = split_chat(tok, _messages(body))
+                messages = _messages(body)
+                with srv.tokenizing:  # one thread at a time in the (Rust) tokenizer
+                    ids, doc = split_chat(tok, messages)
             else:
                 prompt = body.get("prompt")
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                     prompt = prompt[0]
                 if not isinstance(prompt, str) or not prompt:
                     raise BadRequest("'prompt' must be a non-empty string", "prompt")
-                ids, doc = split_completion(tok, prompt)
+                with srv.tokenizing:
+                    ids, doc = split_completion(tok, prompt)
             default = 16 if not chat else min(512, max(1, (srv.context or 4096) - len(ids)))
             max_tokens = p["max_tokens"] or default
             if srv.context and len(ids) + max_tokens > srv.context:
@@ -217,20 +229,19 @@ def build_app(srv) -> FastAPI:
             too_large = srv.too_large(doc, ids)
             if too_large:
                 raise BadRequest(too_large, "messages" if chat else "prompt", code="document_too_large")
-        except BadRequest as e:
+            return p, ids, doc, max_tokens
+
+        try:
+            p, ids, doc, max_tokens = await asyncio.to_thread(prepare)
+        except (BadRequest, PromptError) as e:
+            srv.release()
             srv.metrics.requests.labels(outcome="invalid").inc()
+            if isinstance(e, PromptError):
+                return _error(400, str(e))
             return _error(e.status, str(e), e.param, e.code)
-        except PromptError as e:
-            srv.metrics.requests.labels(outcome="invalid").inc()
-            return _error(400, str(e))
-        retry = srv.admit()
-        if retry is not None:
-            why = (f"this server is answering {srv.o.batch} requests and {srv.o.max_waiting} more are waiting "
-                   f"(--batch, --max-waiting); retry in {retry:.0f} s")
-            srv.refused(rid, len(ids), "rejected", why)
-            resp = _error(429, why, code="rate_limit_exceeded", kind="rate_limit_error")
-            resp.headers["Retry-After"] = str(int(retry + 0.999))
-            return resp
+        except BaseException:
+            srv.release()
+            raise
         reply = _Reply(asyncio.get_running_loop())
         job = srv.submit(ids, doc, max_tokens=max_tokens, stop=p["stop"], deliver=reply, rid=rid,
                          sampling={"temperature": p["temperature"], "top_k": 0, "top_p": p["top_p"], "seed": p["seed"]})

@@ -66,6 +66,11 @@ class Job:
     action: dict | None = None  # a documents-API request (nothing to answer): {"pin": b} or {"action": a}
 
 
+def _acts(j: Job) -> bool:
+    """A documents-API evict or drop: it reads no document (the engine reports what left)."""
+    return bool(j.action and "action" in j.action)
+
+
 class Stats:
     """What the scheduler has done since start (``GET /health`` shows it; tests observe it)."""
 
@@ -287,8 +292,8 @@ class Scheduler(threading.Thread):
         by_index: dict[int, Job] = {}
         for i, j in enumerate(group):
             j.index, by_index[i] = i, j
-            if j.key:  # the server's view: a document it asked for is (or is becoming) resident
-                srv.docs.touch(j.key, j.ids[:j.cached], resident=not j.action or "action" not in j.action)
+            if j.key and not _acts(j):  # the server's view: a document it asked for is (or is becoming) resident
+                srv.docs.touch(j.key, j.ids[:j.cached], resident=True)
         seq = srv.client.post(**self._batch_request(), questions=[self._question(j) for j in group])
         self.batch_seq = seq
         srv.stats.add("batches")
@@ -302,8 +307,8 @@ class Scheduler(threading.Thread):
                     late = self._take() if not self.stopping else []
                 if late:
                     for j in late:
-                        if j.key:
-                            srv.docs.touch(j.key, j.ids[:j.cached], resident=not j.action or "action" not in j.action)
+                        if j.key and not _acts(j):
+                            srv.docs.touch(j.key, j.ids[:j.cached], resident=True)
                     C.post_join(srv.client.store, seq, len(joins), [self._question(j) for j in late])
                     joins.append(late)
                     srv.stats.add("joined", len(late))
@@ -324,7 +329,7 @@ class Scheduler(threading.Thread):
                     by_index[payload[0]].deliver("token", payload[1])
                 elif kind == "bdoc":
                     j, info = by_index[payload[0]], payload[1]
-                    if j.key and j.key in srv.docs.entries and not (j.action and "action" in j.action):
+                    if j.key and j.key in srv.docs.entries and not _acts(j):
                         srv.docs.entries[j.key]["resident"] = True
                         e = srv.docs.entries[j.key]
                         e["hits"] = e.get("hits", 0) + (j.action is None)
@@ -371,6 +376,7 @@ class Server:
 
         self.o, self.run = o, run
         self.tokenizer = run.tokenizer
+        self.tokenizing = threading.Lock()  # requests are tokenized off the event loop, one at a time
         self.eos_ids = list(job.eos_ids)
         self.context = run.context
         self.engine = ResidentEngine(run, job, o.timeout)
@@ -421,6 +427,11 @@ class Server:
                 return max(1.0, sum(recent) / len(recent)) if recent else 1.0
             self._in_flight += 1
             return None
+
+    def release(self) -> None:
+        """A request :meth:`admit` took that ends before it queued (a bad request)."""
+        with self._lock:
+            self._in_flight -= 1
 
     def refused(self, rid: str, prompt_tokens: int, status: str, why: str) -> None:
         """Count (and log) a request refused before it queued."""
