@@ -433,8 +433,9 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
     and one request waits, a third gets 429 with Retry-After and an OpenAI error object at once;
     a body over --max-request-bytes gets 413; the two taken requests still end well; each is one
     JSON line on stderr, the refused ones too. Its pool is 1 MiB: documents pinned past 3/4 of
-    it are refused with 409 (and kept, unpinned), and pinned ones stay resident whatever comes;
-    one of them was pinned by --document --pin before the server listened."""
+    it are refused with 409 (and kept, unpinned), and pinned ones stay resident whatever comes
+    and answer from the cache; one of them was pinned by --document --pin before the server
+    listened. A document a running request reads cannot be deleted (409)."""
     m, _ = model
     port = _free_port()
     start_doc = tmp_path / "contract.txt"
@@ -474,6 +475,11 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
             big = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
                              json={"model": "m", "prompt": "x" * 9000, "max_tokens": 2})
             assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large", big.text
+            streaming = [d["id"] for d in httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]
+                         if d["id"] != first[0]["id"]]
+            assert len(streaming) == 1
+            busy = httpx.delete(f"{url}/v1/documents/{streaming[0]}", headers=AUTH)
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "document_in_use", busy.text
             rest = [x for x in lines if x]
         assert rest[-1] == "data: [DONE]"
         t.join(60)
@@ -503,6 +509,9 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
         c.completions.create(model="m", prompt="Another. " + DOC * 2 + "\n\nWhich arch?", max_tokens=2)
         listed = {d["id"]: d for d in httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]}
         assert all(listed[p["id"]]["resident"] and listed[p["id"]]["pinned"] for p in pinned)
+        chat = c.chat.completions.create(model="m", max_tokens=2, messages=[
+            {"role": "user", "content": _doc("pinned at start") + "\n\nWhich arch?"}])
+        assert chat.usage.prompt_tokens_details.cached_tokens == first[0]["tokens"]  # answered from the cache
         assert all({"id", "document", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "status"} <= set(r)
                    for r in recs)
     finally:
