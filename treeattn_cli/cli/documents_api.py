@@ -29,16 +29,11 @@ import shutil
 
 from fastapi import FastAPI, Request
 
-from .prompt import PromptError, split_chat
+from .api_errors import error as _error
+from .prompt import MIN_DOCUMENT, PromptError, split_chat
 
 _DOC = "document"
 PIN_SHARE = 0.75  # of each rank's pool pinned documents may hold: the rest stays for the others
-
-
-def _error(status, message, param=None, code=None):
-    from .openai_api import _error as err
-
-    return err(status, message, param, code)
 
 
 class _Bad(Exception):
@@ -75,8 +70,6 @@ def view(srv, key: str) -> dict:
 def document_ids(srv, text: str) -> list[int]:
     """The tokens a chat request whose last user message begins with ``text`` and a blank line
     has as its document part (_Bad when there is none, or it cannot be held)."""
-    from .serve import MIN_DOCUMENT
-
     try:
         with srv.tokenizing:
             ids, d = split_chat(srv.tokenizer, [{"role": "user", "content": text.rstrip("\n") + "\n\n?"}])

@@ -19,6 +19,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .api_errors import error as _error
 from .prompt import PromptError, split_chat, split_completion
 
 # parameters a client may send at their default (the official client and others often do);
@@ -34,11 +35,6 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
-
-
-def _error(status: int, message: str, param=None, code=None, kind="invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
 
 
 def _number(body, name, lo, hi, default, integer=False):

@@ -11,6 +11,7 @@ import sys
 # motor in 1962 and with what, it answered neither.
 DEMO_QUESTION = "According to the report above, what did Margit Solberg ask the board to pay for?"
 DEMO_SYSTEM = "You are a careful assistant. Answer from the document, briefly."
+MIN_DOCUMENT = 32  # tokens: a shorter document part of a request is not worth a cache entry (serve)
 
 
 class PromptError(ValueError):

@@ -41,8 +41,8 @@ from pathlib import Path
 from ..parallel import comm as C
 from ..parallel import launch
 from .options import ServeOptions
+from .prompt import MIN_DOCUMENT
 
-MIN_DOCUMENT = 32  # tokens: a shorter document part is not worth a cache entry
 
 
 @dataclass
