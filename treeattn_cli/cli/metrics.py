@@ -44,7 +44,8 @@ class Metrics:
                                 "length, cancelled (the client left), interrupted (the server stopped), error, "
                                 "rejected (back-pressure: 429), too_large (413).", ["outcome"], registry=r)
         self.blocks_used = Gauge("treeattn_kv_blocks_used", "Blocks of the rank's KV pool holding documents in "
-                                 "use or resident (after the latest batch).", ["rank"], registry=r)
+                                 "use or resident (as the latest request began, or a batch ended).", ["rank"],
+                                 registry=r)
         self.blocks_total = Gauge("treeattn_kv_blocks_total", "Blocks of the rank's KV pool.", ["rank"], registry=r)
         live = live or (lambda: {})
         for name, doc, field in (("treeattn_requests_running", "Requests answering (in a slot).", "running"),

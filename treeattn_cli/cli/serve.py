@@ -329,6 +329,9 @@ class Scheduler(threading.Thread):
                     by_index[payload[0]].deliver("token", payload[1])
                 elif kind == "bdoc":
                     j, info = by_index[payload[0]], payload[1]
+                    if info.get("pools"):  # each rank's pool as this request began
+                        srv.metrics.pools(info["pools"])
+                        srv._pool_total = min(t for _, t in info["pools"])
                     if j.key and j.key in srv.docs.entries and not _acts(j):
                         srv.docs.entries[j.key]["resident"] = True
                         e = srv.docs.entries[j.key]

@@ -46,6 +46,7 @@ class Question:
     doc: object = None  # documents.Document it continues (resident, or pending a prefill)
     source: str = "memory"  # how its document became resident when it asked: memory, disk, prefill
     doc_spec: dict | None = None  # what documents.Documents.get takes to make its document resident again
+    pools: list | None = None  # every rank's pool [(used, total) blocks] when it began (serve's metrics)
 
 
 @dataclass
@@ -147,17 +148,15 @@ class BatchDecoder:
                                        f"{documents.pool.page} tokens per rank) cannot hold a document of "
                                        f"{len(pending.ids)} tokens")
             free = [b for b in range(S) if slots[b] is None]
-            new = []
+            new, began, doc_only = [], [], []
             for qi in list(queue):
                 q = questions[qi]
                 if q.max_new_tokens == 0 and (q.doc.ready or q.doc_spec is None):  # a document's own request
                     queue.remove(qi)  # (documents API): nothing to answer, no slot; its document now resident
                     if documents is not None and q.doc_spec is not None:
-                        q.source = documents.settle(q.doc, q.doc_spec)
-                    if lead and on_doc is not None:
-                        on_doc(qi, q)
-                    finish(_Slot(qi, 0, None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens,
-                                 started=False), "document")
+                        documents.settle(q.doc, q.doc_spec)
+                    began.append(qi)
+                    doc_only.append(qi)
                     continue
                 if not free:
                     break
@@ -174,9 +173,18 @@ class BatchDecoder:
                 if lead:
                     slots[b].spec = Speculation.for_answer(q.speculate, q.sampling, cost)
                     slots[b].drafter = drafter(q.doc, q.ids) if drafter and slots[b].spec.mode != "off" else None
-                    if on_doc is not None:
-                        on_doc(qi, q)
+                began.append(qi)
                 new.append(b)
+            if began:  # each rank's pool as the questions begin (every rank gathers: the same questions)
+                pools = documents.pools() if documents is not None else None
+                for qi in began:
+                    questions[qi].pools = pools
+                    if lead and on_doc is not None:
+                        on_doc(qi, questions[qi])
+                for qi in doc_only:
+                    q = questions[qi]
+                    finish(_Slot(qi, 0, None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens,
+                                 started=False), "document")
             if new:
                 lg = self._prefill([(b, slots[b]) for b in new], [questions[slots[b].question].ids for b in new])
                 for i, b in enumerate(new):

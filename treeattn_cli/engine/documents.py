@@ -368,6 +368,14 @@ class Documents:
         doc.evicted = True
         self.changes["evicted"].append(key)
 
+    def pools(self) -> list | None:
+        """Every rank's pool as ``[[used, total], ...]`` blocks (a collective: every rank calls it
+        at the same point), or None before the first pooled document."""
+        if self.pool is None:
+            return None
+        got = self.engine.world.all_gather_values([self.pool.used, self.pool.num_blocks]).tolist()
+        return [[int(u), int(t)] for u, t in got]
+
     # -- the documents API (serve) ---------------------------------------------------------
     def settle(self, doc: Document, spec: dict) -> None:
         """A document's own request found it resident: its ``pin`` (True / False) applies."""

@@ -294,7 +294,7 @@ class Engine:
             if any(ch.values()):
                 self.ctx.send("docs", ch)
             self.ctx.send("bdoc", (qi, {"source": q.source, "tokens": q.doc.tokens, "seconds": q.doc.seconds,
-                                         "reused": q.doc.reused}))
+                                         "reused": q.doc.reused, "pools": q.pools}))
 
         answers = bd.run(qs, drafter=(lambda doc, own: self._drafter(own, doc)) if self.lead else None,
                          make_question=question, documents=self.documents, on_doc=on_doc if self.lead else None,
@@ -309,9 +309,7 @@ class Engine:
         changes = self.documents.take_changes()
         if self.lead and any(changes.values()):
             self.ctx.send("docs", changes)
-        pool = self.documents.pool  # made on every rank at the same document: every rank gathers
-        pools = [[int(u), int(t)] for u, t in self.world.all_gather_values([pool.used, pool.num_blocks]).tolist()] \
-            if pool is not None else None
+        pools = self.documents.pools()  # every rank's (the pool is made on every rank at the same document)
         if self.lead:
             self.ctx.send("batch_done", {"pools": pools, "answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
                                          "seconds": time.perf_counter() - t0, "slots": bd.slots,
