@@ -601,18 +601,20 @@ def document_by_segments(ctx, job, doc, piece):
     return (bool(every.min()), segs, type(d.cache).__name__) if ctx.rank == 0 else None
 
 
-def engine_mixed(ctx, job, docs, questions, slots, new):
+def engine_mixed(ctx, job, docs, questions, slots, new, extra=None):
     """One batch of ``questions`` (``(document index, ids)``) over several ``docs``, ``slots``
-    at a time, the documents made resident by the batch: rank 0 returns the token ids per
-    question and the batch_done event."""
+    at a time, the documents made resident by the batch (``extra``: more of the batch's options):
+    rank 0 returns the token ids per question and the batch_done event (with ``extra``, also
+    each answer's stop reason)."""
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.sampling import Sampling
 
-    got, done = {}, []
+    got, done, reasons = {}, [], {}
 
     def emit(kind, p):
         if kind == "banswer":
             got[p[0]] = p[1]["token_ids"]
+            reasons[p[0]] = p[1]["stop_reason"]
         elif kind == "batch_done":
             done.append(p)
 
@@ -621,11 +623,14 @@ def engine_mixed(ctx, job, docs, questions, slots, new):
         Engine(ctx, job).serve([{"op": "batch", "slots": slots, "max_new_tokens": new, "piece": 8,
                                  "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off",
                                  "questions": [{"ids": q, "doc": {"key": f"d{d}", "ids": docs[d]}}
-                                               for d, q in questions]},
+                                               for d, q in questions], **(extra or {})},
                                 {"op": "stop"}])
     finally:
         ctx.emit = real
-    return ([got.get(i) for i in range(len(questions))], done) if ctx.rank == 0 else None
+    if ctx.rank != 0:
+        return None
+    out = ([got.get(i) for i in range(len(questions))], done)
+    return out + ([reasons.get(i) for i in range(len(questions))],) if extra is not None else out
 
 
 def triton_mixed(ctx, job, docs, questions, slots, new):

@@ -166,3 +166,18 @@ def test_a_document_prefilled_a_segment_at_a_time_holds_the_same_numbers(models,
     job = GenerateJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
     same, segs, kind = run_local(dist_cases.document_by_segments, world, job, DOC, 5, timeout_s=120)[0]
     assert same and segs > 1 and kind == "PagedShard"
+
+
+def test_a_document_the_pool_can_never_hold_ends_its_questions_alone(models):
+    """A pool of 4 blocks of 16 tokens per rank, a document needing 10: once the answers over
+    the document that fits have ended and nothing can make room, the questions over the big one
+    end empty ("no_room"), the batch does not fail, and the other answers are transformers'."""
+    paths, _ = models
+    big = [(11 * i + 7) % 230 + 20 for i in range(300)]
+    docs = [DOC[:40], big]
+    qs = [(0, QS[0]), (1, QS[1]), (0, QS[2])]
+    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    got, done, reasons = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 2, NEW,
+                                   {"pool_blocks": 4, "page": 16}, timeout_s=120)[0]
+    assert reasons == ["length", "no_room", "length"] and got[1] == [], (reasons, got)
+    assert [got[0], got[2]] == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in (qs[0], qs[2])]

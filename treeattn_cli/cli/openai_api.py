@@ -271,6 +271,9 @@ def build_app(srv) -> FastAPI:
                     if kind == "document":
                         meta["cached"] = payload["cached"]
                         continue
+                    if kind == "done" and payload.get("stop_reason") == "no_room":
+                        kind, payload = "error", ("the KV pool has no room for this request's document next to "
+                                                  "the pinned ones (unpin or delete some: /v1/documents)")
                     yield kind, payload
                     if kind in ("done", "error"):
                         return

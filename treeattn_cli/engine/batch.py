@@ -143,10 +143,14 @@ class BatchDecoder:
             if pending is not None:  # one segment of the first document a queued question waits for
                 blocked = not documents.advance(pending)
                 self.segments_while_decoding += any(slots) and not blocked
-                if blocked and not any(slots):  # nothing will end to make room: it can never fit
-                    raise RuntimeError(f"the documents' KV pool ({documents.pool.num_blocks} blocks of "
-                                       f"{documents.pool.page} tokens per rank) cannot hold a document of "
-                                       f"{len(pending.ids)} tokens")
+                if blocked and not any(slots):  # nothing will end to make room (pinned documents hold the
+                    for qi in [qi for qi in queue if questions[qi].doc is pending]:  # rest): its questions end
+                        queue.remove(qi)  # here, answered empty ("no_room"); the others go on
+                        q = questions[qi]
+                        finish(_Slot(qi, len(q.ids), None, time.perf_counter(), t0, doc=q.doc, started=False),
+                               "no_room")
+                    documents.abandon(pending)
+                    blocked = False
             free = [b for b in range(S) if slots[b] is None]
             new, began, doc_only = [], [], []
             for qi in list(queue):

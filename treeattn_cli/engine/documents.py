@@ -368,6 +368,15 @@ class Documents:
         doc.evicted = True
         self.changes["evicted"].append(key)
 
+    def abandon(self, doc: Document) -> None:
+        """A pending document no room can be made for: out of memory, its blocks given back."""
+        if self.resident.get(doc.key) is doc:
+            del self.resident[doc.key]
+            self.changes["evicted"].append(doc.key)
+        if isinstance(doc.cache, PagedShard):
+            doc.cache.free()
+        doc.todo, doc.evicted = list(doc.segs), True
+
     def pools(self) -> list | None:
         """Every rank's pool as ``[[used, total], ...]`` blocks (a collective: every rank calls it
         at the same point), or None before the first pooled document."""
