@@ -10,6 +10,7 @@ SIGKILL), names it, and stops the others.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -117,18 +118,28 @@ def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results,
         comm.destroy_process_group()
 
 
+# What a rank imports before it joins its group: torch, the transformers modules a model loads
+# with (transformers imports lazily), and the engine. The fork server of local ranks imports them
+# once (``_mp_context``); a torchrun rank imports them before ``init_process_group``
+# (``run_torchrun``). Some of them (torch.distributed's FSDP and sharded-tensor modules, pulled in
+# by ``transformers.modeling_utils``) take ``group.WORLD`` as a default argument when first
+# imported: imported after the group exists, they hold the default group forever, so leaving the
+# group cannot stop its threads, and a thread of gloo's still freeing the last collective's work at
+# interpreter exit aborts the process ("terminate called without an active exception").
+RANK_IMPORTS = ("torch", "transformers", "transformers.modeling_utils",
+                "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+                "transformers.distributed", "treeattn_cli.engine.engine", "treeattn_cli.engine.job")
+
+
 def _mp_context():
     """Rank processes come from a fork server that imported torch and transformers once, so a
     launch costs a fork per rank instead of a fresh interpreter and its imports (and the server
     is kept for later launches from the same process). ``transformers`` imports lazily: the
-    modules a rank loads a model with are named here, or every rank would import them again
-    (~5 s of a 2-core machine's time per launch, against ~1 s of work for a tiny model). CUDA is
-    never initialised before the fork: the server only imports."""
+    modules a rank loads a model with are named in ``RANK_IMPORTS``, or every rank would import
+    them again (~5 s of a 2-core machine's time per launch, against ~1 s of work for a tiny
+    model). CUDA is never initialised before the fork: the server only imports."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["treeattn_cli.parallel.forkserver_init", "torch", "transformers",
-                                "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-                                "transformers.models.auto.tokenization_auto", "transformers.distributed",
-                                "treeattn_cli.engine.engine", "treeattn_cli.engine.job"])
+    ctx.set_forkserver_preload(["treeattn_cli.parallel.forkserver_init", *RANK_IMPORTS])
     return ctx
 
 
@@ -270,6 +281,8 @@ def run_torchrun(fn, *args, backend: str = "gloo", device: str = "cpu", timeout_
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    for name in RANK_IMPORTS:  # before the group exists: see RANK_IMPORTS
+        importlib.import_module(name)
     try:
         comm.init_process_group(backend, rank, world, None, timeout_s, device=dev)
         return fn(ctx, *args)
