@@ -10,6 +10,7 @@ import os
 import re
 import pty
 import select
+import signal
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from treeattn_cli.cli import prompt as P
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.main import app
 from treeattn_cli.engine.model import load_tokenizer
-from helpers import assert_usage_error
+from helpers import assert_usage_error, rank_pids
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -197,7 +198,14 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_pat
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 break
-        assert done and os.waitstatus_to_exitcode(status) == 0, bytes(buf[-500:])
+        if not done:  # what each process is doing: their stacks (kill -USR1), in the message
+            for p in [pid, *rank_pids(pid)]:
+                try:
+                    os.kill(p, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            until(lambda b: False, 3)
+        assert done and os.waitstatus_to_exitcode(status) == 0, bytes(buf[-6000:])
     finally:
         try:
             os.kill(pid, 9)

@@ -379,11 +379,22 @@ def _fidelity(kv_dtype, prompt_file, model, dtype, device, max_new_tokens, max_t
     return 0 if rec["ok"] else 1
 
 
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's Python stack on stderr and the run goes on (the
+    launcher and each rank: what a run that seems stuck is doing)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main() -> None:
     """The console script: the Typer app; a usage error Click finds (an unknown command or
     flag, a missing value) is one line in the style of every other error, exit 2; a closed
     standard output anywhere (``treeattn topo --json | head -c 10``) ends it quietly, as other
     command-line tools end."""
+    _stacks_on_sigusr1()
     try:
         rv = app(standalone_mode=False)
     except typer.Abort:  # Ctrl-C outside a run (a run answers it itself)

@@ -10,6 +10,7 @@ SIGKILL), names it, and stops the others.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
@@ -94,6 +95,8 @@ def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results,
     # GPU. Local ranks talk over loopback only.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1`: its stacks, as the launcher's
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     die_with_parent(signal.SIGKILL)
     if not alive(launcher):  # it died before the line above took effect
         os._exit(1)
