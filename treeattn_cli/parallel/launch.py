@@ -124,7 +124,7 @@ def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results,
 # What a rank imports before it joins its group: torch, the transformers modules a model loads
 # with (transformers imports lazily), and the engine. The fork server of local ranks imports them
 # once (``_mp_context``); a torchrun rank imports them before ``init_process_group``
-# (``run_torchrun``). Some of them (torch.distributed's FSDP and sharded-tensor modules, pulled in
+# (``run_torchrun``). Some of them (torch's FSDP and sharded-tensor modules, pulled in
 # by ``transformers.modeling_utils``) take ``group.WORLD`` as a default argument when first
 # imported: imported after the group exists, they hold the default group forever, so leaving the
 # group cannot stop its threads, and a thread of gloo's still freeing the last collective's work at
