@@ -714,3 +714,21 @@ def document_prefix_reuse(ctx, job, doc_a, extra, piece):
     ok = every.min(dim=0).values.tolist()
     names = [k for k, v in out.items() if isinstance(v, bool)]
     return {**out, **{k: bool(x) for k, x in zip(names, ok[1:])}} if ctx.rank == 0 else None
+
+
+def pool_agreement(ctx, spec, free_by_rank):
+    """``Documents.make_pool(spec)`` on every rank, each rank told it has ``free_by_rank[rank]``
+    bytes free; returns what each rank made (``{blocks, page, bytes, free}``)."""
+    from types import SimpleNamespace
+
+    from treeattn_cli.engine import documents as D
+    from treeattn_cli.engine.cache import ShardedKVCache
+    from treeattn_cli.parallel import comm as C
+
+    world = C.Comm()
+    cache = ShardedKVCache(2, 1, 2, 16, rank=ctx.rank, world=ctx.world)
+    D.free_memory = lambda device, ranks=1: free_by_rank[ctx.rank]
+    docs = D.Documents(SimpleNamespace(cache=cache, world=world))
+    made = docs.make_pool(spec)
+    assert docs.pool.num_blocks == made["blocks"] and docs.make_pool({"pool": 1}) == made  # made once
+    return made

@@ -356,3 +356,18 @@ def test_a_cached_prefix_taken_shorter_is_copied_or_loses_its_key_before_a_write
     assert len(found) == 2, "the prefix lost its end, not its beginning"
     pool.release(found)
     assert pool.forget(ckeys) == 2 and pool.match(ckeys) == []
+
+
+@pytest.mark.parametrize("spec", [{"pool_fraction": 0.5, "page": 16}, {"pool": 1 << 20, "page": 16}])
+def test_every_rank_makes_a_pool_of_the_same_blocks(spec):
+    """``--kv-memory`` as a fraction of each rank's free memory, or bytes: the ranks agree on
+    the smallest rank's count of blocks, so admission counts one pool size."""
+    import dist_cases
+    from treeattn_cli.parallel.launch import run_local
+
+    per = BlockPool.bytes_per_block(2, 2, 16, 16, torch.float32)
+    free = [3_000 * per, 1_000 * per]  # rank 1 has a third of rank 0's free memory
+    made = run_local(dist_cases.pool_agreement, 2, spec, free, timeout_s=60)
+    want = 500 if "pool_fraction" in spec else (1 << 20) // per
+    assert [m["blocks"] for m in made] == [want, want]
+    assert [m["free"] for m in made] == free and made[0]["bytes"] == want * per

@@ -26,6 +26,7 @@ httpx = pytest.importorskip("httpx")
 
 from helpers import cli, descendants, rank_pids, still_running  # noqa: E402
 from treeattn_cli.verify import tiny as tiny_models  # noqa: E402
+import torch  # noqa: E402
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -367,18 +368,38 @@ def test_saved_documents_of_another_kv_dtype_are_named_at_start(tmp_path):
 
 def test_a_document_that_cannot_fit_even_alone_is_refused_with_the_numbers():
     """The admission rule behind HTTP 400 ``document_too_large``: a document part whose KV per
-    rank exceeds --cache-bytes is refused with its size and the limit; one that fits alone is
+    rank exceeds --kv-memory is refused with its size and the limit; one that fits alone is
     taken (others leave memory first); short document parts are not cached, so never refused."""
     from treeattn_cli.cli.serve import MIN_DOCUMENT, document_too_large
 
     per_token = 131072  # Llama-3.1-8B in bf16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
     line = document_too_large(1_000_000, per_token, nproc=8, tp=1, cache_bytes=8 << 30)
     assert line == ("the document part of this request (1000000 tokens) needs 15625.0 MiB of KV cache per rank; "
-                    "this server keeps at most 8192.0 MiB per rank (--cache-bytes)")
+                    "this server keeps at most 8192.0 MiB per rank (--kv-memory)")
     assert document_too_large(500_000, per_token, nproc=8, tp=1, cache_bytes=8 << 30) is None  # 7.6 GiB per rank
     assert document_too_large(1_000_000, per_token, nproc=16, tp=2, cache_bytes=8 << 30) is None  # tp splits heads
     assert document_too_large(1_000_000, per_token, nproc=4, tp=1, cache_bytes=8 << 30) is not None
     assert document_too_large(MIN_DOCUMENT - 1, per_token, nproc=1, tp=1, cache_bytes=1) is None
+
+
+@pytest.mark.parametrize("text,want", [("8GiB", (8 << 30, None)), ("512MiB", (512 << 20, None)),
+                                       ("1.5G", (1_500_000_000, None)), ("2000000000", (2_000_000_000, None)),
+                                       ("0.9", (None, 0.9)), ("90%", (None, 0.9)), ("1.0", (None, 1.0))])
+def test_kv_memory_is_a_size_or_a_fraction(text, want):
+    from treeattn_cli.cli.options import parse_memory
+
+    assert parse_memory(text) == want
+
+
+@pytest.mark.parametrize("extra,needle", [(["--kv-memory", "lots"], "--kv-memory must be a size"),
+                                          (["--kv-memory", "150%"], "--kv-memory must be a size"),
+                                          (["--kv-memory", "0.0"], "--kv-memory must be a size"),
+                                          (["--kv-memory", "4096"], "at least 1 MiB"),
+                                          (["--kv-memory", "1GiB", "--cache-bytes", "1048576"], "older name")])
+def test_a_bad_kv_memory_is_one_line_before_anything_starts(model, extra, needle):
+    from helpers import assert_usage_error
+
+    assert_usage_error(cli("serve", "--model", str(model[0]), *extra), needle)
 
 
 def _metrics(url) -> dict:
@@ -441,11 +462,21 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
     start_doc = tmp_path / "contract.txt"
     start_doc.write_text(_doc("pinned at start"))
     proc = _start(m, tmp_path / "cache", port, "--batch", "1", "--max-waiting", "1", "--max-request-bytes", "8192",
-                  "--log-format", "json", "--cache-bytes", str(1 << 20), "--document", str(start_doc), "--pin")
+                  "--log-format", "json", "--kv-memory", "1MiB", "--document", str(start_doc), "--pin")
     url = f"http://127.0.0.1:{port}"
     try:
         first = httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]
         assert len(first) == 1 and first[0]["pinned"] and first[0]["resident"], first
+        # the pool was made at start, of --kv-memory: as many blocks as 1 MiB holds, on both ranks
+        from treeattn_cli.engine.pool import BlockPool
+
+        cfg = json.loads((m / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        per = BlockPool.bytes_per_block(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
+                                        cfg["hidden_size"] // heads, 64, torch.float32)
+        blocks = (1 << 20) // per
+        assert f"[KV pool: {blocks:,} blocks of 64 tokens per rank, {blocks * per / 2**20:,.1f} MiB " \
+               "(--kv-memory 1MiB)]" in proc.log.read_text(), proc.log.read_text()[-2000:]
         for _ in range(4):  # refused after admission: each gives its place back
             bad = httpx.post(f"{url}/v1/completions", headers=AUTH, content=b"{not json")
             assert bad.status_code == 400, bad.text
@@ -499,7 +530,7 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
                 break
             assert r.status_code == 200, r.text
             pinned.append(r.json())
-        assert refused is not None and refused["code"] == "pin_exceeds_pool" and "--cache-bytes" in refused["message"]
+        assert refused is not None and refused["code"] == "pin_exceeds_pool" and "--kv-memory" in refused["message"]
         pinned += first
         assert len(pinned) > 1 and sum(d["bytes"] for d in pinned) <= 0.75 * (1 << 20)
         listed = httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]

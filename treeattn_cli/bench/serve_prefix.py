@@ -6,7 +6,7 @@
 (e) a document that extends a cached one (document A, then A followed by a new part B): its first
     token against a cold document of the same length, and the tokens the server reports cached
     (``usage.prompt_tokens_details.cached_tokens``);
-(f) a document asked again after the byte budget (``--cache-bytes``, about 2.5 documents) took it
+(f) a document asked again after the byte budget (``--kv-memory``, about 2.5 documents) took it
     out of the ranks' memory while two others were asked: what of it the pool's cached blocks
     still held (the pool reuses a left document's last blocks first), and its first token against
     its first, cold one.
@@ -51,7 +51,7 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1200, on_record=None) -> l
             on_record(out[-1])
 
     budget = int(2.5 * doc_tokens * kv_bytes_per_token(model_dir) / nproc)
-    with serving(model, nproc, "--batch", "8", "--cache-bytes", str(budget)) as (url, _):
+    with serving(model, nproc, "--batch", "8", "--kv-memory", str(budget)) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
         name = client.models.list().data[0].id
 

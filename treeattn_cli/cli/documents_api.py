@@ -13,7 +13,7 @@
   deleted; ``409`` while a request over it is in flight (it is not waited for: retry).
 
 A pinned document never leaves memory; the pinned documents together may hold at most
-:data:`PIN_SHARE` of each rank's pool (``--cache-bytes``; the rest stays for other documents): a
+:data:`PIN_SHARE` of each rank's pool (``--kv-memory``; the rest stays for other documents): a
 pin past that is refused with ``409`` and the numbers (a new document is still cached,
 unpinned). A request whose document cannot fit next to the pinned ones gets ``400``
 (``document_too_large``). A document unused for its TTL leaves memory (a saved copy, or the pool's
@@ -96,7 +96,7 @@ def pin_refusal(srv, key: str, tokens: int) -> str | None:
     return (f"pinning this document ({tokens} tokens: {need} blocks per rank, "
             f"{srv.kv_bytes_per_rank(tokens) / 2**20:.2f} MiB) next to the pinned ones ({held} blocks) needs "
             f"{held + need} blocks per rank; pinned documents may hold {limit} of the pool's {total} "
-            f"({PIN_SHARE:.0%} of --cache-bytes {srv.o.cache_bytes / 2**20:.1f} MiB: the rest stays for other "
+            f"({PIN_SHARE:.0%} of the KV pool's {srv.o.cache_bytes / 2**20:.1f} MiB (--kv-memory): the rest stays for other "
             f"documents)")
 
 

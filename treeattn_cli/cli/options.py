@@ -55,7 +55,11 @@ SERVE_FLAGS = (
     Flag("served_model_name", Optional[str], None, "The model's name in the API (default: the model directory's)."),
     Flag("api_key", Optional[str], None, "Require 'Authorization: Bearer KEY' on /v1 requests."),
     Flag("cache_dir", Optional[str], None, "Save each document's sharded KV cache here as it is made (a restart finds them)."),
-    Flag("cache_bytes", Optional[int], None, "Bytes of each rank's KV block pool for documents, allocated at the first one (default: 512 MiB on a CPU, 8 GiB on a GPU); least recently used documents leave when it is full."),
+    Flag("kv_memory", Optional[str], None, "Each rank's KV block pool for documents, allocated at start: a size "
+         "(8GiB, 512MiB, bytes) or a fraction of the memory free on the rank's device once the model is loaded "
+         "(0.9 or 90%; ranks on one CPU share its available memory). Default: 512MiB on a CPU, 8GiB on a GPU. "
+         "Least recently used documents leave when it is full."),
+    Flag("cache_bytes", Optional[int], None, "The older name of --kv-memory, in bytes."),
     Flag("batch", int, 8, "Requests that decode together (about any documents; more wait for a free slot)."),
     Flag("max_waiting", int, 64, "Requests that may wait for a slot; past --batch + this many, a request gets "
          "HTTP 429 with Retry-After at once."),
@@ -177,7 +181,10 @@ class ServeOptions(GenerateOptions):
     served_model_name: str | None = None
     api_key: str | None = None
     cache_dir: str | None = None
-    cache_bytes: int | None = None  # per rank (None: engine.documents.POOL_BYTES of the device)
+    kv_memory: str | None = None  # --kv-memory as given: parsed into cache_bytes or kv_fraction
+    cache_bytes: int | None = None  # per rank (None: engine.documents.POOL_BYTES of the device); once
+    # the ranks made the pool, its bytes
+    kv_fraction: float | None = None  # --kv-memory as a fraction of each rank's free memory
     batch: int = 8
     max_waiting: int = 64
     max_request_bytes: int = 64 << 20
@@ -201,8 +208,41 @@ def check_serve_flags(o: ServeOptions) -> None:
             raise ValueError(f"--document {path}: no such file")
     if o.pin and not o.document:
         raise ValueError("--pin pins the --document files: name one")
+    if o.kv_memory is not None and o.cache_bytes is not None:
+        raise ValueError("--cache-bytes is the older name of --kv-memory: give one of them")
+    if o.kv_memory is not None:
+        o.cache_bytes, o.kv_fraction = parse_memory(o.kv_memory)
     if o.cache_bytes is not None and o.cache_bytes < 1 << 20:
-        raise ValueError(f"--cache-bytes must be at least 1 MiB (1048576), got {o.cache_bytes}")
+        raise ValueError(f"--kv-memory must be at least 1 MiB (1048576 bytes), got {o.cache_bytes}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_memory(text: str) -> tuple[int | None, float | None]:
+    """``--kv-memory``: ``(bytes, None)`` for a size (``8GiB``, ``512MiB``, ``1.5G``, ``2000000000``:
+    units in powers of 1000 or 1024 as spelled), ``(None, fraction)`` for a fraction of the free
+    memory (``0.9``, ``1.0``, ``90%``: in (0, 1]); anything else is a ValueError saying what is accepted."""
+    import re
+
+    t = str(text).strip().lower().replace(" ", "")
+    bad = ValueError(f"--kv-memory must be a size (8GiB, 512MiB, 2000000000 bytes) or a fraction of the free "
+                     f"memory in (0, 1] (0.9 or 90%), got {text!r}")
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%?)([a-z]*)", t)
+    if m is None:
+        raise bad
+    number, percent, unit = float(m.group(1)), m.group(2), m.group(3)
+    if percent or (not unit and "." in m.group(1)):  # a fraction; a whole number alone is bytes
+        if unit:
+            raise bad
+        f = number / 100 if percent else number
+        if not 0 < f <= 1:
+            raise bad
+        return None, f
+    if unit not in _UNITS:
+        raise bad
+    return int(number * _UNITS[unit]), None
 
 
 @dataclass

@@ -10,7 +10,7 @@ through FastAPI (``openai_api.py``) and a scheduler thread turns them into engin
   continues that document's sharded KV cache; a new document is made resident by the engine
   (``engine/documents.py``: prefilled a segment per step while other answers decode, or loaded
   from ``--cache-dir``), kept in the ranks' memory least recently used first within
-  ``--cache-bytes`` per rank, and, with ``--cache-dir``, saved there in the saved-KV format as it
+  ``--kv-memory`` per rank, and, with ``--cache-dir``, saved there in the saved-KV format as it
   is made, so a restart finds it;
 * every request joins one open engine batch, whatever its document (continuous batching; rows of
   different documents share each decode step, each document's shard read once for its rows, one
@@ -170,7 +170,7 @@ class DocIndex:
 def document_too_large(doc_tokens: int, bytes_per_token: int, nproc: int, tp: int, cache_bytes: int) -> str | None:
     """Why a request's document part cannot be held even alone (one line with the numbers), or
     None: its KV on each rank (``bytes_per_token``: all ranks together, as
-    ``Run.kv_bytes_per_token`` counts it) exceeds ``--cache-bytes``. A document that fits
+    ``Run.kv_bytes_per_token`` counts it) exceeds ``--kv-memory``. A document that fits
     alone always gets in: others leave memory first."""
     if doc_tokens < MIN_DOCUMENT:
         return None
@@ -179,7 +179,7 @@ def document_too_large(doc_tokens: int, bytes_per_token: int, nproc: int, tp: in
     if per_rank <= cache_bytes:
         return None
     return (f"the document part of this request ({doc_tokens} tokens) needs {per_rank / 2**20:.1f} MiB of KV cache "
-            f"per rank; this server keeps at most {cache_bytes / 2**20:.1f} MiB per rank (--cache-bytes)")
+            f"per rank; this server keeps at most {cache_bytes / 2**20:.1f} MiB per rank (--kv-memory)")
 
 
 class Scheduler(threading.Thread):
@@ -330,8 +330,7 @@ class Scheduler(threading.Thread):
                 elif kind == "bdoc":
                     j, info = by_index[payload[0]], payload[1]
                     if info.get("pools"):  # each rank's pool as this request began
-                        srv.metrics.pools(info["pools"])
-                        srv._pool_total = min(t for _, t in info["pools"])
+                        srv.pools_seen(info["pools"])
                     if j.key and j.key in srv.docs.entries and not _acts(j):
                         srv.docs.entries[j.key]["resident"] = True
                         e = srv.docs.entries[j.key]
@@ -348,8 +347,7 @@ class Scheduler(threading.Thread):
                     j.deliver("done", payload[1])
                 elif kind == "batch_done":
                     if payload.get("pools"):
-                        srv.metrics.pools(payload["pools"])
-                        srv._pool_total = min(t for _, t in payload["pools"])
+                        srv.pools_seen(payload["pools"])
                     if payload.get("documents_per_step", 0) > 1:
                         srv.stats.add("mixed_batches")  # rows of several documents shared a step
                     srv.stats.add("segments_while_decoding", payload.get("segments_while_decoding", 0))
@@ -409,8 +407,32 @@ class Server:
             for line in self.docs.conversions(self.run.kv_dtype):  # said even with --quiet: answers differ
                 print(f"treeattn: note: {line}", file=sys.stderr)
         self.client = self.engine.start()
+        self._make_pool()
         self.scheduler.start()
         threading.Thread(target=self._sweep, name="treeattn-ttl", daemon=True).start()
+
+    def _make_pool(self) -> None:
+        """The ranks allocate the documents' pool now (``--kv-memory``: a size, or a fraction of
+        what each rank has free with the model loaded): too little memory shows at start, not at
+        the first document. Its real size, the same on every rank, is what admission counts."""
+        from ..engine.documents import PAGE
+
+        o = self.o
+        self.client.post(op="pool", page=PAGE, pool=o.cache_bytes, pool_fraction=o.kv_fraction)
+        info = self.client.wait("pool")
+        asked = (f"--kv-memory {o.kv_fraction:g} of {info['free'] / 2**20:,.0f} MiB free" if o.kv_fraction
+                 else f"--kv-memory {o.kv_memory or o.cache_bytes}" if o.cache_bytes else f"the default on {self.run.kind}")
+        o.cache_bytes = info["bytes"]
+        self.pools_seen([(0, info["blocks"])] * self.run.nproc)
+        if not o.quiet:
+            print(f"[KV pool: {info['blocks']:,} blocks of {info['page']} tokens per rank, "
+                  f"{info['bytes'] / 2**20:,.1f} MiB ({asked})]", file=sys.stderr)
+
+    def pools_seen(self, per_rank: list) -> None:
+        """Each rank's pool as the ranks reported it, ``[(used, total), ...]``: the metrics'
+        gauges, and the blocks admission counts (the smallest rank's)."""
+        self.metrics.pools(per_rank)
+        self._pool_total = min(t for _, t in per_rank)
 
     def live(self) -> dict:
         """Requests answering and waiting, documents resident: now (the metrics' gauges)."""
@@ -591,10 +613,6 @@ def serve_command(o: ServeOptions) -> int:
         raise ValueError("serve starts its own local ranks; it does not run under torchrun")
     run = prepare_run(o)
     o.max_new_tokens = o.max_new_tokens or 256
-    if o.cache_bytes is None:
-        from ..engine.documents import POOL_BYTES
-
-        o.cache_bytes = POOL_BYTES.get(run.kind, POOL_BYTES["cuda"])
     # nothing reserved for the model's whole context: each document's cache is sized to it
     # (engine/documents.py); the engine's own holds requests without a document and grows as they need
     job = run.job(o, [], reserve=64)

@@ -1,8 +1,9 @@
 """The documents this rank holds: one sharded cache each, made resident from memory, disk or a
 prefill that runs a segment at a time (DESIGN.md §12).
 
-A batch's documents live in the rank's block pool (``pool.BlockPool``, sized once: ``pool``
-bytes, else :data:`POOL_BYTES` for the device; ``paged_shard.PagedShard``): they take the blocks
+A batch's documents live in the rank's block pool (``pool.BlockPool``, sized once, the same on
+every rank: ``pool`` bytes or a ``pool_fraction`` of the free memory, else :data:`POOL_BYTES` for
+the device; :meth:`Documents.make_pool`; ``paged_shard.PagedShard``): they take the blocks
 their tokens fill, and an evicted document gives its blocks back. Before each prefill segment the
 ranks agree that every one of them has the blocks it needs (evicting unused documents first);
 when they have not, the document waits, and the answers under way go on. A document shorter than
@@ -51,6 +52,21 @@ PAGE = 64  # tokens per block of the documents' pool (a power of two, a multiple
 POOL_BYTES = {"cpu": 512 << 20, "cuda": 8 << 30}
 
 
+def free_memory(device: torch.device, ranks: int = 1) -> int:
+    """Bytes free for this rank's KV now: a GPU's free memory, or a CPU's available memory
+    (``MemAvailable``) over the ``ranks`` that share it."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024 // max(1, ranks)
+    except (OSError, StopIteration, ValueError):
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, ranks)
+
+
 @dataclass
 class Document:
     """One resident document: its tokens, this rank's cache of them, what remains to prefill."""
@@ -93,23 +109,44 @@ class Documents:
         self.resident: OrderedDict[str, Document] = OrderedDict()
         self.changes = {"evicted": [], "spilled": [], "saved": []}  # since the last take_changes()
         self.spill_dir, self.spill_meta = None, None  # where an evicted document not yet saved goes
-        self.pool: BlockPool | None = None  # made at the first paged document
+        self.pool: BlockPool | None = None  # made at start (serve) or at the first paged document
+        self.pool_free: int | None = None  # bytes free for KV on this rank when the pool was made
         self.waits = 0  # segments a document waited for blocks (the pool was full of documents in use)
 
     def _pool(self, spec: dict) -> BlockPool:
         if self.pool is None:
-            c = self.engine.cache
-            page = int(spec.get("page") or PAGE)  # tests: small blocks for tiny documents
-            if spec.get("pool_blocks"):  # an exact count (tests of a full pool)
-                self.pool = BlockPool(c.num_layers, c.kv_heads, c.head_dim, page=page, num_blocks=spec["pool_blocks"],
-                                      dtype=c.dtype, device=c.device, quant=c.quant)
-                return self.pool
-            want = int(spec.get("pool") or POOL_BYTES.get(c.device.type, POOL_BYTES["cuda"]))
-            if c.device.type == "cuda":
-                want = min(want, int(0.9 * torch.cuda.mem_get_info(c.device)[0]))
-            self.pool = BlockPool.sized(want, c.num_layers, c.kv_heads, c.head_dim, page=page, dtype=c.dtype,
-                                        device=c.device, quant=c.quant)
+            self.make_pool(spec)
         return self.pool
+
+    def make_pool(self, spec: dict) -> dict:
+        """Allocate this rank's pool now (``serve`` at start, else the first paged document), the
+        same number of blocks on every rank: ``pool_blocks`` blocks (tests), or ``pool`` bytes
+        (default :data:`POOL_BYTES` of the device; a GPU gives at most 0.9 of its free memory), or
+        ``pool_fraction`` of the memory free now (a GPU's free memory; on a CPU the available
+        memory, shared by the ranks). Returns ``{blocks, page, bytes, free}`` (free: this rank's)."""
+        c, world = self.engine.cache, self.engine.world
+        page = self.pool.page if self.pool is not None else int(spec.get("page") or PAGE)  # tests: small blocks
+        per = BlockPool.bytes_per_block(c.num_layers, c.kv_heads, c.head_dim, page, c.dtype,
+                                        c.quant.groups if c.quant else 0)
+        if self.pool is None:
+            free = free_memory(c.device, ranks=world.world)
+            if spec.get("pool_blocks"):  # an exact count (tests of a full pool)
+                want = int(spec["pool_blocks"]) * per
+            elif spec.get("pool_fraction"):
+                want = int(float(spec["pool_fraction"]) * free)
+            else:
+                want = int(spec.get("pool") or POOL_BYTES.get(c.device.type, POOL_BYTES["cuda"]))
+                if c.device.type == "cuda":
+                    want = min(want, int(0.9 * free))
+            blocks = world.all_min(want // per)  # every rank the same count: one admission rule
+            if blocks < 1:
+                raise ValueError(f"--kv-memory holds no block of the documents' pool: a block of {page} tokens "
+                                 f"takes {per:,} bytes per rank, the smallest rank's share is {want:,} bytes")
+            self.pool = BlockPool(c.num_layers, c.kv_heads, c.head_dim, page=page, num_blocks=blocks,
+                                  dtype=c.dtype, device=c.device, quant=c.quant)
+            self.pool_free = free
+        return {"blocks": self.pool.num_blocks, "page": self.pool.page, "bytes": self.pool.num_blocks * per,
+                "free": self.pool_free}
 
     def _new(self, tokens: int, paged: bool, spec: dict):
         eng = self.engine
@@ -211,12 +248,20 @@ class Documents:
         cp = self.engine.mesh.cp
         return sum(-(-d.tokens // cp) * d.cache.bytes_per_token() for d in self.resident.values())
 
+    def _segment(self, doc: Document, spec: dict, device: torch.device) -> int:
+        """Cut ``doc`` into its prefill segments, all still to run (``spec["piece"]`` tokens per
+        rank, default :data:`PIECE` of the device); returns the piece."""
+        piece = spec.get("piece") or PIECE.get(device.type, PIECE["cuda"])
+        doc.segs = list(segments(len(doc.ids), self.engine.mesh.cp, piece)) if doc.ids else []
+        doc.todo = list(doc.segs)
+        return piece
+
     def get(self, spec: dict, paged: bool = True) -> Document:
         """The document of ``spec`` (``key``, ``ids``; optional ``dir`` (the cache directory),
         ``manifest`` (of its saved copy), ``save`` + ``save_meta`` (write-through), ``piece``
         (tokens per rank per prefill segment, default :data:`PIECE`), ``budget`` (bytes per
-        rank), ``pool`` (bytes of the pool, when it is made; ``pool_blocks``: blocks; ``page``: tokens per
-        block, default :data:`PAGE`)): resident, or pending
+        rank), ``pool`` / ``pool_fraction`` / ``pool_blocks`` / ``page`` (the pool, when the first
+        document makes it: :meth:`make_pool`)): resident, or pending
         (:meth:`advance` prefills it). ``paged``: kept in the pool (else a plain cache)."""
         from . import kvstore
 
@@ -235,10 +280,7 @@ class Documents:
         saved = Path(spec["dir"]) / key if spec.get("dir") else None
         doc = Document(key, ids, cache, t_start=t0)
         if isinstance(cache, PagedShard) and ids:
-            piece = spec.get("piece") or PIECE.get(cache.device.type, PIECE["cuda"])
-            doc.segs = list(segments(len(ids), eng.mesh.cp, piece))
-            doc.todo = list(doc.segs)
-            self._plan(doc, piece)
+            self._plan(doc, self._segment(doc, spec, cache.device))
             self._reuse(doc)
             if not doc.todo:
                 doc.source = "pool"
@@ -261,9 +303,7 @@ class Documents:
         else:
             doc.source = "prefill"
             if not doc.segs:
-                piece = spec.get("piece") or PIECE.get(cache.device.type, PIECE["cuda"])
-                doc.segs = list(segments(len(ids), eng.mesh.cp, piece)) if ids else []
-                doc.todo = list(doc.segs)
+                self._segment(doc, spec, cache.device)
         if spec.get("save") and spec.get("dir") and not doc.on_disk:
             doc.save = {"dir": spec["dir"], "meta": spec["save_meta"]}
         self.resident[key] = doc
@@ -416,9 +456,7 @@ class Documents:
             self.changes["evicted"].append(key)
         if keys is None and self.pool is not None and len(spec["ids"]) >= self.engine.mesh.cp:
             tmp = Document(key, list(spec["ids"]), None)
-            piece = spec.get("piece") or PIECE.get(self.pool.device.type, PIECE["cuda"])
-            tmp.segs = list(segments(len(tmp.ids), self.engine.mesh.cp, piece))
-            self._plan(tmp, piece)
+            self._plan(tmp, self._segment(tmp, spec, self.pool.device))
             keys = tmp.keys
         if keys and self.pool is not None:
             self.pool.forget(keys)

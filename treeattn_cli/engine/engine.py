@@ -19,6 +19,9 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
   lengths / return to them (nothing copied);
 * ``{"op": "save", "dir": d, "nonce": s, ...}`` / ``{"op": "load", "dir": d, "manifest": {...}}``:
   the sharded cache to and from disk (``kvstore.py``);
+* ``{"op": "pool", "pool": bytes | "pool_fraction": f, "page": n}``: allocate the documents' block
+  pool now (``serve`` at start: an out-of-memory shows then, not at the first document); rank 0
+  reports ``pool {blocks, page, bytes, free}``;
 * ``{"op": "stop"}``: leave; rank 0 returns the last answer's summary.
 
 ``generate`` is a fixed list of requests (:func:`generate_requests`); ``chat`` reads them from
@@ -174,6 +177,11 @@ class Engine:
         self.appended = (len(ids), time.perf_counter() - t0, t0)
         if self.lead:
             self.ctx.send("appended", {"tokens": len(ids), "seconds": self.appended[1], "cached": len(self.ids)})
+
+    def _op_pool(self, req):
+        info = self.documents.make_pool(req)
+        if self.lead:
+            self.ctx.send("pool", info)
 
     def _op_decode(self, req):
         if not self.ready:  # known on every rank: they all refuse together
