@@ -8,7 +8,8 @@ open batch (questions joining it, cancelled, a document asked for again or loade
 questions over several documents in the same steps (new documents prefilled a segment at a time
 while the others decode, documents evicted to disk and loaded back),
 --conversation, --speculate off|auto|ngram:K over questions that copy the document and ones
-that do not, questions shorter than the sequence shards, chunked prefill, a saved cache
+that do not, questions shorter than the sequence shards, chunked prefill (of documents, and of long questions
+between the other answers' steps), a saved cache
 reloaded on another number of ranks, seeded sampling, and model families with sliding
 windows, soft-capping and sinks — and every answer is checked against **the same request
 alone** (one question after the document, one at a time, no drafts; sampling with the same
@@ -76,6 +77,7 @@ class Config:
     budget: int | None = None  # mixed: bytes of resident documents per rank (tiny: evicted to disk, loaded back)
     tight: bool = False  # mixed: the block pool holds the largest document alone (the others wait their turn)
     page: int | None = None  # mixed: tokens per block of the pool (16: tiny documents fill blocks, share prefixes)
+    qchunk: int | None = None  # batch, serve: question tokens prefilled per round (the batch's piece; mixed: chunk)
 
     @property
     def world(self) -> int:
@@ -97,7 +99,7 @@ class Config:
                  f"joins={self.joins}" if self.joins else "", f"cancels={self.cancels}" if self.cancels else "",
                  "again" if self.again else "", f"docs={self.docs}" if self.docs else "",
                  f"budget={self.budget}" if self.budget is not None else "", "tight" if self.tight else "",
-                 f"page={self.page}" if self.page else "",
+                 f"page={self.page}" if self.page else "", f"qchunk={self.qchunk}" if self.qchunk else "",
                  "" if self.greedy else f"T={self.sampling['temperature']},k={self.sampling['top_k']},"
                                         f"seed={self.sampling['seed']}"]
         return (f"seed={self.seed} {self.family} cp={self.cp} tp={self.tp} {self.scheme} kv={self.kv} "
@@ -242,8 +244,15 @@ def doc_of(c: Config, fx: dict, i: int) -> list:
     return doc[:c.doc_len]
 
 
+def d_qchunk(rng, c, fx):
+    """Long questions prefilled a chunk per round between the other answers' steps (the batch's
+    ``piece``). Drawn last, so the configurations drawn before it stay what they were."""
+    if c.route in ("batch", "serve") and rng.random() < 0.4:
+        c.qchunk = rng.randint(2, 12)
+
+
 DIMENSIONS = [d_family, d_mesh, d_scheme, d_kv, d_route, d_document, d_questions, d_slots, d_speculate,
-              d_sampling, d_new, d_reload, d_serve, d_mixed]
+              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk]
 
 
 def draw(seed: int, fx: dict) -> Config:
@@ -309,7 +318,8 @@ def requests_of(c: Config, fx: dict, save_root: str) -> list:
     if c.route == "batch":
         return [{"op": "batch", "questions": [{"ids": q["ids"], "max_new_tokens": new_of(c, i)}
                                               for i, q in enumerate(c.questions)],
-                 "slots": c.slots, "speculate": c.speculate, **q_common}]
+                 "slots": c.slots, "speculate": c.speculate, **q_common,
+                 **({"piece": c.qchunk} if c.qchunk else {})}]
     reqs = []
     for i, q in enumerate(c.questions):
         reqs += [{"op": "append", "ids": q["ids"], "piece": c.chunk},
@@ -363,6 +373,8 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
     if c.reload_cp:
         req.update(dir=save_root, manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()))
     spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
+    if c.qchunk:  # a long question goes in chunks of this many tokens, a round each
+        spec["piece"] = c.qchunk
     if c.route == "mixed":  # each question names its document; the batch makes them resident
         spec["piece"] = c.chunk
         if c.tight:  # blocks for the largest document's shard on one rank, no more
@@ -632,6 +644,8 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("documents mixed in a step")
     if any(b.get("segments_while_decoding") for b in batches):
         out.add("document prefilled while others decode")
+    if any(b.get("chunks_while_decoding") for b in batches + r["events"].get("batch_done", [])):
+        out.add("question prefilled in chunks while others decode")
     if any(b.get("pool_waits") for b in batches):
         out.add("a document waited for blocks")
     if r["events"].get("spilled") and "disk" in r["events"].get("sources", []):

@@ -454,10 +454,10 @@ def graph_document_switch(ctx, job, docs, new):
     return (answers, eng.dec.captures, eng.dec.replays) if ctx.rank == 0 else None
 
 
-def engine_batch(ctx, job, doc, questions, slots, new, speculate="off"):
-    """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op);
-    rank 0 returns the token ids per question (question order), the batch_done event, and each
-    answer's speculation record (question order: drafted, accepted)."""
+def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=None):
+    """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op,
+    with ``extra`` fields); rank 0 returns the token ids per question (question order), the
+    batch_done event, and each answer's speculation record (question order: drafted, accepted)."""
     from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.engine import Engine
 
@@ -473,7 +473,8 @@ def engine_batch(ctx, job, doc, questions, slots, new, speculate="off"):
     try:
         Engine(ctx, job).serve([{"op": "append", "ids": doc},
                                 {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
-                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate},
+                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate,
+                                 **(extra or {})},
                                 {"op": "stop"}])
     finally:
         ctx.emit = real

@@ -42,6 +42,20 @@ def test_batched_answers_equal_each_question_alone(models, world, tp, slots):
         assert done[0]["answers"] == len(QS) and done[0]["new_tokens"] == NEW * len(QS)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_long_questions_go_in_chunks_between_the_steps_of_other_answers(models, world):
+    """A budget of 4 question tokens per round (``piece``): the 7-, 11- and 23-token questions
+    are prefilled a chunk per round while the answers of the others decode, and every answer
+    still equals transformers' on document + question alone."""
+    paths, want = models
+    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    got, done, _ = run_local(dist_cases.engine_batch, world, job, DOC, QS, 3, NEW, "off", {"piece": 4},
+                             timeout_s=120)[0]
+    assert got == want["llama"]
+    chunks = sum(-(-len(q) // 4) for q in QS)  # each cut from its start: 1 + 2 + 1 + 6 + 1 + 1 + 3
+    assert done[0]["question_chunks"] == chunks and done[0]["chunks_while_decoding"] >= 6, done[0]
+
+
 def test_ctrl_c_ends_the_batch_and_keeps_the_answers_so_far(models):
     """An interrupt after five streamed tokens: the answers under way end there (each a prefix of
     its full answer, stop reason interrupted), the questions not begun are not asked."""

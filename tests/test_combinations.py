@@ -66,7 +66,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
     """The run exercised what it claims to: drafts kept and rejected, slots refilled while other
     slots' drafts were verified, requests joining a running batch and cancelled, a cache saved
     on other ranks, a document from the server's memory, short questions, rows of several
-    documents in one step, a document prefilled while others decode, documents evicted to disk
+    documents in one step, a document prefilled while others decode, a long question prefilled in
+    chunks between the other answers' steps, documents evicted to disk
     and loaded back, a document waiting for blocks of a full pool, documents found in the pool's
     cached blocks (whole, or a prefix of them), every mesh, family, route and
     KV storage."""
@@ -81,7 +82,7 @@ def test_the_configurations_meet_where_defects_live(outcome):
             "sampling", "chunked prefill", "kv:fp8", "kv:auto", "documents mixed in a step",
             "document prefilled while others decode", "document evicted to disk and loaded back",
             "a document waited for blocks", "document found whole in the pool's cached blocks",
-            "document prefilled after a prefix found in the pool"}
+            "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode"}
     need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)

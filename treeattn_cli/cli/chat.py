@@ -295,7 +295,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> Non
     begin(0)
     seq = client.post(op="batch", seq=client.seq, questions=ids_list, slots=o.batch, max_new_tokens=o.max_new_tokens,
                       stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True, speculate=o.speculate,
-                      logprobs=o.logprobs,
+                      logprobs=o.logprobs, piece=o.prefill_chunk,
                       sampling={"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed})
     try:
         while True:

@@ -77,7 +77,7 @@ class Stats:
     def __init__(self):
         self._lock = threading.Lock()
         self._n: dict[str, int] = {"requests": 0, "batches": 0, "joined": 0, "dropped": 0, "mixed_batches": 0,
-                                   "segments_while_decoding": 0}
+                                   "segments_while_decoding": 0, "chunks_while_decoding": 0}
         self._ended: dict[str, int] = {}
         self._now: dict = {}  # the latest values of what is not a count (the KV pool's blocks)
 
@@ -351,6 +351,7 @@ class Scheduler(threading.Thread):
                     if payload.get("documents_per_step", 0) > 1:
                         srv.stats.add("mixed_batches")  # rows of several documents shared a step
                     srv.stats.add("segments_while_decoding", payload.get("segments_while_decoding", 0))
+                    srv.stats.add("chunks_while_decoding", payload.get("chunks_while_decoding", 0))
                     if payload.get("pool"):  # rank 0's pool after the batch: blocks used, cached, free
                         srv.stats.set("kv_blocks", payload["pool"])
                     again = {id(j) for late in joins[payload.get("joins", 0):] for j in late}

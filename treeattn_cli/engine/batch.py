@@ -67,6 +67,7 @@ class _Slot:
     doc: object = None  # the question's documents.Document
     doc_tokens: int = 0  # its tokens: the question's first position
     started: bool = True  # took a slot (False: cancelled before it began)
+    fed: int = 0  # of the question's tokens, those in the tail (its prefill goes a chunk per round)
 
 
 class BatchDecoder:
@@ -82,10 +83,12 @@ class BatchDecoder:
                                    capacity=-(-capacity // cp) + 2, quant=doc.quant)  # stored like the document
         self.documents_per_step = 0  # the most documents one forward read (rows of several: a mixed step)
         self.segments_while_decoding = 0  # document prefill segments run while answers were under way
+        self.question_chunks = 0  # chunks of questions prefilled (a question over ``budget`` tokens: several)
+        self.chunks_while_decoding = 0  # rounds of question chunks run while answers were under way
 
     @torch.inference_mode()
     def run(self, questions: list[Question], *, drafter=None, interrupted=None, feed=None, make_question=None,
-            on_token=None, on_answer=None, documents=None, on_doc=None) -> list[dict]:
+            on_token=None, on_answer=None, documents=None, on_doc=None, budget: int | None = None) -> list[dict]:
         """Answer every question; returns (on every rank) one summary per question, in order.
 
         Rank 0 only: each question's ``stop_check(ids) -> reason | None``; ``interrupted() ->
@@ -96,7 +99,10 @@ class BatchDecoder:
         question takes a slot (its document resident); ``drafter(document, question tokens) ->
         speculate.Drafter`` over the document and the question, for questions that speculate:
         each slot then drafts, and accepts, on its own (a step with drafts feeds every busy
-        slot's last token and drafts as one extension of the tail).
+        slot's last token and drafts as one extension of the tail). ``budget``: question tokens
+        prefilled per round (None: every new question whole): a long question goes in chunks
+        of ``budget`` tokens, one round each, between the steps of the answers under way
+        (:meth:`_fill`), as a document goes a segment per round.
 
         Each question continues its own document (``Question.doc``); rows of different
         documents share the step (``attention._cascade`` reads each document once for its rows,
@@ -120,6 +126,7 @@ class BatchDecoder:
         spent = None  # seconds of the latest timed forward (speculation prices drafts with it)
         cost = StepCost()  # what the batch's forwards cost, by draft rows: one for every slot
         msg = torch.zeros(S + 1, WIDTH, dtype=torch.int64, device=dec.device)
+        filling: list[int] = []  # slots whose question is not all in the tail yet, in the order they began
 
         def finish(s: _Slot, reason):
             if documents is not None:
@@ -189,11 +196,17 @@ class BatchDecoder:
                     q = questions[qi]
                     finish(_Slot(qi, 0, None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens,
                                  started=False), "document")
-            if new:
-                lg = self._prefill([(b, slots[b]) for b in new], [questions[slots[b].question].ids for b in new])
-                for i, b in enumerate(new):
+            filling += new
+            for b in [b for b in filling if slots[b].question in cancelled]:  # cancelled in its prefill
+                filling.remove(b)
+                finish(slots[b], "cancelled")
+                slots[b] = None
+            if filling:
+                self.chunks_while_decoding += any(slots[b] is not None and b not in filling for b in range(S))
+                for b, lg in self._fill([(b, slots[b]) for b in filling], questions, budget):
+                    filling.remove(b)
                     slots[b].prefill_s = time.perf_counter() - slots[b].t_start
-                    rows[b] = lg[i:i + 1] if lead else None
+                    rows[b] = lg if lead else None
                     ready[b], drafts[b] = True, []
             if not any(slots) and not queue:
                 break
@@ -277,9 +290,10 @@ class BatchDecoder:
             if table[S][0] == _ALL_STOPPED:  # Ctrl-C: the answers so far end; the rest are not started
                 queue.clear()
                 for b in range(S):
-                    if slots[b] is not None:  # busy but not ready this round: nothing pending
+                    if slots[b] is not None:  # busy but not ready this round (or still prefilling): nothing pending
                         finish(slots[b], "interrupted")
                         slots[b] = None
+                filling.clear()
                 break
             spent = None
             if any(going):
@@ -316,20 +330,38 @@ class BatchDecoder:
                 "stop_reason": reason, "prefill_method": "batched",
                 "speculation": s.spec.record() if s.spec is not None else None}
 
-    def _prefill(self, slots: list, prompts: list[list[int]]):
-        """Every token of the questions entering ``slots`` (``(index, _Slot)`` pairs), in one
-        forward (left-padded to the longest, padding kept nowhere); their last position's
-        logits ``[len(slots), V]``."""
-        rows = [b for b, _ in slots]
-        T = max(len(p) for p in prompts)
+    def _fill(self, slots: list, questions: list, budget: int | None) -> list:
+        """This round's chunks of the questions entering the tail, ``slots`` (``(index, _Slot)``
+        pairs in the order they began), in one forward (left-padded to the longest chunk, padding
+        kept nowhere); returns ``(index, logits [1, V])`` of each slot whose question is now all
+        in the tail. A question is cut in chunks of ``budget`` tokens from its start, whatever
+        else the round holds (the same cuts when it is asked alone); the round takes chunks in
+        order while they fit in ``budget`` tokens, and at least one."""
+        chunks, left = [], budget
+        for b, s in slots:
+            ids = questions[s.question].ids
+            n = len(ids) - s.fed if budget is None else min(len(ids) - s.fed, budget)
+            if chunks and left is not None and n > left:
+                break
+            chunks.append((b, s, ids[s.fed:s.fed + n]))
+            left = None if left is None else left - n
+        self.question_chunks += len(chunks)
+        rows = [b for b, _, _ in chunks]
+        T = max(len(c) for _, _, c in chunks)
         ids = torch.zeros(len(rows), T, dtype=torch.int64)
         pos = torch.full((len(rows), T), -1, dtype=torch.int64)
-        for i, (p, (_, s)) in enumerate(zip(prompts, slots)):
-            ids[i, T - len(p):] = torch.tensor(p)
-            pos[i, T - len(p):] = torch.arange(s.doc_tokens, s.doc_tokens + len(p))
-        self.tail.reset_rows(rows)
+        for i, (_, s, c) in enumerate(chunks):
+            ids[i, T - len(c):] = torch.tensor(c)
+            pos[i, T - len(c):] = torch.arange(s.doc_tokens + s.fed, s.doc_tokens + s.fed + len(c))
+        self.tail.reset_rows([b for b, s, _ in chunks if s.fed == 0])
         self.tail.begin_extend(rows, pos)
-        return self._forward(ids, pos, rows, [s for _, s in slots], step=False, finish=self.tail.end_extend)
+        lg = self._forward(ids, pos, rows, [s for _, s, _ in chunks], step=False, finish=self.tail.end_extend)
+        done = []
+        for i, (b, s, c) in enumerate(chunks):
+            s.fed += len(c)
+            if s.fed == s.prompt:
+                done.append((b, lg[i:i + 1] if lg is not None else None))  # (logits: rank 0 only)
+        return done
 
     def _extend(self, slots: list, feeds: list[list[int]], positions: list[int]):
         """Each of ``slots`` (``(index, _Slot)`` pairs) feeds its last token and its drafts

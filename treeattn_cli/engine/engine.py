@@ -42,7 +42,7 @@ from ..parallel import comm as C
 from .attention import AttentionContext
 from .cache import ShardedKVCache
 from .decode import Decoder, Timings
-from .documents import Document, Documents
+from .documents import PIECE, Document, Documents
 from .kvquant import storage
 from .sampling import Sampling, token_logprobs
 from .speculate import Speculation
@@ -309,7 +309,8 @@ class Engine:
                          interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
                          feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,
                          on_token=lambda qi, tok: self.ctx.send("btoken", (qi, tok)),
-                         on_answer=lambda qi, rec: self.ctx.send("banswer", (qi, rec)))
+                         on_answer=lambda qi, rec: self.ctx.send("banswer", (qi, rec)),
+                         budget=req.get("piece") or PIECE.get(self.device.type, PIECE["cuda"]))
         done = [a for a in answers if a is not None]
         if done:
             self.summary = done[-1]
@@ -323,6 +324,8 @@ class Engine:
                                          "seconds": time.perf_counter() - t0, "slots": bd.slots,
                                          "documents_per_step": bd.documents_per_step,
                                          "segments_while_decoding": bd.segments_while_decoding,
+                                         "question_chunks": bd.question_chunks,
+                                         "chunks_while_decoding": bd.chunks_while_decoding,
                                          "pool_waits": self.documents.waits,
                                          "pool": self.documents.pool.stats() if self.documents.pool else None,
                                          "joins": feed.taken if feed else 0})
