@@ -141,7 +141,7 @@ class Documents:
             blocks = world.all_min(want // per)  # every rank the same count: one admission rule
             if blocks < 1:
                 raise ValueError(f"--kv-memory holds no block of the documents' pool: a block of {page} tokens "
-                                 f"takes {per:,} bytes per rank, the smallest rank's share is {want:,} bytes")
+                                 f"takes {per:,} bytes per rank, this rank's share is {want:,} bytes")
             self.pool = BlockPool(c.num_layers, c.kv_heads, c.head_dim, page=page, num_blocks=blocks,
                                   dtype=c.dtype, device=c.device, quant=c.quant)
             self.pool_free = free
