@@ -70,7 +70,8 @@ SERVE_FLAGS = (
     Flag("pin", bool, False, "Pin the --document files: they never leave memory."),
 )
 RUN_FLAGS = (
-    Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory)."),
+    Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory); in a batch (chat --batch, "
+         "serve), also the tokens of a long question prefilled per step between the other answers' tokens."),
     Flag("prefill_sharding", str, "balanced",
          "How prefill segments are cut: balanced (2p chunks, rank r holds r and 2p-1-r) | contiguous."),
     Flag("nproc", Optional[int], None, "Local ranks (default: visible GPUs, 2 on a CPU-only machine)."),
