@@ -100,14 +100,17 @@ def gpu_path(q) -> bool:
 
 def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None, pos_pool=None,
                             window=None, softcap=None, k_scale=None, v_scale=None, out_dtype=None,
-                            impl: str = "auto"):
+                            block_lse=None, lse_block: int = 1, lse_rows=None, impl: str = "auto"):
     """Partial attention of ``q [B, H, Q, d]`` to the shards ``block_tables [B, nb]`` name in a
     layer's pool ``k_pool, v_pool [blocks, H_kv, page, d]`` (row b: the first ``kv_len[b]``
     tokens of its blocks; ``pos_pool [blocks, page]`` their positions, for ``q_pos [B, Q]``
     masks and windows; ``k_scale, v_scale [blocks, H_kv, page, G]``: an fp8 pool). On the GPU's
     path (:func:`gpu_path`) the Triton split kernel reads through the tables, one launch for the
     rows of every sequence; elsewhere, or past its rows, each row's blocks are gathered and
-    :func:`partial_attention` runs on them. Returns ``(o [B, H, Q, d], lse [B, H, Q])``."""
+    :func:`partial_attention` runs on them. ``block_lse [B, H, Q, ceil(nb·page / lse_block)]``,
+    ``lse_rows``: as :func:`partial_attention`, over each row's keys in table order. Returns
+    ``(o [B, H, Q, d], lse [B, H, Q])``."""
+    blocks = dict(block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows) if block_lse is not None else {}
     if impl == "auto" and _REFERENCE["on"]:
         impl = "torch"
     G = q.shape[1] // k_pool.shape[1]
@@ -118,8 +121,8 @@ def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=No
         out = torch.empty(*q.shape, dtype=out_dtype or q.dtype, device=q.device)
         return partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, scale=scale, q_pos=q_pos,
                                               pos_pool=pos_pool, window=window, softcap=softcap, k_scale=k_scale,
-                                              v_scale=v_scale, out=out)
-    kw = {}
+                                              v_scale=v_scale, out=out, **blocks)
+    kw = dict(blocks)
     if k_scale is not None:
         kw.update(k_scale=gather_pages(k_scale, block_tables), v_scale=gather_pages(v_scale, block_tables))
     if q_pos is not None:
@@ -130,7 +133,8 @@ def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=No
 
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                       window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
-                      k_pos_sorted: bool = False, out=None, lse_out=None, out_dtype=None, impl: str = "auto"):
+                      k_pos_sorted: bool = False, out=None, lse_out=None, out_dtype=None,
+                      block_lse=None, lse_block: int = 1, lse_rows=None, impl: str = "auto"):
     """Partial attention of ``q [B, H, Q, d]`` to one KV shard ``k, v [B, H_kv, N, d]``.
 
     Returns ``(o [B, H, Q, d] in q.dtype, lse [B, H, Q] fp32, natural log)``; rows with no
@@ -158,6 +162,8 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
         out = torch.empty(*q.shape, dtype=out_dtype, device=q.device)
     kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
               softcap=softcap, sink=sink, out=out, lse_out=lse_out)
+    if block_lse is not None:
+        kw.update(block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows)
     if impl == "auto" and _REFERENCE["on"]:
         impl = "torch"
     on_gpu_path = gpu_path(q)

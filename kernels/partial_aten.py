@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .partial_ref import _emit, add_sink, check_inputs, partial_attention_ref
+from .partial_ref import _emit, add_sink, block_lse_ref, check_inputs, partial_attention_ref
 
 _OP_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _OP_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
@@ -110,10 +110,16 @@ def _one(op, q, k, v, scale, causal):
 
 
 def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                           window=None, softcap=None, sink=None, out=None, lse_out=None, fallback=None):
+                           window=None, softcap=None, sink=None, out=None, lse_out=None, fallback=None,
+                           block_lse=None, lse_block: int = 1, lse_rows=None):
     """Fused-kernel version of :func:`partial_attention_ref` (same arguments and outputs).
-    ``fallback``: what runs the cases the fused kernel cannot (default: the reference)."""
+    ``fallback``: what runs the cases the fused kernel cannot (default: the reference). The
+    fused kernel writes no scores: ``block_lse`` is computed beside it for the sequences whose
+    rows ask (:func:`partial_ref.block_lse_ref`, a second read of their keys)."""
     B, H, Q, _, _, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
+    if block_lse is not None:
+        block_lse_ref(q, k, block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows, scale=scale, q_pos=q_pos,
+                      k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap)
     kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
               softcap=softcap, sink=sink, out=out, lse_out=lse_out)
     slow = fallback or partial_attention_ref

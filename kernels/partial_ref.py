@@ -15,6 +15,7 @@ import torch
 # blocks under it: the fallback after a failed self-check holds any context the cache holds.
 _MAX_SCORE_ELEMS = 1 << 26  # 256 MiB of fp32
 _KEY_BLOCK = 1 << 14
+LSE_BLOCKS = (1, 2, 4, 8, 16)  # keys per block of ``block_lse``: at most the smallest kernel tile
 
 
 def check_inputs(q, k, v, q_pos, k_pos, kv_len):
@@ -82,9 +83,22 @@ def dequantize(x8, scale, dtype=torch.float32):
     return x.flatten(-2).to(dtype)
 
 
+def check_block_lse(block_lse, lse_block: int, lse_rows, B: int, H: int, Q: int, N: int) -> None:
+    """Validate the per-block log-sum-exp output of a partial-attention call (see
+    :func:`partial_attention_ref`)."""
+    if lse_block not in LSE_BLOCKS:
+        raise ValueError(f"lse_block must be one of {LSE_BLOCKS}, got {lse_block}")
+    want = (B, H, Q, -(-N // lse_block))
+    if tuple(block_lse.shape) != want or block_lse.dtype != torch.float32:
+        raise ValueError(f"block_lse must be fp32 {list(want)} ({N} keys in blocks of {lse_block}); "
+                         f"got {block_lse.dtype} {tuple(block_lse.shape)}")
+    if lse_rows is not None and (tuple(lse_rows.shape) != (B, Q) or lse_rows.dtype != torch.bool):
+        raise ValueError(f"lse_rows must be bool [{B}, {Q}], got {lse_rows.dtype} {tuple(lse_rows.shape)}")
+
+
 def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                           window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
-                          out=None, lse_out=None):
+                          out=None, lse_out=None, block_lse=None, lse_block: int = 1, lse_rows=None):
     """Attention of ``q`` to one KV shard, returning the un-merged partial ``(o, lse)``.
 
     Args:
@@ -104,6 +118,15 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
             block at a time.
         out, lse_out: optional preallocated ``[B, H, Q, d]`` (q's dtype) / ``[B, H, Q]`` fp32
             tensors to write into (any strides, e.g. a view of the layer's output).
+        block_lse: optional fp32 ``[B, H, Q, ceil(N / lse_block)]`` written with each row's
+            natural-log sum of exp of its scores over each block of ``lse_block`` keys (keys
+            ``[j·lse_block, (j+1)·lse_block)`` of the shard, in its order; the same scores and
+            masks as the attention: scale, soft-capping, kv_len, causality, window), ``-inf``
+            where the row sees no key of the block. The sink is in no block. With the merged
+            ``lse`` of the row over every shard, ``exp(block_lse - lse)`` is the share of the
+            row's attention the block received: exact, on any number of ranks (citations).
+        lse_rows: optional bool ``[B, Q]``: only these rows' ``block_lse`` is written (the
+            others are left as they are).
 
     Returns:
         o: ``[B, H, Q, d]`` in q's dtype, softmax-normalised within the shard (0 where no key).
@@ -117,6 +140,8 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
         raise ValueError("a sliding window needs q_pos and k_pos")
     if sink is not None and sink.numel() != H:
         raise ValueError(f"sink has {sink.numel()} logits for {H} query heads")
+    if block_lse is not None:
+        check_block_lse(block_lse, lse_block, lse_rows, B, H, Q, N)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     G = H // H_kv
     o = torch.zeros(B, H, Q, d, dtype=torch.float32, device=q.device)
@@ -135,10 +160,12 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
                 kb, vb = k[:, :, n0:n1], v[:, :, n0:n1]
                 if k_scale is not None:
                     kb, vb = dequantize(kb, k_scale[:, :, n0:n1]), dequantize(vb, v_scale[:, :, n0:n1])
-                bo, bl = _block(rows, kb, vb, scale, softcap,
-                                key_mask(B, q1 - q0, n1 - n0, q.device, qp,
-                                         None if k_pos is None else k_pos[..., n0:n1], kv_len, window, k_start=n0),
-                                B, H_kv, G, q1 - q0)
+                bo, bl, s = _block(rows, kb, vb, scale, softcap,
+                                   key_mask(B, q1 - q0, n1 - n0, q.device, qp,
+                                            None if k_pos is None else k_pos[..., n0:n1], kv_len, window, k_start=n0),
+                                   B, H_kv, G, q1 - q0)
+                if block_lse is not None:
+                    _write_blocks(block_lse, lse_rows, s, q0, q1, n0, lse_block, B, H)
                 acc_o, acc_l = (bo, bl) if acc_o is None else _merge(acc_o, acc_l, bo, bl)
             o[:, :, q0:q1] = acc_o.view(B, H, q1 - q0, d)
             lse[:, :, q0:q1] = acc_l.reshape(B, H, q1 - q0)
@@ -147,9 +174,48 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
     return _emit(o, lse, q.dtype, out, lse_out)
 
 
-def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq):
-    """Partial of ``rows [B, H_kv, G*nq, d]`` over one block of keys ``[B, H_kv, n, d]``:
-    ``(o [B, H_kv, G*nq, d], lse [B, H_kv, G, nq])`` fp32, natural log."""
+def block_lse_ref(q, k, *, block_lse, lse_block: int = 1, lse_rows=None, scale=None, q_pos=None, k_pos=None,
+                  kv_len=None, window=None, softcap=None, k_scale=None):
+    """Only the ``block_lse`` of :func:`partial_attention_ref` (same arguments; no values read):
+    what a path that gets ``(o, lse)`` from a fused kernel, which never writes scores, runs for
+    the rows that ask. Sequences none of whose rows ask are skipped."""
+    B, H, Q, d, H_kv, N = check_inputs(q, k, k, q_pos, k_pos, kv_len)
+    check_block_lse(block_lse, lse_block, lse_rows, B, H, Q, N)
+    asking = None if lse_rows is None else lse_rows.any(dim=1)  # [B]: sequences with a row that asks
+    if asking is not None and not bool(asking.all()):  # the others are skipped
+        idx = asking.nonzero().flatten()
+        if len(idx) == 0:
+            return
+        pick = lambda t: t if t is None or t.dim() < 2 else t.index_select(0, idx.to(t.device))  # noqa: E731
+        part = block_lse.index_select(0, idx.to(block_lse.device))
+        block_lse_ref(pick(q), pick(k), block_lse=part, lse_block=lse_block, lse_rows=pick(lse_rows), scale=scale,
+                      q_pos=pick(q_pos), k_pos=pick(k_pos), kv_len=None if kv_len is None else pick(kv_len[:, None])[:, 0],
+                      window=window, softcap=softcap, k_scale=pick(k_scale))
+        block_lse.index_copy_(0, idx.to(block_lse.device), part)
+        return
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    G = H // H_kv
+    if N == 0 or Q == 0:
+        return
+    qg = q.float().reshape(B, H_kv, G, Q, d)  # (B, H_kv, G, Q, d)
+    nb = min(N, _KEY_BLOCK)
+    step = max(1, _MAX_SCORE_ELEMS // max(1, B * H * nb))
+    for q0 in range(0, Q, step):
+        q1 = min(Q, q0 + step)
+        rows = qg[:, :, :, q0:q1].reshape(B, H_kv, G * (q1 - q0), d)
+        qp = None if q_pos is None else q_pos[..., q0:q1]
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            kb = k[:, :, n0:n1] if k_scale is None else dequantize(k[:, :, n0:n1], k_scale[:, :, n0:n1])
+            s = _scores(rows, kb, scale, softcap, key_mask(B, q1 - q0, n1 - n0, q.device, qp, None if k_pos is None
+                                                           else k_pos[..., n0:n1], kv_len, window, k_start=n0),
+                        B, H_kv, G, q1 - q0)
+            _write_blocks(block_lse, lse_rows, s, q0, q1, n0, lse_block, B, H)
+
+
+def _scores(rows, k, scale, softcap, mask, B, H_kv, G, nq):
+    """Masked scores ``[B, H_kv, G, nq, n]`` of ``rows [B, H_kv, G*nq, d]`` against ``k [B, H_kv,
+    n, d]`` (``-inf`` where the mask hides a key)."""
     n = k.shape[2]
     s = torch.matmul(rows, k.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, G*q, n)
     if softcap is not None:
@@ -157,10 +223,35 @@ def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq):
     s = s.view(B, H_kv, G, nq, n)
     if mask is not None:
         s.masked_fill_(~mask[:, None, None], -math.inf)
+    return s
+
+
+def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq):
+    """Partial of ``rows [B, H_kv, G*nq, d]`` over one block of keys ``[B, H_kv, n, d]``:
+    ``(o [B, H_kv, G*nq, d], lse [B, H_kv, G, nq])`` fp32, natural log, and the masked scores
+    ``s [B, H_kv, G, nq, n]``."""
+    n = k.shape[2]
+    s = _scores(rows, k, scale, softcap, mask, B, H_kv, G, nq)
     lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, q)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - safe[..., None])  # (B, H_kv, G, q, n); rows with no key are all 0
-    return torch.matmul(p.view(B, H_kv, G * nq, n), v.float()), lse
+    return torch.matmul(p.view(B, H_kv, G * nq, n), v.float()), lse, s
+
+
+def _write_blocks(block_lse, lse_rows, s, q0, q1, n0, cb, B, H):
+    """Write the log-sum-exp of the scores ``s [B, H_kv, G, q, n]`` (rows ``q0:q1``, keys from
+    ``n0``, a multiple of ``cb``) per block of ``cb`` keys into ``block_lse [B, H, Q, NB]``."""
+    n = s.shape[-1]
+    pad = -n % cb
+    if pad:
+        s = torch.nn.functional.pad(s, (0, pad), value=-math.inf)
+    blk = torch.logsumexp(s.unflatten(-1, (-1, cb)), dim=-1).reshape(B, H, q1 - q0, -1)  # (B, H, q, nb)
+    j0 = n0 // cb
+    dst = block_lse[:, :, q0:q1, j0:j0 + blk.shape[-1]]
+    if lse_rows is None:
+        dst.copy_(blk)
+    else:
+        dst.copy_(torch.where(lse_rows[:, None, q0:q1, None].to(blk.device), blk, dst))
 
 
 def _merge(o_a, l_a, o_b, l_b):
