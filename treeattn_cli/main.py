@@ -14,8 +14,8 @@ from typing import Optional
 import typer
 
 from . import __version__
-from .cli.options import (ANSWER_FLAGS, CACHE_FLAGS, MODEL_FLAGS, REPORT_FLAGS, RUN_FLAGS, SERVE_FLAGS,
-                          SPECULATE_FLAGS)
+from .cli.options import (ANSWER_FLAGS, CACHE_FLAGS, CITE_FLAGS, MODEL_FLAGS, REPORT_FLAGS, RUN_FLAGS,
+                          SERVE_FLAGS, SPECULATE_FLAGS)
 
 app = typer.Typer(
     add_completion=False,
@@ -100,7 +100,7 @@ def _run(command, opts, *, terminated_message: bool) -> None:
 
 
 @app.command()
-@with_flags(MODEL_FLAGS, ANSWER_FLAGS, SPECULATE_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
+@with_flags(MODEL_FLAGS, ANSWER_FLAGS, CITE_FLAGS, SPECULATE_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
 def generate(
     prompt: Optional[str] = typer.Option(None, help="The prompt text."),
     prompt_file: Optional[str] = typer.Option(None, help="Read the prompt from a file ('-': standard input)."),
@@ -282,7 +282,7 @@ def bench(
 
 
 @app.command()
-@with_flags(MODEL_FLAGS, ANSWER_FLAGS, SPECULATE_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
+@with_flags(MODEL_FLAGS, ANSWER_FLAGS, CITE_FLAGS, SPECULATE_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
 def chat(
     prompt_file: Optional[str] = typer.Option(None, help="The document ('-': standard input), prefilled once; questions follow."),
     questions: Optional[str] = typer.Option(None, help="Answer each line of this file in order, then exit ('-': standard input)."),

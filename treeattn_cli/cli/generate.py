@@ -8,6 +8,7 @@ events to the presentation (``report.GenerateView``). Each rank runs the persist
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -43,13 +44,19 @@ def prepare(o: GenerateOptions):
     run.check_fits(cached + len(ids), o.max_new_tokens,
                    "the cached document and the prompt" if o.load_kv else "the prompt")
     composition = manifest["composition"] if manifest else {"kind": "raw"}
+    spans = None
+    if o.cite:  # the document's sentences placed on the prompt's tokens (never with --load-kv: checked)
+        from .citations import for_prompt
+
+        spans = for_prompt(run.tokenizer, text, ids, chat=bool(chat), system=system)
     job = run.job(o, ids, load_kv=o.load_kv, load_manifest=manifest, save_kv=o.save_kv,
-                  save_meta=run.save_meta(o.save_kv, composition) if o.save_kv else {})
+                  save_meta=run.save_meta(o.save_kv, composition) if o.save_kv else {},
+                  cite=spans.spec() if spans else None)
     if demo:
         print(f"treeattn demo: the embedded SmolLM2-135M-Instruct on {run.nproc} {run.kind.upper()} rank(s) "
               f"reads treeattn_cli/data/demo_document.txt ({len(ids)} tokens with the chat template) and "
               f"answers:\n  {P.DEMO_QUESTION}", file=sys.stderr)
-    return job, run.tokenizer, (run.kind, run.backend, run.nproc, run.devices)
+    return job, run.tokenizer, (run.kind, run.backend, run.nproc, run.devices), spans
 
 
 def generate_command(o: GenerateOptions) -> int:
@@ -59,7 +66,7 @@ def generate_command(o: GenerateOptions) -> int:
     from ..paths import write_atomic
     from ..report import GenerateView, stats_line, stdout_closed
 
-    job, tok, (kind, be, n, devices) = prepare(o)
+    job, tok, (kind, be, n, devices), spans = prepare(o)
     torchrun = launch.under_torchrun()
     lead = not torchrun or int(os.environ["RANK"]) == 0
     view = GenerateView(tok, stream=not o.json and lead, progress=lead and sys.stderr.isatty())
@@ -83,11 +90,22 @@ def generate_command(o: GenerateOptions) -> int:
         code, reason, closed = stdout_closed(), "interrupted", True
     if not lead:
         return code
-    record = view.finish(stop_reason=reason, as_json=o.json)
+    record = view.finish(stop_reason=reason)
+    cited = record.pop("cite", None)
+    if spans is not None and cited is not None:
+        from .citations import citations
+
+        record.update(citations(spans, cited, tok, record["token_ids"]))
+    if o.json:
+        print(json.dumps(record), flush=True)
     if o.output:
         write_atomic(o.output, record["text"])
     if not o.quiet and not closed:  # a closed pipe is the reader saying "enough": no message
         print(stats_line(record), file=sys.stderr)
+    if spans is not None and cited is not None and not o.json and not closed:
+        from .sources import show
+
+        show(record, spans, where="the prompt")
     if error is not None:
         if o.debug:  # the failing rank's own traceback, collected from it
             tb = next((v[1] for k, v in error.outcomes.values() if k == "error" and v[1]), None)

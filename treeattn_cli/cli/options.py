@@ -45,6 +45,11 @@ ANSWER_FLAGS = (
     Flag("logprobs", Optional[int], None, "With --json: each token's log-probability under the model and its N "
          "most likely alternatives (0: the token's own only; at most 20)."),
 )
+CITE_FLAGS = (
+    Flag("cite", bool, False, "Say where in the document the answer comes from: the sentences its tokens gave the "
+         "most attention to, exact from the merge (with --json: 'citations', character offsets into the prompt "
+         "text; on a terminal, a 'Sources' list after the answer). Never changes the answer."),
+)
 SPECULATE_FLAGS = (
     Flag("speculate", str, "auto", "Draft tokens from the document and the answer (n-gram lookup) and verify "
          "them in one step: off | auto (adapts; off when sampling) | ngram:K. Output is unchanged."),
@@ -134,6 +139,7 @@ class GenerateOptions:
     prefill_sharding: str = "balanced"  # or "contiguous": how prefill segments are cut (engine/prefill.py)
     speculate: str = "auto"  # off | auto | ngram:K (engine/speculate.py)
     logprobs: int | None = None  # --json records carry each token's logprob and this many alternatives
+    cite: bool = False  # answers carry citations: the document's sentences their rows read most (cli/citations.py)
 
 
 def check_flags(o: GenerateOptions) -> None:
@@ -156,6 +162,9 @@ def check_flags(o: GenerateOptions) -> None:
     if not o.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {o.timeout}")
     _speculation(o.speculate)
+    if o.cite and o.load_kv:
+        raise ValueError("--cite needs the document's text, and a --load-kv cache holds only its tokens: give the "
+                         "document with --prompt-file instead")
     from .prompt import check_file, check_folder
 
     check_file(o.prompt_file)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeattn_kernels import add_sink, dequantize, gpu_path, partial_attention, partial_attention_paged
+from treeattn_kernels import add_sink, dequantize, gather_pages, gpu_path, partial_attention, partial_attention_paged
 
 from .cache import ShardedKVCache
 from ..parallel.comm import Comm
@@ -50,6 +50,8 @@ class AttentionContext:
     rows: list = field(default_factory=list)  # cascade: the tail rows (sequences) of this forward
     step: bool = True  # cascade: one token per sequence (tail.begin_step) or an extension (begin_extend)
     groups: list = field(default_factory=list)  # cascade: (document cache, its rows [R_g] or None: all)
+    cite: object = None  # decode/replicated: the answer's cite.Citation (its rows' attention per span), or None
+    cites: list = field(default_factory=list)  # cascade: each row's cite.Citation or None (documents only)
 
 
 # Arguments of a model's forward that transformers passes on to every attention call and that
@@ -113,10 +115,14 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
     elif ctx.phase == "cascade":
         return _cascade(ctx, layer, query, key, value, scaling, window, softcap, sink), None
     elif ctx.phase == "replicated":
-        o, lse = _replicated(ctx, layer, query, key, value, scaling, window, softcap, sink)
+        cite = ctx.cite if ctx.cite is not None and ctx.cite.wants(layer) else None
+        o, lse, blocks = _replicated(ctx, layer, query, key, value, scaling, window, softcap, sink, cite is not None)
         B, H, T, d = query.shape
         out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
-        comm.merge(o, lse, out=out.transpose(1, 2))
+        _, lse = comm.merge(o, lse, out=out.transpose(1, 2))
+        if cite is not None:  # the shard before this forward (its own new tokens are the answer's)
+            bl = blocks["block_lse"][0]
+            cite.add(layer, bl, lse[0], cite.bins_of(cache, bl.shape[-1], lambda: cache.pos[0]))
         if ctx.on_layer is not None:
             ctx.on_layer(layer)
         return out, None
@@ -141,13 +147,18 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
         q_pos = k_pos = None
         if window is not None:
             q_pos, k_pos = cache.step_positions[:, None], cache.pos[:, : k.shape[2]]
+        cite = ctx.cite if ctx.cite is not None and ctx.cite.wants(layer) else None
+        blocks = _blocks(query, k.shape[2]) if cite is not None else {}
         # the same query on every rank: its sink goes into one rank's partial before the merge
         o, lse = _stored(cache, layer)(query, k, v, scale=scaling, kv_len=kv_len, window=window, softcap=softcap,
                                        sink=sink if comm.rank == 0 else None, q_pos=q_pos, k_pos=k_pos,
-                                       k_pos_sorted=True, out_dtype=torch.float32)  # a cache's positions ascend
+                                       k_pos_sorted=True, out_dtype=torch.float32, **blocks)  # positions ascend
         B, H, T, d = query.shape
         out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
-        comm.merge(o, lse, out=out.transpose(1, 2))
+        _, lse = comm.merge(o, lse, out=out.transpose(1, 2))
+        if cite is not None:
+            N = k.shape[2]
+            cite.add(layer, blocks["block_lse"][0], lse[0], cite.bins_of(cache, N, lambda: cache.pos[0]))
         return out, None
     return o.to(query.dtype).transpose(1, 2).contiguous(), None
 
@@ -194,9 +205,11 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     tail, comm = ctx.tail, ctx.comm
     pos = ctx.positions  # [R, T] global positions of the queries (-1: padding)
     groups = ctx.groups or [(ctx.cache, None)]
+    cites = [c if c is not None and c.wants(layer) else None for c in ctx.cites] if ctx.cites else []
+    cited = []  # (citation, row, block_lse [H, T, N] of its document's shard, the shard, its keys' positions)
     o_d = l_d = None
     if gpu_path(q) and _one_pool(groups):  # the GPU's path: one launch through the documents' tables
-        o_d, l_d = _documents_paged(groups, layer, q, pos, scale, window, softcap)
+        o_d, l_d = _documents_paged(groups, layer, q, pos, scale, window, softcap, cites, cited)
         groups = []
     for doc, idx in groups:
         qg, pg = (q, pos) if idx is None else (q[idx], pos[idx])
@@ -204,8 +217,17 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
         dk, dv, dlen, dpos = doc.view(layer)  # [1, H_kv, N, d]: the document, never copied per sequence
         rows = qg.transpose(0, 1).reshape(1, H, Rg * T, d)  # [1, H, Rg·T, d]: sequences as query rows
         kw = dict(q_pos=pg.reshape(Rg * T), k_pos=dpos, window=window, k_pos_sorted=True) if window is not None else {}
+        members = list(range(R)) if idx is None else idx.tolist()
+        asking = [i for i in members if cites and cites[i] is not None]
+        blocks = {}
+        if asking:  # the rows that cite: each key's log-sum-exp (their sequences' rows only)
+            want = torch.tensor([i in asking for i in members], device=q.device).repeat_interleave(T)[None]
+            blocks = _blocks(rows, dk.shape[2], want)
         o, lse = _stored(doc, layer)(rows, dk, dv, scale=scale, kv_len=dlen, softcap=softcap,
-                                     out_dtype=torch.float32, **kw)
+                                     out_dtype=torch.float32, **kw, **blocks)
+        for j, i in enumerate(members):
+            if i in asking:
+                cited.append((cites[i], i, blocks["block_lse"][0, :, j * T:(j + 1) * T], doc, lambda dpos=dpos: dpos[0]))
         o = o.view(H, Rg, T, d).transpose(0, 1)  # [Rg, H, T, d]
         lse = lse.view(H, Rg, T).transpose(0, 1)  # [Rg, H, T]
         if idx is None:
@@ -228,7 +250,9 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
         o, lse = add_sink(o, lse, sink)
     out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
-    comm.merge(o, lse, out=out.transpose(1, 2))
+    _, lse = comm.merge(o, lse, out=out.transpose(1, 2))
+    for cite, i, bl, doc, positions in cited:  # each row's share of its merged attention, per key
+        cite.add(layer, bl, lse[i], cite.bins_of(doc, bl.shape[-1], positions))
     return out
 
 
@@ -238,11 +262,13 @@ def _one_pool(groups) -> bool:
     return len(pools) == 1 and getattr(groups[0][0], "pool", None) is not None
 
 
-def _documents_paged(groups, layer: int, q, pos, scale, window, softcap):
+def _documents_paged(groups, layer: int, q, pos, scale, window, softcap, cites, cited):
     """The documents' partials of a cascade in one paged call (``q [R, H, T, d]``, ``pos [R, T]``):
     each document is a row of the call, its sequences' T-token rows its query rows (padded to
     the longest group; padding at position -1), read through its block table. Returns
-    ``(o [R, H, T, d] fp32, lse [R, H, T])``."""
+    ``(o [R, H, T, d] fp32, lse [R, H, T])``. ``cites``: each row's citation (or none); the rows
+    that cite get their per-key log-sum-exp over their document's blocks, appended to
+    ``cited`` as :func:`_cascade` reads them."""
     from .pool import tables_tensor
 
     R, H, T, d = q.shape
@@ -259,6 +285,14 @@ def _documents_paged(groups, layer: int, q, pos, scale, window, softcap):
     kv_len = torch.tensor([s.n for s in shards], dtype=torch.int64, device=q.device)
     quant = pool.quant
     kw = dict(q_pos=qp, pos_pool=pool.pos, window=window) if window is not None else {}
+    asking = [[i for i in idx.tolist() if cites and cites[i] is not None] for idx in idxs]
+    if any(asking):  # the rows that cite: each key's log-sum-exp, in table order
+        want = torch.zeros(len(groups), width, dtype=torch.bool, device=q.device)
+        for g, idx in enumerate(idxs):
+            for j, i in enumerate(idx.tolist()):
+                if i in asking[g]:
+                    want[g, j * T:(j + 1) * T] = True
+        kw.update(_blocks(qq, tables.shape[1] * pool.page, want))
     if quant is not None:
         kw.update(k_scale=pool.ks[layer], v_scale=pool.vs[layer])
         qq = quant.rotate(qq)
@@ -269,21 +303,28 @@ def _documents_paged(groups, layer: int, q, pos, scale, window, softcap):
     o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
     l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
     for g, idx in enumerate(idxs):
+        for j, i in enumerate(idx.tolist()):
+            if i in asking[g]:  # the document's keys in table order: their positions through its table
+                table = tables[g:g + 1]
+                cited.append((cites[i], i, kw["block_lse"][g, :, j * T:(j + 1) * T], shards[g],
+                              lambda table=table: gather_pages(pool.pos, table)[0]))
         n = len(idx)
         o_d[idx] = o[g, :, :n * T].reshape(H, n, T, d).transpose(0, 1).to(o_d.dtype)
         l_d[idx] = lse[g, :, :n * T].reshape(H, n, T).transpose(0, 1)
     return o_d, l_d
 
 
-def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
+def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink, cite: bool):
     """This rank's partial for a segment every rank computes (``q [1, H, n, d]``): its cached
     shard, and the segment's tokens this rank keeps (causal; written now). Rank 0 carries the
-    sink (the same queries on every rank: it joins the merge once)."""
+    sink (the same queries on every rank: it joins the merge once). ``cite``: the shard's
+    per-key log-sum-exp too (``blocks["block_lse"]``, :func:`_blocks`)."""
     cache, pos = ctx.cache, ctx.positions
     k, v, kv_len, k_pos = cache.view(layer)  # the shard before this segment
     kw = dict(q_pos=pos, k_pos=k_pos, window=window, k_pos_sorted=True) if window is not None else {}
+    blocks = _blocks(q, k.shape[2]) if cite else {}
     o, lse = _stored(cache, layer)(q, k, v, scale=scale, kv_len=kv_len, softcap=softcap, out_dtype=torch.float32,
-                                   sink=sink if ctx.comm.rank == 0 else None, **kw)
+                                   sink=sink if ctx.comm.rank == 0 else None, **kw, **blocks)
     stats = ctx.comm.stats
     B, H, n, d = q.shape
     if stats.enabled:
@@ -296,7 +337,17 @@ def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
         o, lse = merge_pair(o, lse, po, pl)
         if stats.enabled:
             stats.add_flops(flops(B, H, d, n, nk.shape[2], "full"))
-    return o, lse
+    return o, lse, blocks
+
+
+def _blocks(q, N: int, rows=None) -> dict:
+    """The kernels' arguments for this call's per-key log-sum-exp (``cite.LSE_BLOCK`` keys a
+    block) of ``q [B, H, T, d]``'s rows over ``N`` keys; ``rows [B, T]`` bool: only those."""
+    from .cite import LSE_BLOCK
+
+    B, H, T, _ = q.shape
+    out = torch.empty(B, H, T, -(-N // LSE_BLOCK), dtype=torch.float32, device=q.device)
+    return dict(block_lse=out, lse_block=LSE_BLOCK, **({"lse_rows": rows} if rows is not None else {}))
 
 
 def register() -> str:

@@ -47,6 +47,7 @@ class Question:
     source: str = "memory"  # how its document became resident when it asked: memory, disk, prefill
     doc_spec: dict | None = None  # what documents.Documents.get takes to make its document resident again
     pools: list | None = None  # every rank's pool [(used, total) blocks] when it began (serve's metrics)
+    cite: dict | None = None  # the request's citation spec (engine.Engine.citation): the answer carries ``cite``
 
 
 @dataclass
@@ -68,6 +69,7 @@ class _Slot:
     doc_tokens: int = 0  # its tokens: the question's first position
     started: bool = True  # took a slot (False: cancelled before it began)
     fed: int = 0  # of the question's tokens, those in the tail (its prefill goes a chunk per round)
+    citation: object = None  # cite.Citation of an answer that cites (every rank)
 
 
 class BatchDecoder:
@@ -88,7 +90,8 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def run(self, questions: list[Question], *, drafter=None, interrupted=None, feed=None, make_question=None,
-            on_token=None, on_answer=None, documents=None, on_doc=None, budget: int | None = None) -> list[dict]:
+            on_token=None, on_answer=None, documents=None, on_doc=None, budget: int | None = None,
+            citation=None) -> list[dict]:
         """Answer every question; returns (on every rank) one summary per question, in order.
 
         Rank 0 only: each question's ``stop_check(ids) -> reason | None``; ``interrupted() ->
@@ -102,7 +105,9 @@ class BatchDecoder:
         slot's last token and drafts as one extension of the tail). ``budget``: question tokens
         prefilled per round (None: every new question whole): a long question goes in chunks
         of ``budget`` tokens, one round each, between the steps of the answers under way
-        (:meth:`_fill`), as a document goes a segment per round.
+        (:meth:`_fill`), as a document goes a segment per round. ``citation(spec) ->
+        cite.Citation`` (every rank): for questions with a ``cite`` spec, the rows of their answer's
+        tokens measure their attention over their document's spans (the summary's ``cite``).
 
         Each question continues its own document (``Question.doc``); rows of different
         documents share the step (``attention._cascade`` reads each document once for its rows,
@@ -132,6 +137,9 @@ class BatchDecoder:
             if documents is not None:
                 documents.release(questions[s.question].doc, running=s.started)
             out[s.question] = self._summary(s, reason)
+            if questions[s.question].cite and citation is not None:  # every rank, at the same answer's end
+                c = s.citation or citation(questions[s.question].cite)
+                out[s.question]["cite"] = c.gather(dec.world)
             if lead and on_answer is not None:
                 lp = {"logprobs": s.logprobs} if questions[s.question].logprobs is not None else {}
                 on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens), **lp})
@@ -178,7 +186,8 @@ class BatchDecoder:
                 queue.remove(qi)
                 b = free.pop(0)
                 slots[b] = _Slot(qi, len(q.ids), torch.Generator(device=dec.device).manual_seed(q.sampling.seed)
-                                 if lead else None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens)
+                                 if lead else None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens,
+                                 citation=citation(q.cite) if q.cite and citation is not None else None)
                 if documents is not None:
                     documents.start(q.doc)
                 if lead:
@@ -273,6 +282,8 @@ class BatchDecoder:
                 reason = STOP_CODES[code]
                 if drafts[b]:  # the slot's last forward fed its token and drafts: keep what was emitted, less one
                     self.tail.truncate_extension(b, keep=n_out)
+                if s.citation is not None:  # the rows of the tokens emitted (none after its question's prefill)
+                    s.citation.keep(n_out)
                 if not lead:
                     s.tokens += final
                 s.t_first = s.t_first or now
@@ -375,7 +386,8 @@ class BatchDecoder:
             ids[i, :len(f)] = torch.tensor(f)
             pos[i, :len(f)] = torch.arange(p, p + len(f))
         self.tail.begin_extend(rows, pos)
-        return self._forward(ids, pos, rows, [s for _, s in slots], step=False, finish=self.tail.end_extend, keep=T)
+        return self._forward(ids, pos, rows, [s for _, s in slots], step=False, finish=self.tail.end_extend, keep=T,
+                             cites=[s.citation for _, s in slots])
 
     def _step(self, tokens: list[int], positions: list[int], going: list[bool], of: list):
         """One token for every slot that goes on (the others are written off; ``of``: the slot
@@ -383,11 +395,14 @@ class BatchDecoder:
         self.tail.begin_step(torch.tensor(positions), active=going)
         pos = torch.tensor(positions, dtype=torch.int64)[:, None]
         return self._forward(torch.tensor(tokens)[:, None], pos, list(range(self.slots)), of, step=True,
-                             finish=self.tail.end_step)
+                             finish=self.tail.end_step,
+                             cites=[s.citation if going[b] else None for b, s in enumerate(of)])
 
-    def _forward(self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1):
+    def _forward(self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1, cites=None):
         """The model on the tail ``rows`` (``ids, pos [R, T]``), row i continuing the document
-        of slot ``of[i]``: its rows of each document are one group (``attention._cascade``)."""
+        of slot ``of[i]``: its rows of each document are one group (``attention._cascade``).
+        ``cites``: row i's ``cite.Citation`` where its tokens are an answer's that cites (a step
+        or a verify), else None."""
         dec = self.dec
         actx = dec.actx
         dev = dec.device
@@ -400,10 +415,15 @@ class BatchDecoder:
         first = torch.tensor([s.doc_tokens for s in of], dtype=torch.int64)[:, None]
         pos_dev = pos.to(dev)
         actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_dev
+        if cites and any(c is not None for c in cites):
+            actx.cites = list(cites)
+            for c in cites:
+                if c is not None:
+                    c.begin(ids.shape[1])
         try:  # padding (position -1) runs at its row's first position, and is kept nowhere
             logits = dec._forward(ids.to(dev), torch.where(pos < 0, first, pos).to(dev),
                                   want_logits=dec.comm.rank == 0, rows=keep)
         finally:
-            actx.phase, actx.tail, actx.groups = "decode", None, []
+            actx.phase, actx.tail, actx.groups, actx.cites = "decode", None, [], []
         finish()
         return logits

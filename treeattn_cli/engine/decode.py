@@ -222,7 +222,7 @@ class Decoder:
         self._tok.copy_(tokens[:, None], non_blocking=True)
         self._pos.fill_(position)
         want = self.comm.rank == 0
-        if self.use_graph:
+        if self.use_graph and self.actx.cite is None:  # an answer that cites runs eagerly (its sums are Python's)
             logits = self._graph_step(want)
         else:
             logits = self._forward(self._tok, self._pos, want_logits=want)
@@ -280,7 +280,7 @@ class Decoder:
         return self._graph_out
 
     def decode(self, logits, *, max_new_tokens: int, sampling: Sampling, stop_check=None,
-               interrupted=None, timings=None, speculation=None, context=None, on_logits=None):
+               interrupted=None, timings=None, speculation=None, context=None, on_logits=None, cite=None):
         """Yield ``(token_id, stop_reason)`` pairs (batch 1) from the logits of the last token in
         the cache; the last pair's reason is not None. The last token is sampled but not fed
         to the model (the cache holds everything before it).
@@ -342,6 +342,8 @@ class Decoder:
             nxt = msg[3 + kmax + 1:3 + kmax + 1 + head[2]].tolist()
             if drafts:  # the verify fed the last token and its drafts: keep what was emitted, minus the last
                 self.keep_verified(len(final))
+            if cite is not None:  # the rows of the tokens emitted (none before the first forward)
+                cite.keep(len(final))
             if t_first is None:
                 t_first = time.perf_counter()
                 t.ttft_s = t_first - t.start
@@ -353,7 +355,13 @@ class Decoder:
                 break
             pos = n + len(out) - 1  # where the last emitted token goes
             t_step = time.perf_counter()
-            logits = self.verify([final[-1]] + nxt) if nxt else self.step(torch.tensor([final[-1]]), pos)
+            if cite is not None:
+                cite.begin(1 + len(nxt))
+            self.actx.cite = cite
+            try:
+                logits = self.verify([final[-1]] + nxt) if nxt else self.step(torch.tensor([final[-1]]), pos)
+            finally:
+                self.actx.cite = None
             drafts = nxt
         t.decode_s = time.perf_counter() - (t_first or time.perf_counter())
 

@@ -11,6 +11,9 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
   interrupt for request ``i``. ``keep``: the answer stays in the cache (its last token is fed
   with the next append), else the caller rolls back. ``"logprobs": k`` (here and per question
   of a batch): the answer carries each token's logprob and its ``k`` most likely alternatives;
+  ``"cite": {"spans": [[start, end], ...], "layers": [...], "by_layer": bool}`` (here and per
+  question): the answer carries ``cite``, its rows' attention over those spans of global
+  positions (``cite.py``: ``[rows, spans]`` fp32, on rank 0);
 * ``{"op": "batch", "questions": [[...], ...], "slots": n, "max_new_tokens": n, "sampling": {...},
   "stop": [...], "eos_ids": [...]}``: answer many questions after the document, ``slots`` at a
   time (continuous batching over the shared document, ``batch.py``), streaming ``btoken`` and
@@ -62,7 +65,7 @@ def generate_requests(job) -> list[dict]:
         reqs.append({"op": "mark", "name": "prompt"})
     reqs.append({"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "stop": list(job.stop),
                  "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False,
-                 "speculate": job.speculate, "logprobs": job.logprobs})
+                 "speculate": job.speculate, "logprobs": job.logprobs, "cite": job.cite})
     if job.save_kv:
         reqs += [{"op": "rollback", "name": "prompt"},
                  {"op": "save", "dir": job.save_kv, **job.save_meta}]
@@ -202,14 +205,16 @@ class Engine:
         logprobs, want_lp = [], req.get("logprobs")
         on_logits = (lambda rows, final: logprobs.extend(token_logprobs(rows, final, want_lp))) \
             if self.lead and want_lp is not None else None
+        cite = self.citation(req.get("cite"))
         for tok, reason in self.dec.decode(self.logits, max_new_tokens=req["max_new_tokens"],
                                            sampling=sampling, stop_check=stop_check,
                                            interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
-                                           timings=timings, speculation=spec, on_logits=on_logits,
+                                           timings=timings, speculation=spec, on_logits=on_logits, cite=cite,
                                            context=self._drafter() if self.lead and spec.mode != "off" else None):
             toks.append(tok)
             if self.lead:
                 self.ctx.send("token", tok)
+        cited = cite.gather(self.world) if cite is not None else None  # every rank, at the answer's end
         self.logits, self.ready = None, False
         # the last token was sampled, not fed: it enters the cache with the next append (kept)
         self.ids += toks[:-1]
@@ -222,9 +227,21 @@ class Engine:
             "stop_reason": reason, "prefill_method": "+".join(self.methods) or None,
             "speculation": spec.record(),
             **({"logprobs": logprobs} if want_lp is not None else {}),
+            **({"cite": cited} if cited is not None else {}),
         }
         if self.lead:
             self.ctx.send("answer", {**self.summary, "token_ids": toks})
+
+    def citation(self, spec: dict | None):
+        """A ``cite.Citation`` for an answer that asks (``spec``: its request's ``cite``), or None."""
+        if not spec:
+            return None
+        from .cite import Citation
+
+        sh = self.shapes
+        return Citation(spec["spans"], sh["num_layers"], sh["heads"], layers=spec.get("layers"),
+                        by_layer=bool(spec.get("by_layer")), device=self.device,
+                        counts=self.heads_split or self.mesh.tp_index == 0)  # tp peers with the same heads: one
 
     def _drafter(self, own=(), doc: Document | None = None):
         """Rank 0: a drafter over the tokens of ``doc`` (default: those in the engine's cache),
@@ -262,7 +279,8 @@ class Engine:
         every question it took is answered, and ``batch_done`` says how many joins it took."""
         from .batch import BatchDecoder, Question
 
-        defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs")}
+        defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs",
+                                            "cite")}
         doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks", "page")
                         if req.get(k) is not None}
         here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
@@ -286,7 +304,7 @@ class Engine:
             self.documents.use(doc)
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
                             spec.get("speculate") or "off", stop_check, spec.get("logprobs"), doc=doc, source=source,
-                            doc_spec=doc_spec)
+                            doc_spec=doc_spec, cite=spec.get("cite"))
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
@@ -305,6 +323,7 @@ class Engine:
                                          "reused": q.doc.reused, "pools": q.pools}))
 
         answers = bd.run(qs, drafter=(lambda doc, own: self._drafter(own, doc)) if self.lead else None,
+                         citation=self.citation,
                          make_question=question, documents=self.documents, on_doc=on_doc if self.lead else None,
                          interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
                          feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,

@@ -1,0 +1,128 @@
+"""Citations from the merge (issue 37; DESIGN.md §12): where in the document an answer read.
+
+Every decode step already has, per query row and head, the merged log-sum-exp ``lse`` of its
+scores over every rank's keys. The split kernels can also write each row's log-sum-exp per block
+of keys of this rank's shard (``block_lse``, :func:`treeattn_kernels.partial_attention`); then
+``exp(block_lse - lse)`` is the share of the row's attention that block received, exactly,
+whatever the number of ranks. Blocks here are single keys (``LSE_BLOCK = 1``): a rank's shard
+holds runs of positions cut wherever prefill segments and balanced chunks fell, so a block of
+several keys can straddle two sentences, and which ones depends on the number of ranks; one key
+a block keeps every span's mass exact on 1, 2 or 3 ranks and any ``--tp``. It costs ``H`` floats
+per key and row on the layers that cite (``G / d`` of those layers' K/V bytes: 3 % for
+Llama-3.1-8B), against ``2·H_kv·d`` bytes of K/V.
+
+An answer that cites carries its document's *spans* (sentences or paragraphs, as ranges of
+global token positions, made from the text by ``cli/citations.py``). Per forward, on the layers
+:func:`cite_layers` picks, each asking row's per-key shares are summed over the heads and into
+the spans its keys fall in (keys outside every span: the chat template, the question, the answer,
+attention sinks at the start, fall into a bin that is dropped); a row counts once its token is
+kept (drafts that are rejected do not). At the answer's end the ranks add up their rows (one
+all-gather over every rank), and rank 0 has ``[rows, spans]``: the share of each answer row's
+attention, averaged over the chosen layers and all heads, that each span received.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LSE_BLOCK = 1  # keys per block of the kernels' block_lse (see above: exact spans on any mesh)
+SINK_POSITIONS = 4  # the first positions of a sequence draw attention whatever they hold (sinks): never cited
+
+
+def cite_layers(num_layers: int) -> list[int]:
+    """The layers whose attention is counted: the upper half (the choice and how it was made:
+    BENCHMARKS.md, "Citations from the merge"). Lower layers attend by position and syntax
+    (neighbouring tokens, the sinks); the upper ones to what the answer draws on."""
+    return list(range(num_layers // 2, num_layers))
+
+
+def span_scores(masses, lengths):
+    """Each span's score from ``masses [rows, S]`` (each row's share of attention per span) and
+    ``lengths [S]`` (its tokens), numpy: the mean share over the rows (how it was chosen:
+    BENCHMARKS.md, "Citations from the merge")."""
+    return masses.mean(0)
+
+
+class Citation:
+    """One answer's attention masses over its document's spans, on this rank.
+
+    ``spans [S, 2]``: global positions ``[start, end)`` of the document's spans (sorted, disjoint).
+    ``layers``: the layers that count (default :func:`cite_layers`). ``by_layer``: keep each layer's
+    sums apart (``[layers, rows, S]``; for the measurement that chose the layers). ``heads``: the
+    query heads of the whole model (the average's denominator); ``counts``: whether this rank's
+    heads count (a tp peer holding the same heads as another does not).
+    """
+
+    def __init__(self, spans, num_layers: int, heads: int, *, layers=None, by_layer: bool = False,
+                 counts: bool = True, device="cpu"):
+        spans = torch.as_tensor(spans, dtype=torch.int64).reshape(-1, 2)
+        self.device = torch.device(device)
+        self.starts = spans[:, 0].contiguous().to(self.device)
+        self.ends = spans[:, 1].contiguous().to(self.device)
+        self.S = spans.shape[0]
+        chosen = cite_layers(num_layers) if layers is None else sorted(set(int(x) for x in layers))
+        if any(not 0 <= x < num_layers for x in chosen):
+            raise ValueError(f"citation layers {chosen} outside the model's {num_layers}")
+        self.layer_index = {x: i for i, x in enumerate(chosen)}
+        self.layers = chosen
+        self.by_layer = by_layer
+        self.heads = heads
+        self.counts = counts
+        self.rows: list[torch.Tensor] = []  # kept rows: [layers or 1, S] each
+        self.pending: torch.Tensor | None = None  # the latest forward's rows: [layers or 1, T, S + 1]
+        self._bins: dict = {}  # id of a shard -> (keys, their bins): computed once per shard and length
+
+    def wants(self, layer: int) -> bool:
+        return layer in self.layer_index
+
+    def bins(self, pos: torch.Tensor) -> torch.Tensor:
+        """The span of each key at global positions ``pos [N]`` (``S``: none)."""
+        pos = pos.to(self.device)
+        i = torch.bucketize(pos, self.starts, right=True) - 1  # the last span starting at or before
+        ok = (i >= 0) & (pos < self.ends[i.clamp(min=0)]) & (pos >= 0)
+        return torch.where(ok, i, torch.full_like(i, self.S))
+
+    def bins_of(self, shard, n: int, positions) -> torch.Tensor:
+        """:meth:`bins` of the first ``n`` keys of ``shard`` (``positions()`` gives their positions
+        ``[>= n]`` when they are not known yet). The keys an answer reads keep their positions while
+        it lasts (its own tokens only add keys, outside every span), and keys it cannot see have
+        no share: once per shard and length is enough."""
+        got = self._bins.get(id(shard))
+        if got is None or got[0] != n:
+            got = self._bins[id(shard)] = (n, self.bins(positions()[:n]))
+        return got[1]
+
+    def begin(self, T: int) -> None:
+        """A forward with ``T`` rows of this answer begins."""
+        n = len(self.layers) if self.by_layer else 1
+        self.pending = torch.zeros(n, T, self.S + 1, dtype=torch.float32, device=self.device)
+
+    def add(self, layer: int, block_lse: torch.Tensor, lse: torch.Tensor, bins: torch.Tensor) -> None:
+        """One layer's shares: ``block_lse [H, T, N]`` (one key a block, this rank's keys),
+        ``lse [H, T]`` merged over every rank, ``bins [N]`` (:meth:`bins`)."""
+        if self.pending is None or not self.counts:
+            return
+        share = torch.exp(block_lse - lse[..., None].to(block_lse.device)).sum(0)  # [T, N]; -inf blocks give 0
+        share = share.to(self.device).nan_to_num_(0.0)  # a row with no key anywhere
+        at = self.layer_index[layer] if self.by_layer else 0
+        T, N = share.shape
+        self.pending[at, :T].scatter_add_(-1, bins[None, :N].expand(T, N), share)
+
+    def keep(self, n: int) -> None:
+        """The first ``n`` rows of the latest forward were kept (emitted tokens' rows)."""
+        if self.pending is None:
+            return
+        for t in range(min(n, self.pending.shape[1])):
+            self.rows.append(self.pending[:, t, :self.S].clone())
+        self.pending = None
+
+    def gather(self, comm):
+        """Every rank's rows added up (a collective over ``comm``: every rank calls it at the same
+        point): a numpy fp32 ``[rows, S]`` (``[layers, rows, S]`` with ``by_layer``; numpy, not a
+        tensor, so it travels to the launcher by value), each row the average over the counted
+        layers and all heads of the model."""
+        n = len(self.layers) if self.by_layer else 1
+        mine = torch.stack(self.rows, 1) if self.rows else torch.zeros(n, 0, self.S, device=self.device)
+        total = comm.all_reduce(mine.contiguous(), "sum") if comm.world > 1 else mine
+        total = total.float().cpu() / (self.heads * (1 if self.by_layer else len(self.layers)))
+        return (total if self.by_layer else total[0]).numpy()
