@@ -88,17 +88,22 @@ def chat_command(o: ChatOptions) -> int:
         doc_ids, composition = P.document_ids(tok, text, chat=chat, system=o.system)
         cached = len(doc_ids)
     run.check_fits(cached, o.max_new_tokens, "the document")
+    spans = None
+    if o.cite:  # the document's sentences placed on its tokens (never with --load-kv: checked)
+        from .citations import for_document
+
+        spans = for_document(tok, text, doc_ids, composition, system=o.system)
     save_meta = run.save_meta(o.save_kv, composition) if o.save_kv else None
     job = run.job(o, [], reserve=cached + 4 * o.max_new_tokens)
-    return _session(o, run, job, composition, doc_ids, manifest, save_meta)
+    return _session(o, run, job, composition, doc_ids, manifest, save_meta, spans)
 
 
-def _session(o, run, job, composition, doc_ids, manifest, save_meta) -> int:
+def _session(o, run, job, composition, doc_ids, manifest, save_meta, spans=None) -> int:
     engine = ResidentEngine(run, job, o.timeout)
     code = 0
     try:
         client = engine.start()
-        _converse(o, run, job, client, composition, doc_ids, manifest, save_meta)
+        _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, spans)
         client.post(op="stop")
     except launch.Terminated:
         code = 143
@@ -121,7 +126,7 @@ def _session(o, run, job, composition, doc_ids, manifest, save_meta) -> int:
     return code
 
 
-def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) -> None:
+def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, spans=None) -> None:
     quiet = o.quiet  # as generate: stats on stderr (with --json too: stdout stays JSON lines)
     tok = run.tokenizer
     progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
@@ -146,7 +151,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
     info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind,
                 kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
     if o.batch > 1 and not o.conversation and _from_file_or_pipe(o):
-        return _batch(o, run, client, composition, cached, job.eos_ids, info)
+        return _batch(o, run, client, composition, cached, job.eos_ids, info, spans)
     total, last_reason, asked = cached, None, 0
     for q in _question_source(o):
         asked += 1
@@ -179,7 +184,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta) ->
         if not o.json and _from_file_or_pipe(o):
             _say_question(o, q)  # typed questions are on the screen already
         rec = _answer(o, client, tok, ids, job.eos_ids, {"question": q, **info},
-                      drop_pending=last_reason == "eos" and composition["kind"] == "chat-document")
+                      drop_pending=last_reason == "eos" and composition["kind"] == "chat-document", spans=spans)
         if o.conversation:
             total += len(ids) + rec["new_tokens"]
             turns, last_reason = turns + 1, rec["stop_reason"]
@@ -211,15 +216,17 @@ def _no_questions(o) -> None:
           + (f" and saved to {o.save_kv}" if o.save_kv else "") + ", nothing was asked", file=sys.stderr)
 
 
-def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool) -> dict:
+def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spans=None) -> dict:
     """One question: append, decode (streamed), and the answer's record (printed: JSON, or the
-    stats line). Ctrl-C stops the answer; SIGTERM keeps what was generated and goes on up."""
+    stats line; with ``spans``, its citations). Ctrl-C stops the answer; SIGTERM keeps what was
+    generated and goes on up."""
     view = GenerateView(tok, stream=not o.json, progress=False)
     client.post(op="append", ids=ids, piece=o.prefill_chunk, drop_pending=drop_pending)
     seq = client.post(op="decode", seq=client.seq, max_new_tokens=o.max_new_tokens, stop=list(o.stop),
                       eos_ids=list(eos_ids), sampling={"temperature": o.temperature, "top_k": o.top_k,
                                                              "top_p": o.top_p, "seed": o.seed},
-                      keep=o.conversation, interruptible=True, speculate=o.speculate, logprobs=o.logprobs)
+                      keep=o.conversation, interruptible=True, speculate=o.speculate, logprobs=o.logprobs,
+                      cite=spans.spec() if spans else None)
     try:
         while True:
             try:
@@ -234,11 +241,11 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool) -> 
         raise
     view.summary = {k: v for k, v in summary.items() if k != "token_ids"}
     rec = {**view.finish(), **info}
-    _show(o, rec)
+    _show(o, rec, spans, tok)
     return rec
 
 
-def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> None:
+def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=None) -> None:
     """Questions from a file or a pipe, ``--batch`` of them decoding together over the document
     (the engine's ``batch`` request). Answers stream and print in question order: the first
     unanswered question's text streams as it comes, the later ones' wait their turn; each gets
@@ -271,7 +278,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> Non
 
     def show(i, rec):
         views[i].summary = {k: v for k, v in rec.items() if k != "token_ids"}
-        _show(o, {**views[i].finish(), "question": questions[i], **info})
+        _show(o, {**views[i].finish(), "question": questions[i], **info}, spans, tok)
 
     def begin(i):  # question i's answer streams now: the question first (on stderr)
         if not o.json:
@@ -295,7 +302,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict) -> Non
     begin(0)
     seq = client.post(op="batch", seq=client.seq, questions=ids_list, slots=o.batch, max_new_tokens=o.max_new_tokens,
                       stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True, speculate=o.speculate,
-                      logprobs=o.logprobs, piece=o.prefill_chunk,
+                      logprobs=o.logprobs, piece=o.prefill_chunk, cite=spans.spec() if spans else None,
                       sampling={"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed})
     try:
         while True:
@@ -341,12 +348,23 @@ class AnswerFile:
 _ANSWERS = AnswerFile()  # one chat per process
 
 
-def _show(o, rec: dict) -> None:
+def _show(o, rec: dict, spans=None, tok=None) -> None:
+    """An answer's record: its text to --output, JSON or the stats line, and with ``spans``
+    (``--cite``) its citations in the record and, for a person, the Sources after it."""
+    cited = rec.pop("cite", None)
+    if spans is not None and cited is not None:
+        from .citations import citations
+
+        rec.update(citations(spans, cited, tok, rec["token_ids"]))
     _ANSWERS.add(rec["text"])
     if o.json:
         print(json.dumps(rec), flush=True)
     if not o.quiet:
         print(stats_line(rec), file=sys.stderr)
+    if spans is not None and cited is not None and not o.json:
+        from .sources import show
+
+        show(rec, spans)
 
 
 def _save(client, path, meta, quiet: bool) -> None:

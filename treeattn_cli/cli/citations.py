@@ -164,6 +164,34 @@ def for_document(tokenizer, document: str, ids: list, composition: dict, *, syst
     return place(tokenizer, ids, prefix, at, document, (0, len(document)), special=False)
 
 
+def for_request(tokenizer, ids: list, *, messages: list | None = None, prompt: str | None = None) -> DocumentSpans:
+    """A ``serve`` request's document part (``prompt.split_chat`` / ``split_completion``: the text
+    before the last paragraph break of the last user message, or of the prompt), placed on its
+    tokens ``ids``; offsets are into that message's content (or the prompt)."""
+    if messages is not None:
+        last = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+        text = last.get("content") if last else None
+        if not isinstance(text, str):
+            raise CiteError("'cite' needs a document in the last user message (text before a blank line)")
+        rendered, at, special = _rendered_messages(tokenizer, messages, text)
+    else:
+        text, rendered, at, special = prompt, prompt, 0, True
+    cut = text.rfind("\n\n")
+    if cut <= 0:
+        raise CiteError("'cite' needs a document part: the text before the last blank line of the "
+                        + ("last user message" if messages is not None else "prompt") + " (there is none)")
+    return place(tokenizer, ids, rendered, at, text, (0, cut), special=special)
+
+
+def _rendered_messages(tokenizer, messages: list, content: str) -> tuple[str, int, bool]:
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    at = rendered.rfind(content)
+    if at < 0:
+        raise CiteError("'cite': the chat template does not keep the last user message's text intact, so "
+                        "citations could not be placed on it")
+    return rendered, at, False
+
+
 def citations(spans: DocumentSpans, masses, tokenizer, answer_ids: list, top: int = TOP) -> dict:
     """The record's ``citations`` (``{"start", "end", "score", "text"}``, best first, at most
     ``top``) and ``sentence_citations`` (each sentence of the answer: its ``start``, ``end`` and

@@ -7,7 +7,10 @@ found in the cache). Requests are checked here: a malformed one gets HTTP 400 wi
 error object, an unknown model 404, a missing or wrong key 401, a server whose ranks are lost 503,
 a body over ``--max-request-bytes`` 413, and a request past ``--batch`` + ``--max-waiting`` 429
 with ``Retry-After`` (at once: the server goes on serving the others).
-Parameters treeattn does not honour are refused with 400, never ignored."""
+Parameters treeattn does not honour are refused with 400, never ignored. An extension of the
+format: ``"cite": true`` (the official client's ``extra_body``) gives the answer ``citations`` and
+``sentence_citations`` (``cli/citations.py``) on its message (chat), its choice (completions), or
+the final chunk's delta or choice when streamed."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api_errors import error as _error
+from .citations import CiteError, citations, for_request
 from .prompt import PromptError, split_chat, split_completion
 
 # parameters a client may send at their default (the official client and others often do);
@@ -225,10 +229,18 @@ def build_app(srv) -> FastAPI:
             too_large = srv.too_large(doc, ids)
             if too_large:
                 raise BadRequest(too_large, "messages" if chat else "prompt", code="document_too_large")
-            return p, ids, doc, max_tokens
+            spans = None
+            if not isinstance(body.get("cite", False), bool):
+                raise BadRequest("'cite' must be a boolean", "cite")
+            if body.get("cite"):
+                try:
+                    spans = for_request(tok, ids, messages=messages if chat else None, prompt=None if chat else prompt)
+                except CiteError as e:
+                    raise BadRequest(str(e), "cite") from None
+            return p, ids, doc, max_tokens, spans
 
         try:
-            p, ids, doc, max_tokens = await asyncio.to_thread(prepare)
+            p, ids, doc, max_tokens, spans = await asyncio.to_thread(prepare)
         except (BadRequest, PromptError) as e:
             srv.release()
             srv.metrics.requests.labels(outcome="invalid").inc()
@@ -240,7 +252,8 @@ def build_app(srv) -> FastAPI:
             raise
         reply = _Reply(asyncio.get_running_loop())
         job = srv.submit(ids, doc, max_tokens=max_tokens, stop=p["stop"], deliver=reply, rid=rid,
-                         sampling={"temperature": p["temperature"], "top_k": 0, "top_p": p["top_p"], "seed": p["seed"]})
+                         sampling={"temperature": p["temperature"], "top_k": 0, "top_p": p["top_p"], "seed": p["seed"]},
+                         cite=spans.spec() if spans else None)
         text = _Text(srv.tokenizer, p["stop"])
         meta = {"cached": 0}
 
@@ -248,14 +261,22 @@ def build_app(srv) -> FastAPI:
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n,
                     "prompt_tokens_details": {"cached_tokens": meta["cached"]}}
 
-        def chunk(delta: str | None, finish=None, first=False):
+        def chunk(delta: str | None, finish=None, first=False, cited=None):
             created = int(time.time())
             if chat:
                 d = ({"role": "assistant", "content": ""} if first else {}) | ({"content": delta} if delta else {})
                 return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.name,
-                        "choices": [{"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}]}
+                        "choices": [{"index": 0, "delta": d | (cited or {}), "finish_reason": finish,
+                                     "logprobs": None}]}
             return {"id": rid, "object": "text_completion", "created": created, "model": srv.name,
-                    "choices": [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]}
+                    "choices": [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None,
+                                 **(cited or {})}]}
+
+        def cited(record) -> dict | None:
+            """The answer's citations (``"cite": true``), from the masses its record carries."""
+            if spans is None or record.get("cite") is None:
+                return None
+            return citations(spans, record["cite"], srv.tokenizer, record.get("token_ids", []))
 
         async def events():
             """The job's events; a client gone cancels the job."""
@@ -296,7 +317,7 @@ def build_app(srv) -> FastAPI:
                     else:
                         rest, _, stopped = text.finish()
                         finish = "stop" if stopped else _FINISH.get(payload.get("stop_reason"), "stop")
-                        yield f"data: {json.dumps(chunk(rest or None, finish))}\n\n"
+                        yield f"data: {json.dumps(chunk(rest or None, finish, cited=cited(payload)))}\n\n"
                         if p["usage_in_stream"]:
                             last = chunk(None)
                             last["choices"] = []
@@ -319,11 +340,12 @@ def build_app(srv) -> FastAPI:
         _, whole, stopped = text.finish()
         finish = "stop" if stopped else _FINISH.get(record.get("stop_reason"), "stop")
         n = len(record.get("token_ids", []))
+        extra = cited(record) or {}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": whole}, "finish_reason": finish,
+            choice = {"index": 0, "message": {"role": "assistant", "content": whole, **extra}, "finish_reason": finish,
                       "logprobs": None}
         else:
-            choice = {"index": 0, "text": whole, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": whole, "finish_reason": finish, "logprobs": None, **extra}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": srv.name, "choices": [choice], "usage": usage(n)}
 

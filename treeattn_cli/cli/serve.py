@@ -64,6 +64,7 @@ class Job:
     finished: bool = False
     log: object = None  # metrics.RequestLog: its timeline, metrics and log line
     action: dict | None = None  # a documents-API request (nothing to answer): {"pin": b} or {"action": a}
+    cite: dict | None = None  # its answer's citation spans (cli/citations.py; "cite": true)
 
 
 def _acts(j: Job) -> bool:
@@ -254,7 +255,7 @@ class Scheduler(threading.Thread):
 
     def _question(self, j: Job) -> dict:
         q = {"ids": j.ids[j.cached:], "max_new_tokens": j.max_tokens, "sampling": j.sampling, "stop": j.stop,
-             "eos_ids": self.server.eos_ids, "speculate": j.speculate}
+             "eos_ids": self.server.eos_ids, "speculate": j.speculate, "cite": j.cite}
         if j.key:
             q["doc"] = {"key": j.key, "ids": j.ids[:j.cached], **(j.action or {})}
             e = self.server.docs.entries.get(j.key)
@@ -465,16 +466,19 @@ class Server:
 
         RequestLog(self.metrics, rid, prompt_tokens, self.o.log_format).end(status, 0, why)
 
-    def submit(self, ids, doc: int, *, max_tokens: int, sampling: dict, stop: list, deliver, rid: str = "") -> Job:
+    def submit(self, ids, doc: int, *, max_tokens: int, sampling: dict, stop: list, deliver, rid: str = "",
+               cite: dict | None = None) -> Job:
         """A request of tokens ``ids`` (its document part: the first ``doc``) into the queue, once
-        :meth:`admit` took it; ``deliver(kind, payload)`` receives its events."""
+        :meth:`admit` took it; ``deliver(kind, payload)`` receives its events. ``cite``: its
+        answer measures its attention over these spans of the document part (``citations.py``);
+        spans past the document tokens it finds cached are in its own part, and not measured."""
         from .metrics import RequestLog
 
         key, cached = self.docs.match(ids, doc)
         log = RequestLog(self.metrics, rid, len(ids), self.o.log_format)
         log.document = key
         job = Job(ids=ids, doc=doc, max_tokens=max_tokens, sampling=sampling, stop=stop, speculate=self.o.speculate,
-                  deliver=None, key=key, cached=cached, log=log)
+                  deliver=None, key=key, cached=cached, log=log, cite=cite)
 
         if key:
             with self._lock:
