@@ -12,7 +12,9 @@ Two launches:
      tiles and their per-row scales (bf16, ``SCALE_G`` per row, one per ``d / SCALE_G``
      channels) and dequantizes each tile in registers (one rounding to the compute dtype)
      before its dot; scores, softmax and partials stay fp32. Without scales the flag is off
-     and the kernel is the 16/32-bit one, instruction for instruction.
+     and the kernel is the 16/32-bit one, instruction for instruction. Asked for (``block_lse``,
+     issue 37), it also writes each row's log-sum-exp per run of ``lse_block`` keys from the
+     score tiles as they pass (``LSE_BLOCK``; 0: compiled out, the kernel as without it).
   2. ``_reduce_kernel``: one program per (batch, head, query row) merges the splits with the
      LSE math of DESIGN.md §2 and writes ``o`` in q's dtype and ``lse`` (natural log, fp32).
 
@@ -29,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .partial_ref import check_inputs, dequantize
+from .partial_ref import check_block_lse, check_inputs, dequantize
 from .targets import Target, launch, target_of
 
 LOG2E = 1.4426950408889634
@@ -50,7 +52,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # never specialised: one compiled kernel serves every N, so eager decode does not recompile as
 # the cache grows. Strides stay specialised (a unit stride gives vectorised loads).
 _RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "window", "has_len", "sorted_pos",
-                 "sqpb", "sqpq", "skpb", "skpn", "stb"]  # position strides: 0 or 1 either way
+                 "sqpb", "sqpq", "skpb", "skpn", "stb",  # position strides: 0 or 1 either way
+                 "sbb", "sbh", "sbq", "srb", "has_rows"]  # block_lse's outer strides follow N and Q
 SEARCH_FANOUT = 256  # positions one round of the window search reads: 3 rounds reach 16M keys
 
 
@@ -168,17 +171,23 @@ def _scores(s, qk_scale, softcap):
 
 
 @triton.jit
-def _online_softmax(s, m_i, l_i, row_ok, n_ok, qpos, kpos, window, HAS_POS: tl.constexpr):
-    """One block of the online softmax (base 2): scores ``s`` (BLOCK_M, BLOCK_N) masked to the
-    keys each query sees; returns the block's unnormalised probabilities ``p``, the factor
-    ``alpha`` that rescales what was accumulated, and the new running max and sum."""
+def _visible(s, row_ok, n_ok, qpos, kpos, window, HAS_POS: tl.constexpr):
+    """The scores ``s`` (BLOCK_M, BLOCK_N) with ``-inf`` where a query does not see a key (a
+    padding row, a key out of range, in its future or out of its window)."""
     vis = row_ok[:, None] & n_ok[None, :]
     if HAS_POS:
         diff = qpos[:, None] - kpos[None, :]
         vis = vis & (diff >= 0)
         if window > 0:
             vis = vis & (diff < window)
-    s = tl.where(vis, s, float("-inf"))
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One block of the online softmax (base 2) over masked scores ``s`` (BLOCK_M, BLOCK_N,
+    :func:`_visible`); returns the block's unnormalised probabilities ``p``, the factor
+    ``alpha`` that rescales what was accumulated, and the new running max and sum."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
     alpha = tl.exp2(m_i - m_safe)
@@ -186,8 +195,51 @@ def _online_softmax(s, m_i, l_i, row_ok, n_ok, qpos, kpos, window, HAS_POS: tl.c
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
-# Position and length arrays are sliced at any offset (query slices): no alignment variants.
-@triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN", "TABLE"])
+@triton.jit
+def _store_block_lse(bl_row, sbj, ask, s, n0, NB, BLOCK_N: tl.constexpr, LSE_BLOCK: tl.constexpr):
+    """``block_lse`` of the key tile at ``n0``: the natural-log logsumexp of each row's masked
+    base-2 scores ``s`` (BLOCK_M, BLOCK_N) over each run of ``LSE_BLOCK`` keys (a run never
+    straddles two tiles: LSE_BLOCK <= 16 <= BLOCK_N), ``-inf`` for a run the row sees none of.
+    ``bl_row`` (BLOCK_M,): each row's entries; stored for the rows that ``ask`` and the runs
+    before ``NB`` (a tile past the shard's end holds none)."""
+    NJ: tl.constexpr = BLOCK_N // LSE_BLOCK
+    if LSE_BLOCK == 1:
+        blk = s * _LN2_C  # (BLOCK_M, BLOCK_N): a key is its own block (-inf stays -inf)
+    else:
+        s3 = tl.reshape(s, (s.shape[0], NJ, LSE_BLOCK))  # (BLOCK_M, NJ, LSE_BLOCK)
+        m = tl.max(s3, 2)  # (BLOCK_M, NJ)
+        none = m == float("-inf")  # the row sees no key of the run: no exp2(-inf - -inf) = NaN
+        m_safe = tl.where(none, 0.0, m)
+        den = tl.sum(tl.exp2(s3 - m_safe[:, :, None]), 2)  # >= 1 where a key is seen
+        blk = tl.where(none, float("-inf"), (m_safe + tl.log2(tl.where(none, 1.0, den))) * _LN2_C)
+    jj = tl.arange(0, NJ)  # (NJ,) the tile's runs, from its first: n0 // LSE_BLOCK
+    ptr = bl_row + tl.cast(n0 // LSE_BLOCK, tl.int64) * sbj  # (BLOCK_M,)
+    tl.store(ptr[:, None] + (jj * sbj)[None, :], blk, mask=ask[:, None] & (jj < NB - n0 // LSE_BLOCK)[None, :])
+
+
+@triton.jit
+def _fill_block_lse(bl_row, sbj, ask, lo, cover_end, NB, pid_s, NSPLIT, BLOCK_N: tl.constexpr,
+                    LSE_BLOCK: tl.constexpr):
+    """``-inf`` in the runs no program's tiles reach: before ``lo`` (out of the window) and
+    from ``cover_end`` (past the live length, or the causal end) to the shard's end; each of
+    the NSPLIT programs takes an equal share, ``BLOCK_N`` runs a store."""
+    j_lo = (lo // LSE_BLOCK).to(tl.int64)  # runs [0, j_lo) and [j_hi, NB)
+    j_hi = tl.minimum(cover_end // LSE_BLOCK, NB).to(tl.int64)
+    total = j_lo + tl.maximum(NB - j_hi, 0)
+    u0 = pid_s * total // NSPLIT
+    u1 = (pid_s + 1) * total // NSPLIT
+    uu0 = tl.arange(0, BLOCK_N).to(tl.int64)
+    for u in range(u0, u1, BLOCK_N):
+        uu = u + uu0  # (BLOCK_N,) the share's runs, counted over the two ranges
+        j = tl.where(uu < j_lo, uu, uu - j_lo + j_hi)
+        tl.store(bl_row[:, None] + j[None, :] * sbj, tl.full((ask.shape[0], BLOCK_N), float("-inf"), tl.float32),
+                 mask=ask[:, None] & (uu < u1)[None, :])
+
+
+# Position and length arrays, block_lse and lse_rows are sliced at any offset (query slices):
+# no alignment variants.
+@triton.jit(do_not_specialize=_RUNTIME_INTS,
+            do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN", "TABLE", "BL", "LR"])
 def _split_kernel(
     Q, K, V, QPOS, KPOS, KVLEN, OP, LP, KS, VS, TABLE,
     stb,
@@ -198,9 +250,10 @@ def _split_kernel(
     sksb, sksh, sksn, sksg,
     svsb, svsh, svsn, svsg,
     N, H_KV, G, NQ, NSPLIT, qk_scale, window, softcap, has_len, sorted_pos,
+    BL, LR, sbb, sbh, sbq, sbj, srb, srq, has_rows,  # last: the other arguments keep their places
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr, UPCAST: tl.constexpr, FANOUT: tl.constexpr,
-    SCALE_G: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
+    SCALE_G: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, LSE_BLOCK: tl.constexpr,
 ):
     # PAGE > 0: a paged shard (issue 35): K, V, KPOS, KS and VS are pools of blocks of PAGE keys
     # ([blocks, H_kv, PAGE, d], [blocks, PAGE], ...: their first stride is the block's), and
@@ -208,6 +261,9 @@ def _split_kernel(
     # window (0: none), softcap (0: none), has_len and sorted_pos are runtime values tested
     # once per program or block: one compiled kernel per tile shape serves every model, and
     # none of them costs a recompile.
+    # LSE_BLOCK > 0: also the log-sum-exp of each row's scores per run of LSE_BLOCK keys, from
+    # the score tiles as they pass: BL [B, H, NQ, ceil(N / LSE_BLOCK)] fp32, written for the
+    # rows LR [B, NQ] (bytes) asks when has_rows; LSE_BLOCK = 0 compiles all of it out.
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     # 64-bit batch and head indices: b * stride_b reaches 2^31 for large caches (batch 3 at 1M
@@ -253,6 +309,11 @@ def _split_kernel(
     nblk = tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0).to(tl.int64)
     start = lo + ((pid_s * nblk) // NSPLIT).to(tl.int32) * BLOCK_N
     stop = tl.minimum(lo + (((pid_s + 1) * nblk) // NSPLIT).to(tl.int32) * BLOCK_N, hi)
+    if LSE_BLOCK > 0:
+        bl_row = BL + b * sbb + head * sbh + qi.to(tl.int64) * sbq  # (BLOCK_M,) each row's runs
+        ask = row_ok  # the rows whose runs are stored
+        if has_rows:
+            ask = row_ok & (tl.load(LR + b * srb + qi * srq, mask=row_ok, other=0) != 0)
 
     if SCALE_G > 0:
         # fp8 K/V (DESIGN.md §11): each row's SCALE_G groups of channels carry their own scale,
@@ -315,8 +376,10 @@ def _split_kernel(
             else:
                 s_e = tl.dot(q_e, kt.to(cdt))
             s = tl.sum(tl.reshape(s_e, (BLOCK_M, BLOCK_G, BLOCK_N)) * kst.to(tl.float32)[None, :, :], 1)  # raw q.k
-            p, alpha, m_new, l_i = _online_softmax(_scores(s, qk_scale, softcap), m_i, l_i, row_ok, n_ok, qpos,
-                                                   kpos, window, HAS_POS)
+            s = _visible(_scores(s, qk_scale, softcap), row_ok, n_ok, qpos, kpos, window, HAS_POS)
+            if LSE_BLOCK > 0:
+                _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
+            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
             p_e = tl.reshape(p[:, None, :] * vst.to(tl.float32)[None, :, :], (BLOCK_M * BLOCK_G, BLOCK_N))
             alpha_e = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_M, BLOCK_G)), (BLOCK_M * BLOCK_G,))
             if UPCAST:
@@ -346,13 +409,19 @@ def _split_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
             else:
                 s = tl.dot(q, tl.trans(k))
-            p, alpha, m_new, l_i = _online_softmax(_scores(s, qk_scale, softcap), m_i, l_i, row_ok, n_ok, qpos,
-                                                   kpos, window, HAS_POS)
+            s = _visible(_scores(s, qk_scale, softcap), row_ok, n_ok, qpos, kpos, window, HAS_POS)
+            if LSE_BLOCK > 0:
+                _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
+            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
             if UPCAST:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+
+    if LSE_BLOCK > 0:  # the programs' tiles cover the runs of [lo, lo + nblk * BLOCK_N): the rest
+        _fill_block_lse(bl_row, sbj, ask, lo, lo + nblk * BLOCK_N, tl.cdiv(N, LSE_BLOCK), pid_s, NSPLIT, BLOCK_N,
+                        LSE_BLOCK)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -531,7 +600,7 @@ def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target:
 def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                              window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
                              out=None, lse_out=None, num_splits=None, block_n=None, num_warps=None,
-                             num_stages=None, k_pos_sorted=False):
+                             num_stages=None, k_pos_sorted=False, block_lse=None, lse_block: int = 1, lse_rows=None):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
     The kernel is built for decode (a group's ``G·Q`` query rows in one tile); more rows than
@@ -551,10 +620,16 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     the keys between them: a window layer reads the window, not the shard. Without it (the
     default: any key order) every block's positions are read and blocks no query sees are
     skipped (their K/V never loaded).
+
+    ``block_lse [B, H, Q, ceil(N / lse_block)]`` fp32, ``lse_rows [B, Q]`` bool: as the
+    reference's; the split kernel writes them from its score tiles as they pass (no second
+    read of the keys), and without ``block_lse`` it is compiled as before.
     """
     B, H, Q, d, H_kv, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     if window is not None and q_pos is None:
         raise ValueError("a sliding window needs q_pos and k_pos")
+    if block_lse is not None:
+        check_block_lse(block_lse, lse_block, lse_rows, B, H, Q, N)
     if N >= 1 << 31:
         raise ValueError(f"a shard of {N} keys is beyond the kernel's 32-bit key index")
     groups = 0
@@ -568,12 +643,21 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
             k_scale = v_scale = None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o, lse, done = _outputs(q, N, out, lse_out, sink)
-    if done:
+    if done:  # no rows, or no keys: block_lse has no entry
         return o, lse
     tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     return _attend(q, k, v, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len,
                    window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
-                   k_pos_sorted=k_pos_sorted, tuning=tuning)
+                   k_pos_sorted=k_pos_sorted, tuning=tuning, blocks=_blocks(block_lse, lse_block, lse_rows))
+
+
+def _blocks(block_lse, lse_block, lse_rows):
+    """The per-block log-sum-exp output of a call, as ``_attend`` takes it (None: none)."""
+    if block_lse is None:
+        return None
+    if block_lse.stride(-1) >= 1 << 24:  # a tile's runs are offset in 32 bits: 64 x stride < 2^31
+        raise ValueError(f"block_lse's last stride ({block_lse.stride(-1)}) is beyond the kernel's 32-bit tile offsets")
+    return block_lse, lse_block, lse_rows
 
 
 def _outputs(q, N, out, lse_out, sink):
@@ -599,9 +683,9 @@ def _outputs(q, N, out, lse_out, sink):
 
 
 def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, window, softcap, sink, k_scale,
-            v_scale, k_pos_sorted, tuning, table=None, page=0):
-    """The launches of a validated call (``table``, ``page``: a paged shard), query rows in
-    slices the tile can hold."""
+            v_scale, k_pos_sorted, tuning, table=None, page=0, blocks=None):
+    """The launches of a validated call (``table``, ``page``: a paged shard; ``blocks``:
+    ``(block_lse, lse_block, lse_rows)`` or None), query rows in slices the tile can hold."""
     B, H, Q, d = q.shape
     G = H // H_kv
     dev = q.device
@@ -609,10 +693,12 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
     if Q > step:  # long query blocks (prefill): slices of rows the tile can hold
         for a in range(0, Q, step):
             b = min(Q, a + step)
+            part = None if blocks is None else \
+                (blocks[0][:, :, a:b], blocks[1], None if blocks[2] is None else blocks[2][:, a:b])
             _attend(q[:, :, a:b], k, v, o[:, :, a:b], lse[:, :, a:b], N, H_kv, groups, scale=scale,
                     q_pos=None if q_pos is None else q_pos[..., a:b], k_pos=k_pos, kv_len=kv_len, window=window,
                     softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale, k_pos_sorted=k_pos_sorted,
-                    tuning=tuning, table=table, page=page)
+                    tuning=tuning, table=table, page=page, blocks=part)
         return o, lse
 
     if page:  # a tile never straddles two blocks
@@ -641,6 +727,14 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
         s_strides = (*ks.stride(), *vs.stride())
     else:  # unused placeholders (SCALE_G = 0 compiles the scale loads out)
         ks, vs, s_strides = k, v, (0,) * 8
+    lse_block, has_rows = 0, False
+    bl, lr, b_strides = lp, kvl, (0,) * 6  # unused placeholders (LSE_BLOCK = 0 compiles block_lse out)
+    if blocks is not None:
+        bl, lse_block, rows = blocks
+        has_rows = rows is not None
+        # lse_rows as bytes (one pointer type with or without it: one compiled kernel)
+        lr = rows.to(dev).view(torch.uint8) if has_rows else torch.empty(1, dtype=torch.uint8, device=dev)
+        b_strides = (*bl.stride(), *(lr.stride() if has_rows else (0, 0)))
 
     LAST_LAUNCH["split"] = launch(
         _split_kernel, (B * H_kv, plan.splits),
@@ -651,9 +745,10 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
         N, H_kv, G, Q, plan.splits, scale * LOG2E,
         int(window) if window is not None else 0,
         float(softcap) if softcap is not None else 0.0, int(kv_len is not None), int(bool(k_pos_sorted)),
+        bl, lr, *b_strides, int(has_rows),
         HEAD_D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         HAS_POS=has_pos, UPCAST=plan.upcast, FANOUT=SEARCH_FANOUT, SCALE_G=groups, BLOCK_G=max(1, plan.block_g),
-        PAGE=page, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        PAGE=page, LSE_BLOCK=lse_block, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     sk = sink.to(device=dev, dtype=torch.float32).contiguous() if sink is not None else lp  # placeholder: unused
     launch(_reduce_kernel, (B * H * Q,),
@@ -665,7 +760,7 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
 def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None,
                                    pos_pool=None, window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
                                    out=None, lse_out=None, num_splits=None, block_n=None, num_warps=None,
-                                   num_stages=None):
+                                   num_stages=None, block_lse=None, lse_block: int = 1, lse_rows=None):
     """Triton version of :func:`paged_ref.partial_attention_paged_ref` (same arguments and
     outputs; tuning as :func:`partial_attention_triton`): the split kernel reads each row's keys
     through its block table, one block id per tile (the page a multiple of the tile), so rows of
@@ -673,7 +768,9 @@ def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, s
     blocks read the same storage. ``k_pool, v_pool [blocks, H_kv, page, d]``, ``block_tables
     [B, nb]`` int32/int64, ``kv_len [B]`` (required), ``pos_pool [blocks, page]``, ``k_scale,
     v_scale [blocks, H_kv, page, S]``. The sorted-position window search is not used here yet:
-    a window layer walks the table's tiles, skipping those no query sees."""
+    a window layer walks the table's tiles, skipping those no query sees. ``block_lse [B, H, Q,
+    ceil(nb·page / lse_block)]``, ``lse_rows``: as :func:`partial_attention_triton`'s, over each
+    row's keys in table order."""
     if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
         raise ValueError(f"k_pool and v_pool must be [blocks, H_kv, page, d]; got {tuple(k_pool.shape)}, "
                          f"{tuple(v_pool.shape)}")
@@ -690,6 +787,9 @@ def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, s
     if page & (page - 1) or page < 16:
         raise ValueError(f"the page must be a power of two of at least 16 keys, got {page}")
     N = block_tables.shape[1] * page
+    if block_lse is not None:
+        check_block_lse(block_lse, lse_block, lse_rows, B, H, Q, N)
+    lse_kw = dict(block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows) if block_lse is not None else {}
     groups = 0
     if k_scale is not None or v_scale is not None:
         groups = _check_scales(k_pool, v_pool, k_scale, v_scale)
@@ -700,16 +800,18 @@ def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, s
             v = dequantize(gather_pages(v_pool, block_tables), gather_pages(v_scale, block_tables), q.dtype)
             return partial_attention_triton(q, k, v, scale=scale, q_pos=q_pos, kv_len=kv_len, window=window,
                                             softcap=softcap, sink=sink, out=out, lse_out=lse_out,
-                                            k_pos=None if pos_pool is None else gather_pages(pos_pool, block_tables))
+                                            k_pos=None if pos_pool is None else gather_pages(pos_pool, block_tables),
+                                            **lse_kw)
     dev = q.device
     o, lse, done = _outputs(q, N, out, lse_out, sink)
-    if done:
+    if done:  # no rows, or no blocks: block_lse has no entry
         return o, lse
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     return _attend(q, k_pool, v_pool, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=pos_pool,
                    kv_len=kv_len, window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
-                   k_pos_sorted=False, tuning=tuning, table=block_tables.to(device=dev).contiguous(), page=page)
+                   k_pos_sorted=False, tuning=tuning, table=block_tables.to(device=dev).contiguous(), page=page,
+                   blocks=_blocks(block_lse, lse_block, lse_rows))
 
 
 def _check_scales(k, v, k_scale, v_scale) -> int:
