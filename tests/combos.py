@@ -93,7 +93,7 @@ class Config:
     def line(self) -> str:
         """The configuration in one line (what a failure prints)."""
         qs = ",".join(f"{q['kind']}{len(q['ids'])}" + (f"/{q['speculate']}" if q.get("speculate") else "")
-                      + (f"/d{q['doc']}" if "doc" in q else "")
+                      + (f"/d{q['doc']}" if "doc" in q else "") + ("/cite" if q.get("cite") else "")
                       + (f"/new{q['new']}" if "new" in q else "") for q in self.questions)
         extra = [f"chunk={self.chunk}" if self.chunk else "", f"reload<-cp{self.reload_cp}" if self.reload_cp else "",
                  f"joins={self.joins}" if self.joins else "", f"cancels={self.cancels}" if self.cancels else "",
@@ -251,8 +251,25 @@ def d_qchunk(rng, c, fx):
         c.qchunk = rng.randint(2, 12)
 
 
+def d_cite(rng, c, fx):
+    """``--cite``: some answers measure their rows' attention over spans of their document (a
+    few random ranges of its positions; the upper layer, or both), compared with the same request
+    alone (the single sequence's step and verify) as the tokens are. Drawn last, so the
+    configurations drawn before it stay what they were."""
+    if rng.random() >= 0.35:
+        return
+    layers = rng.choice([None, [0, 1]])
+    for i, q in enumerate(c.questions):
+        if rng.random() < 0.7:
+            n = len(doc_of(c, fx, i))
+            cuts = sorted(rng.sample(range(4, n + 1), min(n - 3, 2 * rng.randint(1, 3))))
+            spans = [[a, b] for a, b in zip(cuts[::2], cuts[1::2]) if b > a]
+            if spans:
+                q["cite"] = {"spans": spans, "layers": layers}
+
+
 DIMENSIONS = [d_family, d_mesh, d_scheme, d_kv, d_route, d_document, d_questions, d_slots, d_speculate,
-              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk]
+              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk, d_cite]
 
 
 def draw(seed: int, fx: dict) -> Config:
@@ -316,14 +333,15 @@ def requests_of(c: Config, fx: dict, save_root: str) -> list:
     """The engine requests of the configuration under test (after the document is in place)."""
     q_common = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
     if c.route == "batch":
-        return [{"op": "batch", "questions": [{"ids": q["ids"], "max_new_tokens": new_of(c, i)}
+        return [{"op": "batch", "questions": [{"ids": q["ids"], "max_new_tokens": new_of(c, i), "cite": q.get("cite")}
                                               for i, q in enumerate(c.questions)],
                  "slots": c.slots, "speculate": c.speculate, **q_common,
                  **({"piece": c.qchunk} if c.qchunk else {})}]
     reqs = []
     for i, q in enumerate(c.questions):
         reqs += [{"op": "append", "ids": q["ids"], "piece": c.chunk},
-                 {"op": "decode", "seq": i, "speculate": c.speculate, "keep": c.route == "conversation", **q_common}]
+                 {"op": "decode", "seq": i, "speculate": c.speculate, "keep": c.route == "conversation",
+                  "cite": q.get("cite"), **q_common}]
         if c.route == "sequential":
             reqs.append({"op": "rollback", "name": "doc"})
     return reqs
@@ -393,7 +411,7 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
 
     def question(i):
         q = {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec,
-             "max_new_tokens": new_of(c, i)}
+             "max_new_tokens": new_of(c, i), "cite": c.questions[i].get("cite")}
         if c.route == "mixed":
             q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)}
         return q
@@ -506,7 +524,8 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
                           "piece": c.chunk if c.kv == "fp8" else None}, {"op": "mark", "name": "doc"}]
             reqs += [{"op": "append", "ids": q["ids"]},
                      {"op": "decode", "seq": i, "max_new_tokens": new_of(c, i), "sampling": c.sampling, "stop": [],
-                      "eos_ids": [], "logprobs": LOGPROBS, "speculate": qspec, "keep": c.route == "conversation"}]
+                      "eos_ids": [], "logprobs": LOGPROBS, "speculate": qspec, "keep": c.route == "conversation",
+                      "cite": q.get("cite")}]
             if c.route != "conversation":
                 reqs.append({"op": "rollback", "name": "doc"})
         ref.serve(reqs)
@@ -591,6 +610,8 @@ def check(c: Config, r: dict, fx: dict, oracle: Oracle, notes: list | None = Non
         gap = _gap(got.get("logprobs", []), want.get("logprobs", []), n)
         if gap > tol:
             bad.append(f"question {i}: logprobs differ from alone by {gap:.2e} (> {tol:g})")
+        if q.get("cite"):  # each kept row's attention over the spans, as alone (rows of the same tokens)
+            bad += _cite_differs(i, got.get("cite"), want.get("cite"), max(0, n - 1), len(g), tol)
         if c.greedy and c.kv == "auto":  # transformers' greedy decode of the same tokens
             prompt = (context if c.route == "conversation" else list(doc)) + list(q["ids"])
             hf = oracle.greedy(c.family, prompt, new_of(c, i))
@@ -607,6 +628,20 @@ def check(c: Config, r: dict, fx: dict, oracle: Oracle, notes: list | None = Non
                 bad.append(f"question {i}, document asked again: {a and a['token_ids']} != alone "
                            f"{w and w['token_ids']}")
     return bad
+
+
+def _cite_differs(i: int, got, want, rows: int, emitted: int, tol: float) -> list[str]:
+    """Problems of an answer's citation masses against alone's over their first ``rows`` rows
+    (the rows of tokens both emitted alike; one row per emitted token but the last)."""
+    import numpy as np
+
+    if got is None or want is None:
+        return [f"question {i}: no citation masses ({'config' if got is None else 'alone'})"]
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape[0] != max(0, emitted - 1):
+        return [f"question {i}: {got.shape[0]} citation rows for {emitted} tokens"]
+    diff = float(np.abs(got[:rows] - want[:rows]).max()) if rows else 0.0
+    return [f"question {i}: citation masses differ from alone by {diff:.2e} (> {tol:g})"] if diff > tol else []
 
 
 def features(c: Config, r: dict) -> set[str]:
@@ -654,6 +689,13 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("document found whole in the pool's cached blocks")
     if any(n and s == "prefill" for n, s in zip(r["events"].get("reused", []), r["events"].get("sources", []))):
         out.add("document prefilled after a prefix found in the pool")
+    cited = [a for a in answers if a.get("cite") is not None and len(a["cite"])]
+    if cited:
+        out.add("cited")
+        if any((a.get("speculation") or {}).get("accepted") for a in cited):
+            out.add("cited with drafts accepted")
+        if c.route in ("batch", "serve", "mixed") and any(not q.get("cite") for q in c.questions):
+            out.add("cited beside answers that do not")
     return out
 
 

@@ -733,3 +733,28 @@ def pool_agreement(ctx, spec, free_by_rank):
     made = docs.make_pool(spec)
     assert docs.pool.num_blocks == made["blocks"] and docs.make_pool({"pool": 1}) == made  # made once
     return made
+
+
+def cite_sessions(ctx, sessions):
+    """For each ``(job, requests)``: an engine on these ranks serving ``requests``; rank 0 returns,
+    per session, every answer's record (``answer`` events, then ``banswer`` ones in question order)
+    with its ``token_ids``, ``cite`` masses and ``speculation``."""
+    from treeattn_cli.engine.engine import Engine
+
+    out = []
+    for job, requests in sessions:
+        got, batch = [], {}
+
+        def emit(kind, p, got=got, batch=batch):
+            if kind == "answer":
+                got.append(p)
+            elif kind == "banswer":
+                batch[p[0]] = p[1]
+
+        real, ctx.emit = ctx.emit, emit
+        try:
+            Engine(ctx, job).serve(requests)
+        finally:
+            ctx.emit = real
+        out.append(got + [batch[i] for i in sorted(batch)])
+    return out if ctx.rank == 0 else None

@@ -64,7 +64,7 @@ def test_every_answer_equals_the_same_request_alone(outcome):
 
 def test_the_configurations_meet_where_defects_live(outcome):
     """The run exercised what it claims to: drafts kept and rejected, slots refilled while other
-    slots' drafts were verified, requests joining a running batch and cancelled, a cache saved
+    slots' drafts were verified, answers citing (with drafts kept, beside answers that do not), requests joining a running batch and cancelled, a cache saved
     on other ranks, a document from the server's memory, short questions, rows of several
     documents in one step, a document prefilled while others decode, a long question prefilled in
     chunks between the other answers' steps, documents evicted to disk
@@ -82,7 +82,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
             "sampling", "chunked prefill", "kv:fp8", "kv:auto", "documents mixed in a step",
             "document prefilled while others decode", "document evicted to disk and loaded back",
             "a document waited for blocks", "document found whole in the pool's cached blocks",
-            "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode"}
+            "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode",
+            "cited", "cited with drafts accepted", "cited beside answers that do not"}
     need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)
@@ -120,3 +121,8 @@ def test_the_check_fails_on_what_it_guards_against():
     assert any("tokens" in p for p in problems(_rec([8, 4], top), kv="fp8"))  # not a near-tie there
     assert any("prefix" in p for p in problems(_rec([8], top, "cancelled"), cancelled=[0]))
     assert problems(_rec([9], top, "cancelled"), cancelled=[0]) == []
+    c.questions[0]["cite"] = {"spans": [[0, 2]]}  # --cite: each kept row's masses against alone's
+    alone[0]["cite"] = [[0.25]]
+    assert problems({**_rec([9, 4], top), "cite": [[0.25]]}) == []
+    assert any("citation masses differ" in p for p in problems({**_rec([9, 4], top), "cite": [[0.2]]}))
+    assert any("citation rows" in p for p in problems({**_rec([9, 4], top), "cite": [[0.25], [0.1]]}))

@@ -79,9 +79,9 @@ class DocumentSpans:
     chars: list
     positions: list
 
-    def spec(self, layers=None, by_layer: bool = False) -> dict:
+    def spec(self, layers=None, detail: str = "sum") -> dict:
         """What a request's ``cite`` carries to the ranks (``engine.Engine.citation``)."""
-        return {"spans": [list(p) for p in self.positions], "layers": layers, "by_layer": by_layer}
+        return {"spans": [list(p) for p in self.positions], "layers": layers, "detail": detail}
 
     def line_of(self, offset: int) -> int:
         """The 1-based line of character ``offset`` in the text."""

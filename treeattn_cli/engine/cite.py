@@ -47,29 +47,31 @@ class Citation:
     """One answer's attention masses over its document's spans, on this rank.
 
     ``spans [S, 2]``: global positions ``[start, end)`` of the document's spans (sorted, disjoint).
-    ``layers``: the layers that count (default :func:`cite_layers`). ``by_layer``: keep each layer's
-    sums apart (``[layers, rows, S]``; for the measurement that chose the layers). ``heads``: the
-    query heads of the whole model (the average's denominator); ``counts``: whether this rank's
-    heads count (a tp peer holding the same heads as another does not).
+    ``layers``: the layers that count (default :func:`cite_layers`). ``detail``: ``"sum"`` (the
+    answer's record), or ``"layers"`` / ``"heads"``: each layer's (and each head's) masses kept
+    apart, for the measurement that chose the layers and heads (``bench/cite.py``; ``"heads"``
+    with ``--tp 1`` only). ``heads``: the query heads of the whole model (the average's
+    denominator), ``local_heads`` this rank's; ``counts``: whether this rank's heads count (a tp
+    peer holding the same heads as another does not).
     """
 
-    def __init__(self, spans, num_layers: int, heads: int, *, layers=None, by_layer: bool = False,
-                 counts: bool = True, device="cpu"):
+    def __init__(self, spans, num_layers: int, heads: int, *, layers=None, detail: str = "sum",
+                 counts: bool = True, local_heads: int | None = None, device="cpu"):
         spans = torch.as_tensor(spans, dtype=torch.int64).reshape(-1, 2)
         self.device = torch.device(device)
         self.starts = spans[:, 0].contiguous().to(self.device)
         self.ends = spans[:, 1].contiguous().to(self.device)
         self.S = spans.shape[0]
         chosen = cite_layers(num_layers) if layers is None else sorted(set(int(x) for x in layers))
-        if any(not 0 <= x < num_layers for x in chosen):
+        if not chosen or any(not 0 <= x < num_layers for x in chosen):
             raise ValueError(f"citation layers {chosen} outside the model's {num_layers}")
+        if detail not in ("sum", "layers", "heads"):
+            raise ValueError(f"citation detail must be sum, layers or heads, got {detail!r}")
         self.layer_index = {x: i for i, x in enumerate(chosen)}
-        self.layers = chosen
-        self.by_layer = by_layer
-        self.heads = heads
-        self.counts = counts
-        self.rows: list[torch.Tensor] = []  # kept rows: [layers or 1, S] each
-        self.pending: torch.Tensor | None = None  # the latest forward's rows: [layers or 1, T, S + 1]
+        self.layers, self.detail, self.heads, self.counts = chosen, detail, heads, counts
+        self.local_heads = local_heads or heads
+        self.rows: list[torch.Tensor] = []  # kept rows: [layers or 1, (heads,) S] each
+        self.pending: torch.Tensor | None = None  # the latest forward's rows: [layers or 1, (heads,) T, S + 1]
         self._bins: dict = {}  # id of a shard -> (keys, their bins): computed once per shard and length
 
     def wants(self, layer: int) -> bool:
@@ -94,35 +96,44 @@ class Citation:
 
     def begin(self, T: int) -> None:
         """A forward with ``T`` rows of this answer begins."""
-        n = len(self.layers) if self.by_layer else 1
-        self.pending = torch.zeros(n, T, self.S + 1, dtype=torch.float32, device=self.device)
+        lead = (len(self.layers),) if self.detail != "sum" else (1,)
+        mid = (self.local_heads,) if self.detail == "heads" else ()
+        self.pending = torch.zeros(*lead, *mid, T, self.S + 1, dtype=torch.float32, device=self.device)
 
     def add(self, layer: int, block_lse: torch.Tensor, lse: torch.Tensor, bins: torch.Tensor) -> None:
         """One layer's shares: ``block_lse [H, T, N]`` (one key a block, this rank's keys),
         ``lse [H, T]`` merged over every rank, ``bins [N]`` (:meth:`bins`)."""
         if self.pending is None or not self.counts:
             return
-        share = torch.exp(block_lse - lse[..., None].to(block_lse.device)).sum(0)  # [T, N]; -inf blocks give 0
+        share = torch.exp(block_lse - lse[..., None].to(block_lse.device))  # [H, T, N]; -inf blocks give 0
         share = share.to(self.device).nan_to_num_(0.0)  # a row with no key anywhere
-        at = self.layer_index[layer] if self.by_layer else 0
-        T, N = share.shape
-        self.pending[at, :T].scatter_add_(-1, bins[None, :N].expand(T, N), share)
+        at = self.layer_index[layer] if self.detail != "sum" else 0
+        H, T, N = share.shape
+        if self.detail == "heads":
+            self.pending[at, :, :T].scatter_add_(-1, bins[None, None, :N].expand(H, T, N), share)
+        else:
+            self.pending[at, :T].scatter_add_(-1, bins[None, :N].expand(T, N), share.sum(0))
 
     def keep(self, n: int) -> None:
         """The first ``n`` rows of the latest forward were kept (emitted tokens' rows)."""
         if self.pending is None:
             return
-        for t in range(min(n, self.pending.shape[1])):
-            self.rows.append(self.pending[:, t, :self.S].clone())
+        for t in range(min(n, self.pending.shape[-2])):
+            self.rows.append(self.pending[..., t, :self.S].clone())
         self.pending = None
 
     def gather(self, comm):
         """Every rank's rows added up (a collective over ``comm``: every rank calls it at the same
-        point): a numpy fp32 ``[rows, S]`` (``[layers, rows, S]`` with ``by_layer``; numpy, not a
-        tensor, so it travels to the launcher by value), each row the average over the counted
-        layers and all heads of the model."""
-        n = len(self.layers) if self.by_layer else 1
-        mine = torch.stack(self.rows, 1) if self.rows else torch.zeros(n, 0, self.S, device=self.device)
+        point): a numpy fp32 ``[rows, S]`` (``[layers, rows, S]``, ``[layers, heads, rows, S]`` with
+        ``detail``; numpy, not a tensor, so it travels to the launcher by value), each row the average
+        over the counted layers and all heads of the model (per layer, per head: their shares)."""
+        lead = (len(self.layers),) if self.detail != "sum" else (1,)
+        if self.rows:
+            mine = torch.stack(self.rows, -2)
+        else:
+            mine = torch.zeros(*lead, *((self.local_heads,) if self.detail == "heads" else ()), 0, self.S,
+                               device=self.device)
         total = comm.all_reduce(mine.contiguous(), "sum") if comm.world > 1 else mine
-        total = total.float().cpu() / (self.heads * (1 if self.by_layer else len(self.layers)))
-        return (total if self.by_layer else total[0]).numpy()
+        div = {"sum": self.heads * len(self.layers), "layers": self.heads, "heads": 1}[self.detail]
+        total = total.float().cpu() / div
+        return (total[0] if self.detail == "sum" else total).numpy()

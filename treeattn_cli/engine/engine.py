@@ -11,7 +11,7 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
   interrupt for request ``i``. ``keep``: the answer stays in the cache (its last token is fed
   with the next append), else the caller rolls back. ``"logprobs": k`` (here and per question
   of a batch): the answer carries each token's logprob and its ``k`` most likely alternatives;
-  ``"cite": {"spans": [[start, end], ...], "layers": [...], "by_layer": bool}`` (here and per
+  ``"cite": {"spans": [[start, end], ...], "layers": [...], "detail": "sum"}`` (here and per
   question): the answer carries ``cite``, its rows' attention over those spans of global
   positions (``cite.py``: ``[rows, spans]`` fp32, on rank 0);
 * ``{"op": "batch", "questions": [[...], ...], "slots": n, "max_new_tokens": n, "sampling": {...},
@@ -240,7 +240,7 @@ class Engine:
 
         sh = self.shapes
         return Citation(spec["spans"], sh["num_layers"], sh["heads"], layers=spec.get("layers"),
-                        by_layer=bool(spec.get("by_layer")), device=self.device,
+                        detail=spec.get("detail") or "sum", device=self.device, local_heads=self.dec.q_heads,
                         counts=self.heads_split or self.mesh.tp_index == 0)  # tp peers with the same heads: one
 
     def _drafter(self, own=(), doc: Document | None = None):
