@@ -241,11 +241,13 @@ def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq):
 def _write_blocks(block_lse, lse_rows, s, q0, q1, n0, cb, B, H):
     """Write the log-sum-exp of the scores ``s [B, H_kv, G, q, n]`` (rows ``q0:q1``, keys from
     ``n0``, a multiple of ``cb``) per block of ``cb`` keys into ``block_lse [B, H, Q, NB]``."""
-    n = s.shape[-1]
-    pad = -n % cb
-    if pad:
-        s = torch.nn.functional.pad(s, (0, pad), value=-math.inf)
-    blk = torch.logsumexp(s.unflatten(-1, (-1, cb)), dim=-1).reshape(B, H, q1 - q0, -1)  # (B, H, q, nb)
+    if cb == 1:  # a block of one key: its log-sum-exp is its score
+        blk = s.reshape(B, H, q1 - q0, -1)  # (B, H, q, n)
+    else:
+        pad = -s.shape[-1] % cb
+        if pad:
+            s = torch.nn.functional.pad(s, (0, pad), value=-math.inf)
+        blk = torch.logsumexp(s.unflatten(-1, (-1, cb)), dim=-1).reshape(B, H, q1 - q0, -1)  # (B, H, q, nb)
     j0 = n0 // cb
     dst = block_lse[:, :, q0:q1, j0:j0 + blk.shape[-1]]
     if lse_rows is None:

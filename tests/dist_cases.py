@@ -758,3 +758,11 @@ def cite_sessions(ctx, sessions):
             ctx.emit = real
         out.append(got + [batch[i] for i in sorted(batch)])
     return out if ctx.rank == 0 else None
+
+
+def triton_cite_sessions(ctx, sessions, kernel):
+    """:func:`cite_sessions` with ``TREEATTN_KERNEL=triton`` and ``partial_triton.<kernel>`` counted:
+    rank 0 returns the sessions' answers, every rank how many times the kernel ran."""
+    with _triton_path(kernel) as calls:
+        got = cite_sessions(ctx, sessions)
+    return got, calls[0]

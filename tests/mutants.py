@@ -121,6 +121,22 @@ MUTANTS = [
            "                    live = max(at.values())",
            "                    live = 0",
            ("tests/test_batch.py::test_idle_slots_step_at_a_live_position",)),
+    Mutant("cite-local-lse", "--cite: a key's share is taken against its rank's own lse, not the merged one",
+           "treeattn_cli/engine/attention.py",
+           "        _, lse = comm.merge(o, lse, out=out.transpose(1, 2))\n        if cite is not None:\n            N",
+           "        comm.merge(o, lse, out=out.transpose(1, 2))\n        if cite is not None:\n            N",
+           ("tests/test_cite.py::test_citation_masses_are_transformers_attention",)),
+    Mutant("cite-rejected-drafts-count", "--cite: the rows of rejected drafts count in the citations",
+           "treeattn_cli/engine/decode.py",
+           "                cite.keep(len(final))",
+           "                cite.keep(1 + len(drafts))",
+           ("tests/test_cite.py::test_citation_masses_are_transformers_attention",)),
+    Mutant("cite-rows-of-the-wrong-slot", "--cite: a batch step's citing rows are taken one slot off",
+           "treeattn_cli/engine/batch.py",
+           "                             cites=[s.citation if going[b] else None for b, s in enumerate(of)])",
+           "                             cites=[of[(b + 1) % len(of)].citation if going[b] else None "
+           "for b, s in enumerate(of)])",
+           ("tests/test_cite.py::test_citation_masses_are_transformers_attention",)),
 ]
 
 

@@ -236,6 +236,10 @@ def test_spans_are_sentences_and_short_ones_join_the_next():
     got = [text[a:b] for a, b in C.split_spans(text)]
     assert got == ["Title", "A first sentence of some length here.", "Dr. Who came. Then a longer one follows it.",
                    "End."]
+    text = "A first sentence of some length here. Short end.\nNext line is long enough to stand alone. Ok."
+    assert [text[a:b] for a, b in C.split_spans(text)] == ["A first sentence of some length here.",
+                                                           "Short end.\nNext line is long enough to stand alone. Ok."]
+    assert C.split_spans("A first sentence of some length here. Short end.") == [(0, 48)]
 
 
 def test_spans_sit_on_the_tokens_of_their_characters(steered):
@@ -262,3 +266,41 @@ def test_bad_cite_input_is_one_line(steered, args, needle):
     model, _ = steered
     r = cli("generate", "--model", model, "--no-chat", "--cite", "--nproc", "1", *args)
     assert_usage_error(r, needle)
+
+
+def test_the_gpu_path_cites_through_the_triton_kernels(tiny):
+    """With ``TREEATTN_KERNEL=triton`` (the GPU's choice of kernels, interpreted here) on 2 ranks:
+    a single answer and a batch over the engine's document run the dense split kernel with
+    ``block_lse``, a batch over two documents in the block pool the paged one (both counted, so a
+    path that fell back to ATen fails); the masses are transformers' attention weights."""
+    llama = tiny("llama", seed=3, head_dim=64, num_hidden_layers=1)  # one layer: cite_layers(1) = [0]
+    doc = [(13 * i + 5) % 230 + 20 for i in range(24)]
+    other = doc[::-1][:20]
+    q = [(29 * i + 11) % 230 + 20 for i in range(5)]
+    spans = [[4, 10], [10, 18], [18, 24]]
+    cite = {"spans": spans}
+    new = 4
+    common = {"max_new_tokens": new, "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"}
+    job = GenerateJob(str(llama), [], dtype="float32", max_new_tokens=new, reserve=64)
+    dense = (job, [{"op": "append", "ids": doc}, {"op": "mark", "name": "doc"}, {"op": "append", "ids": q},
+                   {"op": "decode", "seq": 0, "keep": False, "cite": cite, **common}, {"op": "rollback", "name": "doc"},
+                   {"op": "batch", "slots": 2, "questions": [{"ids": q, "cite": cite}, {"ids": q[:2]}], **common},
+                   {"op": "stop"}])
+    paged = (job, [{"op": "batch", "slots": 2, "piece": 8, **common,
+                    "questions": [{"ids": q, "doc": {"key": "a", "ids": doc}, "cite": cite},
+                                  {"ids": q[:3], "doc": {"key": "b", "ids": other}, "cite": {"spans": [[4, 20]]}}]},
+                   {"op": "stop"}])
+    for session, kernel, want in ((dense, "partial_attention_triton", [(doc + q, spans), (doc + q, spans), None]),
+                                  (paged, "partial_attention_triton_paged", [(doc + q, spans), (other + q[:3], [[4, 20]])])):
+        per_rank = run_local(dist_cases.triton_cite_sessions, 2, [session], kernel, timeout_s=600)
+        answers = per_rank[0][0][0]
+        assert all(n >= new - 1 for _, n in per_rank), per_rank  # the kernel ran on every rank
+        for rec, w in zip(answers, want):
+            if w is None:
+                assert "cite" not in rec
+                continue
+            ids, sp = w
+            toks = rec["token_ids"]
+            assert toks == tiny_models.hf_greedy(llama, ids, new)
+            oracle = attention_masses(llama, ids + toks, len(ids), len(toks) - 1, sp, [0])
+            assert np.abs(np.asarray(rec["cite"]) - oracle).max() < 1e-5, kernel

@@ -56,7 +56,8 @@ def split_spans(text: str, start: int = 0, end: int | None = None) -> list[tuple
             else:
                 merged.append([a, b])
         if len(merged) > 1 and len(_WORD.findall(text, *merged[-1])) < MIN_WORDS:
-            merged[-2][1] = merged.pop()[1]
+            last = merged.pop()
+            merged[-1][1] = last[1]
         out += [tuple(x) for x in merged]
         p0 = m.end() if m else end
     return out
@@ -194,7 +195,9 @@ def _rendered_messages(tokenizer, messages: list, content: str) -> tuple[str, in
 
 def citations(spans: DocumentSpans, masses, tokenizer, answer_ids: list, top: int = TOP) -> dict:
     """The record's ``citations`` (``{"start", "end", "score", "text"}``, best first, at most
-    ``top``) and ``sentence_citations`` (each sentence of the answer: its ``start``, ``end`` and
+    ``top``; ``score``: the share of the answer's attention the span received, averaged over its
+    rows, the counted layers and every head; the order is ``engine.cite.span_scores``'s, which
+    weighs that share by the span's length) and ``sentence_citations`` (each sentence of the answer: its ``start``, ``end`` and
     ``text`` in the answer, and ``citation``, the span its rows read most, with that score) from
     ``masses [rows, spans]`` (``engine.cite.Citation.gather``). Row r is the step fed with
     answer token r, which chose token r + 1."""
@@ -205,10 +208,10 @@ def citations(spans: DocumentSpans, masses, tokenizer, answer_ids: list, top: in
     out = {"citations": [], "sentence_citations": []}
     if m.shape[0] == 0:
         return out
-    scores = span_scores(m, lengths)
-    for s in np.argsort(-scores, kind="stable")[:top]:
-        if scores[s] > 0:
-            out["citations"].append(_span(spans, int(s), float(scores[s])))
+    order, share = span_scores(m, lengths), m.mean(0)
+    for s in np.argsort(-order, kind="stable")[:top]:
+        if order[s] > 0:
+            out["citations"].append(_span(spans, int(s), float(share[s])))
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
     ends = [len(tokenizer.decode(answer_ids[:i + 1], skip_special_tokens=True)) for i in range(len(answer_ids))]
     for a, b in split_spans(answer):
@@ -219,7 +222,7 @@ def citations(spans: DocumentSpans, masses, tokenizer, answer_ids: list, top: in
         s = int(np.argmax(own))
         if own[s] > 0:
             out["sentence_citations"].append({"start": a, "end": b, "text": answer[a:b],
-                                              "citation": _span(spans, s, float(own[s]), text=False)})
+                                              "citation": _span(spans, s, float(m[rows, s].mean()), text=False)})
     return out
 
 

@@ -33,6 +33,7 @@ def prepare(o: GenerateOptions):
         text, demo_system = P.demo_prompt()
         system = system if system is not None else demo_system
         chat = True if chat is None else chat
+        o.cite = True  # the demo shows where its answer comes from
     o.max_new_tokens = o.max_new_tokens or (96 if demo else 256)
     manifest, cached = None, 0
     if o.load_kv:
@@ -55,7 +56,7 @@ def prepare(o: GenerateOptions):
     if demo:
         print(f"treeattn demo: the embedded SmolLM2-135M-Instruct on {run.nproc} {run.kind.upper()} rank(s) "
               f"reads treeattn_cli/data/demo_document.txt ({len(ids)} tokens with the chat template) and "
-              f"answers:\n  {P.DEMO_QUESTION}", file=sys.stderr)
+              f"answers, with its sources (--cite):\n  {P.DEMO_QUESTION}", file=sys.stderr)
     return job, run.tokenizer, (run.kind, run.backend, run.nproc, run.devices), spans
 
 
