@@ -53,7 +53,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # the cache grows. Strides stay specialised (a unit stride gives vectorised loads).
 _RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "window", "has_len", "sorted_pos",
                  "sqpb", "sqpq", "skpb", "skpn", "stb",  # position strides: 0 or 1 either way
-                 "sbb", "sbh", "sbq", "srb", "has_rows"]  # block_lse's outer strides follow N and Q
+                 # block_lse's outer strides follow N and Q; lse_rows' are 0 without it (one kernel)
+                 "sbb", "sbh", "sbq", "srb", "srq", "has_rows"]
 SEARCH_FANOUT = 256  # positions one round of the window search reads: 3 rounds reach 16M keys
 
 
@@ -377,7 +378,7 @@ def _split_kernel(
                 s_e = tl.dot(q_e, kt.to(cdt))
             s = tl.sum(tl.reshape(s_e, (BLOCK_M, BLOCK_G, BLOCK_N)) * kst.to(tl.float32)[None, :, :], 1)  # raw q.k
             s = _visible(_scores(s, qk_scale, softcap), row_ok, n_ok, qpos, kpos, window, HAS_POS)
-            if LSE_BLOCK > 0:
+            if LSE_BLOCK > 0 and HAS_POS:  # block_lse before the PV dot here: see below
                 _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
             p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
             p_e = tl.reshape(p[:, None, :] * vst.to(tl.float32)[None, :, :], (BLOCK_M * BLOCK_G, BLOCK_N))
@@ -387,6 +388,11 @@ def _split_kernel(
             else:
                 acc_e = acc_e * alpha_e[:, None] + tl.dot(p_e.to(pdt), v.to(pdt))
             m_i = m_new
+            if LSE_BLOCK > 0 and not HAS_POS:
+                # block_lse after the dots: measured, ptxas then keeps sm_80 at 4 CTAs/SM and sm_90 at
+                # ~184 registers (~230 before them); with positions, scores kept live across the PV
+                # dot spill on sm_90, so that variant stores before it (above)
+                _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
         # row r's channel c lives in the row of c's group
         own = (dd // DG)[None, None, :] == tl.arange(0, BLOCK_G)[None, :, None]
         acc = tl.sum(tl.where(own, tl.reshape(acc_e, (BLOCK_M, BLOCK_G, BLOCK_D)), 0.0), 1)
@@ -410,7 +416,7 @@ def _split_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             s = _visible(_scores(s, qk_scale, softcap), row_ok, n_ok, qpos, kpos, window, HAS_POS)
-            if LSE_BLOCK > 0:
+            if LSE_BLOCK > 0 and HAS_POS:  # block_lse before the PV dot here: see below
                 _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
             p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
             if UPCAST:
@@ -418,6 +424,11 @@ def _split_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+            if LSE_BLOCK > 0 and not HAS_POS:
+                # block_lse after the dots: measured, ptxas then keeps sm_80 at 4 CTAs/SM and sm_90 at
+                # ~184 registers (~230 before them); with positions, scores kept live across the PV
+                # dot spill on sm_90, so that variant stores before it (above)
+                _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
 
     if LSE_BLOCK > 0:  # the programs' tiles cover the runs of [lo, lo + nblk * BLOCK_N): the rest
         _fill_block_lse(bl_row, sbj, ask, lo, lo + nblk * BLOCK_N, tl.cdiv(N, LSE_BLOCK), pid_s, NSPLIT, BLOCK_N,
