@@ -28,6 +28,12 @@ no fewer CTAs resident at once than the bf16 kernel of the same shape, and the b
 key and head (fp8 rows and their scales) against bf16's (or, on a shard that short, the
 whole shard in flight at once).
 
+And the split kernel writing ``block_lse`` (issue 37: each row's log-sum-exp per run of 1 or 16
+keys, for citations) beside the plain kernel of the same launch (:func:`block_lse_report`):
+Llama-3.1-8B's decode (bf16; a window layer; a verify block; an fp8 cache where the target
+stores one) and a paged decode step. The variant must not spill, and keeps the plain kernel's
+K/V tiles in flight.
+
     python -m treeattn_kernels.offline_compile --target sm_90 [--json]
 
 One target per process (Triton keeps compiled kernels per device index; the stand-in is 0).
@@ -212,6 +218,98 @@ def paged_calls(target: Target):
                     v_pool=_meta(4096, 2, PAGE, 128, dtype=f8), block_tables=_meta(B, nb, dtype=torch.int32),
                     kv_len=_meta(B, dtype=torch.int64), k_scale=_meta(4096, 2, PAGE, G, dtype=torch.bfloat16),
                     v_scale=_meta(4096, 2, PAGE, G, dtype=torch.bfloat16)))
+
+
+LSE_BLOCKS_COMPILED = (1, 16)  # block_lse's runs of keys compiled: one key, and the widest run
+
+
+def _block_lse_launches(target: Target):
+    """``(kind, function, kwargs)`` of the launches :func:`block_lse_report` compares, without
+    block_lse: Llama-3.1-8B's decode at tp 1 (32 heads, 8 KV heads, d = 128: G = 4) over a
+    static cache of 32K keys (bf16, a sliding-window layer, speculation's verify block of 8
+    causal rows; fp8, plain and windowed, where the target stores it), and a paged decode step
+    of 8 rows (d = 128, G = 4) over pools of 64-key blocks."""
+    from .partial_triton import partial_attention_triton, partial_attention_triton_paged
+
+    H, H_kv, d, N = 32, 8, 128, 32768
+
+    def dense(kv_dtype, window=None, Q=1):
+        q = _meta(1, 1, H, d, dtype=torch.bfloat16).transpose(1, 2) if Q == 1 else \
+            _meta(1, H, Q, d, dtype=torch.bfloat16)
+        kw = dict(q=q, k=_cache_kv(1, H_kv, N, d, kv_dtype), v=_cache_kv(1, H_kv, N, d, kv_dtype),
+                  kv_len=_meta(1, dtype=torch.int64))
+        if kv_dtype.itemsize == 1:
+            kw.update(_cache_scales(1, H_kv, N, d))
+        if window or Q > 1:
+            kw.update(window=window, k_pos_sorted=True, q_pos=_meta(1, Q, dtype=torch.int64),
+                      k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N])
+        return kw
+
+    yield f"dense d={d} G=4 bf16 N={N}", partial_attention_triton, dense(torch.bfloat16)
+    yield f"dense d={d} G=4 bf16 N={N} window=4096", partial_attention_triton, dense(torch.bfloat16, 4096)
+    yield f"verify d={d} G=4 bf16 N={N} Q=8", partial_attention_triton, dense(torch.bfloat16, Q=8)
+    f8 = FP8_KV.get(target.name)
+    if f8 is not None:
+        yield f"fp8 d={d} G=4 bf16 {NAMES[f8]} N={N}", partial_attention_triton, dense(f8)
+        yield f"fp8 d={d} G=4 bf16 {NAMES[f8]} N={N} window=4096", partial_attention_triton, dense(f8, 4096)
+    B, nb = 8, 131072 // PAGE
+    yield (f"paged d={d} G=4 bf16 page={PAGE}", partial_attention_triton_paged,
+           dict(q=_meta(B, 8, 1, d, dtype=torch.bfloat16), k_pool=_meta(4096, 2, PAGE, d, dtype=torch.bfloat16),
+                v_pool=_meta(4096, 2, PAGE, d, dtype=torch.bfloat16), block_tables=_meta(B, nb, dtype=torch.int32),
+                kv_len=_meta(B, dtype=torch.int64)))
+
+
+def _with_block_lse(kw: dict, lse_block: int, rows: bool) -> dict:
+    """``kw`` with a block_lse output ``[B, H, Q, ceil(N / lse_block)]`` (and lse_rows)."""
+    B, H, Q = kw["q"].shape[:3]
+    N = kw["block_tables"].shape[1] * PAGE if "block_tables" in kw else kw["k"].shape[2]
+    out = dict(kw, block_lse=_meta(B, H, Q, -(-N // lse_block), dtype=torch.float32), lse_block=lse_block)
+    if rows:
+        out["lse_rows"] = _meta(B, Q, dtype=torch.bool)
+    return out
+
+
+def block_lse_calls(target: Target):
+    """The block_lse variants of :func:`_block_lse_launches` (``(label, function, kwargs)``), one
+    per run length, with lse_rows (the same kernel as without: :func:`block_lse_report`)."""
+    for kind, fn, kw in _block_lse_launches(target):
+        for lb in LSE_BLOCKS_COMPILED:
+            yield f"block_lse {kind} lse_block={lb}", fn, _with_block_lse(kw, lb, rows=True)
+
+
+def block_lse_report(target: Target) -> list[dict]:
+    """The split kernel writing block_lse against the plain kernel of the same launch, per
+    launch of :func:`_block_lse_launches` and run length: ``{"kind", "lse_block", "plain",
+    "lse", "same_kernel_with_lse_rows"}``, each kernel's registers, spill bytes, shared memory,
+    K/V tiles in flight and CTAs per SM. ``checks``: no spills, the plain kernel's tiles in
+    flight, shared memory within the target's limit, and lse_rows compiling no other kernel."""
+    out = []
+    with compile_only(target) as compiled:
+        def split_of(fn, kw):
+            before = len(compiled)
+            fn(**kw)
+            ck = next(ck for name, ck, _ in compiled[before:] if name == "_split_kernel")
+            res = resources(ck, target)
+            res["tiles_in_flight"] = pipeline_depth(ck)
+            res["ctas_per_sm"] = occupancy(target, res["regs"], res["shared_bytes"], res["num_warps"])["ctas"]
+            res["lse_block"] = _constexprs(ck).get("LSE_BLOCK")
+            return ck, res
+
+        for kind, fn, kw in _block_lse_launches(target):
+            _, plain = split_of(fn, kw)
+            for lb in LSE_BLOCKS_COMPILED:
+                ck, lse = split_of(fn, _with_block_lse(kw, lb, rows=False))
+                ck_rows, _ = split_of(fn, _with_block_lse(kw, lb, rows=True))
+                rec = {"kind": kind, "lse_block": lb, "plain": plain, "lse": lse,
+                       "same_kernel_with_lse_rows": ck_rows is ck}
+                rec["checks"] = {
+                    "spills": plain["spill_bytes"] <= SPILL_BOUND and lse["spill_bytes"] <= SPILL_BOUND,
+                    "tiles": lse["tiles_in_flight"] == plain["tiles_in_flight"],
+                    "shared": lse["shared_bytes"] <= target.max_shared,
+                    "lse_rows": ck_rows is ck and plain["lse_block"] == 0 and lse["lse_block"] == lb,
+                }
+                out.append(rec)
+    return out
 
 
 def merge_calls():
@@ -451,6 +549,8 @@ def compile_all(target: Target, calls=None) -> dict:
             record(label, lambda kw=kw: partial_attention_triton(**kw))
         for label, kw in paged_calls(target) if calls is None else ():
             record(label, lambda kw=kw: partial_attention_triton_paged(**kw))
+        for label, fn, kw in block_lse_calls(target) if calls is None else ():
+            record(label, lambda fn=fn, kw=kw: fn(**kw))
         if calls is None:
             for label, d, dt in merge_calls():
                 def merge(d=d, dt=dt):
@@ -460,8 +560,10 @@ def compile_all(target: Target, calls=None) -> dict:
                 record(label, merge)
     growth = decode_growth(target) if calls is None else None
     decode = decode_report(target) if calls is None else None
+    lse = block_lse_report(target) if calls is None else None
     return {"target": target.name, "configs": n, "kernels": kernels, "errors": errors,
-            "decode_growth_kernels": growth, "decode": decode, "seconds": round(time.perf_counter() - t0, 1)}
+            "decode_growth_kernels": growth, "decode": decode, "block_lse": lse,
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def _constexprs(ck) -> dict:
@@ -500,7 +602,8 @@ def main(argv=None) -> int:
         for e in res["errors"]:
             print(f"  ERROR {e['config']}: {e['error']}")
         print_decode(res)
-    decode_ok = all(all(r["checks"].values()) for r in res["decode"] or ())
+        print_block_lse(res)
+    decode_ok = all(all(r["checks"].values()) for r in (res["decode"] or []) + (res["block_lse"] or []))
     return 0 if not res["errors"] and all(k["ok"] for k in res["kernels"]) and decode_ok else 1
 
 
@@ -524,6 +627,19 @@ def print_decode(res) -> None:
               f"{str(r['graph_live_splits']) + '/' + str(r['graph_splits']):>9} "
               f"{r['bytes_in_flight_per_sm'] / 1024:>7.1f} {r['bytes_needed_per_sm'] / 1024:>5.1f} "
               f"{str(r['littles_margin']):>6}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}")
+
+
+def print_block_lse(res) -> None:
+    """The block_lse report as a table: the plain kernel and the variant, per launch and run."""
+    print(f"\nblock_lse split kernel on {res['target']} (plain -> with block_lse)")
+    print(f"  {'launch':<50} {'run':>3} {'regs':>9} {'spill':>5} {'shared':>14} {'tiles':>6} {'CTA/SM':>6}  checks")
+    for r in res["block_lse"] or ():
+        p, v = r["plain"], r["lse"]
+        bad = [k for k, ok in r["checks"].items() if not ok]
+        print(f"  {r['kind']:<50} {r['lse_block']:>3} {str(p['regs']) + '->' + str(v['regs']):>9} "
+              f"{v['spill_bytes']:>5} {str(p['shared_bytes']) + '->' + str(v['shared_bytes']):>14} "
+              f"{str(p['tiles_in_flight']) + '->' + str(v['tiles_in_flight']):>6} "
+              f"{str(p['ctas_per_sm']) + '->' + str(v['ctas_per_sm']):>6}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}")
 
 
 if __name__ == "__main__":

@@ -221,3 +221,25 @@ def test_the_paged_split_kernel_compiles(compiled, target):
     assert any(k["constexprs"].get("SCALE_G") for k in paged) == (target != "sm_80")
     dense = [k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel" and not k["constexprs"].get("PAGE")]
     assert dense  # the dense kernel is compiled apart (PAGE = 0 compiles the table out)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_block_lse_variant_keeps_the_plain_kernels_tiles(compiled, target):
+    """The split kernel writing block_lse (issue 37, runs of 1 and 16 keys) compiles for every
+    target beside the plain kernel of the same launch (Llama-3.1-8B decode, a window layer, a
+    verify block, fp8 where the target stores it, a paged step): no spills, shared memory
+    within the limit, the plain kernel's K/V tiles in flight, one kernel with or without
+    lse_rows; and the plain kernels compile it out (LSE_BLOCK = 0)."""
+    recs = compiled[target]["block_lse"]
+    kinds = {r["kind"].split()[0] for r in recs}
+    assert kinds == {"dense", "verify", "paged"} | ({"fp8"} if target != "sm_80" else set())
+    assert {r["lse_block"] for r in recs} == {1, 16}
+    for r in recs:
+        assert all(r["checks"].values()), r
+        assert r["plain"]["lse_block"] == 0 and r["lse"]["lse_block"] == r["lse_block"], r
+        assert r["lse"]["spill_bytes"] == 0 and r["lse"]["tiles_in_flight"] == r["plain"]["tiles_in_flight"], r
+        assert r["same_kernel_with_lse_rows"], r
+    split = [k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel"]
+    lse = [k for k in split if k["constexprs"].get("LSE_BLOCK")]
+    assert {k["constexprs"]["LSE_BLOCK"] for k in lse} == {1, 16}  # in the sweep: spills and offsets checked above
+    assert all(k["first_config"].startswith("block_lse") for k in lse)
