@@ -156,6 +156,33 @@ def test_answers_equal_generate_and_the_document_is_cached(server):
     assert chat.usage.completion_tokens == NEW and chat.choices[0].finish_reason == "length"
 
 
+def test_cite_gives_the_citations_generate_gives(server):
+    """``"cite": true`` (the official client's ``extra_body``): the message carries ``citations``
+    with offsets into the last user message (its text at those offsets), the same sentences and
+    shares as ``generate --cite`` of the same prompt (the server's cascade over the cached
+    document against the single sequence's step); streamed, on the final chunk's delta; a
+    completion, on its choice."""
+    c, m, doc = server["client"], server["model"], _doc("cite")
+    msg = doc + "\n\nWhat did the keeper note?"
+    chat = c.chat.completions.create(model="m", messages=[{"role": "user", "content": msg}], max_tokens=NEW,
+                                     extra_body={"cite": True})
+    got = chat.choices[0].message.model_extra["citations"]
+    assert got and all(msg[x["start"]:x["end"]] == x["text"] and x["end"] <= len(doc) for x in got)
+    assert chat.choices[0].message.model_extra["sentence_citations"] is not None
+    want = {(x["start"], x["end"]): x["score"] for x in _generate(m, msg, "--chat", "--cite")["citations"]}
+    common = [x for x in got if (x["start"], x["end"]) in want]
+    assert len(common) >= min(3, len(want)) and all(abs(x["score"] - want[(x["start"], x["end"])]) < 1e-4
+                                                   for x in common), (got, want)
+    stream = c.chat.completions.create(model="m", messages=[{"role": "user", "content": msg}], max_tokens=NEW,
+                                       extra_body={"cite": True}, stream=True)
+    last = [ch for ch in stream if ch.choices][-1]
+    assert last.choices[0].finish_reason and last.choices[0].delta.model_extra["citations"] == got
+    prompt = doc + "\n\nWhich arch?"
+    comp = c.completions.create(model="m", prompt=prompt, max_tokens=NEW, extra_body={"cite": True})
+    cits = comp.choices[0].model_extra["citations"]
+    assert cits and all(prompt[x["start"]:x["end"]] == x["text"] for x in cits)
+
+
 def test_a_document_that_extends_a_cached_one_takes_its_blocks(server):
     """A request whose document begins with a cached document and goes on (an appendix) is a
     document of its own: its prefill takes the cached one's blocks for their common segments
@@ -284,6 +311,8 @@ def test_a_client_that_leaves_cancels_its_request(server):
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n'"),
     ({"model": "m", "messages": [{"role": "user", "content": "x" * 1100}]}, 400, "maximum context length"),
     ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "cite": "yes"}, 400, "'cite' must be a boolean"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "cite": True}, 400, "needs a document part"),
 ])
 def test_bad_requests_get_an_error_object_and_the_server_keeps_serving(server, body, status, needle):
     data = body if isinstance(body, str) else json.dumps(body)

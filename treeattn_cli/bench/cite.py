@@ -13,7 +13,8 @@ Parts:
 * ``loo``: the leave-one-out baseline with transformers: each paragraph dropped in turn, the drop
   in the answer's log-probability; its top paragraph against ours (forward passes and seconds);
 * ``cost``: decode time per token and peak memory with and without ``--cite`` (medians);
-* ``ranks``: the same citations on 1, 2 and 3 ranks and with ``--tp 2``.
+* ``ranks``: the same citations on 1, 2 and 3 ranks and with ``--tp 3`` (the embedded model's 3
+  KV heads do not split 2 ways; tests/test_cite.py checks ``--tp 2`` on a tiny model).
 """
 
 from __future__ import annotations
@@ -288,9 +289,10 @@ def cost(model_dir, tok, runs: int = 3, nproc: int = 2) -> dict:
 
 
 def ranks(model_dir, tok, cs) -> list[dict]:
-    """The same cases' citations on 1, 2, 3 ranks and tp 2 x cp 1 (spans and scores)."""
+    """The same cases' citations on 1, 2, 3 ranks and tp 3 x cp 1 (the embedded model's 3 KV heads
+    do not split 2 ways): spans and scores."""
     rows, base = [], None
-    for nproc, tp in ((1, 1), (2, 1), (3, 1), (2, 2)):
+    for nproc, tp in ((1, 1), (2, 1), (3, 1), (3, 3)):
         recs = answer_all(model_dir, tok, cs, nproc=nproc, tp=tp)
         got = [C.citations(r["spans"], r["masses"], tok, r["token_ids"]) for r in recs]
         key = [[(x["start"], x["end"]) for x in g["citations"]] for g in got]
