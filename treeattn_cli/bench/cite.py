@@ -265,7 +265,7 @@ def loo(model_dir, tok, cs, recs) -> dict:
             "passes_per_answer": passes / n if n else None, "seconds": secs, "seconds_per_answer": secs / n if n else None}
 
 
-def cost(model_dir, tok, runs: int = 3, nproc: int = 2) -> dict:
+def cost(model_dir, tok, runs: int = 5, nproc: int = 2) -> dict:
     """Decode ms per token and peak memory of the demo's prompt with and without ``--cite``
     (``--speculate off``, the same 48 tokens), alternated, medians."""
     from ..cli.prompt import demo_prompt

@@ -114,8 +114,8 @@ class Citation:
         ``lse [H, T]`` merged over every rank, ``bins [N]`` (:meth:`bins`)."""
         if self.pending is None or not self.counts:
             return
-        share = torch.exp(block_lse - lse[..., None].to(block_lse.device))  # [H, T, N]; -inf blocks give 0
-        share = share.to(self.device).nan_to_num_(0.0)  # a row with no key anywhere
+        # [H, T, N]; keys a row cannot see (-inf) give 0; every row sees a key (its own token): lse is finite
+        share = torch.exp(block_lse - lse[..., None].to(block_lse.device)).to(self.device)
         at = self.layer_index[layer] if self.detail != "sum" else 0
         H, T, N = share.shape
         if self.detail == "heads":
