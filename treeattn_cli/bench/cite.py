@@ -12,7 +12,8 @@ Parts:
 * ``accuracy``: the same with the shipped choices, as ``generate --cite`` computes citations;
 * ``loo``: the leave-one-out baseline with transformers: each paragraph dropped in turn, the drop
   in the answer's log-probability; its top paragraph against ours (forward passes and seconds);
-* ``cost``: decode time per token and peak memory with and without ``--cite`` (medians);
+* ``cost``: decode time per token with and without ``--cite``, alternated in one engine
+  (medians, and the median ratio of the pairs), and peak memory of a whole run each way;
 * ``ranks``: the same citations on 1, 2 and 3 ranks and with ``--tp 3`` (the embedded model's 3
   KV heads do not split 2 ways; tests/test_cite.py checks ``--tp 2`` on a tiny model).
 """
@@ -265,27 +266,52 @@ def loo(model_dir, tok, cs, recs) -> dict:
             "passes_per_answer": passes / n if n else None, "seconds": secs, "seconds_per_answer": secs / n if n else None}
 
 
-def cost(model_dir, tok, runs: int = 5, nproc: int = 2) -> dict:
-    """Decode ms per token and peak memory of the demo's prompt with and without ``--cite``
-    (``--speculate off``, the same 48 tokens), alternated, medians."""
+def rank_alternate(ctx, job, ids, spec, pairs):
+    """Every rank: the prompt prefilled once, then ``pairs`` answers without and with ``--cite``
+    alternately, each from the prompt's cache; rank 0 returns each answer's decode ms per token."""
+    from ..engine.engine import Engine
+
+    got = []
+    real, ctx.emit = ctx.emit, (lambda kind, p: got.append(1e3 / p["decode_tokens_per_s"]) if kind == "answer" else None)
+    reqs = [{"op": "append", "ids": ids}, {"op": "mark", "name": "doc"}]
+    for _ in range(pairs):
+        for cite in (None, spec):
+            reqs += [{"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "sampling": vars(Sampling()),
+                      "stop": [], "eos_ids": [], "keep": False, "speculate": "off", "cite": cite},
+                     {"op": "rollback", "name": "doc"}]
+    try:
+        Engine(ctx, job).serve(reqs + [{"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return got if ctx.rank == 0 else None
+
+
+def cost(model_dir, tok, pairs: int = 8, nproc: int = 2, device: str = "cpu") -> dict:
+    """Decode ms per token of the demo's prompt without and with ``--cite`` (``--speculate off``,
+    48 tokens an answer), alternated in one engine (ranks started once, the prompt prefilled
+    once), medians and the median ratio of each pair; peak memory of whole runs each way."""
     from ..cli.prompt import demo_prompt
     from ..engine.engine import rank_generate
 
     text, system = demo_prompt()
     ids = build_ids(tok, text, chat=True, system=system)
     spans = C.for_prompt(tok, text, ids, chat=True, system=system)
-    out = {"off": [], "on": [], "rss_off": [], "rss_on": []}
-    for _ in range(runs):
-        for mode in ("off", "on"):
-            job = GenerateJob(str(model_dir), ids, max_new_tokens=48, dtype="float32", speculate="off",
-                              cite=spans.spec() if mode == "on" else None)
-            s = run_local(rank_generate, nproc, job, timeout_s=1200)[0]
-            out[mode].append(1e3 / s["decode_tokens_per_s"])
-            out["rss_" + mode].append(max(s["peak_rss_bytes"]))
-    med = {k: statistics.median(v) for k, v in out.items()}
-    return {"prompt_tokens": len(ids), "spans": len(spans.chars), "nproc": nproc, "runs": runs,
-            "ms_per_token_off": med["off"], "ms_per_token_on": med["on"], "overhead": med["on"] / med["off"] - 1,
-            "peak_rss_off": med["rss_off"], "peak_rss_on": med["rss_on"], "samples": out}
+    gpu = device == "cuda"
+    where = dict(backend="nccl" if gpu else "gloo", devices=[f"cuda:{r}" if gpu else "cpu" for r in range(nproc)])
+    dtype = "bfloat16" if gpu else "float32"
+    job = GenerateJob(str(model_dir), [], max_new_tokens=48, dtype=dtype, speculate="off", reserve=len(ids) + 64)
+    ms = run_local(rank_alternate, nproc, job, ids, spans.spec(), pairs, timeout_s=3600, **where)[0]
+    off, on = ms[0::2], ms[1::2]
+    rss = {}
+    for mode in ("off", "on"):
+        job = GenerateJob(str(model_dir), ids, max_new_tokens=48, dtype=dtype, speculate="off",
+                          cite=spans.spec() if mode == "on" else None)
+        rec = run_local(rank_generate, nproc, job, timeout_s=1200, **where)[0]
+        rss[mode] = max(rec.get("peak_device_bytes") or rec["peak_rss_bytes"])
+    return {"prompt_tokens": len(ids), "spans": len(spans.chars), "nproc": nproc, "pairs": pairs, "device": device,
+            "ms_per_token_off": statistics.median(off), "ms_per_token_on": statistics.median(on),
+            "overhead": statistics.median([b / a - 1 for a, b in zip(off, on)]),
+            "peak_rss_off": rss["off"], "peak_rss_on": rss["on"], "samples": {"off": off, "on": on}}
 
 
 def ranks(model_dir, tok, cs) -> list[dict]:
@@ -315,7 +341,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="choose,accuracy,loo,cost,ranks")
     ap.add_argument("--cases", type=int, default=None, help="only the first N cases")
-    ap.add_argument("--nproc", type=int, default=2, help="ranks for choose/accuracy")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks for choose/accuracy/cost")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cost: where the ranks run (cuda: one GPU a rank, NCCL, bf16; peak device memory)")
     ap.add_argument("--json", default=None, help="write every number to this file")
     a = ap.parse_args(argv)
     parts = set(a.parts.split(","))
@@ -359,10 +387,11 @@ def main(argv=None):
         report["loo"] = loo(model_dir, tok, cs, shipped_recs)
         print("leave-one-out:", json.dumps(report["loo"]), flush=True)
     if "cost" in parts:
-        report["cost"] = cost(model_dir, tok)
+        report["cost"] = cost(model_dir, tok, nproc=a.nproc, device=a.device)
         c = report["cost"]
-        print(f"cost: {c['ms_per_token_off']:.1f} -> {c['ms_per_token_on']:.1f} ms/token ({c['overhead']:+.1%}), "
-              f"peak RSS {c['peak_rss_off'] / 2**20:.0f} -> {c['peak_rss_on'] / 2**20:.0f} MiB", flush=True)
+        print(f"cost: {c['ms_per_token_off']:.1f} -> {c['ms_per_token_on']:.1f} ms/token (median pair "
+              f"{c['overhead']:+.1%}), peak memory {c['peak_rss_off'] / 2**20:.0f} -> {c['peak_rss_on'] / 2**20:.0f} MiB",
+              flush=True)
     if "ranks" in parts:
         report["ranks"] = ranks(model_dir, tok, cs[:6])
         for row in report["ranks"]:
