@@ -258,6 +258,32 @@ def test_spans_sit_on_the_tokens_of_their_characters(steered):
     assert spans.chars[-1][1] == len(DOC)
 
 
+def test_spans_through_a_chat_template_sit_on_the_characters_of_the_text(steered, tmp_path):
+    """With a chat template (generate's prompt, chat's document before a question), spans keep
+    offsets into the text the user gave and sit on the template's tokens of those characters."""
+    import shutil
+
+    from treeattn_cli.cli.prompt import build_ids, document_ids
+
+    model, _ = steered
+    m = tmp_path / "m"
+    shutil.copytree(model, m)
+    cfg = json.loads((m / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (m / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = tiny_models_tokenizer(m)
+    text = f"{DOC}\n\n{QUESTION}"
+    ids = build_ids(tok, text, chat=True, system="Be brief.")
+    at = "<|system|>Be brief.<|end|>\n<|user|>".__len__()  # one token per byte: positions are offsets
+    spans = C.for_prompt(tok, text, ids, chat=True, system="Be brief.")
+    doc_ids, comp = document_ids(tok, DOC, chat=True, system="Be brief.")
+    again = C.for_document(tok, DOC, doc_ids, comp, system="Be brief.")
+    for sp in (spans, again):
+        assert sp.chars == C.split_spans(DOC)
+        assert all((s, e) == (at + a, at + b) for (a, b), (s, e) in zip(sp.chars, sp.positions))
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--prompt", "too short.\n\nwhat?"], "too short to cite"),
     (["--prompt", "x" * 40, "--load-kv", "/nonexistent"], "--cite needs the document's text"),

@@ -125,26 +125,31 @@ def place(tokenizer, ids: list, rendered: str, at: int, text: str, doc: tuple[in
     return spans
 
 
-def _rendered(tokenizer, content: str, *, chat: bool, system: str | None) -> tuple[str, int, bool]:
-    """``(rendered, at, special)``: the prompt whose user message is ``content`` as text, where
-    ``content`` begins in it, and whether it is tokenized with special tokens."""
-    if not chat:
-        return content, 0, True
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-    rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+def _render(tokenizer, messages: list, content: str, what: str) -> tuple[str, int]:
+    """``(rendered, at)``: ``messages`` through the chat template (the assistant's turn opened, as
+    the prompt is tokenized), and where ``content`` begins in it; :class:`CiteError` if the
+    template did not keep it intact."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     at = rendered.rfind(content)
     if at < 0:
-        raise CiteError("--cite: the chat template does not keep the prompt's text intact, so citations could "
-                        "not be placed on it; try --no-chat")
-    return rendered, at, False
+        raise CiteError(f"{what}: the chat template does not keep the text intact, so citations could not be "
+                        "placed on it; try --no-chat")
+    return rendered, at
+
+
+def _system(system: str | None) -> list:
+    return [{"role": "system", "content": system}] if system else []
 
 
 def for_prompt(tokenizer, text: str, ids: list, *, chat: bool, system: str | None) -> DocumentSpans:
     """``generate``'s prompt: the document is its text up to the last paragraph break (what
     follows is the question, which is not cited); a text without one is all document."""
     cut = text.rfind("\n\n")
-    rendered, at, special = _rendered(tokenizer, text, chat=chat, system=system)
-    return place(tokenizer, ids, rendered, at, text, (0, cut if cut > 0 else len(text)), special=special)
+    doc = (0, cut if cut > 0 else len(text))
+    if not chat:
+        return place(tokenizer, ids, text, 0, text, doc, special=True)
+    rendered, at = _render(tokenizer, _system(system) + [{"role": "user", "content": text}], text, "--cite")
+    return place(tokenizer, ids, rendered, at, text, doc, special=False)
 
 
 def for_document(tokenizer, document: str, ids: list, composition: dict, *, system: str | None) -> DocumentSpans:
@@ -154,15 +159,9 @@ def for_document(tokenizer, document: str, ids: list, composition: dict, *, syst
 
     if composition.get("kind") != "chat-document":
         return place(tokenizer, ids, document, 0, document, (0, len(document)), special=True)
-    msgs = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": f"{document}\n\n{SENTINEL}"}]
-    rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    prefix = rendered.split(SENTINEL)[0]
-    at = prefix.rfind(document)
-    if at < 0:
-        raise CiteError("--cite: the chat template does not keep the document's text intact, so citations "
-                        "could not be placed on it; try --no-chat")
-    return place(tokenizer, ids, prefix, at, document, (0, len(document)), special=False)
+    msgs = _system(system) + [{"role": "user", "content": f"{document}\n\n{SENTINEL}"}]
+    rendered, at = _render(tokenizer, msgs, document, "--cite")
+    return place(tokenizer, ids, rendered.split(SENTINEL)[0], at, document, (0, len(document)), special=False)
 
 
 def for_request(tokenizer, ids: list, *, messages: list | None = None, prompt: str | None = None) -> DocumentSpans:
@@ -174,7 +173,7 @@ def for_request(tokenizer, ids: list, *, messages: list | None = None, prompt: s
         text = last.get("content") if last else None
         if not isinstance(text, str):
             raise CiteError("'cite' needs a document in the last user message (text before a blank line)")
-        rendered, at, special = _rendered_messages(tokenizer, messages, text)
+        (rendered, at), special = _render(tokenizer, messages, text, "'cite'"), False
     else:
         text, rendered, at, special = prompt, prompt, 0, True
     cut = text.rfind("\n\n")
@@ -182,15 +181,6 @@ def for_request(tokenizer, ids: list, *, messages: list | None = None, prompt: s
         raise CiteError("'cite' needs a document part: the text before the last blank line of the "
                         + ("last user message" if messages is not None else "prompt") + " (there is none)")
     return place(tokenizer, ids, rendered, at, text, (0, cut), special=special)
-
-
-def _rendered_messages(tokenizer, messages: list, content: str) -> tuple[str, int, bool]:
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    at = rendered.rfind(content)
-    if at < 0:
-        raise CiteError("'cite': the chat template does not keep the last user message's text intact, so "
-                        "citations could not be placed on it")
-    return rendered, at, False
 
 
 def citations(spans: DocumentSpans, masses, tokenizer, answer_ids: list, top: int = TOP) -> dict:
