@@ -49,7 +49,8 @@ class AttentionContext:
     tail: ShardedKVCache | None = None  # cascade: every sequence's own tokens, batch = slots
     rows: list = field(default_factory=list)  # cascade: the tail rows (sequences) of this forward
     step: bool = True  # cascade: one token per sequence (tail.begin_step) or an extension (begin_extend)
-    groups: list = field(default_factory=list)  # cascade: (document cache, its rows [R_g] or None: all)
+    groups: list = field(default_factory=list)  # cascade: (document cache, its rows [R_g] or None: all, the same
+    # rows as a host list)
     cite: object = None  # decode/replicated: the answer's cite.Citation (its rows' attention per span), or None
     cites: list = field(default_factory=list)  # cascade: each row's cite.Citation or None (documents only)
 
@@ -204,21 +205,20 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     R, H, T, d = q.shape
     tail, comm = ctx.tail, ctx.comm
     pos = ctx.positions  # [R, T] global positions of the queries (-1: padding)
-    groups = ctx.groups or [(ctx.cache, None)]
+    groups = ctx.groups or [(ctx.cache, None, list(range(R)))]
     cites = [c if c is not None and c.wants(layer) else None for c in ctx.cites] if ctx.cites else []
     cited = []  # (citation, row, block_lse [H, T, N] of its document's shard, the shard, its keys' positions)
     o_d = l_d = None
     if gpu_path(q) and _one_pool(groups):  # the GPU's path: one launch through the documents' tables
         o_d, l_d = _documents_paged(groups, layer, q, pos, scale, window, softcap, cites, cited)
         groups = []
-    for doc, idx in groups:
+    for doc, idx, members in groups:
         qg, pg = (q, pos) if idx is None else (q[idx], pos[idx])
         Rg = qg.shape[0]
         dk, dv, dlen, dpos = doc.view(layer)  # [1, H_kv, N, d]: the document, never copied per sequence
         rows = qg.transpose(0, 1).reshape(1, H, Rg * T, d)  # [1, H, Rg·T, d]: sequences as query rows
         kw = dict(q_pos=pg.reshape(Rg * T), k_pos=dpos, window=window, k_pos_sorted=True) if window is not None else {}
-        members = list(range(R)) if idx is None else idx.tolist()
-        asking = [i for i in members if cites and cites[i] is not None]
+        asking = [i for i in members if cites[i] is not None] if cites else []
         blocks = {}
         if asking:  # the rows that cite: each key's log-sum-exp (their sequences' rows only)
             want = torch.tensor([i in asking for i in members], device=q.device).repeat_interleave(T)[None]
@@ -258,7 +258,7 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
 
 def _one_pool(groups) -> bool:
     """Whether every document of a cascade lives in the same block pool (``paged_shard``)."""
-    pools = {id(getattr(doc, "pool", None)) for doc, _ in groups}
+    pools = {id(getattr(doc, "pool", None)) for doc, _, _ in groups}
     return len(pools) == 1 and getattr(groups[0][0], "pool", None) is not None
 
 
@@ -272,9 +272,9 @@ def _documents_paged(groups, layer: int, q, pos, scale, window, softcap, cites, 
     from .pool import tables_tensor
 
     R, H, T, d = q.shape
-    shards = [doc for doc, _ in groups]
+    shards = [doc for doc, _, _ in groups]
     pool = shards[0].pool
-    idxs = [torch.arange(R, device=q.device) if idx is None else idx for _, idx in groups]
+    idxs = [torch.arange(R, device=q.device) if idx is None else idx for _, idx, _ in groups]
     width = max(len(i) for i in idxs) * T
     qq = q.new_zeros(len(groups), H, width, d)
     qp = torch.full((len(groups), width), -1, dtype=torch.int64, device=q.device)
@@ -285,14 +285,14 @@ def _documents_paged(groups, layer: int, q, pos, scale, window, softcap, cites, 
     kv_len = torch.tensor([s.n for s in shards], dtype=torch.int64, device=q.device)
     quant = pool.quant
     kw = dict(q_pos=qp, pos_pool=pool.pos, window=window) if window is not None else {}
-    asking = [[i for i in idx.tolist() if cites and cites[i] is not None] for idx in idxs]
+    asking = [[i for i in members if cites[i] is not None] if cites else [] for _, _, members in groups]
     if any(asking):  # the rows that cite: each key's log-sum-exp, in table order
-        want = torch.zeros(len(groups), width, dtype=torch.bool, device=q.device)
-        for g, idx in enumerate(idxs):
-            for j, i in enumerate(idx.tolist()):
+        want = torch.zeros(len(groups), width, dtype=torch.bool)
+        for g, (_, _, members) in enumerate(groups):
+            for j, i in enumerate(members):
                 if i in asking[g]:
                     want[g, j * T:(j + 1) * T] = True
-        kw.update(_blocks(qq, tables.shape[1] * pool.page, want))
+        kw.update(_blocks(qq, tables.shape[1] * pool.page, want.to(q.device)))
     if quant is not None:
         kw.update(k_scale=pool.ks[layer], v_scale=pool.vs[layer])
         qq = quant.rotate(qq)
@@ -303,7 +303,7 @@ def _documents_paged(groups, layer: int, q, pos, scale, window, softcap, cites, 
     o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
     l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
     for g, idx in enumerate(idxs):
-        for j, i in enumerate(idx.tolist()):
+        for j, i in enumerate(groups[g][2]):
             if i in asking[g]:  # the document's keys in table order: their positions through its table
                 table = tables[g:g + 1]
                 cited.append((cites[i], i, kw["block_lse"][g, :, j * T:(j + 1) * T], shards[g],

@@ -409,7 +409,7 @@ class BatchDecoder:
         groups: dict = {}
         for i, s in enumerate(of):
             groups.setdefault(id(s.doc), (s.doc.cache, []))[1].append(i)
-        actx.groups = [(cache, None if len(idx) == len(of) else torch.tensor(idx, device=dev))
+        actx.groups = [(cache, None if len(idx) == len(of) else torch.tensor(idx, device=dev), idx)
                        for cache, idx in groups.values()]
         self.documents_per_step = max(self.documents_per_step, len(groups))
         first = torch.tensor([s.doc_tokens for s in of], dtype=torch.int64)[:, None]
