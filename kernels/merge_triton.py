@@ -1,10 +1,14 @@
-"""Fused kernels around the ``allreduce`` merge (the device side of ``treeattn_cli.parallel.merge``).
+"""Fused kernels around the merges (the device side of ``treeattn_cli.parallel.merge``).
 
 Per layer the allreduce scheme needs: the partial's lse (already written by the partial
 kernel's epilogue) for the MAX; then ``packed = [o·w, w]`` with ``w = exp(lse - m)`` for the SUM;
 then ``o = Σo·w / Σw`` in the model's dtype, written straight into the layer's output layout.
 Two launches replace the chain of elementwise ops (exp, mul, cat, div, cast, transpose).
 Oracles with the same meaning: ``merge.weigh`` and ``merge.unweigh``.
+
+The allgather scheme (one collective: what a step that is not captured in a CUDA graph uses,
+``comm.Comm.eager_scheme``) gathers every rank's packed ``[o, lse]`` and merges them where it
+stands: one launch, :func:`merge_gathered_fused` (oracle: ``merge.merge_partials``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,45 @@ def _unweigh_kernel(P, M, OUT, LSE_OUT, sb, sh, sq, sd, H, NQ, D: tl.constexpr, 
         m = tl.load(M + r)
         m = tl.where(m == float("-inf"), 0.0, m)
         tl.store(LSE_OUT + r, tl.where(den > 0.0, m + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")))
+
+
+@triton.jit
+def _gathered_kernel(P, OUT, LSE_OUT, sp, sb, sh, sq, sd, H, NQ, WORLD, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_W: tl.constexpr, WRITE_LSE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # one (b, h, q) row of every rank's partial
+    b = r // (H * NQ)
+    h = (r // NQ) % H
+    q = r % NQ
+    ww = tl.arange(0, BLOCK_W)
+    dd = tl.arange(0, BLOCK_D)
+    w_ok = ww < WORLD
+    base = P + ww.to(tl.int64) * sp + r * (D + 1)  # (BLOCK_W,): rank w's row
+    lse = tl.load(base + D, mask=w_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(w_ok, tl.exp(lse - m), 0.0)  # 0 for an empty partial
+    den = tl.sum(w, 0)
+    o = tl.load(base[:, None] + dd[None, :], mask=w_ok[:, None] & (dd < D)[None, :], other=0.0)  # (W, D)
+    num = tl.sum(o * w[:, None], 0)
+    res = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(OUT + b * sb + h * sh + q * sq + dd * sd, res.to(OUT.dtype.element_ty), mask=dd < D)
+    if WRITE_LSE:
+        tl.store(LSE_OUT + r, tl.where(den > 0.0, m + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")))
+
+
+def merge_gathered_fused(every, *, out=None, dtype=torch.float32):
+    """Merge ``every [world, B, H, Q, d + 1]`` (each rank's ``[o, lse]``, an all-gather's result) in
+    one launch: ``o`` into ``out`` (any strides) in ``dtype``, and the lse ``[B, H, Q]`` fp32; the
+    same on every rank (see merge.merge_partials)."""
+    W, B, H, Q, d1 = every.shape
+    d = d1 - 1
+    every = every.contiguous()
+    out = torch.empty(B, H, Q, d, dtype=dtype, device=every.device) if out is None else out
+    lse = torch.empty(B, H, Q, dtype=torch.float32, device=every.device)
+    launch(_gathered_kernel, (B * H * Q,), every, out, lse, every.stride(0), *out.stride(), H, Q, W, D=d,
+           BLOCK_D=triton.next_power_of_2(d), BLOCK_W=triton.next_power_of_2(max(W, 2)), WRITE_LSE=True,
+           num_warps=1)
+    return out, lse
 
 
 def weigh_fused(o, lse, m):

@@ -766,3 +766,27 @@ def triton_cite_sessions(ctx, sessions, kernel):
     with _triton_path(kernel) as calls:
         got = cite_sessions(ctx, sessions)
     return got, calls[0]
+
+
+def engine_batch_merges(ctx, job, doc, questions, slots, new):
+    """:func:`engine_batch`, counting every rank's collectives during the batch: rank 0 returns
+    its answers and ``{"all_gather": n, "all_reduce": n}`` of the batch's steps."""
+    from treeattn_cli.parallel.comm import Comm
+
+    counts = {"all_gather": 0, "all_reduce": 0}
+    real = {name: getattr(Comm, name) for name in counts}
+
+    def counted(name):
+        def call(self, *a, **kw):
+            counts[name] += 1
+            return real[name](self, *a, **kw)
+        return call
+
+    for name in counts:
+        setattr(Comm, name, counted(name))
+    try:
+        got = engine_batch(ctx, job, doc, questions, slots, new)
+    finally:
+        for name, fn in real.items():
+            setattr(Comm, name, fn)
+    return (got[0], counts) if ctx.rank == 0 else None

@@ -42,6 +42,21 @@ def test_batched_answers_equal_each_question_alone(models, world, tp, slots):
         assert done[0]["answers"] == len(QS) and done[0]["new_tokens"] == NEW * len(QS)
 
 
+def test_steps_no_graph_replays_merge_with_one_collective(models):
+    """With the layout's scheme (``--scheme auto``: ``auto_layout``) a batch's steps, which no CUDA
+    graph replays, merge with one all-gather per layer instead of the all-reduce scheme's two
+    (issue 38: eager steps take the scheme of fewest launches), and every answer is still
+    transformers'; an explicit scheme is kept."""
+    paths, want = models
+    for auto, expect in ((True, "all_gather"), (False, "all_reduce")):
+        job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, auto_layout=auto)
+        got, counts = run_local(dist_cases.engine_batch_merges, 2, job, DOC, QS, 3, NEW, timeout_s=120)[0]
+        assert got == want["llama"], auto
+        other = "all_reduce" if expect == "all_gather" else "all_gather"
+        layers = 2  # the tiny models' (every step: one merge per layer)
+        assert counts[expect] >= layers * NEW and counts[other] <= counts[expect] // 4, (auto, counts)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_long_questions_go_in_chunks_between_the_steps_of_other_answers(models, world):
     """A budget of 4 question tokens per round (``piece``): the 7-, 11- and 23-token questions

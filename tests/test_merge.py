@@ -157,3 +157,26 @@ def test_fused_weigh_unweigh_match_merge_py(dtype):
     assert_close(layer_out.transpose(1, 2), o_ref.to(dtype), dtype, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
     assert torch.equal(layer_out[0, 0, 0], torch.zeros(d, dtype=dtype)) and torch.isneginf(lse[0, 0, 0])
+
+
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16), (8, torch.float32)])
+def test_fused_gathered_merge_matches_merge_partials(world, dtype):
+    """The one-launch merge of an all-gather's ``[world, B, H, Q, d + 1]`` (interpreted here)
+    equals merge.merge_partials, writing straight into the layer's [B, Q, H, d] layout, with
+    ranks whose partial is empty and a row empty on every rank (o = 0, lse = -inf, no NaN)."""
+    pytest.importorskip("triton")
+    from treeattn_kernels.merge_triton import merge_gathered_fused
+
+    B, H, Q, d = 2, 3, 2, 40  # d not a power of two: the tile is padded
+    o_s = torch.randn(world, B, H, Q, d).to(dtype)
+    lse_s = torch.randn(world, B, H, Q) * 20
+    lse_s[0, 1, 2] = -math.inf
+    lse_s[:, 0, 0, 0] = -math.inf
+    every = torch.cat([o_s.float(), lse_s[..., None]], dim=-1)
+    layer_out = torch.full((B, Q, H, d), math.nan, dtype=dtype)
+    o, lse = merge_gathered_fused(every, out=layer_out.transpose(1, 2), dtype=dtype)
+    o_ref, lse_ref = merge_partials(o_s, lse_s)
+    assert not torch.isnan(layer_out).any()
+    assert_close(layer_out.transpose(1, 2), o_ref.to(dtype), dtype, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert torch.equal(layer_out[0, 0, 0], torch.zeros(d, dtype=dtype)) and torch.isneginf(lse[0, 0, 0])

@@ -51,6 +51,7 @@ class AttentionContext:
     step: bool = True  # cascade: one token per sequence (tail.begin_step) or an extension (begin_extend)
     groups: list = field(default_factory=list)  # cascade: (document cache, its rows [R_g] or None: all, the same
     # rows as a host list)
+    eager: bool = True  # decode: the step is not captured in a CUDA graph (it merges with comm.eager_scheme)
     cite: object = None  # decode/replicated: the answer's cite.Citation (its rows' attention per span), or None
     cites: list = field(default_factory=list)  # cascade: each row's cite.Citation or None (documents only)
 
@@ -120,7 +121,7 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
         o, lse, blocks = _replicated(ctx, layer, query, key, value, scaling, window, softcap, sink, cite is not None)
         B, H, T, d = query.shape
         out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
-        _, lse = comm.merge(o, lse, out=out.transpose(1, 2))
+        _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=True)  # a verify or a short append: never captured
         if cite is not None:  # the shard before this forward (its own new tokens are the answer's)
             bl = blocks["block_lse"][0]
             cite.add(layer, bl, lse[0], cite.bins_of(cache, bl.shape[-1], lambda: cache.pos[0]))
@@ -156,7 +157,7 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
                                        k_pos_sorted=True, out_dtype=torch.float32, **blocks)  # positions ascend
         B, H, T, d = query.shape
         out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
-        _, lse = comm.merge(o, lse, out=out.transpose(1, 2))
+        _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)
         if cite is not None:
             N = k.shape[2]
             cite.add(layer, blocks["block_lse"][0], lse[0], cite.bins_of(cache, N, lambda: cache.pos[0]))
@@ -250,7 +251,7 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
         o, lse = add_sink(o, lse, sink)
     out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
-    _, lse = comm.merge(o, lse, out=out.transpose(1, 2))
+    _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=True)  # a batch's step: not captured
     for cite, i, bl, doc, positions in cited:  # each row's share of its merged attention, per key
         cite.add(layer, bl, lse[i], cite.bins_of(doc, bl.shape[-1], positions))
     return out

@@ -63,13 +63,15 @@ class Decoder:
         self.device = actx.cache.device
         # CUDA graph of the decode step: needs a static cache (fixed shapes) and NCCL
         self.use_graph = cuda_graph and self.device.type == "cuda" and self.cache.static
+        # decode steps merge as captured ones do (a step that cites runs eagerly with the same numbers)
+        actx.eager = not self.use_graph
         self.graph = None
         self._graph_for = None  # (cache, capacity) the graph was captured for: it replays into their buffers
         self.captures = self.replays = 0  # graphs captured (again after a document switch or growth), replayed
         self._tok = self._pos = self._graph_out = None
         self.graph_note = None
         if self.use_graph and not graph_capture_ok(self.comm):
-            self.use_graph = False
+            self.use_graph, actx.eager = False, True
             self.graph_note = (f"CUDA graphs need torch >= {P2P_CAPTURE_TORCH} to capture the point-to-point "
                                f"sends of the {self.comm.scheme} merge (this is torch {torch.__version__}): "
                                "decoding eagerly")
@@ -270,6 +272,7 @@ class Decoder:
                 err = f"{type(e).__name__}: {e}"
             if not self.world.all_true(err is None):
                 self.use_graph, self.graph = False, None
+                self.actx.eager = True
                 where = err or "on another rank"
                 self.graph_note = f"CUDA graph capture failed, decoding eagerly: {where}"[:300]
                 return self._forward(self._tok, self._pos, want_logits=want)

@@ -120,6 +120,10 @@ class Engine:
             plan = (lay.scheme, lay.groups, lay.inner or "allreduce", lay.outer or "tree")
         self.scheme = plan[0]
         self.comm = C.make_comm(*plan, parts=mesh.cp_parts(), group=cp_group)  # the merge runs over my cp group
+        if job.auto_layout and self.scheme in ("allreduce", "tree") and len(set(self.nodes)) == 1:
+            # steps no CUDA graph replays (a batch's, a verify; every step on a CPU) merge with one
+            # collective: the layout's scheme is priced for captured steps, where launches are free
+            self.comm.eager_scheme = "allgather"
         self.world = C.make_comm("allreduce") if mesh.tp > 1 else self.comm  # tokens go to every rank
         cp = mesh.cp
         cap = math.ceil(job.reserve_tokens / cp) + 2
@@ -449,7 +453,7 @@ class Engine:
         out.update({
             "nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp, "nodes": len(set(self.nodes)),
             "weight_bytes": weight_bytes(self.model), "shard_tokens": self.cache.counts[0].tolist(),
-            "scheme": self.scheme, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "scheme": self.scheme, "eager_scheme": self.comm.eager_scheme or self.scheme, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "kv_dtype": self.kv_name,  # bytes of KV one token takes on all ranks together, scales included
             "kv_bytes_per_token": self.cache.bytes_per_token() * self.mesh.tp,
             "cuda_graph": self.dec.graph is not None, "cuda_graph_replays": self.dec.replays,

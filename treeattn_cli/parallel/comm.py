@@ -240,6 +240,7 @@ class Comm:
             raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
         self.group = group
         self.scheme = scheme
+        self.eager_scheme: str | None = None  # steps not captured in a CUDA graph merge with this (fewest launches)
         self.stats = stats or Stats()
         self.inner, self.leaders = inner, leaders
         self.inner_scheme, self.outer_scheme = inner_scheme, outer_scheme
@@ -354,26 +355,33 @@ class Comm:
             _guarded("barrier", dist.barrier, group=self.group)
 
     # -- the merge schemes --------------------------------------------------------------
-    def merge(self, o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor | None = None):
+    def merge(self, o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor | None = None, eager: bool = False):
         """Merge this rank's partial ``(o [..., d], lse [...])`` with every other rank's.
 
         Returns ``(o [..., d] fp32, lse [...] fp32)``, bit-identical on every rank; with
         ``out`` (any strides and dtype, e.g. the layer's ``[B, T, H, d]`` output seen as
         ``[B, H, T, d]``) the merged ``o`` is written there and ``out`` is returned instead.
-        On CUDA the ``allreduce`` scheme packs and finishes with two fused kernels.
+        On CUDA the ``allreduce`` scheme packs and finishes with two fused kernels, the
+        ``allgather`` scheme merges in one. ``eager``: a step that is not captured in a CUDA
+        graph (a batched step, a verify), which merges with :attr:`eager_scheme` where one is set.
         """
-        if self.world > 1 and self.scheme == "allreduce" and o.is_cuda and o.dim() == 4 and _fused():
-            from treeattn_kernels.merge_triton import unweigh_fused, weigh_fused
+        scheme = self.eager_scheme if eager and self.eager_scheme else self.scheme
+        if self.world > 1 and scheme in ("allreduce", "allgather") and o.is_cuda and o.dim() == 4 and _fused():
+            from treeattn_kernels.merge_triton import merge_gathered_fused, unweigh_fused, weigh_fused
 
+            dtype = out.dtype if out is not None else torch.float32
+            if scheme == "allgather":  # one collective, one launch
+                every = self.all_gather(torch.cat([o.float(), lse.float()[..., None]], dim=-1))  # [p, ..., d + 1]
+                return merge_gathered_fused(every, out=out, dtype=dtype)
             m = self.all_reduce(lse.float().clone(), "max")
             packed = self.all_reduce(weigh_fused(o, lse, m), "sum")  # [..., d + 1]
-            return unweigh_fused(packed, m, out=out, dtype=out.dtype if out is not None else torch.float32)
+            return unweigh_fused(packed, m, out=out, dtype=dtype)
         if self.world == 1:
             o, lse = o.float(), lse.float()
-        elif self.scheme == "hierarchical":
+        elif scheme == "hierarchical":
             o, lse = self._merge_hierarchical(o, lse)
         else:
-            o, lse = self._merge_flat(self.scheme, o, lse)
+            o, lse = self._merge_flat(scheme, o, lse)
         if out is not None:
             out.copy_(o)
             return out, lse
