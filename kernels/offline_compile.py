@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -365,12 +366,28 @@ def narrow_base_offsets(ck) -> list[str]:
 def pipeline_depth(ck) -> int:
     """K/V tiles in flight per CTA: the buffers of the multi-buffered K and V tiles
     (``ttg.local_alloc : () -> !ttg.memdesc<S x BLOCK_N x BLOCK_D x ...>`` in the TTGIR: the
-    software pipeline keeps ``S`` tiles requested ahead of the one it consumes); 1 for a loop
-    that loads and then computes each tile."""
+    software pipeline keeps ``S`` tiles requested ahead of the one it consumes); or, where the
+    pipeliner keeps the tiles in registers instead (ROCm's stream pipeliner, for fp8 tiles
+    dequantized before their dot), the tiles it requests before the loop that consumes them
+    (the prologue's loads of the loop's K/V tile type, per such load of an iteration); 1 for a
+    loop that loads and then computes each tile."""
     ttgir = ck.asm.get("ttgir", "")
     allocs = r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x[a-z]"  # S x rows x cols x dtype
     depths = [int(x) for x in re.findall(allocs, ttgir)]
-    return min(depths) if depths else 1
+    dot = ttgir.find("tt.dot ")
+    loop = ttgir.rfind("scf.for", 0, dot)
+    # 2-D tile loads (shape and element type): tt.load's pointer tensor, a buffer load's result
+    tiles = r"(?:tt\.load [^\n]*tensor<(\d+x\d+)x!tt\.ptr<(\w+)>|amdg\.buffer_load [^\n]*-> tensor<(\d+x\d+)x(\w+),)"
+
+    def loads(text):
+        return [(a or c, b or d) for a, b, c, d in re.findall(tiles, text)]
+
+    in_loop = loads(ttgir[loop:dot]) if dot > 0 and loop > 0 else []
+    ahead = 0
+    if in_loop:
+        kv = max(in_loop, key=lambda t: math.prod(map(int, t[0].split("x"))))  # the largest: K and V
+        ahead = loads(ttgir[:loop]).count(kv) // in_loop.count(kv)
+    return max(min(depths) if depths else 1, ahead)
 
 
 def sass_pipeline(ck) -> dict:

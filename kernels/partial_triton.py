@@ -11,7 +11,8 @@ Two launches:
      (``k_scale``/``v_scale``, DESIGN.md §11) is read as stored: the program loads the fp8 K/V
      tiles and their per-row scales (bf16, ``SCALE_G`` per row, one per ``d / SCALE_G``
      channels) and dequantizes each tile in registers (one rounding to the compute dtype)
-     before its dot; scores, softmax and partials stay fp32. Without scales the flag is off
+     before the 16-bit kernel's dots, for as many query rows as that kernel holds; scores,
+     softmax and partials stay fp32. Without scales the flag is off
      and the kernel is the 16/32-bit one, instruction for instruction. Asked for (``block_lse``,
      issue 37), it also writes each row's log-sum-exp per run of ``lse_block`` keys from the
      score tiles as they pass (``LSE_BLOCK``; 0: compiled out, the kernel as without it).
@@ -130,15 +131,23 @@ def _page(TABLE, tb, n0, N, PAGE: tl.constexpr):
 
 @triton.jit
 def _scale_tile(S, s_base, TABLE, tb, t, o, N, hk, gg, g_ok, nn, stop, ssb, ssh, ssn, ssg, PAGE: tl.constexpr):
-    """The ``(BLOCK_G, BLOCK_N)`` scales of the key tile ``o`` starting at ``t`` (0 past
+    """The ``(BLOCK_N, BLOCK_G)`` scales of the key tile ``o`` starting at ``t`` (0 past
     ``stop``): at ``s_base`` (this (batch, KV head)'s scale rows, computed once: the dense
     kernel's registers are as before), or, paged, in the block the table names."""
     if PAGE > 0:
         blk, off = _page(TABLE, tb, t, N, PAGE)
-        ptr = S + blk * ssb + hk * ssh + gg[:, None] * ssg + (off + nn).to(tl.int64)[None, :] * ssn
+        ptr = S + blk * ssb + hk * ssh + gg[None, :] * ssg + (off + nn).to(tl.int64)[:, None] * ssn
     else:
-        ptr = s_base + o.to(tl.int64)[None, :] * ssn
-    return tl.load(ptr, mask=g_ok & (o < stop)[None, :], other=0.0)
+        ptr = s_base + o.to(tl.int64)[:, None] * ssn
+    return tl.load(ptr, mask=g_ok & (o < stop)[:, None], other=0.0)
+
+
+@triton.jit
+def _dequantize(x8, scale, BLOCK_G: tl.constexpr, dt):
+    """An fp8 tile ``x8`` (BLOCK_N, BLOCK_D) times its keys' group scales ``scale`` (BLOCK_N,
+    BLOCK_G), each over its ``BLOCK_D / BLOCK_G`` channels, in fp32, rounded once to ``dt``."""
+    x = tl.reshape(x8.to(tl.float32), (x8.shape[0], BLOCK_G, x8.shape[1] // BLOCK_G))
+    return tl.reshape(x * scale.to(tl.float32)[:, :, None], (x8.shape[0], x8.shape[1])).to(dt)
 
 
 @triton.jit
@@ -280,11 +289,10 @@ def _split_kernel(
     d_ok = dd < HEAD_D
     head = hk * G + g  # (BLOCK_M,) int64
 
-    if SCALE_G == 0:
-        q = tl.load(Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqq + dd[None, :] * sqd,
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-        if UPCAST:
-            q = q.to(tl.float32)
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqq + dd[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
 
     # The keys this (batch, KV head) attends to: [lo, hi), read on the device (the live
     # length kv_len, not the capacity N a CUDA graph was captured with) ...
@@ -317,118 +325,66 @@ def _split_kernel(
             ask = row_ok & (tl.load(LR + b * srb + qi * srq, mask=row_ok, other=0) != 0)
 
     if SCALE_G > 0:
-        # fp8 K/V (DESIGN.md §11): each row's SCALE_G groups of channels carry their own scale,
-        # applied to the scores and the probabilities, never to a tile: the query rows are
-        # expanded to one row per (query row, group), E = BLOCK_M * BLOCK_G rows, each holding
-        # its group's channels of q. Then S_E = Q_E K8^T is each group's partial score; scaled
-        # by the key's group scale and summed over the groups, the scores of the BLOCK_M rows;
-        # P_E = P * (the key's value scale of the row's group), and O_E = P_E V8 holds, in the
-        # row of group g, the channels of group g (the others are read off at the end). K8 and
-        # V8 enter the dots only converted (e4m3 -> bf16 is exact), so the tiles go from shared
-        # memory to the MMA's layout as the 16-bit kernel's do; decode (G query rows of a KV
-        # head, G * BLOCK_G <= 16) costs no more MMA rows than before.
-        cdt = tl.float32 if UPCAST else Q.dtype.element_ty
-        # The PV dot's operands: P_E = P * v_scale is a probability times a value scale (amax /
-        # 448); on diffuse long-context attention it falls below fp16's smallest subnormal (6e-8)
-        # and flushes to zero. bf16 has fp32's range (and e4m3 -> bf16 is exact), so an fp16
-        # model's fp8 cache multiplies in bf16; the accumulator stays fp32.
-        pdt = tl.bfloat16 if cdt == tl.float16 else cdt
-        DG: tl.constexpr = BLOCK_D // BLOCK_G  # channels per group (the kernel's tile: a power of two)
-        ee = tl.arange(0, BLOCK_M * BLOCK_G)
-        e_row = ee // BLOCK_G
-        e_grp = ee % BLOCK_G
-        e_head = hk * G + e_row // NQ
-        e_ok = (e_row < G * NQ) & (e_grp < SCALE_G)
-        q_e = tl.load(Q + b * sqb + e_head[:, None] * sqh + (e_row % NQ)[:, None] * sqq + dd[None, :] * sqd,
-                      mask=e_ok[:, None] & d_ok[None, :] & ((dd // DG)[None, :] == e_grp[:, None]),
-                      other=0.0).to(cdt)  # (E, BLOCK_D): group e_grp's channels of row e_row
+        # fp8 K/V (DESIGN.md §11): each row's SCALE_G groups of channels carry their own scale.
+        # Each tile is dequantized in registers (fp8 -> fp32, times its key's group scale, rounded
+        # once to the compute dtype: the reference's dequantize, tile by tile) and goes through
+        # the 16-bit kernel's two dots, so all BLOCK_M query rows meet it once: a launch reads
+        # the shard once for as many rows as the 16-bit kernel holds.
         gg = tl.arange(0, BLOCK_G)
-        ks_base = KS + b * sksb + hk * sksh + gg[:, None] * sksg  # (BLOCK_G, 1); paged: unused
-        vs_base = VS + b * svsb + hk * svsh + gg[:, None] * svsg
-        g_ok = (gg < SCALE_G)[:, None]
-        tb = b * stb
-        # The scale tiles (BLOCK_G x BLOCK_N, a few bytes a key) are too narrow for the
+        ks_base = KS + b * sksb + hk * sksh + gg[None, :] * sksg  # (1, BLOCK_G); paged: unused
+        vs_base = VS + b * svsb + hk * svsh + gg[None, :] * svsg
+        g_ok = (gg < SCALE_G)[None, :]
+        # The scale tiles (BLOCK_N x BLOCK_G, a few bytes a key) are too narrow for the
         # pipeliner's asynchronous copies: each is loaded one block ahead by hand and carried
         # in registers (two ahead would stop the pipelining of the K/V tiles).
         o1 = start + nn
-        ks1 = _scale_tile(KS, ks_base, TABLE, tb, start, o1, N, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg, PAGE)
-        vs1 = _scale_tile(VS, vs_base, TABLE, tb, start, o1, N, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg, PAGE)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc_e = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
-        for n0 in range(start, stop, BLOCK_N):
-            offs = n0 + nn
-            kp_b, k_t, v_t = _tile_bases(K, V, TABLE, tb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb, svh,
-                                         svn, skpb, skpn, PAGE)  # paged: the tile's block (scales: above)
-            n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
+        ks1 = _scale_tile(KS, ks_base, TABLE, b * stb, start, o1, N, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg,
+                          PAGE)
+        vs1 = _scale_tile(VS, vs_base, TABLE, b * stb, start, o1, N, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg,
+                          PAGE)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        offs = n0 + nn
+        kp_b, k_t, v_t = _tile_bases(K, V, TABLE, b * stb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb,
+                                     svh, svn, skpb, skpn, PAGE)  # paged: the tile's block
+        n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
+        if SCALE_G > 0:  # this tile's scales, and the next tile's requested
             kst = ks1
-            vst = tl.where(n_ok[None, :], vs1, 0.0)
+            vst = vs1
             o2 = offs + BLOCK_N
-            ks1 = _scale_tile(KS, ks_base, TABLE, tb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, sksb, sksh, sksn,
-                              sksg, PAGE)
-            vs1 = _scale_tile(VS, vs_base, TABLE, tb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, svsb, svsh, svsn,
-                              svsg, PAGE)
-            kt = tl.load(k_t + nn[None, :] * skn + dd[:, None] * skd,
-                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_D, BLOCK_N) fp8: K^T
-            v = tl.load(v_t + nn[:, None] * svn + dd[None, :] * svd,
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D) fp8
-            if UPCAST:
-                s_e = tl.dot(q_e, kt.to(cdt), input_precision="ieee")  # (E, BLOCK_N) per-group q.k8
-            else:
-                s_e = tl.dot(q_e, kt.to(cdt))
-            s = tl.sum(tl.reshape(s_e, (BLOCK_M, BLOCK_G, BLOCK_N)) * kst.to(tl.float32)[None, :, :], 1)  # raw q.k
-            s = _visible(_scores(s, qk_scale, softcap), row_ok, n_ok, qpos, kpos, window, HAS_POS)
-            if LSE_BLOCK > 0 and HAS_POS:  # block_lse before the PV dot here: see below
-                _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
-            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-            p_e = tl.reshape(p[:, None, :] * vst.to(tl.float32)[None, :, :], (BLOCK_M * BLOCK_G, BLOCK_N))
-            alpha_e = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_M, BLOCK_G)), (BLOCK_M * BLOCK_G,))
-            if UPCAST:
-                acc_e = acc_e * alpha_e[:, None] + tl.dot(p_e, v.to(cdt), input_precision="ieee")
-            else:
-                acc_e = acc_e * alpha_e[:, None] + tl.dot(p_e.to(pdt), v.to(pdt))
-            m_i = m_new
-            if LSE_BLOCK > 0 and not HAS_POS:
-                # block_lse after the dots: measured, ptxas then keeps sm_80 at 4 CTAs/SM and sm_90 at
-                # ~184 registers (~230 before them); with positions, scores kept live across the PV
-                # dot spill on sm_90, so that variant stores before it (above)
-                _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
-        # row r's channel c lives in the row of c's group
-        own = (dd // DG)[None, None, :] == tl.arange(0, BLOCK_G)[None, :, None]
-        acc = tl.sum(tl.where(own, tl.reshape(acc_e, (BLOCK_M, BLOCK_G, BLOCK_D)), 0.0), 1)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(start, stop, BLOCK_N):
-            offs = n0 + nn
-            kp_b, k_t, v_t = _tile_bases(K, V, TABLE, b * stb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb,
-                                         svh, svn, skpb, skpn, PAGE)  # paged: the tile's block
-            n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_t + nn[:, None] * skn + dd[None, :] * skd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            v = tl.load(v_t + nn[:, None] * svn + dd[None, :] * svd, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if UPCAST:  # fp32 operands: full precision, not TF32
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = _visible(_scores(s, qk_scale, softcap), row_ok, n_ok, qpos, kpos, window, HAS_POS)
-            if LSE_BLOCK > 0 and HAS_POS:  # block_lse before the PV dot here: see below
-                _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
-            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-            if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-            if LSE_BLOCK > 0 and not HAS_POS:
-                # block_lse after the dots: measured, ptxas then keeps sm_80 at 4 CTAs/SM and sm_90 at
-                # ~184 registers (~230 before them); with positions, scores kept live across the PV
-                # dot spill on sm_90, so that variant stores before it (above)
-                _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
+            ks1 = _scale_tile(KS, ks_base, TABLE, b * stb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, sksb, sksh,
+                              sksn, sksg, PAGE)
+            vs1 = _scale_tile(VS, vs_base, TABLE, b * stb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, svsb, svsh,
+                              svsn, svsg, PAGE)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_t + nn[:, None] * skn + dd[None, :] * skd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_t + nn[:, None] * svn + dd[None, :] * svd, mask=kv_mask, other=0.0)
+        if SCALE_G > 0:
+            k = _dequantize(k, kst, BLOCK_G, q.dtype)
+            v = _dequantize(v, vst, BLOCK_G, q.dtype)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if UPCAST:  # fp32 operands: full precision, not TF32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = _visible(_scores(s, qk_scale, softcap), row_ok, n_ok, qpos, kpos, window, HAS_POS)
+        if LSE_BLOCK > 0 and HAS_POS:  # block_lse before the PV dot here: see below
+            _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
+        p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        if LSE_BLOCK > 0 and not HAS_POS:
+            # block_lse after the dots: measured, ptxas then keeps sm_80 at 4 CTAs/SM and sm_90 at
+            # ~184 registers (~230 before them); with positions, scores kept live across the PV
+            # dot spill on sm_90, so that variant stores before it (above)
+            _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
 
     if LSE_BLOCK > 0:  # the programs' tiles cover the runs of [lo, lo + nblk * BLOCK_N): the rest
         _fill_block_lse(bl_row, sbj, ask, lo, lo + nblk * BLOCK_N, tl.cdiv(N, LSE_BLOCK), pid_s, NSPLIT, BLOCK_N,
@@ -519,22 +475,24 @@ def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool
     in registers: 32 keys, and on gfx942 (64 KiB of LDS) not multi-buffered.
 
     fp8 K/V: ``esize`` 1 (their scales are prefetched into registers, not buffered), at most
-    32 keys on CUDA (registers), and on ROCm three tiles in flight for ``decode`` (one query
-    row per sequence), whatever its MMA rows (G = 8 at four scale groups: 32): half-size tiles,
-    and gfx942's 304 CUs at tp 8 over 32K keys hold one workgroup each, whose two tiles alone
-    fall short of Little's law. The probability tile is staged in the compute dtype
-    (``p_size`` bytes, default ``esize``); ``block_m`` counts the MMA's rows."""
+    32 keys on CUDA (registers). On ROCm the stream pipeliner keeps tiles dequantized before
+    their dot in registers, not LDS: three in flight for ``decode`` (one query row per
+    sequence; half-size tiles, and gfx942's 304 CUs at tp 8 over 32K keys hold one workgroup
+    each, whose two tiles alone fall short of Little's law), two of 32 keys for query slices
+    (as many workgroups per CU as the 16-bit kernel's one tile of 32 keys: at half the bytes a
+    tile, as many bytes in flight). The probability tile is staged in the compute dtype
+    (``p_size`` bytes, default ``esize``)."""
     if target.backend == "interpreter":
         return 64, 2
     if upcast:
         return 32, (1 if target.is_hip else 3)
     budget = target.sm_shared // 2 if target.is_hip else target.sm_shared // 3 - 8192
     stages = 2 if target.is_hip and block_m > 16 else 3
-    if esize == 1 and target.is_hip and (decode or block_m <= 16):
-        stages = 4  # fp8 decode on ROCm: tiles of half the bytes, three in flight (Little's law)
+    if esize == 1 and target.is_hip:
+        stages = 4 if decode or block_m <= 16 else 3  # fp8 on ROCm (above)
     p_size = p_size or esize
-    # fp8 on CUDA: a 64-key tile's converted MMA operands take ~200 registers (2 CTAs per SM);
-    # 32 keys take ~130 (4 CTAs per SM, more than the 16-bit kernel's 3)
+    # fp8 on CUDA: a 64-key tile's dequantized MMA operands take ~190 registers (2 CTAs per SM);
+    # 32 keys take ~165 (3 CTAs per SM, the 16-bit kernel's)
     for bn in (32, 16) if esize == 1 and not target.is_hip else (64, 32, 16):
         staged_p = block_m * bn * p_size if target.is_hip and bn >= 64 else 0
         if (stages - 1) * (2 * bn * block_d * esize) + staged_p <= budget:
@@ -542,16 +500,14 @@ def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool
     return 16, 2
 
 
-def max_rows(d: int, dtype, block_g: int = 0) -> int:
+def max_rows(d: int, dtype) -> int:
     """Query rows (``G * Q``) one program tile holds; longer query blocks run in slices. The
     query tile (and the fp32 accumulator beside it) stays at 8K elements for 16-bit inputs and
     at 16 rows for fp32 (whose ieee-precision dot holds its operands in registers): nothing
-    spills on sm_80, sm_90 or gfx942 (the offline compile checks it). An fp8 cache with
-    ``block_g`` scale groups (padded) expands each row to ``block_g`` rows of the MMA: that
-    many times fewer rows."""
+    spills on sm_80, sm_90 or gfx942 (the offline compile checks it). The same over an fp8
+    cache (its tiles are dequantized before the 16-bit dots)."""
     budget = 1024 if dtype == torch.float32 else 8192
-    rows = max(16, min(MAX_ROWS, budget // max(16, triton.next_power_of_2(d))))
-    return max(1, rows // block_g) if block_g else rows
+    return max(16, min(MAX_ROWS, budget // max(16, triton.next_power_of_2(d))))
 
 
 @dataclass(frozen=True)
@@ -585,21 +541,19 @@ def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target:
     block_g = triton.next_power_of_2(scale_groups) if scale_groups else 0
     # decode: the group's G rows; query blocks: the slice height, the same for a ragged tail
     # slice, so one compiled kernel serves every slice
-    rows = G if Q == 1 else G * max(1, max_rows(d, dtype, block_g) // G)
-    # fp8: the MMA's rows are (row, scale group) pairs, at least 16 of them
-    block_m = max(16 // max(1, block_g), triton.next_power_of_2(rows))
-    mma_rows = block_m * max(1, block_g)
+    rows = G if Q == 1 else G * max(1, max_rows(d, dtype) // G)
+    block_m = max(16, triton.next_power_of_2(rows))
     block_d = max(16, triton.next_power_of_2(d))
     gpu_fp32 = upcast and target.backend != "interpreter"
     # Tile rules checked by the offline compile (no spills, shared memory / LDS within the
     # target's limit, tiles in flight and residency): see kv_tile; heavy tiles spread over 8
     # warps on CUDA; on ROCm a wavefront is 64 lanes, so 4 of them already hold the tile.
-    bn, stages = kv_tile(target, mma_rows, block_d, (kv_dtype or dtype).itemsize, upcast, p_size=dtype.itemsize,
+    bn, stages = kv_tile(target, block_m, block_d, (kv_dtype or dtype).itemsize, upcast, p_size=dtype.itemsize,
                          decode=Q == 1)
     block_n = block_n or bn
     num_stages = num_stages or stages
-    # (fp8: up to 32 MMA rows stay on 4 warps, 2 CTAs per SM at G = 8, where 8 warps fit one)
-    heavy = mma_rows * block_d * (2 if gpu_fp32 else 1) >= (8192 if block_g else 4096)
+    # (fp8: a decode tile at d = 256 stays on 4 warps, 2 CTAs per SM, where 8 warps fit one)
+    heavy = block_m * block_d * (2 if gpu_fp32 else 1) >= (8192 if block_g else 4096)
     num_warps = num_warps or (8 if heavy and not target.is_hip else 4)
     blocks = triton.cdiv(max(N, 1), block_n)
     splits = min(num_splits or choose_splits(B, H_kv, N, target.n_sms, block_n, depth=max(1, num_stages - 1)),
@@ -647,8 +601,8 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     if k_scale is not None or v_scale is not None:
         groups = _check_scales(k, v, k_scale, v_scale)
         # Dequantized up front instead: groups that are no power-of-two run of channels, and
-        # fp32 queries on a GPU (whose exact fp32 dot would hold the expanded rows' operands
-        # in registers: it spills)
+        # fp32 queries on a GPU (measured: their ieee-precision dots over the dequantized fp32
+        # tiles spill on sm_90 at d = 64 with a window)
         if not _tileable(d, groups) or (q.dtype == torch.float32 and target_of(q.device).backend != "interpreter"):
             k, v, groups = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype), 0
             k_scale = v_scale = None
@@ -700,7 +654,7 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
     B, H, Q, d = q.shape
     G = H // H_kv
     dev = q.device
-    step = max(1, max_rows(d, q.dtype, triton.next_power_of_2(groups) if groups else 0) // G)
+    step = max(1, max_rows(d, q.dtype) // G)
     if Q > step:  # long query blocks (prefill): slices of rows the tile can hold
         for a in range(0, Q, step):
             b = min(Q, a + step)
