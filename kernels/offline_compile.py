@@ -34,6 +34,12 @@ Llama-3.1-8B's decode (bf16; a window layer; a verify block; an fp8 cache where 
 stores one) and a paged decode step. The variant must not spill, and keeps the plain kernel's
 K/V tiles in flight.
 
+And what one step reads from a document's shard (:func:`step_report`, issue 38): Llama-3.1-8B's
+and -70B's heads (d = 128, GQA groups of 4 and 8) for one sequence's decode, 8 sequences'
+decode rows over one document (cascade) and a verify of 17 rows, bf16 and fp8: the split
+kernel's launches (query slices, each reading the shard once) times the bytes its compiled key
+loop loads per key (K and V tiles, fp8 scales, positions), against bf16's.
+
     python -m treeattn_kernels.offline_compile --target sm_90 [--json]
 
 One target per process (Triton keeps compiled kernels per device index; the stand-in is 0).
@@ -313,6 +319,91 @@ def block_lse_report(target: Target) -> list[dict]:
     return out
 
 
+# The step report's launches: (kind, query rows per sequence and document, causal positions).
+STEP_KINDS = (("batch 1", 1, False), ("batch 8", 8, False), ("verify 17", 17, True))
+STEP_KEYS = 32768  # keys of the document's shard (the bytes scale with it; the ratios do not)
+STEP_BYTES_BOUND = 0.55  # fp8: the most of bf16's bytes a step may read (scales and positions included)
+
+
+def _step_launch(H, H_kv, d, Q, causal, kv_dtype, N=STEP_KEYS):
+    """The runtime's call for ``Q`` query rows of each head over one document's shard of ``N``
+    keys: decode (HF's transposed query), B sequences' rows of a cascade (``[1, H, B, d]``,
+    without positions) or a verify block (causal: the step's and the cache's sorted positions)."""
+    q = _meta(1, 1, H, d, dtype=torch.bfloat16).transpose(1, 2) if Q == 1 else _meta(1, H, Q, d, dtype=torch.bfloat16)
+    kw = dict(q=q, k=_cache_kv(1, H_kv, N, d, kv_dtype), v=_cache_kv(1, H_kv, N, d, kv_dtype),
+              kv_len=_meta(1, dtype=torch.int64), out=_meta(1, H, Q, d, dtype=torch.float32))
+    if kv_dtype.itemsize == 1:
+        kw.update(_cache_scales(1, H_kv, N, d))
+    if causal:
+        kw.update(k_pos_sorted=True, q_pos=_meta(1, Q, dtype=torch.int64),
+                  k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N])
+    return kw
+
+
+def loop_bytes_per_key(ck) -> float:
+    """Bytes the split kernel's key loop loads per key of one KV head, read off its Triton IR:
+    the loads of one iteration of the loop that holds the dots (the K and V tiles, an fp8
+    cache's scales, positions), over the keys an iteration walks (its step: BLOCK_N)."""
+    lines = ck.asm["ttir"].splitlines()
+
+    def indent(line):
+        return len(line) - len(line.lstrip())
+
+    dot = next(i for i, line in enumerate(lines) if "tt.dot" in line)
+    head = next(i for i in range(dot, -1, -1) if "scf.for" in lines[i] and indent(lines[i]) < indent(lines[dot]))
+    end = next(i for i in range(head + 1, len(lines)) if indent(lines[i]) == indent(lines[head])
+               and lines[i].lstrip().startswith("}"))
+    total = 0
+    for line in lines[head + 1:end]:
+        m = re.search(r"tt\.load .*: (?:tensor<([\dx]+)x)?!tt\.ptr<(\w+)>", line)
+        if m:
+            elems = math.prod(map(int, (m.group(1) or "1").split("x")))
+            t = m.group(2)
+            total += elems * (1 if t.startswith("f8") else max(1, int(re.search(r"\d+", t).group()) // 8))
+    step = re.search(r"step %c(\d+)_i32", lines[head])
+    return total / int(step.group(1))
+
+
+def step_report(target: Target) -> list[dict]:
+    """What one step reads from a document's shard of :data:`STEP_KEYS` keys on ``target``,
+    per model of :data:`MODELS` (one rank: its query heads, 8 KV heads, d = 128), kind of step
+    (:data:`STEP_KINDS`) and KV dtype (bf16; fp8 where the target stores it): the split kernel's
+    ``launches`` (query slices; a launch's programs cut the shard into disjoint runs, so each
+    reads every K/V tile once), its compiled loop's ``bytes_per_key`` (one KV head), and
+    ``bytes_per_step = launches x KV heads x keys x bytes_per_key``, with ``vs_bf16`` (fp8's
+    against bf16's of the same step); the kernel's registers, spills, shared memory and K/V
+    tiles in flight. ``checks``: no spills, and an fp8 step reads at most
+    :data:`STEP_BYTES_BOUND` of bf16's bytes."""
+    from .partial_triton import partial_attention_triton
+
+    out, bf16 = [], {}
+    kv_dtypes = (torch.bfloat16,) + ((FP8_KV[target.name],) if target.name in FP8_KV else ())
+    with compile_only(target) as compiled:
+        for (model, (H, H_kv, d)), (kind, Q, causal), kv_dtype in itertools.product(MODELS.items(), STEP_KINDS,
+                                                                                    kv_dtypes):
+            before = len(compiled)
+            partial_attention_triton(**_step_launch(H, H_kv, d, Q, causal, kv_dtype))
+            splits = [ck for name, ck, _ in compiled[before:] if name == "_split_kernel"]
+            ck = splits[0]  # every slice of a step is the same kernel (its height: max_rows)
+            res = resources(ck, target)
+            per_key = loop_bytes_per_key(ck)
+            step = len(splits) * H_kv * STEP_KEYS * per_key
+            if kv_dtype == torch.bfloat16:
+                bf16[(model, kind)] = step
+            c = _constexprs(ck)
+            rec = {"model": model, "kind": kind, "rows": H // H_kv * Q, "kv_dtype": NAMES[kv_dtype],
+                   "launches": len(splits), "block_m": c["BLOCK_M"], "block_n": c["BLOCK_N"],
+                   "num_warps": res["num_warps"], "regs": res["regs"], "spill_bytes": res["spill_bytes"],
+                   "shared_bytes": res["shared_bytes"], "tiles_in_flight": pipeline_depth(ck),
+                   "ctas_per_sm": occupancy(target, res["regs"], res["shared_bytes"], res["num_warps"])["ctas"],
+                   "bytes_per_key": round(per_key, 2), "bytes_per_step": round(step),
+                   "vs_bf16": round(step / bf16[(model, kind)], 4)}
+            rec["checks"] = {"spills": res["spill_bytes"] <= SPILL_BOUND,
+                             "bytes": kv_dtype == torch.bfloat16 or rec["vs_bf16"] <= STEP_BYTES_BOUND}
+            out.append(rec)
+    return out
+
+
 def merge_calls():
     """The fused pack/finish of the allreduce merge, per head dim and output dtype."""
     for d, dt in itertools.product(HEAD_DIMS, DTYPES):
@@ -578,8 +669,9 @@ def compile_all(target: Target, calls=None) -> dict:
     growth = decode_growth(target) if calls is None else None
     decode = decode_report(target) if calls is None else None
     lse = block_lse_report(target) if calls is None else None
+    steps = step_report(target) if calls is None else None
     return {"target": target.name, "configs": n, "kernels": kernels, "errors": errors,
-            "decode_growth_kernels": growth, "decode": decode, "block_lse": lse,
+            "decode_growth_kernels": growth, "decode": decode, "block_lse": lse, "steps": steps,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -620,7 +712,9 @@ def main(argv=None) -> int:
             print(f"  ERROR {e['config']}: {e['error']}")
         print_decode(res)
         print_block_lse(res)
-    decode_ok = all(all(r["checks"].values()) for r in (res["decode"] or []) + (res["block_lse"] or []))
+        print_steps(res)
+    decode_ok = all(all(r["checks"].values()) for r in (res["decode"] or []) + (res["block_lse"] or [])
+                    + (res["steps"] or []))
     return 0 if not res["errors"] and all(k["ok"] for k in res["kernels"]) and decode_ok else 1
 
 
@@ -657,6 +751,19 @@ def print_block_lse(res) -> None:
               f"{v['spill_bytes']:>5} {str(p['shared_bytes']) + '->' + str(v['shared_bytes']):>14} "
               f"{str(p['tiles_in_flight']) + '->' + str(v['tiles_in_flight']):>6} "
               f"{str(p['ctas_per_sm']) + '->' + str(v['ctas_per_sm']):>6}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}")
+
+
+def print_steps(res) -> None:
+    """The step report as a table: launches and bytes a step reads, per model, kind and KV dtype."""
+    print(f"\nbytes a step reads from a document's shard on {res['target']} ({STEP_KEYS} keys, 8 KV heads)")
+    print(f"  {'model':<14} {'step':<9} {'rows':>4} {'KV':>12} {'launch':>6} {'BM':>3} {'BN':>3} {'regs':>4} "
+          f"{'spill':>5} {'shared':>6} {'tiles':>5} {'B/key':>6} {'MiB/step':>8} {'vs bf16':>7}  checks")
+    for r in res["steps"] or ():
+        bad = [k for k, ok in r["checks"].items() if not ok]
+        print(f"  {r['model']:<14} {r['kind']:<9} {r['rows']:>4} {r['kv_dtype']:>12} {r['launches']:>6} "
+              f"{r['block_m']:>3} {r['block_n']:>3} {r['regs']:>4} {r['spill_bytes']:>5} {r['shared_bytes']:>6} "
+              f"{r['tiles_in_flight']:>5} {r['bytes_per_key']:>6} {r['bytes_per_step'] / 2 ** 20:>8.1f} "
+              f"{r['vs_bf16']:>7}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}")
 
 
 if __name__ == "__main__":

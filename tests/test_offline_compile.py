@@ -12,7 +12,9 @@ And the decode launches of Llama-3.1-8B / -70B at tp 1 and 8 over 8K-128K keys p
 SM (H3), a grid that fills the machine and splits that follow the live length (H4), bytes in
 flight against Little's law, and two workgroups per CU on gfx942 (H10). And the split kernel
 over an fp8 cache (issue 27) on the targets that store one (sm_90, gfx942): the same rules at
-no fewer CTAs per SM than bf16's, and about half the bytes per key.
+no fewer CTAs per SM than bf16's, and about half the bytes per key. And what a step reads over
+an fp8 cache when its queries are more than one row (issue 38: 8 sequences over one document,
+a verify of 17 rows): at most 0.55x bf16's bytes, from the compiled key loop and the launches.
 """
 
 from __future__ import annotations
@@ -207,6 +209,32 @@ def test_fp8_decode_keeps_the_rules_and_halves_the_bytes(compiled, target):
             assert r["resident_floor"] > 0, r
             assert r["resident_ctas"] >= r["resident_floor"] or r["bytes_in_flight"] == r["shard_bytes"], r
             assert r["bytes_per_key_vs_bf16"] <= 0.55, r
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_fp8_steps_of_many_rows_read_about_half_of_bf16s_bytes(compiled, target):
+    """Issue 38: over an fp8 cache, one sequence's decode, 8 sequences' rows over one document
+    and a verify of 17 rows (Llama-3.1-8B's and -70B's heads: d = 128, GQA groups of 4 and 8)
+    make as many launches as over bf16 (one for 8 sequences; a verify cut into the 16-bit
+    kernel's slices), and each launch's compiled key loop reads K and V once, with their scales:
+    a step reads at most 0.55x bf16's bytes (expanding each row per scale group used to cut 8
+    sequences into 2-4 launches and a verify into 5-9: 1.06-2.1x). No spills, and at least two
+    K/V tiles in flight."""
+    from treeattn_kernels.offline_compile import STEP_BYTES_BOUND, STEP_KINDS
+
+    recs = compiled[target]["steps"]
+    fp8 = [r for r in recs if r["kv_dtype"].startswith("fp8")]
+    bf16 = {(r["model"], r["kind"]): r for r in recs if r["kv_dtype"] == "bf16"}
+    assert {(r["model"], r["kind"]) for r in fp8} == set(bf16) == \
+        {(m, k) for m in ("llama-3.1-8b", "llama-3.1-70b") for k, _, _ in STEP_KINDS}
+    for r in fp8:
+        b = bf16[(r["model"], r["kind"])]
+        assert r["launches"] == b["launches"] and (r["kind"] == "verify 17" or r["launches"] == 1), (r, b)
+        assert r["bytes_per_step"] <= STEP_BYTES_BOUND * b["bytes_per_step"] and r["vs_bf16"] <= 0.55, (r, b)
+        assert r["bytes_per_key"] == 2 * (128 + 2 * 4) + (8 if r["kind"] == "verify 17" else 0), r  # + positions
+        assert all(r["checks"].values()) and r["spill_bytes"] == 0, r
+        assert r["tiles_in_flight"] >= 2, r
+    assert all(all(r["checks"].values()) for r in recs)
 
 
 @pytest.mark.parametrize("target", TARGETS)
