@@ -147,8 +147,8 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     learned sink logits folded into this partial (give them to one partial of a merge only).
     ``k_scale, v_scale [B, H_kv, N, G]``: ``k`` and ``v`` are fp8, each token's row scaled by
     G factors, one per ``d / G`` channels (an fp8 KV cache, :func:`dequantize`); the Triton
-    kernel dequantizes each tile in registers, the reference one key block at a time, the fused
-    ATen path the rows up front.
+    kernel dequantizes each tile in registers, the reference and the fused ATen path one key
+    block at a time.
     ``k_pos_sorted``: the caller promises ``k_pos`` ascends over each sequence's valid keys (a
     cache's positions do): the Triton kernel then searches a sliding window's first key instead
     of walking the shard; the other paths do not need it.
@@ -174,9 +174,7 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
             impl = "aten" if q.device.type == "cpu" else "torch"
             if block_lse is not None:  # the fused kernel writes no scores: the reference does both in one
                 impl = "torch"  # pass (decode rows on a CPU: 441 us against 554 fused + scores, 2.3K keys)
-    if k_scale is not None and impl in ("aten", "cpu"):  # the fused path takes the rows dequantized
-        k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
-    elif k_scale is not None:  # the reference and the Triton kernel read the fp8 rows and their scales
+    if k_scale is not None:  # every path takes the fp8 rows and their scales (ATen's: a key block at a time)
         kw.update(k_scale=k_scale, v_scale=v_scale)
     if impl in ("aten", "cpu"):
         from .partial_aten import partial_attention_aten

@@ -8,7 +8,9 @@ to for what the fused kernel cannot express here (sliding windows, soft-capping,
 position masks). GQA stays native: the query heads of a KV head are folded into its rows
 (``[B, H_kv, G*Q, d]`` against ``[B, H_kv, N, d]``), so K/V are never repeated; a causal block
 (queries and keys at the same positions, the diagonal block of prefill) runs one call per
-query head of the group with the kernel's own causal skipping.
+query head of the group with the kernel's own causal skipping. An fp8 shard reaches the fused
+kernel dequantized one block of keys at a time, the partials merged by LSE: the transient copy
+is a block's, never the shard's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import math
 
 import torch
 
-from .partial_ref import _emit, add_sink, block_lse_ref, check_inputs, partial_attention_ref
+from . import partial_ref
+from .partial_ref import _emit, _merge, add_sink, block_lse_ref, check_inputs, dequantize, partial_attention_ref
 
 _OP_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _OP_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
@@ -110,24 +113,29 @@ def _one(op, q, k, v, scale, causal):
 
 
 def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                           window=None, softcap=None, sink=None, out=None, lse_out=None, fallback=None,
-                           block_lse=None, lse_block: int = 1, lse_rows=None):
+                           window=None, softcap=None, sink=None, k_scale=None, v_scale=None, out=None,
+                           lse_out=None, fallback=None, block_lse=None, lse_block: int = 1, lse_rows=None):
     """Fused-kernel version of :func:`partial_attention_ref` (same arguments and outputs).
-    ``fallback``: what runs the cases the fused kernel cannot (default: the reference). The
-    fused kernel writes no scores: ``block_lse`` is computed beside it for the sequences whose
-    rows ask (:func:`partial_ref.block_lse_ref`, a second read of their keys)."""
+    ``fallback``: what runs the cases the fused kernel cannot (default: the reference), fp8
+    rows and their scales as given. The fused kernel writes no scores: ``block_lse`` is
+    computed beside it for the sequences whose rows ask (:func:`partial_ref.block_lse_ref`, a
+    second read of their keys). ``k_scale, v_scale``: fp8 ``k``/``v``, which the fused kernel
+    takes dequantized to q's dtype one block of keys at a time (:func:`_fp8_blocks`)."""
     B, H, Q, _, _, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     if block_lse is not None:
         block_lse_ref(q, k, block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows, scale=scale, q_pos=q_pos,
-                      k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap)
+                      k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, k_scale=k_scale)
     kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
               softcap=softcap, sink=sink, out=out, lse_out=lse_out)
     slow = fallback or partial_attention_ref
+    fp8 = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
     if not supports(q) or window is not None or softcap is not None or N == 0 or Q == 0 or B * H == 0:
-        return slow(q, k, v, **kw)
+        return slow(q, k, v, **kw, **fp8)
     op = _op(q.device, q.dtype)
     if op is None:
-        return slow(q, k, v, **kw)
+        return slow(q, k, v, **kw, **fp8)
+    if fp8:
+        return _fp8_blocks(q, k, v, k_scale, v_scale, kw, fallback)
     causal = False
     if q_pos is not None:
         q0, k0 = _contiguous_range(q_pos, Q), _contiguous_range(k_pos, N)
@@ -152,6 +160,30 @@ def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_le
         if q.device.type == "cpu":
             raise
         return slow(q, k, v, **kw)
+
+
+def _fp8_blocks(q, k8, v8, k_scale, v_scale, kw, fallback):
+    """The fused path over fp8 rows ``k8, v8 [B, H_kv, N, d]``: each block of
+    ``partial_ref._KEY_BLOCK`` keys (the reference's: 16K) dequantized to q's dtype and attended
+    on its own (fp32 partials), the partials merged by LSE (DESIGN.md §2), the sink folded in
+    once. Only one block's rows are ever dequantized (~0.1 GiB at 8 KV heads, d = 128, with
+    dequantize's fp32 transient), where the whole shard's were ~1.5 GiB at 128K keys."""
+    B, H, Q, d = q.shape
+    N, nb = k8.shape[2], partial_ref._KEY_BLOCK
+    kv_len, k_pos = kw["kv_len"], kw["k_pos"]
+    o = lse = None
+    for n0 in range(0, N, nb):
+        n1 = min(N, n0 + nb)
+        part = dict(kw, k_pos=None if k_pos is None else k_pos[..., n0:n1], sink=None, lse_out=None,
+                    kv_len=None if kv_len is None else (kv_len - n0).clamp(0, n1 - n0),
+                    out=torch.empty(B, H, Q, d, dtype=torch.float32, device=q.device))
+        bo, bl = partial_attention_aten(q, dequantize(k8[:, :, n0:n1], k_scale[:, :, n0:n1], q.dtype),
+                                        dequantize(v8[:, :, n0:n1], v_scale[:, :, n0:n1], q.dtype),
+                                        fallback=fallback, **part)
+        o, lse = (bo, bl) if o is None else _merge(o, lse, bo, bl)
+    if kw["sink"] is not None:
+        o, lse = add_sink(o, lse, kw["sink"])
+    return _emit(o, lse, q.dtype, kw["out"], kw["lse_out"])
 
 
 def _fused(op, q, k, v, scale, causal, kv_len, kw, slow, out, lse_out, sink):

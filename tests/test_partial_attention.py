@@ -541,6 +541,52 @@ def test_triton_fp8_groups_it_cannot_tile_are_dequantized_up_front():
         pt.partial_attention_triton(q, k8, v8, k_scale=ks[..., :1], v_scale=vs)
 
 
+@pytest.mark.parametrize("case", ["plain", "ragged+sink", "positions", "window", "block_lse", "bf16"])
+def test_aten_path_dequantizes_one_key_block_at_a_time(monkeypatch, case):
+    """The fused ATen path over an fp8 shard (the CPU's, and the GPU's past the split kernel's
+    rows) dequantizes it for the fused kernel one block of keys at a time (a 64-key block here:
+    a shard of 300 keys, five blocks), its partials merged by LSE; the paths it falls back to
+    (windows: the reference) read the fp8 rows themselves, a block at a time too. No copy of the
+    whole shard is ever made, and the answer is the reference's."""
+    import treeattn_kernels
+    from treeattn_kernels import partial_aten, partial_ref
+
+    monkeypatch.setattr(partial_ref, "_KEY_BLOCK", 64)
+    widest = []
+    real = partial_ref.dequantize
+
+    def counting(x8, scale, dtype=torch.float32):
+        widest.append(x8.shape[2])
+        return real(x8, scale, dtype)
+
+    for mod in (treeattn_kernels, partial_aten, partial_ref):
+        monkeypatch.setattr(mod, "dequantize", counting)
+    B, G, H_kv, Q, N, d = 2, 4, 2, 5, 300, 64
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    q = torch.randn(B, G * H_kv, Q, d).to(dtype)
+    (k8, ks), (v8, vs) = _fp8(B, H_kv, N, d, 2), _fp8(B, H_kv, N, d, 2, amp=1.0)
+    kw = dict(k_scale=ks, v_scale=vs, kv_len=torch.tensor([N, 150]))
+    if case == "ragged+sink":
+        kw.update(sink=torch.randn(G * H_kv), kv_len=torch.tensor([N - 1, 0]))
+    if case in ("positions", "window", "block_lse"):  # queries after the keys: some blocks causal
+        kw.update(q_pos=torch.arange(N - 2, N - 2 + Q).expand(B, Q), k_pos=torch.arange(N).expand(B, N))
+    if case == "window":
+        kw["window"] = 100
+    if case == "block_lse":
+        kw.update(block_lse=torch.full((B, G * H_kv, Q, -(-N // 4)), math.nan), lse_block=4,
+                  lse_rows=torch.tensor([[True] * Q, [False] * Q]))
+    o, lse = partial_attention(q, k8, v8, impl="aten", **kw)
+    assert max(widest) == 64 and widest.count(64) >= 2 * 4, widest  # K and V, block by block
+    ref = dict(kw, block_lse=torch.full_like(kw["block_lse"], math.nan)) if case == "block_lse" else kw
+    o_ref, lse_ref = partial_attention_ref(q, k8, v8, **ref)
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, torch.float32 if dtype == torch.float32 else dtype, "lse")
+    if case == "block_lse":
+        assert torch.equal(kw["block_lse"].isnan(), ref["block_lse"].isnan())
+        asked = ~kw["block_lse"].isnan()
+        assert_close(kw["block_lse"][asked], ref["block_lse"][asked], torch.float32, "block_lse")
+
+
 def test_tritons_floor_has_every_feature_the_kernels_use(monkeypatch):
     """TRITON_FLOOR is the oldest Triton with every feature the kernels' source uses (a feature
     newer than the floor fails here), pyproject asks for that floor, and an older Triton is
