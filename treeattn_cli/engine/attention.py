@@ -54,6 +54,7 @@ class AttentionContext:
     eager: bool = True  # decode: the step is not captured in a CUDA graph (it merges with comm.eager_scheme)
     cite: object = None  # decode/replicated: the answer's cite.Citation (its rows' attention per span), or None
     cites: list = field(default_factory=list)  # cascade: each row's cite.Citation or None (documents only)
+    paged: tuple | None = None  # cascade: the documents' (block tables, lengths) on the device, for every layer
 
 
 # Arguments of a model's forward that transformers passes on to every attention call and that
@@ -210,8 +211,8 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     cites = [c if c is not None and c.wants(layer) else None for c in ctx.cites] if ctx.cites else []
     cited = []  # (citation, row, block_lse [H, T, N] of its document's shard, the shard, its keys' positions)
     o_d = l_d = None
-    if gpu_path(q) and _one_pool(groups):  # the GPU's path: one launch through the documents' tables
-        o_d, l_d = _documents_paged(groups, layer, q, pos, scale, window, softcap, cites, cited)
+    if gpu_path(q) and pooled_documents([doc for doc, _, _ in groups]):  # the GPU's path: one launch through
+        o_d, l_d = _documents_paged(ctx, groups, layer, q, pos, scale, window, softcap, cites, cited)  # the tables
         groups = []
     for doc, idx, members in groups:
         qg, pg = (q, pos) if idx is None else (q[idx], pos[idx])
@@ -257,13 +258,13 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     return out
 
 
-def _one_pool(groups) -> bool:
+def pooled_documents(shards) -> bool:
     """Whether every document of a cascade lives in the same block pool (``paged_shard``)."""
-    pools = {id(getattr(doc, "pool", None)) for doc, _, _ in groups}
-    return len(pools) == 1 and getattr(groups[0][0], "pool", None) is not None
+    pools = {id(getattr(doc, "pool", None)) for doc in shards}
+    return len(pools) == 1 and getattr(shards[0], "pool", None) is not None
 
 
-def _documents_paged(groups, layer: int, q, pos, scale, window, softcap, cites, cited):
+def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, cites, cited):
     """The documents' partials of a cascade in one paged call (``q [R, H, T, d]``, ``pos [R, T]``):
     each document is a row of the call, its sequences' T-token rows its query rows (padded to
     the longest group; padding at position -1), read through its block table. Returns
@@ -282,8 +283,11 @@ def _documents_paged(groups, layer: int, q, pos, scale, window, softcap, cites, 
     for g, idx in enumerate(idxs):
         qq[g, :, :len(idx) * T] = q[idx].transpose(0, 1).reshape(H, len(idx) * T, d)
         qp[g, :len(idx) * T] = pos[idx].reshape(-1)
-    tables, _ = tables_tensor([s.table for s in shards], device=q.device)
-    kv_len = torch.tensor([s.n for s in shards], dtype=torch.int64, device=q.device)
+    if ctx.paged is not None:  # sent once for the forward (batch.BatchDecoder._forward)
+        tables, kv_len = ctx.paged
+    else:
+        tables, _ = tables_tensor([s.table for s in shards], device=q.device)
+        kv_len = torch.tensor([s.n for s in shards], dtype=torch.int64, device=q.device)
     quant = pool.quant
     kw = dict(q_pos=qp, pos_pool=pool.pos, window=window) if window is not None else {}
     asking = [[i for i in members if cites[i] is not None] if cites else [] for _, _, members in groups]

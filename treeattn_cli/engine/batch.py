@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import ShardedKVCache
-from .sampling import STOP_CODES, STOP_IDS, Sampling, sample, token_logprobs
+from . import host
+from .host import Staging
+from .sampling import STOP_CODES, STOP_IDS, Sampling
 
 _IDLE = -1  # a slot with nothing to report this round
 _ALL_STOPPED = -2  # the launcher interrupted the batch
@@ -83,6 +85,7 @@ class BatchDecoder:
         self.tail = ShardedKVCache(doc.num_layers, slots, doc.kv_heads, doc.head_dim, dtype=doc.dtype,
                                    device=doc.device, rank=doc.rank, world=doc.world,
                                    capacity=-(-capacity // cp) + 2, quant=doc.quant)  # stored like the document
+        self.staging = Staging(doc.device)  # a forward's inputs, in one copy
         self.documents_per_step = 0  # the most documents one forward read (rows of several: a mixed step)
         self.segments_while_decoding = 0  # document prefill segments run while answers were under way
         self.question_chunks = 0  # chunks of questions prefilled (a question over ``budget`` tokens: several)
@@ -91,12 +94,13 @@ class BatchDecoder:
     @torch.inference_mode()
     def run(self, questions: list[Question], *, drafter=None, interrupted=None, feed=None, make_question=None,
             on_token=None, on_answer=None, documents=None, on_doc=None, budget: int | None = None,
-            citation=None) -> list[dict]:
+            citation=None, news_flag=None) -> list[dict]:
         """Answer every question; returns (on every rank) one summary per question, in order.
 
         Rank 0 only: each question's ``stop_check(ids) -> reason | None``; ``interrupted() ->
         bool`` (Ctrl-C: every answer ends); ``feed() -> (new questions, cancelled indices)``
-        polled each step (questions that join, as raw requests ``make_question`` turns into
+        polled when ``news_flag() -> int`` (one look at the launcher's store a step) changes, or
+        each step without it (questions that join, as raw requests ``make_question`` turns into
         :class:`Question` on every rank; answers to cancel); ``on_token(question, token)``;
         ``on_answer(question, summary)`` as each answer ends; ``on_doc(question, Question)`` as a
         question takes a slot (its document resident); ``drafter(document, question tokens) ->
@@ -116,7 +120,7 @@ class BatchDecoder:
         queued question needs (``documents.Documents.advance``), and questions whose documents
         are ready take free slots in their order, so a new document neither stalls the answers
         under way for longer than a segment nor holds back questions behind it."""
-        from .speculate import Speculation, StepCost, accept
+        from .speculate import Speculation, StepCost, emit_all
 
         dec, S = self.dec, self.slots
         lead = dec.world.rank == 0
@@ -128,9 +132,11 @@ class BatchDecoder:
         out: list[dict | None] = [None] * len(questions)
         cancelled: set = set()
         t0 = time.perf_counter()
-        spent = None  # seconds of the latest timed forward (speculation prices drafts with it)
+        t_step = None  # when the latest step's forward began (its time ends once its tokens are read)
+        clean = False  # nothing else ran on the device between that forward and the read of its tokens
         cost = StepCost()  # what the batch's forwards cost, by draft rows: one for every slot
         msg = torch.zeros(S + 1, WIDTH, dtype=torch.int64, device=dec.device)
+        seen_news, stop_all = -1, False  # rank 0: the launcher's news counter as last read
         filling: list[int] = []  # slots whose question is not all in the tail yet, in the order they began
 
         def finish(s: _Slot, reason):
@@ -156,6 +162,7 @@ class BatchDecoder:
                             and not questions[qi].doc.evicted), None)
             blocked = False  # the pool has no room for it while other documents are in use
             if pending is not None:  # one segment of the first document a queued question waits for
+                clean = False
                 blocked = not documents.advance(pending)
                 self.segments_while_decoding += any(slots) and not blocked
                 if blocked and not any(slots):  # nothing will end to make room (pinned documents hold the
@@ -211,6 +218,7 @@ class BatchDecoder:
                 finish(slots[b], "cancelled")
                 slots[b] = None
             if filling:
+                clean = False
                 self.chunks_while_decoding += any(slots[b] is not None and b not in filling for b in range(S))
                 for b, lg in self._fill([(b, slots[b]) for b in filling], questions, budget):
                     filling.remove(b)
@@ -220,18 +228,21 @@ class BatchDecoder:
             if not any(slots) and not queue:
                 break
             if lead:  # every ready slot's tokens (several when drafts were accepted), stop, next drafts
-                msg.zero_()
-                stop_all = interrupted is not None and interrupted()
-                news = feed() if feed is not None else ([], [])
-                if spent is not None:  # the latest forward, with every slot's drafts in it
-                    cost.observe(sum(len(drafts[b]) for b in range(S) if ready[b]), spent)
-                n_ready = sum(ready)
-                for b in range(S):
-                    if not ready[b]:
-                        continue
-                    s, q = slots[b], questions[slots[b].question]
-                    emitted = accept(rows[b], drafts[b], q.sampling, s.gen) if drafts[b] else \
-                        [int(sample(rows[b], q.sampling, s.gen)[0])]
+                ready_b = [b for b in range(S) if ready[b]]
+                qs_b = [questions[slots[b].question] for b in ready_b]
+                picks = emit_all([rows[b] for b in ready_b], [drafts[b] for b in ready_b], [q.sampling for q in qs_b],
+                                 [slots[b].gen for b in ready_b], [q.logprobs for q in qs_b])  # the step's one read
+                if t_step is not None and clean and picks:  # the latest forward, with every slot's drafts in it
+                    cost.observe(sum(len(drafts[b]) for b in ready_b), time.perf_counter() - t_step)
+                news = ([], [])
+                if news_flag is None or (n := news_flag()) != seen_news:  # the launcher posted something
+                    seen_news = seen_news if news_flag is None else n
+                    stop_all = interrupted is not None and interrupted()
+                    news = feed() if feed is not None else ([], [])
+                table = [[0] * WIDTH for _ in range(S + 1)]
+                n_ready = len(ready_b)
+                for b, q, (emitted, lps) in zip(ready_b, qs_b, picks):
+                    s = slots[b]
                     s.spec.observe(len(drafts[b]), len(emitted) - 1)
                     final, reason = [], None
                     for tok in emitted:
@@ -247,18 +258,21 @@ class BatchDecoder:
                         if reason is not None:
                             break
                     if q.logprobs is not None:
-                        s.logprobs += token_logprobs(rows[b], final, q.logprobs)
+                        s.logprobs += lps[:len(final)]
                     nxt = []
                     if reason is None and s.drafter is not None:
                         s.drafter.extend(final)
                         nxt = s.drafter.draft(min(s.spec.want(n_ready), q.max_new_tokens - len(s.tokens) - 1, KMAX))
-                    msg[b, 0], msg[b, 1], msg[b, 2] = len(final), STOP_IDS[reason], len(nxt)
-                    msg[b, 3:3 + len(final)] = torch.tensor(final)
-                    msg[b, 4 + KMAX:4 + KMAX + len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
-                msg[S, 0] = _ALL_STOPPED if stop_all else 0
-                msg[S, 1] = 1 if news[0] or news[1] else 0
+                    row = table[b]
+                    row[0], row[1], row[2] = len(final), STOP_IDS[reason], len(nxt)
+                    row[3:3 + len(final)] = final
+                    row[4 + KMAX:4 + KMAX + len(nxt)] = nxt
+                table[S][0] = _ALL_STOPPED if stop_all else 0
+                table[S][1] = 1 if news[0] or news[1] else 0
+                msg = self.staging.send(table)[0]  # one copy to the device, nothing waits
             dec.world.broadcast(msg, src=0)
-            table = msg.tolist()
+            if not lead:
+                table = host.read(msg)  # the step's one read on this rank
             if table[S][1]:  # questions joined or were cancelled: every rank learns them
                 joined, gone = dec.world.broadcast_object(news if lead else None, src=0)
                 questions += [make_question(q) for q in joined]
@@ -306,10 +320,10 @@ class BatchDecoder:
                         slots[b] = None
                 filling.clear()
                 break
-            spent = None
+            t_step = None
             if any(going):
                 busy = [b for b in range(S) if going[b]]
-                t_step = time.perf_counter()
+                t_step, clean = time.perf_counter(), True
                 at = {b: slots[b].doc_tokens + slots[b].prompt + len(slots[b].tokens) - 1 for b in busy}  # last token's
                 if any(nxt_all[b] for b in busy):  # drafts to verify: one extension of every busy slot
                     feeds = [[slots[b].tokens[-1]] + nxt_all[b] for b in busy]
@@ -326,9 +340,6 @@ class BatchDecoder:
                         rows[b] = lg[b:b + 1] if lead else None
                 for b in busy:
                     ready[b], drafts[b] = True, nxt_all[b]
-                if lead and rows[busy[0]] is not None:
-                    rows[busy[0]][-1, 0].item()  # the forward is done once its logits can be read
-                spent = time.perf_counter() - t_step
         return out
 
     def _summary(self, s: _Slot, reason) -> dict:
@@ -392,38 +403,56 @@ class BatchDecoder:
     def _step(self, tokens: list[int], positions: list[int], going: list[bool], of: list):
         """One token for every slot that goes on (the others are written off; ``of``: the slot
         whose document each row reads): logits ``[S, V]``."""
-        self.tail.begin_step(torch.tensor(positions), active=going)
+        store = self.tail.plan_step(active=going)  # host: where each slot's token is kept
         pos = torch.tensor(positions, dtype=torch.int64)[:, None]
         return self._forward(torch.tensor(tokens)[:, None], pos, list(range(self.slots)), of, step=True,
-                             finish=self.tail.end_step,
+                             finish=self.tail.end_step, store=store,
                              cites=[s.citation if going[b] else None for b, s in enumerate(of)])
 
-    def _forward(self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1, cites=None):
-        """The model on the tail ``rows`` (``ids, pos [R, T]``), row i continuing the document
-        of slot ``of[i]``: its rows of each document are one group (``attention._cascade``).
+    def _forward(self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1, cites=None, store=None):
+        """The model on the tail ``rows`` (``ids, pos [R, T]``, host), row i continuing the
+        document of slot ``of[i]``: its rows of each document are one group (``attention._cascade``).
         ``cites``: row i's ``cite.Citation`` where its tokens are an answer's that cites (a step
-        or a verify), else None."""
+        or a verify), else None. ``store``: a step's (``ShardedKVCache.plan_step``). What the
+        device needs from the host (tokens, positions, the groups' rows, where the step's tokens
+        are kept, the documents' block tables) goes in one copy (``host.Staging``)."""
+        from .attention import pooled_documents
+
         dec = self.dec
         actx = dec.actx
-        dev = dec.device
         groups: dict = {}
         for i, s in enumerate(of):
             groups.setdefault(id(s.doc), (s.doc.cache, []))[1].append(i)
-        actx.groups = [(cache, None if len(idx) == len(of) else torch.tensor(idx, device=dev), idx)
-                       for cache, idx in groups.values()]
-        self.documents_per_step = max(self.documents_per_step, len(groups))
+        parts = [idx for _, idx in groups.values() if len(idx) != len(of)]
         first = torch.tensor([s.doc_tokens for s in of], dtype=torch.int64)[:, None]
-        pos_dev = pos.to(dev)
-        actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_dev
+        send = [ids, pos, torch.where(pos < 0, first, pos)]  # padding (-1) runs at its row's first position
+        if store is not None:
+            send += [store.to(torch.int64), pos[:, 0]]
+        shards = [cache for cache, _ in groups.values()]
+        paged = pooled_documents(shards)
+        if paged:  # the documents' block tables, once for every layer of the forward
+            width = max([len(d.table.blocks) for d in shards] + [1])
+            send += [[d.table.blocks + [0] * (width - len(d.table.blocks)) for d in shards], [d.n for d in shards]]
+        sent = self.staging.send(*send, *parts)
+        ids_d, pos_d, mpos_d = sent[:3]
+        at = 3
+        if store is not None:
+            self.tail.start_step(store, sent[3], sent[4])
+            at = 5
+        actx.paged = (sent[at], sent[at + 1]) if paged else None
+        at += 2 if paged else 0
+        idx_d = iter(sent[at:])
+        actx.groups = [(cache, None if len(idx) == len(of) else next(idx_d), idx) for cache, idx in groups.values()]
+        self.documents_per_step = max(self.documents_per_step, len(groups))
+        actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_d
         if cites and any(c is not None for c in cites):
             actx.cites = list(cites)
             for c in cites:
                 if c is not None:
                     c.begin(ids.shape[1])
-        try:  # padding (position -1) runs at its row's first position, and is kept nowhere
-            logits = dec._forward(ids.to(dev), torch.where(pos < 0, first, pos).to(dev),
-                                  want_logits=dec.comm.rank == 0, rows=keep)
+        try:  # padding is kept nowhere
+            logits = dec._forward(ids_d, mpos_d, want_logits=dec.comm.rank == 0, rows=keep)
         finally:
-            actx.phase, actx.tail, actx.groups, actx.cites = "decode", None, [], []
+            actx.phase, actx.tail, actx.groups, actx.cites, actx.paged = "decode", None, [], [], None
         finish()
         return logits

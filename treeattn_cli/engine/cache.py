@@ -169,11 +169,23 @@ class ShardedKVCache:
         self.counts[torch.arange(self.batch), owner] += add
         return owner
 
-    def begin_step(self, positions, active=None) -> torch.Tensor:
+    def begin_step(self, positions, active=None, staged=None) -> torch.Tensor:
         """Start a decode step whose new tokens have global ``positions [B]``; returns
         ``store [B] bool`` (host), whether this rank keeps each sequence's new token.
         ``active [B]`` (host bool, default all): a sequence that is not active this step (a
-        free slot of a batch) keeps its token nowhere (every rank writes it off)."""
+        free slot of a batch) keeps its token nowhere (every rank writes it off). ``staged``:
+        the step's ``(store, positions)`` already on the device, as :meth:`plan_step` returned
+        and ``host.Staging`` sent them (the step's one copy); else they are copied here."""
+        store = self.plan_step(active)
+        if staged is None:
+            staged = (store.to(torch.int64).to(self.device, non_blocking=True),
+                      torch.as_tensor(positions, dtype=torch.int64).expand(self.batch).to(self.device, non_blocking=True))
+        self.start_step(store, *staged)
+        return store
+
+    def plan_step(self, active=None) -> torch.Tensor:
+        """The host's part of :meth:`begin_step`: place each sequence's new token (counts, the
+        capacity, what the step views); ``store [B] bool`` (host): this rank keeps it."""
         store = self.place(active) == self.rank  # host
         if active is not None:
             store &= torch.as_tensor(active, dtype=torch.bool)
@@ -185,17 +197,20 @@ class ShardedKVCache:
         # recaptured together (a capture runs the step's collectives) and shapes stay equal.
         self.reserve(int(self.counts.max()))
         self._view_len = self.max_len + int(store.any())
-        st = store.to(torch.int64)
-        self._store.copy_(st, non_blocking=True)
-        self.step_positions.copy_(torch.as_tensor(positions, dtype=torch.int64).expand(self.batch),
-                                  non_blocking=True)
+        return store
+
+    def start_step(self, store, store_dev, positions_dev) -> None:
+        """The device's part of :meth:`begin_step`: ``store`` (host, :meth:`plan_step`'s),
+        ``store_dev [B]`` int64 and ``positions_dev [B]`` the same and the step's positions, on
+        the device (device work only: nothing waits for it)."""
+        self._store.copy_(store_dev, non_blocking=True)
+        self.step_positions.copy_(positions_dev, non_blocking=True)
         # where each sequence's K/V goes: its next slot here, or the write-off slot
         torch.where(self._store.bool(), self.length, torch.full_like(self.length, self.capacity),
                     out=self._slot)
         torch.add(self.length, self._store, out=self._kv_len)
         self.pos[self._rows, self._slot] = self.step_positions  # masks of this step need them
         self._store_host = store
-        return store
 
     def update(self, layer: int, k_new, v_new):
         """Write this rank's share of the step's K/V (``k_new, v_new [B, H_kv, 1, d]``) and

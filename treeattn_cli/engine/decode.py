@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import AttentionContext
-from .sampling import STOP_CODES, STOP_IDS, Sampling, sample
-from .speculate import Drafter, Speculation, accept
+from . import host
+from .host import Staging
+from .sampling import STOP_CODES, STOP_IDS, Sampling
+from .speculate import Drafter, Speculation, emit_all
 
 @dataclass
 class Timings:
@@ -70,6 +72,7 @@ class Decoder:
         self.captures = self.replays = 0  # graphs captured (again after a document switch or growth), replayed
         self._tok = self._pos = self._graph_out = None
         self.graph_note = None
+        self.staging = Staging(self.device)  # a step's inputs, in one copy
         if self.use_graph and not graph_capture_ok(self.comm):
             self.use_graph, actx.eager = False, True
             self.graph_note = (f"CUDA graphs need torch >= {P2P_CAPTURE_TORCH} to capture the point-to-point "
@@ -215,14 +218,18 @@ class Decoder:
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, position: int):
-        """One decode step for ``tokens [B]`` at global ``position``; logits ``[B, V]`` on rank 0."""
+        """One decode step for ``tokens [B]`` at global ``position``; logits ``[B, V]`` on rank 0.
+        What the device needs from the host (the tokens, where they are kept, the position) goes
+        in one copy (``host.Staging``)."""
         B = tokens.shape[0]
-        self.cache.begin_step(torch.full((B,), position, dtype=torch.int64))
+        store = self.cache.plan_step()
+        tok, st, ps = self.staging.send(tokens, store.to(torch.int64), [position] * B)
+        self.cache.start_step(store, st, ps)
         if self._tok is None:  # static inputs: the same storage every step (a graph reads them)
             self._tok = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
             self._pos = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
-        self._tok.copy_(tokens[:, None], non_blocking=True)
-        self._pos.fill_(position)
+        self._tok.copy_(tok[:, None], non_blocking=True)
+        self._pos.copy_(ps[:, None], non_blocking=True)
         want = self.comm.rank == 0
         if self.use_graph and self.actx.cite is None:  # an answer that cites runs eagerly (its sums are Python's)
             logits = self._graph_step(want)
@@ -283,7 +290,8 @@ class Decoder:
         return self._graph_out
 
     def decode(self, logits, *, max_new_tokens: int, sampling: Sampling, stop_check=None,
-               interrupted=None, timings=None, speculation=None, context=None, on_logits=None, cite=None):
+               interrupted=None, timings=None, speculation=None, context=None, logprobs=None, on_logprobs=None,
+               cite=None):
         """Yield ``(token_id, stop_reason)`` pairs (batch 1) from the logits of the last token in
         the cache; the last pair's reason is not None. The last token is sampled but not fed
         to the model (the cache holds everything before it).
@@ -298,6 +306,15 @@ class Decoder:
         emit several tokens (``speculate.accept``); rank 0 sends the step's tokens, the stop
         decision and the next drafts in one broadcast, and every rank drops the rejected
         drafts' K/V (lengths only).
+
+        ``logprobs`` (rank 0): each emitted token's logprob and this many alternatives, handed to
+        ``on_logprobs(records)`` (``sampling.token_logprobs``'s records) with the step's tokens.
+        The step's tokens are read from the device once (``speculate.emit_all``); the other ranks
+        read the step's message once.
+
+        ``cite`` (a ``cite.Citation``, on every rank): each forward's rows measure their
+        attention over the document's spans, and the rows of the tokens kept count; the decode
+        step then runs eagerly (a CUDA graph would replay without the sums).
         """
         t = timings or Timings()
         spec = speculation or Speculation()
@@ -314,7 +331,8 @@ class Decoder:
         t_first = t_step = None  # t_step: when the latest forward began (rank 0 prices drafts with its time)
         while True:
             if r == 0:  # the step's tokens (several when drafts were accepted), the stop, the next drafts
-                emitted = accept(logits, drafts, sampling, gen) if drafts else [int(sample(logits, sampling, gen)[0])]
+                (emitted, lps), = emit_all([logits.reshape(-1, logits.shape[-1])], [drafts], [sampling], [gen],
+                                          [logprobs])  # the step's one read
                 spec.observe(len(drafts), len(emitted) - 1,  # the forward's time: ends once its logits are read
                              time.perf_counter() - t_step if t_step is not None else None)
                 final, reason = [], None
@@ -328,21 +346,24 @@ class Decoder:
                         reason = "length"
                     if reason is not None:
                         break
-                if on_logits is not None:
-                    on_logits(logits.reshape(-1, logits.shape[-1]), final)
+                if on_logprobs is not None:
+                    on_logprobs(lps[:len(final)])
                 nxt = []
                 if reason is None and drafter is not None:
                     drafter.extend(final)
                     nxt = drafter.draft(min(spec.want(), max_new_tokens - len(out) - 1, kmax))
-                msg.zero_()
-                msg[0], msg[1], msg[2] = len(final), STOP_IDS[reason], len(nxt)
-                msg[3:3 + len(final)] = torch.tensor(final)
-                msg[3 + kmax + 1:3 + kmax + 1 + len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
+                row = [0] * msg.shape[0]
+                row[0], row[1], row[2] = len(final), STOP_IDS[reason], len(nxt)
+                row[3:3 + len(final)] = final
+                row[3 + kmax + 1:3 + kmax + 1 + len(nxt)] = nxt
+                msg = self.staging.send(row)[0]  # one copy to the device, nothing waits
             self.world.broadcast(msg, src=0)
-            head = msg[:3].tolist()
-            final = msg[3:3 + head[0]].tolist()
+            if r != 0:
+                row = host.read(msg)  # the step's one read on this rank
+            head = row[:3]
+            final = row[3:3 + head[0]]
             reason = STOP_CODES[head[1]]
-            nxt = msg[3 + kmax + 1:3 + kmax + 1 + head[2]].tolist()
+            nxt = row[3 + kmax + 1:3 + kmax + 1 + head[2]]
             if drafts:  # the verify fed the last token and its drafts: keep what was emitted, minus the last
                 self.keep_verified(len(final))
             if cite is not None:  # the rows of the tokens emitted (none before the first forward)

@@ -47,7 +47,7 @@ from .cache import ShardedKVCache
 from .decode import Decoder, Timings
 from .documents import PIECE, Document, Documents
 from .kvquant import storage
-from .sampling import Sampling, token_logprobs
+from .sampling import Sampling
 from .speculate import Speculation
 from ..parallel.mesh import Mesh, check_tp_within_nodes
 from ..topology.layout import cp_layout
@@ -207,13 +207,13 @@ class Engine:
         sampling = Sampling(**req["sampling"])
         spec = Speculation.for_answer(req.get("speculate", "off"), sampling)
         logprobs, want_lp = [], req.get("logprobs")
-        on_logits = (lambda rows, final: logprobs.extend(token_logprobs(rows, final, want_lp))) \
-            if self.lead and want_lp is not None else None
+        on_logprobs = logprobs.extend if self.lead and want_lp is not None else None
         cite = self.citation(req.get("cite"))
         for tok, reason in self.dec.decode(self.logits, max_new_tokens=req["max_new_tokens"],
                                            sampling=sampling, stop_check=stop_check,
                                            interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
-                                           timings=timings, speculation=spec, on_logits=on_logits, cite=cite,
+                                           timings=timings, speculation=spec, logprobs=want_lp,
+                                           on_logprobs=on_logprobs, cite=cite,
                                            context=self._drafter() if self.lead and spec.mode != "off" else None):
             toks.append(tok)
             if self.lead:
@@ -331,6 +331,7 @@ class Engine:
                          make_question=question, documents=self.documents, on_doc=on_doc if self.lead else None,
                          interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
                          feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,
+                         news_flag=C.news if self.lead and (feed or req.get("interruptible")) else None,
                          on_token=lambda qi, tok: self.ctx.send("btoken", (qi, tok)),
                          on_answer=lambda qi, rec: self.ctx.send("banswer", (qi, rec)),
                          budget=req.get("piece") or PIECE.get(self.device.type, PIECE["cuda"]))

@@ -32,6 +32,7 @@ class PagedShard:
         self.counts = torch.zeros(1, world, dtype=torch.int64)  # host: every rank's tokens
         self._slots = torch.zeros(0, dtype=torch.int64)  # flat pool slot of each token, in shard order
         self.n = 0  # tokens that count (a piece being appended counts after its last layer)
+        self._refresh()  # _dev: (slots [n], length [1]) on the device, made as the shard changes
         self._pending: torch.Tensor | None = None  # slots of the piece being appended (every layer)
 
     # -- what a ShardedKVCache answers ----------------------------------------------------
@@ -64,6 +65,7 @@ class PagedShard:
         self._slots = self._slots[:0]
         self.n = 0
         self.counts = torch.zeros(1, self.world, dtype=torch.int64)
+        self._refresh()
 
     def adopt(self, blocks, n: int, counts) -> None:
         """Become the first ``n`` tokens of ``blocks`` (a cached prefix, already acquired for
@@ -74,6 +76,7 @@ class PagedShard:
         self.table.truncate(n)
         self._slots = self.table.flat(0, n)
         self.n = n
+        self._refresh()
         self.set_counts(counts)
 
     # -- writing ----------------------------------------------------------------------------
@@ -85,10 +88,12 @@ class PagedShard:
         if layer == 0:
             self._pending = self.table.slots(C)  # all or nothing: pool.PoolFull
             self._slots = self.table.flat(0, self.table.length)  # a copied last block moves its tokens
+            self._refresh()
             self.pool.place(self._pending.to(self.device), torch.as_tensor(positions).reshape(-1))
         self.pool.write(layer, self._pending.to(self.device), k[0].transpose(0, 1), v[0].transpose(0, 1))
         if layer == self.num_layers - 1:
             self.n += C
+            self._refresh()
 
     def begin_fill(self, positions, counts) -> None:
         """Replace the shard by ``positions [n]`` (a loaded cache) and every rank's counts."""
@@ -96,6 +101,7 @@ class PagedShard:
         n = int(positions.shape[-1])
         self._slots = self.table.slots(n)
         self.n = n
+        self._refresh()
         self.pool.place(self._slots.to(self.device), torch.as_tensor(positions).reshape(-1))
         self.set_counts(counts)
 
@@ -120,22 +126,26 @@ class PagedShard:
                 store[layer][b, heads, o] = x.to(self.dtype)
 
     # -- reading ----------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """The shard's slots and length on the device, made as the shard changes (a prefill piece,
+        a load, a prefix taken over, freeing): the steps that read it copy nothing."""
+        self._dev = (self._slots[:self.n].to(self.device),
+                     torch.tensor([self.n], dtype=torch.int64, device=self.device))
+
     def _gather(self, store: torch.Tensor) -> torch.Tensor:
         """``store [blocks, H_kv, page, X]`` -> this shard's ``[1, H_kv, n, X]`` (a copy)."""
-        flat = self._slots[:self.n].to(self.device)
+        flat = self._dev[0]
         return store[flat // self.pool.page, :, flat % self.pool.page].transpose(0, 1).contiguous()[None]
 
     @property
     def pos(self) -> torch.Tensor:
         """``[1, n]`` global positions of the shard's tokens."""
-        flat = self._slots[:self.n].to(self.device)
+        flat = self._dev[0]
         return self.pool.pos[flat // self.pool.page, flat % self.pool.page][None]
 
     def view(self, layer: int):
         """``(k, v [1, H_kv, n, d], kv_len [1], pos [1, n])``: the shard, gathered."""
-        n = self.n
-        return (self._gather(self.pool.k[layer]), self._gather(self.pool.v[layer]),
-                torch.tensor([n], dtype=torch.int64, device=self.device), self.pos)
+        return (self._gather(self.pool.k[layer]), self._gather(self.pool.v[layer]), self._dev[1], self.pos)
 
     def scales(self, layer: int, L: int, rows=None):
         """``(k_scale, v_scale [1, H_kv, L, G])`` of an fp8 pool, else ``(None, None)``."""

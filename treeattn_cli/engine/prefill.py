@@ -197,7 +197,7 @@ def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scal
     p, r = comm.world, comm.rank
     lens = [size(pc) for pc in pieces]
     stats = comm.stats
-    n_cache = int(kv_len.max()) if kv_len is not None and kv_len.numel() else k.shape[2]
+    n_cache = k.shape[2]  # a cache's view is cut at its longest sequence: max(kv_len), read from no device
 
     def local(qb, src):
         qpos = positions(pieces[src], qb.device) if window else None

@@ -145,6 +145,62 @@ def accept(logits: torch.Tensor, drafts: list[int], sampling: Sampling, gen) -> 
     return out + [int(torch.multinomial(probs[len(drafts)], 1, generator=gen))]
 
 
+def emit_all(rows: list, drafts: list, samplings: list, gens: list, logprobs: list) -> list[tuple[list, list]]:
+    """What every sequence of a step emits, reading the device once (``host.read``): ``rows[i]
+    [k_i + 1, V]`` its fed rows' logits (the last emitted token, then its ``k_i`` drafts),
+    ``samplings[i]``/``gens[i]`` how it samples, ``logprobs[i]``: None, or the alternatives its
+    tokens' logprobs carry (``sampling.token_logprobs``). Returns ``(tokens, logprobs)`` per
+    sequence, each token as :func:`accept` (or a plain draw) emits it: greedy rows (drafts or not)
+    and draws without drafts are chosen on the device, with their logprobs, and read together;
+    speculative sampling (drafts with temperature > 0) decides draft by draft and reads as it goes
+    (``--speculate auto`` does not draft when sampling)."""
+    from . import host
+    from .sampling import sample, token_logprobs
+
+    parts, plan = [], []
+    for lg, dr, s, g, k in zip(rows, drafts, samplings, gens, logprobs):
+        if s.temperature != 0 and dr:
+            plan.append(None)
+            continue
+        lg = lg.float() if s.temperature == 0 else lg[-1:].float()  # [n, V]: every fed row, or the last
+        tok = lg.argmax(dim=-1) if s.temperature == 0 else sample(lg, s, g)  # [n]
+        part = [tok.double()]
+        if k is not None:
+            lp = torch.log_softmax(lg, dim=-1)  # the raw logits' distribution (token_logprobs')
+            part.append(lp.gather(1, tok[:, None])[:, 0].double())
+            if k:
+                top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+                part += [top.values.double().reshape(-1), top.indices.double().reshape(-1)]
+        parts.append(torch.cat(part))
+        plan.append((lg.shape[0], k))
+    flat = host.read(torch.cat(parts)) if parts else []
+    out, at = [], 0
+    for lg, dr, s, g, k, p in zip(rows, drafts, samplings, gens, logprobs, plan):
+        if p is None:  # speculative sampling: draft by draft
+            toks = accept(lg, dr, s, g)
+            out.append((toks, token_logprobs(lg, toks, k) if k is not None else []))
+            continue
+        n, k = p
+        best = [int(x) for x in flat[at:at + n]]
+        kept = 0
+        while kept < len(dr) and best[kept] == dr[kept]:  # greedy keeps the drafts it agrees with
+            kept += 1
+        toks = best[:kept + 1]
+        lps = []
+        if k is not None:
+            w = min(k, lg.shape[-1]) if k else 0
+            own = flat[at + n:at + 2 * n]
+            vals = flat[at + 2 * n:at + 2 * n + n * w]
+            ids = flat[at + 2 * n + n * w:at + 2 * n + 2 * n * w]
+            lps = [{"id": t, "logprob": own[i],
+                    "top": [[int(ids[i * w + j]), vals[i * w + j]] for j in range(w)]} for i, t in enumerate(toks)]
+            at += n * (2 + 2 * w)
+        else:
+            at += n
+        out.append((toks, lps))
+    return out
+
+
 class StepCost:
     """What a forward costs as a function of the draft rows it carries, measured as it runs: a
     plain step ``t0`` (running mean of the steps without drafts) and a verify of ``k`` drafts

@@ -597,6 +597,14 @@ def post_request(store, seq: int, payload: dict) -> None:
 def post_interrupt(store, seq: int) -> None:
     """Ask the engine to stop answering request ``seq`` (Ctrl-C in ``chat``)."""
     store.set(f"{_KEY}/int/{seq}", "1")
+    store.add(f"{_KEY}/news", 1)
+
+
+def news() -> int:
+    """How many interrupts, joins and cancellations the launcher has posted: one look at the store
+    tells rank 0 whether there is anything to read (a running batch asks once a step)."""
+    store = _state["store"]
+    return store.add(f"{_KEY}/news", 0) if store is not None else 0
 
 
 def next_request(seq: int, poll_s: float = 0.02) -> dict:
@@ -625,6 +633,7 @@ def post_join(store, seq: int, j: int, questions: list) -> None:
     import json
 
     store.set(f"{_KEY}/batch/{seq}/join/{j}", json.dumps(questions))
+    store.add(f"{_KEY}/news", 1)
 
 
 def post_cancel(store, seq: int, c: int, indices: list[int]) -> None:
@@ -632,6 +641,7 @@ def post_cancel(store, seq: int, c: int, indices: list[int]) -> None:
     import json
 
     store.set(f"{_KEY}/batch/{seq}/cancel/{c}", json.dumps(indices))
+    store.add(f"{_KEY}/news", 1)
 
 
 class BatchFeed:
