@@ -405,7 +405,8 @@ def step_report(target: Target) -> list[dict]:
 
 
 def merge_calls():
-    """The fused pack/finish of the allreduce merge, per head dim and output dtype."""
+    """The fused pack/finish of the allreduce merge and the one-launch merge of an all-gather
+    (8 ranks), per head dim and output dtype."""
     for d, dt in itertools.product(HEAD_DIMS, DTYPES):
         yield f"merge d={d} {NAMES[dt]}", d, dt
 
@@ -624,7 +625,7 @@ def compile_all(target: Target, calls=None) -> dict:
     """Compile every configuration for ``target``; returns ``{"kernels": [...], "errors": [...],
     "configs": n, "seconds": s}``. Each kernel record carries its resources and the first
     configuration that needed it."""
-    from .merge_triton import unweigh_fused, weigh_fused
+    from .merge_triton import merge_gathered_fused, unweigh_fused, weigh_fused
     from .partial_triton import partial_attention_triton, partial_attention_triton_paged
 
     t0 = time.perf_counter()
@@ -665,6 +666,8 @@ def compile_all(target: Target, calls=None) -> dict:
                     o, lse = _meta(1, 32, 1, d, dtype=torch.float32), _meta(1, 32, 1, dtype=torch.float32)
                     packed = weigh_fused(o, lse, lse)
                     unweigh_fused(packed, lse, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
+                    every = _meta(8, 1, 32, 1, d + 1, dtype=torch.float32)  # an all-gather of 8 ranks' [o, lse]
+                    merge_gathered_fused(every, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
                 record(label, merge)
     growth = decode_growth(target) if calls is None else None
     decode = decode_report(target) if calls is None else None
