@@ -29,7 +29,7 @@ def test_without_a_gpu_every_gpu_step_is_skipped(tmp_path):
     assert steps["devices"]["status"] == "pass"
     gpu_steps = [s for n, s in steps.items() if n != "devices"]
     assert {s["name"] for s in gpu_steps} == {"check", "pytest-gpu", "kernel", "kernel-tune", "decode", "prefill",
-                                              "batch", "model", "speculate", "serve", "check-ranks"}
+                                              "batch", "batch-fp8", "model", "speculate", "serve", "check-ranks"}
     assert all(s["status"] == "skipped" and s["reason"] == "no GPU" for s in gpu_steps), gpu_steps
     md = (env_out / "report.md").read_text()
     assert "GPUs: **none**" in md and "no GPU found" in md
@@ -163,11 +163,12 @@ def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
         else:
             assert argv[2] == "pytest" and "-m" in argv[3:] and "gpu" in argv and "-x" not in argv, argv
     kinds = [c[0] for c in calls]
-    assert kinds.count("check") == 2 and kinds.count("bench") == 2 and "tune" in kinds and "kernel" in kinds
+    assert kinds.count("check") == 2 and kinds.count("bench") == 3 and "tune" in kinds and "kernel" in kinds
     checks = [c[1] for c in calls if c[0] == "check"]
     assert [c["nproc"] for c in checks] == [1, 4]
     benches = [c[1] for c in calls if c[0] == "bench"]
-    assert [b.prefill for b in benches] == [True, False] and benches[1].shared and benches[1].batch == "1,8,64"
+    assert [b.prefill for b in benches] == [True, False, False] and benches[1].shared and benches[1].batch == "1,8,64"
+    assert benches[2].shared and benches[2].batch == "1,8,32" and benches[2].kv_dtype == "fp8"  # issue 38
     model = next(c for c in calls if c[0] == "model")
     assert model[1][4:7] == ("cuda", "bfloat16", ["auto", "fp8"])  # on the GPU in bf16, both caches
     spec = next(c for c in calls if c[0] == "speculate")

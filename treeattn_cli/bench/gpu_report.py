@@ -295,6 +295,10 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
                       "(bench --shared)",
              [*_CLI, "bench", "--shared", "--batch", "1,8,64", "--seq-len", "32768", "--nproc", "1", "--methods",
               "tree", "--json"], cap_s=90, parse=parse_batch, needs=ENGINE),
+        Step("batch-fp8", "the same step over an fp8 cache, B = 1, 8, 32: one read of each K/V tile for every "
+                          "question's rows (issue 38), against bf16's above",
+             [*_CLI, "bench", "--shared", "--batch", "1,8,32", "--seq-len", "32768", "--nproc", "1", "--methods",
+              "tree", "--kv-dtype", "fp8", "--json"], cap_s=90, parse=parse_batch, needs=ENGINE),
         Step("kernel-tune", "launch-parameter sweep of the split kernel (block, warps, stages, splits)",
              [_PY, "-m", "treeattn_cli.bench.kernel", "--tune", "--seq-len", "32768,131072", "--iters", "10",
               "--warmup", "3", "--json"], cap_s=150, parse=parse_tune, needs=KERNEL),
@@ -316,9 +320,9 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
     return steps
 
 
-# The calls that cover every step within one 10-minute call each (caps: 350, 450 and 540 s; on a
+# The calls that cover every step within one 10-minute call each (caps: 350, 540 and 540 s; on a
 # machine with 2+ GPUs check-ranks adds 150 s to the first): ``--steps`` of each, in order.
-CALLS = ("check,check-ranks,pytest-gpu", "kernel,decode,prefill,batch", "kernel-tune,model,speculate,serve")
+CALLS = ("check,check-ranks,pytest-gpu", "kernel,decode,prefill,batch,batch-fp8", "kernel-tune,model,speculate,serve")
 
 
 # Oldest versions the steps work with (pyproject's floors; Triton's: the kernels use
@@ -640,7 +644,7 @@ def _key_numbers(step: dict) -> str:
         if s.get("ttft"):
             parts.append(f"TTFT {s['ttft']['ttft_prompt']} tokens: {_fmt(s['ttft']['prefill_s'])} s")
         return "; ".join(parts)
-    if name == "batch":
+    if name in ("batch", "batch-fp8"):
         return "; ".join(f"B={b}: {r['step_ms']} ms ({r['vs_batch_1']}x B=1)" for b, r in s.get("by_batch", {}).items())
     if name == "model":
         return "; ".join(f"{r['prompt_tokens']} {r['method']} {r.get('kv_dtype') or ''}: "
