@@ -186,14 +186,14 @@ def capacity_trace(ctx, model_dir, n_prompt, new_tokens):
                            world=ctx.world, capacity=1, static=True)
     dec = Decoder(model, AttentionContext(make_comm("allreduce"), cache), vocab_size=model.config.vocab_size)
     trace = []
-    real = cache.begin_step
+    real = cache.plan_step  # the step's host part decides the capacity
 
-    def begin(positions):
-        store = real(positions)
+    def plan(*a, **kw):
+        store = real(*a, **kw)
         trace.append(cache.capacity)
         return store
 
-    cache.begin_step = begin
+    cache.plan_step = plan
     ids = torch.arange(n_prompt)[None] % 200 + 20
     toks = [t for t, _ in dec.generate(ids, max_new_tokens=new_tokens, sampling=Sampling(), piece=5)]
     return trace, toks

@@ -24,7 +24,7 @@ def test_decode_partials_reach_the_merge_in_fp32(monkeypatch):
     comm = Comm.single()
     seen = []
     real = comm.merge
-    monkeypatch.setattr(comm, "merge", lambda o, lse, out=None: seen.append(o.dtype) or real(o, lse, out=out))
+    monkeypatch.setattr(comm, "merge", lambda o, lse, out=None, **kw: seen.append(o.dtype) or real(o, lse, out=out, **kw))
     q = torch.randn(B, H, 1, d).bfloat16()
     k1, v1 = torch.randn(B, H_kv, 1, d).bfloat16(), torch.randn(B, H_kv, 1, d).bfloat16()
     cache.begin_step(torch.tensor([N]))
