@@ -19,7 +19,11 @@ step reads a device value back to the host.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+SERIALS = itertools.count(1)  # each cache object's own number (a CUDA graph's key: ids are reused)
 
 _MIN_CAPACITY = 64
 
@@ -41,6 +45,7 @@ class ShardedKVCache:
         self.quant = quant  # kvquant.KVQuant: keys and values stored as fp8 with per-token scales, rotated
         self.dtype = quant.dtype if quant is not None else dtype
         self.rank, self.world, self.static = rank, world, static
+        self.serial = next(SERIALS)
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -92,6 +97,12 @@ class ShardedKVCache:
     @property
     def max_len(self) -> int:
         return int(self.host_length.max()) if self.batch else 0
+
+    def graph_key(self) -> tuple:
+        """What a captured step reading this cache as a document (:meth:`view`) took from the
+        host: which buffers (a growth makes new ones) and how long its view is. (A cache a step
+        writes, :meth:`update`, is static: its serial and capacity say it all.)"""
+        return (self.serial, self.capacity, self.max_len)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v + self.ks + self.vs)

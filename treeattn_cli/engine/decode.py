@@ -15,6 +15,7 @@ import torch
 
 from .attention import AttentionContext
 from . import host
+from .graphs import StepGraphs
 from .host import Staging
 from .sampling import STOP_CODES, STOP_IDS, Sampling
 from .speculate import Drafter, Speculation, emit_all
@@ -67,17 +68,15 @@ class Decoder:
         self.use_graph = cuda_graph and self.device.type == "cuda" and self.cache.static
         # decode steps merge as captured ones do (a step that cites runs eagerly with the same numbers)
         actx.eager = not self.use_graph
-        self.graph = None
-        self._graph_for = None  # (cache, capacity) the graph was captured for: it replays into their buffers
-        self.captures = self.replays = 0  # graphs captured (again after a document switch or growth), replayed
-        self._tok = self._pos = self._graph_out = None
-        self.graph_note = None
+        # the step's graphs, by the cache and capacity they replay into (graphs.StepGraphs)
+        self.graphs = StepGraphs(self.device, self.world, what="decode step", limit=2)
+        self._note = None
         self.staging = Staging(self.device)  # a step's inputs, in one copy
         if self.use_graph and not graph_capture_ok(self.comm):
             self.use_graph, actx.eager = False, True
-            self.graph_note = (f"CUDA graphs need torch >= {P2P_CAPTURE_TORCH} to capture the point-to-point "
-                               f"sends of the {self.comm.scheme} merge (this is torch {torch.__version__}): "
-                               "decoding eagerly")
+            self._note = (f"CUDA graphs need torch >= {P2P_CAPTURE_TORCH} to capture the point-to-point "
+                          f"sends of the {self.comm.scheme} merge (this is torch {torch.__version__}): "
+                          "decoding eagerly")
         self.sharding = sharding  # of prefill segments: "balanced" or "contiguous" (prefill.py)
         self.route = None  # force "pass-q" or "pass-kv" for segments after a cache (tests); None: plan
         self.segments: list[dict] = []  # what each prefill segment did (Decoder.prefill)
@@ -225,69 +224,44 @@ class Decoder:
         store = self.cache.plan_step()
         tok, st, ps = self.staging.send(tokens, store.to(torch.int64), [position] * B)
         self.cache.start_step(store, st, ps)
-        if self._tok is None:  # static inputs: the same storage every step (a graph reads them)
-            self._tok = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
-            self._pos = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
-        self._tok.copy_(tok[:, None], non_blocking=True)
-        self._pos.copy_(ps[:, None], non_blocking=True)
+        tok, ps = tok[:, None], ps[:, None]  # [B, 1]
         want = self.comm.rank == 0
         if self.use_graph and self.actx.cite is None:  # an answer that cites runs eagerly (its sums are Python's)
-            logits = self._graph_step(want)
+            logits = self._graph_step(tok, ps, want)
         else:
-            logits = self._forward(self._tok, self._pos, want_logits=want)
+            logits = self._forward(tok, ps, want_logits=want)
         self.cache.end_step()
         return logits
 
-    def needs_capture(self) -> bool:
-        """Whether the decode step must be captured (again) before it can be replayed: a graph
-        replays into the buffers it was captured with, so it belongs to one cache object at one
-        capacity. Another cache of the same capacity (the engine switched documents) or a grown
-        one needs its own capture; replaying the old graph would read and write the old one's."""
-        if self.graph is None or self._graph_for is None:
-            return True
-        cache, capacity = self._graph_for
-        return cache is not self.cache or capacity != self.cache.capacity
+    @property
+    def graph(self):
+        """The step's graphs, when one was captured (else None)."""
+        return self.graphs if self.graphs.held else None
 
-    def _graph_step(self, want: bool):
-        """Replay the captured step (capture on first use, and again for another cache or a
-        grown one: :meth:`needs_capture`).
+    @property
+    def captures(self) -> int:  # graphs captured (again after a document switch or growth)
+        return self.graphs.captures
 
-        Capture runs the step once for warm-up on a side stream (every rank does, so their
-        collectives match; the step's writes are idempotent: same slot, same values), records
-        it, then replays it. Every rank captures on the same step (capacities grow together,
-        see cache.py), and every rank of the world agrees on the outcome (tensor-parallel peers
-        too, not only the sequence shards): if any rank's capture fails, every rank decodes
-        eagerly from then on, with a note (graph and eager steps must not mix).
+    @property
+    def replays(self) -> int:
+        return self.graphs.replays
 
-        The warm-up runs the step's collectives for real: a rank that fails inside it (out of
-        memory, say) leaves its peers inside a collective, where no agreement can reach them,
-        so that failure is raised like any other (the launcher names the rank and stops the
-        rest). A capture only records the collectives, so its failure can be agreed on."""
-        if self.needs_capture():
-            self.graph = self._graph_for = None  # the old graph's buffers may go with their cache
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._forward(self._tok, self._pos, want_logits=want)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            err = None
-            try:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    self._graph_out = self._forward(self._tok, self._pos, want_logits=want)
-            except Exception as e:  # noqa: BLE001 - any capture problem: stay eager, say why
-                err = f"{type(e).__name__}: {e}"
-            if not self.world.all_true(err is None):
-                self.use_graph, self.graph = False, None
-                self.actx.eager = True
-                where = err or "on another rank"
-                self.graph_note = f"CUDA graph capture failed, decoding eagerly: {where}"[:300]
-                return self._forward(self._tok, self._pos, want_logits=want)
-            self.graph, self._graph_for = g, (self.cache, self.cache.capacity)
-            self.captures += 1
-        self.graph.replay()
-        self.replays += 1
-        return self._graph_out
+    @property
+    def graph_note(self) -> str | None:
+        return self._note or self.graphs.note
+
+    def _graph_step(self, tok, pos, want: bool):
+        """The step replayed from its CUDA graph (``graphs.StepGraphs``: captured on first use,
+        and again for another cache or a grown one, whose buffers it would otherwise miss).
+        Every rank captures on the same step (capacities grow together, see cache.py). If any
+        rank's capture fails, every rank decodes eagerly from then on, with a note."""
+
+        def eager():
+            self.use_graph, self.actx.eager = False, True
+            return self._forward(tok, pos, want_logits=want)
+
+        return self.graphs.run((self.cache.serial, self.cache.capacity), [tok, pos],
+                               lambda t, p: self._forward(t, p, want_logits=want), eager)
 
     def decode(self, logits, *, max_new_tokens: int, sampling: Sampling, stop_check=None,
                interrupted=None, timings=None, speculation=None, context=None, logprobs=None, on_logprobs=None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import ShardedKVCache
+from .cache import SERIALS, ShardedKVCache
 from .pool import BlockPool, BlockTable
 
 
@@ -29,6 +29,7 @@ class PagedShard:
         self.num_layers, self.kv_heads, self.head_dim = pool.num_layers, pool.kv_heads, pool.head_dim
         self.device, self.quant, self.dtype = pool.device, pool.quant, pool.dtype
         self.rank, self.world = rank, world
+        self.serial = next(SERIALS)
         self.counts = torch.zeros(1, world, dtype=torch.int64)  # host: every rank's tokens
         self._slots = torch.zeros(0, dtype=torch.int64)  # flat pool slot of each token, in shard order
         self.n = 0  # tokens that count (a piece being appended counts after its last layer)
@@ -47,6 +48,11 @@ class PagedShard:
     @property
     def max_len(self) -> int:
         return self.n
+
+    def graph_key(self) -> tuple:
+        """What a captured step over this shard took from the host: its length and its table's
+        (the pool's buffers never move; the table's entries travel as a step's input)."""
+        return (self.serial, self.n, len(self.table.blocks))
 
     # the same rules as a plain cache (they read only the shapes, the dtype and the fp8 codec)
     bytes_per_token = ShardedKVCache.bytes_per_token
