@@ -363,48 +363,15 @@ def engine_sessions_full(ctx, sessions):
     return out if ctx.rank == 0 else None
 
 
-def fake_cuda_graphs(dec, rank: int, fail: str | None = None) -> None:
-    """Stand-ins for the CUDA graph API on CPU ranks. A "capture" runs the step eagerly and
-    remembers the cache it ran on; a "replay" runs the step again on *that* cache, as a real
-    graph replays into the buffers it was captured with (so replaying a graph after a switch
-    to another cache reads and writes the old one, as it would on a GPU). ``fail`` =
-    "capture" makes rank 1's capture fail (after the step ran: the collectives matched),
-    "warmup" makes rank 1 fail before its warm-up step."""
-    import contextlib
+def fake_cuda_graphs(dec, rank: int, fail: str | None = None):
+    """CUDA graphs on CPU ranks: ``graph_standin``'s backend (a replay runs the step again and
+    fails if it would differ from what its capture recorded), the decoder set to use them as on
+    a GPU. ``fail``: as ``graph_standin.StandIn``'s. Returns the stand-in."""
+    import graph_standin
 
-    dec.use_graph = True
-
-    class Stream:
-        def __init__(self, *a, **k):
-            pass
-
-        def wait_stream(self, other):
-            pass
-
-    class Graph:
-        def replay(self):
-            now, dec.actx.cache = dec.actx.cache, self.cache
-            try:
-                out = dec._forward(dec._tok, dec._pos, want_logits=dec.comm.rank == 0)
-            finally:
-                dec.actx.cache = now
-            if out is not None:
-                dec._graph_out.copy_(out)
-
-    def stream(s):
-        if fail == "warmup" and rank == 1:
-            raise RuntimeError("CUDA out of memory (simulated, in the warm-up)")
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def graph(g):
-        g.cache = dec.actx.cache
-        yield
-        if fail == "capture" and rank == 1:
-            raise RuntimeError("operation not permitted when stream is capturing (simulated)")
-
-    torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = Stream, lambda *a, **k: Stream(), stream
-    torch.cuda.CUDAGraph, torch.cuda.graph = Graph, graph
+    os.environ["TREEATTN_KERNEL"] = "triton"  # the kernels a GPU captures (a CPU's read lengths on the host)
+    dec.use_graph, dec.actx.eager = True, False
+    return graph_standin.install(rank, fail)
 
 
 def graph_agreement(ctx, job, fail):
@@ -425,6 +392,7 @@ def graph_agreement(ctx, job, fail):
                     "keep": False}, {"op": "stop"}])
     finally:
         ctx.emit = real
+    os.environ.pop("TREEATTN_KERNEL", None)
     state = eng.world.all_gather_values([dec.graph is not None, dec.use_graph])
     return (answers[0], state.tolist(), dec.graph_note) if ctx.rank == 0 else None
 
@@ -451,13 +419,15 @@ def graph_document_switch(ctx, job, docs, new):
         eng.serve(reqs + [{"op": "stop"}])
     finally:
         ctx.emit = real
+        os.environ.pop("TREEATTN_KERNEL", None)
     return (answers, eng.dec.captures, eng.dec.replays) if ctx.rank == 0 else None
 
 
-def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=None):
+def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=None, graphs=False):
     """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op,
     with ``extra`` fields); rank 0 returns the token ids per question (question order), the
-    batch_done event, and each answer's speculation record (question order: drafted, accepted)."""
+    batch_done event, and each answer's speculation record (question order: drafted, accepted).
+    ``graphs``: the steps captured and replayed as on a GPU (:func:`fake_cuda_graphs`)."""
     from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.engine import Engine
 
@@ -471,13 +441,17 @@ def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=No
 
     real, ctx.emit = ctx.emit, emit
     try:
-        Engine(ctx, job).serve([{"op": "append", "ids": doc},
-                                {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
-                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate,
-                                 **(extra or {})},
-                                {"op": "stop"}])
+        eng = Engine(ctx, job)
+        if graphs:
+            fake_cuda_graphs(eng.dec, ctx.rank)
+        eng.serve([{"op": "append", "ids": doc},
+                   {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
+                    "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate,
+                    **(extra or {})},
+                   {"op": "stop"}])
     finally:
         ctx.emit = real
+        os.environ.pop("TREEATTN_KERNEL", None)
     n = len(questions)
     return ([got.get(i) for i in range(n)], done, [spec.get(i) for i in range(n)]) if ctx.rank == 0 else None
 
@@ -602,11 +576,11 @@ def document_by_segments(ctx, job, doc, piece):
     return (bool(every.min()), segs, type(d.cache).__name__) if ctx.rank == 0 else None
 
 
-def engine_mixed(ctx, job, docs, questions, slots, new, extra=None):
+def engine_mixed(ctx, job, docs, questions, slots, new, extra=None, graphs=False):
     """One batch of ``questions`` (``(document index, ids)``) over several ``docs``, ``slots``
     at a time, the documents made resident by the batch (``extra``: more of the batch's options):
     rank 0 returns the token ids per question and the batch_done event (with ``extra``, also
-    each answer's stop reason)."""
+    each answer's stop reason). ``graphs``: as :func:`engine_batch`'s."""
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.sampling import Sampling
 
@@ -621,13 +595,17 @@ def engine_mixed(ctx, job, docs, questions, slots, new, extra=None):
 
     real, ctx.emit = ctx.emit, emit
     try:
-        Engine(ctx, job).serve([{"op": "batch", "slots": slots, "max_new_tokens": new, "piece": 8,
-                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off",
-                                 "questions": [{"ids": q, "doc": {"key": f"d{d}", "ids": docs[d]}}
-                                               for d, q in questions], **(extra or {})},
-                                {"op": "stop"}])
+        eng = Engine(ctx, job)
+        if graphs:
+            fake_cuda_graphs(eng.dec, ctx.rank)
+        eng.serve([{"op": "batch", "slots": slots, "max_new_tokens": new, "piece": 8,
+                    "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off",
+                    "questions": [{"ids": q, "doc": {"key": f"d{d}", "ids": docs[d]}}
+                                  for d, q in questions], **(extra or {})},
+                   {"op": "stop"}])
     finally:
         ctx.emit = real
+        os.environ.pop("TREEATTN_KERNEL", None)
     if ctx.rank != 0:
         return None
     out = ([got.get(i) for i in range(len(questions))], done)

@@ -210,3 +210,29 @@ def test_a_document_the_pool_can_never_hold_ends_its_questions_alone(models):
                                    {"pool_blocks": 4, "page": 16}, timeout_s=120)[0]
     assert reasons == ["length", "no_room", "length"] and got[1] == [], (reasons, got)
     assert [got[0], got[2]] == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in (qs[0], qs[2])]
+
+
+def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(models):
+    """Issue 38: a batch's plain steps replayed from CUDA graphs (``graph_standin`` on CPU ranks,
+    the GPU's kernels interpreted: a replay that would issue other operations, buffers or sizes
+    than its capture recorded fails) answer as each question alone. Over one dense document,
+    slots freeing and taking the next question: every step replayed from one graph. Over two
+    pooled documents, read through their block tables: one graph per shape of the step (how many
+    rows each document has), whatever documents they are: the graph of two rows over the first
+    document replays for two rows over the second."""
+    paths, want = models
+    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, static=True)
+    got, done, _ = run_local(dist_cases.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, True,
+                             timeout_s=300)[0]
+    assert got == want["llama"][:4]
+    d = done[0]
+    assert d["graph_note"] is None and d["graph_captures"] == 1, d
+    assert d["graph_replays"] == 2 * (NEW - 1), d  # every step: two rounds of two answers, NEW - 1 steps each
+    docs = [DOC[:24], DOC[::-1][:17]]
+    qs = [(0, QS[0]), (1, QS[1]), (1, QS[2])]  # slot 1 waits for the second document; then mixed steps;
+    got, done = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 2, NEW, None, True,  # then two rows of it
+                          timeout_s=300)[0]
+    assert got == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in qs]
+    d = done[0]
+    assert d["documents_per_step"] == 2, d  # rows of both documents shared steps
+    assert d["graph_note"] is None and d["graph_captures"] == 2 and d["graph_replays"] >= 2 * (NEW - 1), d

@@ -252,7 +252,7 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
         o, lse = add_sink(o, lse, sink)
     out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
-    _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=True)  # a batch's step: not captured
+    _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)  # a batch's step may be captured
     for cite, i, bl, doc, positions in cited:  # each row's share of its merged attention, per key
         cite.add(layer, bl, lse[i], cite.bins_of(doc, bl.shape[-1], positions))
     return out

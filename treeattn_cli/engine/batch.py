@@ -26,6 +26,7 @@ import torch
 
 from .cache import ShardedKVCache
 from . import host
+from .graphs import StepGraphs
 from .host import Staging
 from .sampling import STOP_CODES, STOP_IDS, Sampling
 
@@ -82,9 +83,13 @@ class BatchDecoder:
         self.slots = slots
         doc = dec.cache  # the shapes and storage every document's cache shares
         cp = dec.comm.world
+        # the step's CUDA graphs (graphs.StepGraphs), by the documents its rows read and how
+        # (the tail then has fixed-shape views, as the single step's cache does)
+        self.graphs = StepGraphs(doc.device, dec.world, what="batched decode step") if dec.use_graph else None
         self.tail = ShardedKVCache(doc.num_layers, slots, doc.kv_heads, doc.head_dim, dtype=doc.dtype,
                                    device=doc.device, rank=doc.rank, world=doc.world,
-                                   capacity=-(-capacity // cp) + 2, quant=doc.quant)  # stored like the document
+                                   capacity=-(-capacity // cp) + 2, quant=doc.quant,  # stored like the document
+                                   static=self.graphs is not None)
         self.staging = Staging(doc.device)  # a forward's inputs, in one copy
         self.documents_per_step = 0  # the most documents one forward read (rows of several: a mixed step)
         self.segments_while_decoding = 0  # document prefill segments run while answers were under way
@@ -416,6 +421,8 @@ class BatchDecoder:
         or a verify), else None. ``store``: a step's (``ShardedKVCache.plan_step``). What the
         device needs from the host (tokens, positions, the groups' rows, where the step's tokens
         are kept, the documents' block tables) goes in one copy (``host.Staging``)."""
+        from kernels import gpu_path
+
         from .attention import pooled_documents
 
         dec = self.dec
@@ -431,28 +438,51 @@ class BatchDecoder:
         shards = [cache for cache, _ in groups.values()]
         paged = pooled_documents(shards)
         if paged:  # the documents' block tables, once for every layer of the forward
-            width = max([len(d.table.blocks) for d in shards] + [1])
+            width = 1 << (max([len(d.table.blocks) for d in shards] + [1]) - 1).bit_length()  # a power of two:
+            # a captured step's tables keep their shape while documents of other lengths come and go
             send += [[d.table.blocks + [0] * (width - len(d.table.blocks)) for d in shards], [d.n for d in shards]]
         sent = self.staging.send(*send, *parts)
-        ids_d, pos_d, mpos_d = sent[:3]
+        ids_d = sent[0]
         at = 3
         if store is not None:
             self.tail.start_step(store, sent[3], sent[4])
             at = 5
-        actx.paged = (sent[at], sent[at + 1]) if paged else None
-        at += 2 if paged else 0
-        idx_d = iter(sent[at:])
-        actx.groups = [(cache, None if len(idx) == len(of) else next(idx_d), idx) for cache, idx in groups.values()]
+        inputs = sent[:3] + sent[at:]  # ids, positions, model positions, [tables, lengths], groups' rows
+        specs = [(cache, idx) for cache, idx in groups.values()]  # host: each document and its rows
         self.documents_per_step = max(self.documents_per_step, len(groups))
-        actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_d
-        if cites and any(c is not None for c in cites):
-            actx.cites = list(cites)
+        cited = bool(cites) and any(c is not None for c in cites)
+        want = dec.comm.rank == 0
+
+        def forward(ids_d, pos_d, mpos_d, *rest, eager=True):
+            actx.paged = (rest[0], rest[1]) if paged else None
+            idx_d = iter(rest[2 if paged else 0:])
+            actx.groups = [(cache, None if len(idx) == len(of) else next(idx_d), idx) for cache, idx in specs]
+            actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_d
+            was, actx.eager = actx.eager, eager
+            if cited:
+                actx.cites = list(cites)
+            try:  # padding is kept nowhere
+                return dec._forward(ids_d, mpos_d, want_logits=want, rows=keep)
+            finally:
+                actx.phase, actx.tail, actx.groups, actx.cites, actx.paged = "decode", None, [], [], None
+                actx.eager = was
+
+        if cited:
             for c in cites:
                 if c is not None:
                     c.begin(ids.shape[1])
-        try:  # padding is kept nowhere
-            logits = dec._forward(ids_d, mpos_d, want_logits=dec.comm.rank == 0, rows=keep)
-        finally:
-            actx.phase, actx.tail, actx.groups, actx.cites, actx.paged = "decode", None, [], [], None
+        if step and self.graphs is not None and self.graphs.on and not cited:
+            # replayed: everything the host decided is in the key, the rest reads the graph's
+            # copies of ``inputs``. Documents read through their block tables (the GPU's path)
+            # are data: only how many rows each has counts (a graph serves any documents of the
+            # pool); a document read through its own view counts by its buffers, view and rows.
+            if paged and gpu_path(ids_d):
+                docs = ("tables", tuple(len(i) for _, i in specs))
+            else:
+                docs = tuple((c.graph_key(), tuple(i)) for c, i in specs)
+            key = (self.tail.serial, self.tail.capacity, want, docs)
+            logits = self.graphs.run(key, inputs, lambda *t: forward(*t, eager=False), lambda: forward(*inputs))
+        else:  # a step that cites merges as the captured ones do (as a single answer's: the same numbers)
+            logits = forward(*inputs, eager=not (step and self.graphs is not None and self.graphs.on))
         finish()
         return logits

@@ -121,7 +121,7 @@ class Engine:
         self.scheme = plan[0]
         self.comm = C.make_comm(*plan, parts=mesh.cp_parts(), group=cp_group)  # the merge runs over my cp group
         if job.auto_layout and self.scheme in ("allreduce", "tree") and len(set(self.nodes)) == 1:
-            # steps no CUDA graph replays (a batch's, a verify; every step on a CPU) merge with one
+            # steps no CUDA graph replays (a verify, a step that cites; every step on a CPU) merge with one
             # collective: the layout's scheme is priced for captured steps, where launches are free
             self.comm.eager_scheme = "allgather"
         self.world = C.make_comm("allreduce") if mesh.tp > 1 else self.comm  # tokens go to every rank
@@ -352,7 +352,11 @@ class Engine:
                                          "chunks_while_decoding": bd.chunks_while_decoding,
                                          "pool_waits": self.documents.waits,
                                          "pool": self.documents.pool.stats() if self.documents.pool else None,
-                                         "joins": feed.taken if feed else 0})
+                                         "joins": feed.taken if feed else 0,
+                                         # its plain steps' CUDA graphs (graphs.StepGraphs): captured, replayed
+                                         "graph_captures": bd.graphs.captures if bd.graphs is not None else 0,
+                                         "graph_replays": bd.graphs.replays if bd.graphs is not None else 0,
+                                         "graph_note": bd.graphs.note if bd.graphs is not None else None})
 
     def _op_doc(self, req):
         """Make the document ``req["key"]`` (tokens ``req["ids"]``) the cached prefix later

@@ -363,7 +363,8 @@ class Comm:
         ``[B, H, T, d]``) the merged ``o`` is written there and ``out`` is returned instead.
         On CUDA the ``allreduce`` scheme packs and finishes with two fused kernels, the
         ``allgather`` scheme merges in one. ``eager``: a step that is not captured in a CUDA
-        graph (a batched step, a verify), which merges with :attr:`eager_scheme` where one is set.
+        graph (a verify, a step that cites, any step on a CPU), which merges with :attr:`eager_scheme`
+        where one is set.
         """
         scheme = self.eager_scheme if eager and self.eager_scheme else self.scheme
         if self.world > 1 and scheme in ("allreduce", "allgather") and o.is_cuda and o.dim() == 4 and _fused():
