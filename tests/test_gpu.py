@@ -82,7 +82,7 @@ def test_tune_sweep_reports_resources():
 def test_check_passes_on_this_gpu(tmp_path, monkeypatch):
     """`treeattn check` on the device: Triton and ATen partials, fused merges, the offline
     compile for the local target, NCCL schemes, ring decode, generate with and without the
-    CUDA graph, all against their references."""
+    CUDA graph, a batch of questions with and without captured steps, all against their references."""
     import json
 
     from typer.testing import CliRunner
@@ -94,7 +94,8 @@ def test_check_passes_on_this_gpu(tmp_path, monkeypatch):
     recs = json.loads(r.stdout)
     assert r.exit_code == 0, [x for x in recs if x["verdict"] == "FAIL"]
     paths = {x["path"] for x in recs}
-    assert {"partial/triton", "partial/aten", "merge/fused", "generate/eager", "generate/cuda-graph"} <= paths
+    assert {"partial/triton", "partial/aten", "merge/fused", "generate/eager", "generate/cuda-graph", "batch/eager",
+            "batch/cuda-graph"} <= paths
     assert any(p.startswith("compile/sm_") for p in paths)
 
 

@@ -1,7 +1,7 @@
 """The checks of ``treeattn check`` that need ranks: every merge scheme and ring decode over this
 run's ranks against the one-rank oracle (and bit-identical on every rank), a tiny random model
-through ``generate``'s real path against transformers' greedy decode (CUDA graph on and off on
-GPUs), and the same model in bf16 with an fp8 cache through the fast kernels against the same
+through ``generate``'s real path and through a batch of questions against transformers' greedy
+decode (CUDA graph on and off on GPUs), and the same model in bf16 with an fp8 cache through the fast kernels against the same
 run on the reference kernels."""
 
 from __future__ import annotations
@@ -95,6 +95,65 @@ def generate_checks(nproc: int, backend: str, devices: list[str], workdir: Path)
         out.append(skipped("generate/cuda-graph", "no GPU: the CUDA-graph decode step runs on CUDA devices"))
     if not devices[0].startswith("cuda") or _fp8_refusal(torch.device(devices[0])) is None:
         out.append(_fp8_generate_check(model, ids, nproc, backend, devices))
+    out += _batch_checks(model, ids, nproc, backend, devices)
+    return out
+
+
+def batch_rank(ctx, job, doc, questions, slots, new):
+    """Rank function: ``doc`` in the cache, then ``questions`` answered ``slots`` at a time (the
+    batch ``chat --batch`` runs); rank 0 returns each answer's token ids and the batch's record."""
+    from ..engine.engine import Engine
+    from ..engine.sampling import Sampling
+
+    got, done = {}, []
+
+    def emit(kind, p):
+        if kind == "banswer":
+            got[p[0]] = p[1]["token_ids"]
+        elif kind == "batch_done":
+            done.append(p)
+
+    real, ctx.emit = ctx.emit, emit
+    try:
+        Engine(ctx, job).serve([{"op": "append", "ids": doc},
+                                {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
+                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"},
+                                {"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return ([got.get(i) for i in range(len(questions))], done[0]) if ctx.rank == 0 else None
+
+
+def _batch_checks(model, doc, nproc: int, backend: str, devices: list[str]) -> list[dict]:
+    """Three questions after the document, two at a time (a slot frees and takes the third):
+    each answer against transformers' greedy decode of document + question; on GPUs with the
+    batch's steps eager and replayed from CUDA graphs (which must have replayed)."""
+    from ..parallel.launch import run_local
+    from ..engine.job import GenerateJob
+    from .tiny import hf_greedy
+
+    qs = [[(11 * i + 5 + j) % 250 for i in range(n)] for j, n in enumerate((3, 9, 5))]
+    want = [hf_greedy(model, doc + q, 8) for q in qs]
+    out = []
+    for graph in (False, True) if devices[0].startswith("cuda") else (False,):
+        t0 = time.perf_counter()
+        got, note = [], ""
+        try:
+            got, rec = run_local(batch_rank, nproc, GenerateJob(str(model), [], max_new_tokens=8, dtype="float32",
+                                                                cuda_graph=graph),
+                                 doc, qs, 2, 8, backend=backend, devices=devices, timeout_s=120)[0]
+            if graph and (rec.get("graph_note") or not rec.get("graph_replays")):
+                note = rec.get("graph_note") or "no step was replayed from a CUDA graph"
+        except Exception as e:
+            note = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None) if got else 0
+        same = got == want and not note
+        out.append({"path": f"batch/{'cuda-graph' if graph else 'eager'}",
+                    "case": f"tiny llama, {nproc} ranks, 3 questions 2 at a time, 8 tokens each", "max_err": None,
+                    "tol": None, "seconds": round(time.perf_counter() - t0, 3), "verdict": "pass" if same else "FAIL",
+                    "note": note or ("" if same else f"answer {bad} differs from transformers")})
+    if not devices[0].startswith("cuda"):
+        out.append(skipped("batch/cuda-graph", "no GPU: batched steps are captured on CUDA devices"))
     return out
 
 
