@@ -29,7 +29,8 @@ def test_without_a_gpu_every_gpu_step_is_skipped(tmp_path):
     assert steps["devices"]["status"] == "pass"
     gpu_steps = [s for n, s in steps.items() if n != "devices"]
     assert {s["name"] for s in gpu_steps} == {"check", "pytest-gpu", "kernel", "kernel-tune", "decode", "prefill",
-                                              "batch", "batch-fp8", "model", "speculate", "serve", "check-ranks"}
+                                              "batch", "batch-fp8", "batch-graphs", "model", "speculate", "serve",
+                                              "check-ranks"}
     assert all(s["status"] == "skipped" and s["reason"] == "no GPU" for s in gpu_steps), gpu_steps
     md = (env_out / "report.md").read_text()
     assert "GPUs: **none**" in md and "no GPU found" in md
@@ -111,6 +112,13 @@ def test_output_parsers(tmp_path):
         tmp_path)
     assert tune["by_seq_len"][8]["best"]["block_n"] == 64 and tune["by_seq_len"][8]["default"]["time_us"] == 6.0
     assert tune["by_seq_len"][8]["errors"] == 1
+    hs = gr.parse_batch_graphs("\n".join(json.dumps(r) for r in (
+        {"batch": 8, "graphs": False, "ms_per_step": 12.0, "graph_replays": [0]},
+        {"batch": 8, "graphs": True, "ms_per_step": 4.0, "graph_replays": [31, 31]},
+        {"batch": 1, "graphs": False, "ms_per_step": 9.0})), tmp_path)
+    assert hs["by_batch"] == {1: {"eager_ms": 9.0, "captured_ms": None, "replays": None, "speedup": None},
+                              8: {"eager_ms": 12.0, "captured_ms": 4.0, "replays": [31, 31], "speedup": 3.0}}
+    assert gr._key_numbers({"name": "batch-graphs", "summary": hs}).endswith("B=8: eager 12 ms, captured 4 ms (3x)")
 
 
 def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
@@ -146,8 +154,12 @@ def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
     monkeypatch.setattr(bmod, "model_bench", lambda *a, **k: calls.append(("model", a, k)) or [])
     monkeypatch.setattr(bspec, "speculate_bench", lambda *a, **k: calls.append(("speculate", a, k)) or [])
     monkeypatch.setattr(bserve, "run", lambda *a, **k: calls.append(("serve", a, k)) or [])
+    import treeattn_cli.bench.host_step as hs
+
+    monkeypatch.setattr(hs, "make_model", lambda shape: calls.append(("host_model", shape)) or tmp_path)
+    monkeypatch.setattr(hs, "measure", lambda *a, **k: calls.append(("host_step", a, k)) or {})
     scripts = {"treeattn_cli.bench.model": bmod.main, "treeattn_cli.bench.speculate": bspec.main,
-               "treeattn_cli.bench.serve": bserve.main}
+               "treeattn_cli.bench.serve": bserve.main, "treeattn_cli.bench.host_step": hs.main}
     for st in gr.default_steps(4, tmp_path):
         argv = [str(x) for x in st.argv]
         if argv[1:3] == ["-m", "treeattn_cli.main"]:
@@ -174,10 +186,13 @@ def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
     spec = next(c for c in calls if c[0] == "speculate")
     assert spec[1][4:6] == ("cuda", "bfloat16")
     assert [c[1] for c in calls if c[0] == "random"] == [gr.RANDOM_SHAPE] * 3 and any(c[0] == "serve" for c in calls), kinds
+    steps = [c for c in calls if c[0] == "host_step"]  # issue 38: eager and captured at B = 1, 8, 32 on the GPU
+    assert [(c[1][1], c[2]["graphs"]) for c in steps] == [(b, g) for b in (1, 8, 32) for g in (False, True)]
+    assert all(c[2]["device"] == "cuda" for c in steps) and [c[1] for c in calls if c[0] == "host_model"] == ["llama-1b"]
 
 
 def test_the_calls_cover_every_step_once_and_each_fits_the_budget(tmp_path):
-    """Three calls of under 10 minutes cover the report: every step in exactly one call, each
+    """Four calls of under 10 minutes cover the report: every step in exactly one call, each
     call's limits (a machine with 1 GPU and with 8) within the default budget."""
     for n in (1, 8):
         steps = {s.name: s for s in gr.default_steps(n, tmp_path)}

@@ -3,10 +3,11 @@
     python -m treeattn_cli.bench.gpu_report --out DIR [--budget-s 540] [--only a,b]
     python -m treeattn_cli.bench.gpu_report --preflight
 
-The steps' limits add up to more than one 10-minute call: run them in three calls into the same
+The steps' limits add up to more than one 10-minute call: run them in four calls into the same
 ``--out`` (:data:`CALLS`: ``--steps check,check-ranks,pytest-gpu``, then ``--steps
-kernel,decode,prefill,batch``, then ``--steps kernel-tune,model,speculate,serve``; each call's
-limits fit the budget); each call merges into the report already there. Measuring steps print
+kernel,decode,prefill,batch,batch-fp8``, then ``--steps model,speculate,serve``, then ``--steps
+batch-graphs,kernel-tune``; each call's limits fit the budget); each call merges into the report
+already there. Measuring steps print
 each record as it is measured, so a step stopped at its limit keeps what it printed.
 
 ``--preflight`` runs nothing: it says whether every step could run here (the imports each step
@@ -31,7 +32,9 @@ recorded and the next step runs:
   memory floor and transformers' eager step, and the time to first token (``gpu_decode.py``);
 - ``prefill``: ``treeattn bench --prefill`` over every GPU;
 - ``batch``: ``chat --batch``'s step, B = 1, 8, 64 questions over one 32K-token document
-  (``treeattn bench --shared``);
+  (``treeattn bench --shared``), and ``batch-fp8`` the same over an fp8 cache at B = 1, 8, 32;
+- ``batch-graphs``: the whole batched step of a random Llama-3.2-1B-shaped model through the
+  engine, eager against replayed from CUDA graphs, B = 1, 8, 32 (``bench/host_step.py``);
 - ``kernel-tune``: the launch-parameter sweep (``--tune``): the best configuration per length
   and the runtime's own, with registers, spills, shared memory, tiles in flight, CTAs per SM;
 - ``model``: ``generate`` end to end in bf16 with a bf16 and an fp8 cache against transformers
@@ -236,6 +239,21 @@ def parse_batch(text: str, out_dir: Path) -> dict:
                          for b, ms in sorted(rows.items())}}
 
 
+def parse_batch_graphs(text: str, out_dir: Path) -> dict:
+    """``bench.host_step``: ms per batched step by batch size, eager and captured, and the ratio."""
+    rows: dict = {}
+    for r in _records(text):
+        if "ms_per_step" in r and "graphs" in r:
+            rows.setdefault(r["batch"], {})["captured" if r["graphs"] else "eager"] = {
+                "ms": round(r["ms_per_step"], 3), "replays": r.get("graph_replays")}
+    out = {}
+    for b, m in sorted(rows.items()):
+        e, c = (m.get(k, {}).get("ms") for k in ("eager", "captured"))
+        out[b] = {"eager_ms": e, "captured_ms": c, "replays": m.get("captured", {}).get("replays"),
+                  "speedup": round(e / c, 2) if e and c else None}
+    return {"by_batch": out}
+
+
 def parse_model(text: str, out_dir: Path) -> dict:
     """``bench.model``: decode ms/token and prefill s per method and cache storage, same tokens."""
     return {"rows": [{k: r.get(k) for k in ("prompt_tokens", "method", "kv_dtype", "prefill_s", "decode_ms_per_token",
@@ -299,6 +317,11 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
                           "question's rows (issue 38), against bf16's above",
              [*_CLI, "bench", "--shared", "--batch", "1,8,32", "--seq-len", "32768", "--nproc", "1", "--methods",
               "tree", "--kv-dtype", "fp8", "--json"], cap_s=90, parse=parse_batch, needs=ENGINE),
+        Step("batch-graphs", "the engine's batched step, eager vs replayed from CUDA graphs, B = 1, 8, 32 over an "
+                             "8K-token document (random Llama-3.2-1B shape; issue 38: captured >= 2x faster at B 1-8)",
+             [_PY, "-m", "treeattn_cli.bench.host_step", "--device", "cuda", "--random", "llama-1b", "--nproc", "1",
+              "--batch", "1,8,32", "--graphs", "off,on", "--tokens", "40", "--repeats", "3", "--doc-tokens", "8192"],
+             cap_s=150, parse=parse_batch_graphs, needs=ENGINE),
         Step("kernel-tune", "launch-parameter sweep of the split kernel (block, warps, stages, splits)",
              [_PY, "-m", "treeattn_cli.bench.kernel", "--tune", "--seq-len", "32768,131072", "--iters", "10",
               "--warmup", "3", "--json"], cap_s=150, parse=parse_tune, needs=KERNEL),
@@ -320,9 +343,10 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
     return steps
 
 
-# The calls that cover every step within one 10-minute call each (caps: 350, 540 and 540 s; on a
-# machine with 2+ GPUs check-ranks adds 150 s to the first): ``--steps`` of each, in order.
-CALLS = ("check,check-ranks,pytest-gpu", "kernel,decode,prefill,batch,batch-fp8", "kernel-tune,model,speculate,serve")
+# The calls that cover every step within one 10-minute call each (caps: 350, 540, 390 and 300 s;
+# on a machine with 2+ GPUs check-ranks adds 150 s to the first): ``--steps`` of each, in order.
+CALLS = ("check,check-ranks,pytest-gpu", "kernel,decode,prefill,batch,batch-fp8", "model,speculate,serve",
+         "batch-graphs,kernel-tune")
 
 
 # Oldest versions the steps work with (pyproject's floors; Triton's: the kernels use
@@ -646,6 +670,9 @@ def _key_numbers(step: dict) -> str:
         return "; ".join(parts)
     if name in ("batch", "batch-fp8"):
         return "; ".join(f"B={b}: {r['step_ms']} ms ({r['vs_batch_1']}x B=1)" for b, r in s.get("by_batch", {}).items())
+    if name == "batch-graphs":
+        return "; ".join(f"B={b}: eager {_fmt(r['eager_ms'])} ms, captured {_fmt(r['captured_ms'])} ms "
+                         f"({_fmt(r['speedup'])}x)" for b, r in s.get("by_batch", {}).items())
     if name == "model":
         return "; ".join(f"{r['prompt_tokens']} {r['method']} {r.get('kv_dtype') or ''}: "
                          f"{_fmt(r['decode_ms_per_token'])} ms/token"
