@@ -397,6 +397,33 @@ def graph_agreement(ctx, job, fail):
     return (answers[0], state.tolist(), dec.graph_note) if ctx.rank == 0 else None
 
 
+def graph_speculate(ctx, job, doc, question, new, speculate):
+    """One answer with drafts under (stand-in) CUDA graphs (:func:`fake_cuda_graphs`): its plain
+    steps and its verifies replayed. Rank 0 returns the tokens, the answer's speculation record,
+    and how many plain steps and verifies were replayed and graphs captured (step, verify)."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.sampling import Sampling
+
+    eng = Engine(ctx, job)
+    dec = eng.dec
+    fake_cuda_graphs(dec, ctx.rank)
+    answers = []
+    real = ctx.emit
+    ctx.emit = lambda kind, payload: answers.append(payload) if kind == "answer" else None
+    try:
+        eng.serve([{"op": "append", "ids": doc + question},
+                   {"op": "decode", "seq": 0, "max_new_tokens": new, "sampling": vars(Sampling()), "keep": False,
+                    "speculate": speculate}, {"op": "stop"}])
+    finally:
+        ctx.emit = real
+        os.environ.pop("TREEATTN_KERNEL", None)
+    if ctx.rank != 0:
+        return None
+    a = answers[0]
+    return (a["token_ids"], a.get("speculation"), dec.replays, dec.verify_graphs.replays,
+            (dec.captures, dec.verify_graphs.captures), dec.graph_note)
+
+
 def graph_document_switch(ctx, job, docs, new):
     """The server's document switch under (stand-in) CUDA graphs: decode after document A, then
     after document B (another cache of the same capacity), then A again. Rank 0 returns the
@@ -427,7 +454,8 @@ def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=No
     """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op,
     with ``extra`` fields); rank 0 returns the token ids per question (question order), the
     batch_done event, and each answer's speculation record (question order: drafted, accepted).
-    ``graphs``: the steps captured and replayed as on a GPU (:func:`fake_cuda_graphs`)."""
+    ``graphs``: the steps captured and replayed as on a GPU (:func:`fake_cuda_graphs`; a string:
+    its ``fail``)."""
     from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.engine import Engine
 
@@ -443,7 +471,7 @@ def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=No
     try:
         eng = Engine(ctx, job)
         if graphs:
-            fake_cuda_graphs(eng.dec, ctx.rank)
+            fake_cuda_graphs(eng.dec, ctx.rank, graphs if isinstance(graphs, str) else None)
         eng.serve([{"op": "append", "ids": doc},
                    {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
                     "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate,

@@ -208,3 +208,20 @@ def test_projection_prices_speculation_from_the_acceptance():
         assert 0.9 * speculation_gain(a, k) < r["spec_gain"] <= speculation_gain(a, k), r
         assert r["verify_ms"] >= r["step_ms_median"]
     assert abs(speculation_gain(0.5, 3) - 1.875) < 1e-9
+
+
+def test_captured_verifies_replay_and_keep_the_greedy_tokens(copy_heavy):
+    """Issue 38: a single answer's speculative steps replay CUDA graphs too (one per number of
+    rows), as its plain steps do (``graph_standin`` on CPU ranks over the GPU's kernels: each
+    replay checked to issue what its capture recorded): the tokens are transformers' greedy
+    ones, drafts were kept and rejected, and verifies were replayed; on 2
+    ranks (each new token kept by one of them, written off by the other) and on one."""
+    m, prompt, greedy = copy_heavy["llama"]
+    for world in (2, 1):
+        job = GenerateJob(str(m), [], max_new_tokens=NEW, dtype="float32", static=True)
+        toks, spec, steps, verifies, captures, note = run_local(dist_cases.graph_speculate, world, job, prompt, [],
+                                                                NEW, "ngram:4", timeout_s=300)[0]
+        assert toks == greedy, world
+        assert note is None, note
+        assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"], spec  # kept and rejected
+        assert verifies >= 3 and captures[1] >= 1, (verifies, captures)

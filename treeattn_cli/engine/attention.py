@@ -55,6 +55,8 @@ class AttentionContext:
     cite: object = None  # decode/replicated: the answer's cite.Citation (its rows' attention per span), or None
     cites: list = field(default_factory=list)  # cascade: each row's cite.Citation or None (documents only)
     paged: tuple | None = None  # cascade: the documents' (block tables, lengths) on the device, for every layer
+    ext: tuple | None = None  # verify: (each new token's slot here or the write-off slot [T], this rank's keys
+    # with the ones it keeps [1]) on the device
 
 
 # Arguments of a model's forward that transformers passes on to every attention call and that
@@ -117,6 +119,8 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
             ctx.on_layer(layer)
     elif ctx.phase == "cascade":
         return _cascade(ctx, layer, query, key, value, scaling, window, softcap, sink), None
+    elif ctx.phase == "verify":
+        return _verify_static(ctx, layer, query, key, value, scaling, window, softcap, sink), None
     elif ctx.phase == "replicated":
         cite = ctx.cite if ctx.cite is not None and ctx.cite.wants(layer) else None
         o, lse, blocks = _replicated(ctx, layer, query, key, value, scaling, window, softcap, sink, cite is not None)
@@ -343,6 +347,27 @@ def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
         if stats.enabled:
             stats.add_flops(flops(B, H, d, n, nk.shape[2], "full"))
     return o, lse, blocks
+
+
+def _verify_static(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
+    """A speculative step (``q [1, H, T, d]``: the last token and its drafts, every rank computing
+    all of them) over a fixed-shape cache, the form a CUDA graph captures: every new token is
+    written, to its slot on the rank that keeps it and to the write-off slot elsewhere
+    (``ctx.ext``'s slots), then one call attends the queries to the capacity-long view, the keys
+    this rank keeps (``ctx.ext``'s length, on the device) and causal among the new ones by
+    position. Returns ``[1, T, H, d]``."""
+    cache, comm = ctx.cache, ctx.comm
+    slots, kv_len = ctx.ext
+    cache.put_tokens(layer, slots, k_new[0].transpose(0, 1), v_new[0].transpose(0, 1))
+    L = cache.capacity
+    k, v, k_pos = cache.k[layer][:, :, :L], cache.v[layer][:, :, :L], cache.pos[:, :L]
+    o, lse = _stored(cache, layer)(q, k, v, scale=scale, kv_len=kv_len, q_pos=ctx.positions[None], k_pos=k_pos,
+                                   window=window, k_pos_sorted=True, softcap=softcap,
+                                   sink=sink if comm.rank == 0 else None, out_dtype=torch.float32)
+    B, H, T, d = q.shape
+    out = torch.empty(B, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
+    comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)
+    return out
 
 
 def _blocks(q, N: int, rows=None) -> dict:

@@ -272,6 +272,7 @@ class ShardedKVCache:
         self.reserve(int(self.counts.max()))  # by the largest shard of any rank: the same everywhere
         dev = self.device
         self._ext = [torch.tensor(x, dtype=torch.int64, device=dev) for x in (b_idx, i_idx, t_idx, slot_idx)]
+        self._ext_host = (b_idx, i_idx, t_idx, slot_idx)
         self._ext_rows = list(rows)
         if b_idx:
             self.pos[self._ext[0], self._ext[3]] = positions.to(dev)[self._ext[1], self._ext[2]]
@@ -284,6 +285,21 @@ class ShardedKVCache:
         b, i, t, slot = self._ext
         if b.numel():
             self._put(layer, (b, slice(None), slot), k_new[i, :, t], v_new[i, :, t])
+
+    def extension_slots(self, i: int, T: int) -> list[int]:
+        """Where each of the latest extension's ``T`` tokens of its ``i``-th row goes on this
+        rank: its slot where this rank keeps it, else the write-off slot (``capacity``): every
+        token written, a fixed shape (:meth:`put_tokens`, a captured verify)."""
+        out = [self.capacity] * T
+        for ii, t, slot in zip(*self._ext_host[1:]):
+            if ii == i:
+                out[t] = slot
+        return out
+
+    def put_tokens(self, layer: int, slots, k, v) -> None:
+        """Write tokens ``k, v [T, H_kv, d]`` of sequence 0 at ``slots [T]`` (device; the
+        write-off slot for the ones another rank keeps)."""
+        self._put(layer, (self._rows[:1].expand(slots.shape[0]), slice(None), slots), k, v)
 
     def end_extend(self) -> None:
         """After the last layer: the extension's tokens count."""

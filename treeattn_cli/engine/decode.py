@@ -70,6 +70,8 @@ class Decoder:
         actx.eager = not self.use_graph
         # the step's graphs, by the cache and capacity they replay into (graphs.StepGraphs)
         self.graphs = StepGraphs(self.device, self.world, what="decode step", limit=2)
+        # a speculative step's graphs, one per number of rows (the last token and its drafts)
+        self.verify_graphs = StepGraphs(self.device, self.world, what="verify step", limit=16)
         self._note = None
         self.staging = Staging(self.device)  # a step's inputs, in one copy
         if self.use_graph and not graph_capture_ok(self.comm):
@@ -207,7 +209,36 @@ class Decoder:
         the cache holds (``len(tokens)`` query rows, causal among themselves, against every
         shard); their logits ``[len(tokens), V]`` on the cp group's rank 0. The rows not kept
         are dropped with :meth:`keep_verified`."""
+        if self.use_graph and self.verify_graphs.on and self.actx.cite is None:
+            return self._verify_captured(tokens)
         logits = self._prefill_replicated(torch.tensor([tokens]), rows=len(tokens), record=False)
+        return logits[0] if logits is not None else None
+
+    def _verify_captured(self, tokens: list[int]):
+        """:meth:`verify` replayed from a CUDA graph (one per number of rows): the tokens placed
+        on the ranks as an extension is (host), then the fixed-shape step (``attention``'s
+        ``verify`` phase: every token written, here or to the write-off slot; one call over the
+        capacity-long view) from the graph's copies of its inputs (tokens, positions, slots, the
+        keys this rank attends), sent in one copy."""
+        T, start = len(tokens), self.total
+        self.cache.begin_extend([0], torch.arange(start, start + T)[None])  # host: who keeps each token
+        slots = self.cache.extension_slots(0, T)
+        kept = int(self.cache.host_length[0]) + sum(s < self.cache.capacity for s in slots)
+        inputs = self.staging.send([tokens], list(range(start, start + T)), slots, [kept])
+        want = self.comm.rank == 0
+
+        def forward(ids, pos, sl, kv_len, eager=False):
+            actx = self.actx
+            actx.phase, actx.positions, actx.ext = "verify", pos, (sl, kv_len)
+            was, actx.eager = actx.eager, eager
+            try:
+                return self._forward(ids, pos[None], want_logits=want, rows=T)
+            finally:
+                actx.phase, actx.ext, actx.eager = "decode", None, was
+
+        logits = self.verify_graphs.run((self.cache.serial, self.cache.capacity), inputs, forward,
+                                        lambda: forward(*inputs, eager=True))
+        self.cache.end_extend()
         return logits[0] if logits is not None else None
 
     @torch.inference_mode()
@@ -248,7 +279,7 @@ class Decoder:
 
     @property
     def graph_note(self) -> str | None:
-        return self._note or self.graphs.note
+        return self._note or self.graphs.note or self.verify_graphs.note
 
     def _graph_step(self, tok, pos, want: bool):
         """The step replayed from its CUDA graph (``graphs.StepGraphs``: captured on first use,

@@ -462,6 +462,7 @@ class Engine:
             "kv_dtype": self.kv_name,  # bytes of KV one token takes on all ranks together, scales included
             "kv_bytes_per_token": self.cache.bytes_per_token() * self.mesh.tp,
             "cuda_graph": self.dec.graph is not None, "cuda_graph_replays": self.dec.replays,
+            "verify_graph_replays": self.dec.verify_graphs.replays,  # speculative steps replayed
             "static_step": bool(self.cache.static),  # the fixed-shape step a graph captures
             "kernels": "reference (the fast kernels failed their self-check)" if self.job.reference else "fast",
             "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
