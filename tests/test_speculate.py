@@ -225,3 +225,19 @@ def test_captured_verifies_replay_and_keep_the_greedy_tokens(copy_heavy):
         assert note is None, note
         assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"], spec  # kept and rejected
         assert verifies >= 3 and captures[1] >= 1, (verifies, captures)
+
+
+def test_captured_batched_verifies_keep_each_questions_tokens(copy_heavy):
+    """Issue 38: a batch's verifies replay CUDA graphs too (every slot a row, rows padded to a
+    power of two; ``graph_standin`` on CPU ranks): each slot drafts and accepts on its own and
+    its tokens are those of its question alone."""
+    m, prompt, _ = copy_heavy["llama"]
+    doc, qs = prompt[:-17], [prompt[-17:], prompt[-17:-5], prompt[3:9]]
+    want = [tiny_models.hf_greedy(m, doc + q, 12) for q in qs]
+    job = GenerateJob(str(m), [], dtype="float32", max_new_tokens=12, static=True)
+    got, done, spec = run_local(dist_cases.engine_batch, 2, job, doc, qs, 2, 12, "ngram:4", None, True,
+                                timeout_s=300)[0]
+    assert got == want
+    assert sum(s["accepted"] for s in spec) > 0 and any(s["drafted"] > s["accepted"] for s in spec), spec
+    d = done[0]
+    assert d["graph_note"] is None and d["verify_graph_replays"] >= 3, d

@@ -55,8 +55,8 @@ class AttentionContext:
     cite: object = None  # decode/replicated: the answer's cite.Citation (its rows' attention per span), or None
     cites: list = field(default_factory=list)  # cascade: each row's cite.Citation or None (documents only)
     paged: tuple | None = None  # cascade: the documents' (block tables, lengths) on the device, for every layer
-    ext: tuple | None = None  # verify: (each new token's slot here or the write-off slot [T], this rank's keys
-    # with the ones it keeps [1]) on the device
+    ext: tuple | None = None  # verify (and a cascade's fixed-shape verify): each new token's slot here or the
+    # write-off slot [R·T], each row's keys with the ones it keeps here [R], on the device
 
 
 # Arguments of a model's forward that transformers passes on to every attention call and that
@@ -246,11 +246,17 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     if ctx.step:  # one token per sequence, placed by tail.begin_step
         tk, tv, tlen = tail.update(layer, k_new, v_new)
         tpos = tail.pos[:, : tk.shape[2]]
+    elif ctx.ext is not None:  # a fixed-shape verify (every row, every token written: here or written off)
+        slots, tlen = ctx.ext
+        tail.put_rows(layer, slots, k_new, v_new)
+        L = tail.capacity
+        tk, tv, tpos = tail.k[layer][:, :, :L], tail.v[layer][:, :, :L], tail.pos[:, :L]
     else:
         tail.extend(layer, k_new, v_new)
         tk, tv, tlen, tpos = tail.view_rows(layer, ctx.rows, extended=True)
     kw = dict(q_pos=pos, k_pos=tpos, window=window) if (T > 1 or window is not None) else {}
-    o_t, l_t = _stored(tail, layer, None if ctx.step else ctx.rows)(q, tk, tv, scale=scale, kv_len=tlen,
+    every = ctx.step or ctx.ext is not None  # every row of the tail (else the extension's rows)
+    o_t, l_t = _stored(tail, layer, None if every else ctx.rows)(q, tk, tv, scale=scale, kv_len=tlen,
                                                                    softcap=softcap, out_dtype=torch.float32, **kw)
     o, lse = merge_pair(o_d, l_d, o_t, l_t)
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once

@@ -86,6 +86,9 @@ class BatchDecoder:
         # the step's CUDA graphs (graphs.StepGraphs), by the documents its rows read and how
         # (the tail then has fixed-shape views, as the single step's cache does)
         self.graphs = StepGraphs(doc.device, dec.world, what="batched decode step") if dec.use_graph else None
+        # its verifies' (every slot's last token and drafts, padded to a power of two of rows)
+        self.verify_graphs = StepGraphs(doc.device, dec.world, what="batched verify step") \
+            if dec.use_graph else None
         self.tail = ShardedKVCache(doc.num_layers, slots, doc.kv_heads, doc.head_dim, dtype=doc.dtype,
                                    device=doc.device, rank=doc.rank, world=doc.world,
                                    capacity=-(-capacity // cp) + 2, quant=doc.quant,  # stored like the document
@@ -394,6 +397,8 @@ class BatchDecoder:
         """Each of ``slots`` (``(index, _Slot)`` pairs) feeds its last token and its drafts
         (right-padded to the longest, padding kept nowhere): logits of every fed row,
         ``[len(slots), T, V]``."""
+        if self.verify_graphs is not None and self.verify_graphs.on and not any(s.citation for _, s in slots):
+            return self._extend_captured(slots, feeds, positions)
         rows = [b for b, _ in slots]
         T = max(len(f) for f in feeds)
         ids = torch.zeros(len(rows), T, dtype=torch.int64)
@@ -405,6 +410,26 @@ class BatchDecoder:
         return self._forward(ids, pos, rows, [s for _, s in slots], step=False, finish=self.tail.end_extend, keep=T,
                              cites=[s.citation for _, s in slots])
 
+    def _extend_captured(self, slots: list, feeds: list[list[int]], positions: list[int]):
+        """:meth:`_extend` in the fixed shape a CUDA graph replays: every slot a row (an idle one
+        all padding, written nowhere), the rows padded to a power of two, every token written
+        (to its slot on the rank that keeps it, the write-off slot elsewhere), each row's keys
+        counted on the device (``attention._cascade`` with ``ext``). Same return."""
+        S = self.slots
+        T = 1 << (max(len(f) for f in feeds) - 1).bit_length()
+        ids = torch.zeros(S, T, dtype=torch.int64)
+        pos = torch.full((S, T), -1, dtype=torch.int64)
+        of = [slots[0][1]] * S  # an idle row reads a busy slot's document (and is dropped)
+        for (b, s), f, p in zip(slots, feeds, positions):
+            ids[b, :len(f)] = torch.tensor(f)
+            pos[b, :len(f)] = torch.arange(p, p + len(f))
+            of[b] = s
+        self.tail.begin_extend(list(range(S)), pos)
+        ext = ([self.tail.extension_slots(i, T) for i in range(S)],
+               (self.tail.host_length + self.tail._ext_added).tolist())  # host numbers: no device read
+        lg = self._forward(ids, pos, list(range(S)), of, step=False, finish=self.tail.end_extend, keep=T, ext=ext)
+        return lg[[b for b, _ in slots]] if lg is not None else None
+
     def _step(self, tokens: list[int], positions: list[int], going: list[bool], of: list):
         """One token for every slot that goes on (the others are written off; ``of``: the slot
         whose document each row reads): logits ``[S, V]``."""
@@ -414,13 +439,16 @@ class BatchDecoder:
                              finish=self.tail.end_step, store=store,
                              cites=[s.citation if going[b] else None for b, s in enumerate(of)])
 
-    def _forward(self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1, cites=None, store=None):
+    def _forward(self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1, cites=None, store=None,
+                 ext=None):
         """The model on the tail ``rows`` (``ids, pos [R, T]``, host), row i continuing the
         document of slot ``of[i]``: its rows of each document are one group (``attention._cascade``).
         ``cites``: row i's ``cite.Citation`` where its tokens are an answer's that cites (a step
         or a verify), else None. ``store``: a step's (``ShardedKVCache.plan_step``). What the
         device needs from the host (tokens, positions, the groups' rows, where the step's tokens
-        are kept, the documents' block tables) goes in one copy (``host.Staging``)."""
+        are kept, the documents' block tables) goes in one copy (``host.Staging``). ``ext``: a
+        fixed-shape verify's (every token's slot ``[R][T]``, each row's keys ``[R]``:
+        :meth:`_extend_captured`)."""
         from kernels import gpu_path
 
         from .attention import pooled_documents
@@ -441,6 +469,8 @@ class BatchDecoder:
             width = 1 << (max([len(d.table.blocks) for d in shards] + [1]) - 1).bit_length()  # a power of two:
             # a captured step's tables keep their shape while documents of other lengths come and go
             send += [[d.table.blocks + [0] * (width - len(d.table.blocks)) for d in shards], [d.n for d in shards]]
+        if ext is not None:
+            send += [ext[0], ext[1]]
         sent = self.staging.send(*send, *parts)
         ids_d = sent[0]
         at = 3
@@ -455,7 +485,9 @@ class BatchDecoder:
 
         def forward(ids_d, pos_d, mpos_d, *rest, eager=True):
             actx.paged = (rest[0], rest[1]) if paged else None
-            idx_d = iter(rest[2 if paged else 0:])
+            rest = rest[2 if paged else 0:]
+            actx.ext = (rest[0].reshape(-1), rest[1]) if ext is not None else None  # [R·T], [R]
+            idx_d = iter(rest[2 if ext is not None else 0:])
             actx.groups = [(cache, None if len(idx) == len(of) else next(idx_d), idx) for cache, idx in specs]
             actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_d
             was, actx.eager = actx.eager, eager
@@ -465,13 +497,14 @@ class BatchDecoder:
                 return dec._forward(ids_d, mpos_d, want_logits=want, rows=keep)
             finally:
                 actx.phase, actx.tail, actx.groups, actx.cites, actx.paged = "decode", None, [], [], None
-                actx.eager = was
+                actx.eager, actx.ext = was, None
 
         if cited:
             for c in cites:
                 if c is not None:
                     c.begin(ids.shape[1])
-        if step and self.graphs is not None and self.graphs.on and not cited:
+        graphs = self.graphs if step else self.verify_graphs if ext is not None else None
+        if graphs is not None and graphs.on and not cited:
             # replayed: everything the host decided is in the key, the rest reads the graph's
             # copies of ``inputs``. Documents read through their block tables (the GPU's path)
             # are data: only how many rows each has counts (a graph serves any documents of the
@@ -481,7 +514,7 @@ class BatchDecoder:
             else:
                 docs = tuple((c.graph_key(), tuple(i)) for c, i in specs)
             key = (self.tail.serial, self.tail.capacity, want, docs)
-            logits = self.graphs.run(key, inputs, lambda *t: forward(*t, eager=False), lambda: forward(*inputs))
+            logits = graphs.run(key, inputs, lambda *t: forward(*t, eager=False), lambda: forward(*inputs))
         else:  # a step that cites merges as the captured ones do (as a single answer's: the same numbers)
             logits = forward(*inputs, eager=not (step and self.graphs is not None and self.graphs.on))
         finish()

@@ -296,6 +296,14 @@ class ShardedKVCache:
                 out[t] = slot
         return out
 
+    def put_rows(self, layer: int, slots, k, v) -> None:
+        """Write every row's tokens ``k, v [B, H_kv, T, d]`` at ``slots [B·T]`` (device, row after
+        row; the write-off slot for tokens kept elsewhere, and for padding)."""
+        B, H, T, d = k.shape
+        rows = self._rows.repeat_interleave(T)
+        self._put(layer, (rows, slice(None), slots), k.transpose(1, 2).reshape(B * T, H, d),
+                  v.transpose(1, 2).reshape(B * T, H, d))
+
     def put_tokens(self, layer: int, slots, k, v) -> None:
         """Write tokens ``k, v [T, H_kv, d]`` of sequence 0 at ``slots [T]`` (device; the
         write-off slot for the ones another rank keeps)."""

@@ -356,7 +356,10 @@ class Engine:
                                          # its plain steps' CUDA graphs (graphs.StepGraphs): captured, replayed
                                          "graph_captures": bd.graphs.captures if bd.graphs is not None else 0,
                                          "graph_replays": bd.graphs.replays if bd.graphs is not None else 0,
-                                         "graph_note": bd.graphs.note if bd.graphs is not None else None})
+                                         "verify_graph_replays": bd.verify_graphs.replays
+                                         if bd.verify_graphs is not None else 0,
+                                         "graph_note": (bd.graphs.note or bd.verify_graphs.note)
+                                         if bd.graphs is not None else None})
 
     def _op_doc(self, req):
         """Make the document ``req["key"]`` (tokens ``req["ids"]``) the cached prefix later
