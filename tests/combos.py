@@ -78,6 +78,7 @@ class Config:
     tight: bool = False  # mixed: the block pool holds the largest document alone (the others wait their turn)
     page: int | None = None  # mixed: tokens per block of the pool (16: tiny documents fill blocks, share prefixes)
     qchunk: int | None = None  # batch, serve: question tokens prefilled per round (the batch's piece; mixed: chunk)
+    graphs: bool = False  # steps replayed from (stand-in) CUDA graphs, over the GPU's kernels (graph_standin)
 
     @property
     def world(self) -> int:
@@ -100,6 +101,7 @@ class Config:
                  "again" if self.again else "", f"docs={self.docs}" if self.docs else "",
                  f"budget={self.budget}" if self.budget is not None else "", "tight" if self.tight else "",
                  f"page={self.page}" if self.page else "", f"qchunk={self.qchunk}" if self.qchunk else "",
+                 "graphs" if self.graphs else "",
                  "" if self.greedy else f"T={self.sampling['temperature']},k={self.sampling['top_k']},"
                                         f"seed={self.sampling['seed']}"]
         return (f"seed={self.seed} {self.family} cp={self.cp} tp={self.tp} {self.scheme} kv={self.kv} "
@@ -268,8 +270,17 @@ def d_cite(rng, c, fx):
                 q["cite"] = {"spans": spans, "layers": layers}
 
 
+def d_graphs(rng, c, fx):
+    """Steps replayed from CUDA graphs as on a GPU (issue 38): the single sequence's step and a
+    batch's plain steps captured and replayed by ``graph_standin`` (each replay checked to issue
+    what its capture recorded), over a fixed-shape cache and the GPU's kernels (Triton,
+    interpreted); the same requests alone run eagerly on the CPU's. Drawn last, so the
+    configurations drawn before it stay what they were."""
+    c.graphs = rng.random() < 0.12
+
+
 DIMENSIONS = [d_family, d_mesh, d_scheme, d_kv, d_route, d_document, d_questions, d_slots, d_speculate,
-              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk, d_cite]
+              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk, d_cite, d_graphs]
 
 
 def draw(seed: int, fx: dict) -> Config:
@@ -358,11 +369,11 @@ def _document_requests(c: Config, fx: dict, save_root: str, *, alone: bool = Fal
     return [{"op": "append", "ids": doc, "piece": None if alone else c.chunk}]
 
 
-def _job(c: Config, fx: dict):
+def _job(c: Config, fx: dict, graphs: bool = False):
     from treeattn_cli.engine.job import GenerateJob
 
     return GenerateJob(fx[c.family]["model"], [], dtype="float32", kv_dtype=c.kv, tp=c.tp, scheme=c.scheme,
-                       max_new_tokens=c.new, reserve=256)
+                       max_new_tokens=c.new, reserve=256, static=True if graphs else None)
 
 
 def _save(ctx, key: str, c: Config, fx: dict, save_root: str) -> None:
@@ -479,29 +490,43 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
     """The configuration, then each question alone; rank 0 returns the records."""
     from treeattn_cli.engine.engine import Engine
 
+    import os
+
     answers, events, alone = {}, {}, {}
-    eng = Engine(ctx, _job(c, fx))
+    eng = Engine(ctx, _job(c, fx, c.graphs))
+    stand_in = None
+    if c.graphs:
+        from dist_cases import fake_cuda_graphs
+
+        stand_in = fake_cuda_graphs(eng.dec, ctx.rank)
     t0 = time.perf_counter()
-    if c.route in ("serve", "mixed"):
-        _serve_case(ctx, eng, c, fx, save_root, answers, events)
-    else:
-        seq = [0]
+    try:
+        if c.route in ("serve", "mixed"):
+            _serve_case(ctx, eng, c, fx, save_root, answers, events)
+        else:
+            seq = [0]
 
-        def emit(kind, p):
-            if kind == "banswer":
-                answers[p[0]] = p[1]
-            elif kind == "answer":
-                answers[seq[0]] = p
-                seq[0] += 1
-            elif kind in ("loaded", "batch_done"):
-                events.setdefault(kind, []).append(p)
+            def emit(kind, p):
+                if kind == "banswer":
+                    answers[p[0]] = p[1]
+                elif kind == "answer":
+                    answers[seq[0]] = p
+                    seq[0] += 1
+                elif kind in ("loaded", "batch_done"):
+                    events.setdefault(kind, []).append(p)
 
-        real, ctx.emit = ctx.emit, emit
-        try:
-            eng.serve(_document_requests(c, fx, save_root) + [{"op": "mark", "name": "doc"}]
-                      + requests_of(c, fx, save_root))
-        finally:
-            ctx.emit = real
+            real, ctx.emit = ctx.emit, emit
+            try:
+                eng.serve(_document_requests(c, fx, save_root) + [{"op": "mark", "name": "doc"}]
+                          + requests_of(c, fx, save_root))
+            finally:
+                ctx.emit = real
+    finally:
+        os.environ.pop("TREEATTN_KERNEL", None)  # (the stand-in's: the GPU's kernels) alone runs the CPU's
+    if stand_in is not None:
+        events["graph_replays_checked"] = stand_in.checked
+        events["single_replays"] = eng.dec.replays
+        events["verify_replays"] = eng.dec.verify_graphs.replays
     took = time.perf_counter() - t0
     # the same requests alone: a fresh engine, the document prefilled plainly, one question at a time
     ref = Engine(ctx, _job(c, fx))
@@ -689,6 +714,13 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("document found whole in the pool's cached blocks")
     if any(n and s == "prefill" for n, s in zip(r["events"].get("reused", []), r["events"].get("sources", []))):
         out.add("document prefilled after a prefix found in the pool")
+    if r["events"].get("graph_replays_checked"):
+        if any(b.get("graph_replays") for b in batches + r["events"].get("batch_done", [])):
+            out.add("batched steps replayed from graphs")
+        if r["events"].get("single_replays"):
+            out.add("single steps replayed from graphs")
+        if r["events"].get("verify_replays"):
+            out.add("verifies replayed from graphs")
     cited = [a for a in answers if a.get("cite") is not None and len(a["cite"])]
     if cited:
         out.add("cited")

@@ -69,8 +69,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
     documents in one step, a document prefilled while others decode, a long question prefilled in
     chunks between the other answers' steps, documents evicted to disk
     and loaded back, a document waiting for blocks of a full pool, documents found in the pool's
-    cached blocks (whole, or a prefix of them), every mesh, family, route and
-    KV storage."""
+    cached blocks (whole, or a prefix of them), a batch's steps, a single answer's steps and its
+    verifies replayed from (stand-in) CUDA graphs, every mesh, family, route and KV storage."""
     configs, results, _, _, default = outcome
     if not default:
         pytest.skip("coverage is checked on the default seed set")
@@ -83,7 +83,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
             "document prefilled while others decode", "document evicted to disk and loaded back",
             "a document waited for blocks", "document found whole in the pool's cached blocks",
             "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode",
-            "cited", "cited with drafts accepted", "cited beside answers that do not"}
+            "cited", "cited with drafts accepted", "cited beside answers that do not",
+            "batched steps replayed from graphs", "single steps replayed from graphs", "verifies replayed from graphs"}
     need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)
