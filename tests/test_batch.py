@@ -228,12 +228,6 @@ def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(mo
     d = done[0]
     assert d["graph_note"] is None and d["graph_captures"] == 1, d
     assert d["graph_replays"] == 2 * (NEW - 1), d  # every step: two rounds of two answers, NEW - 1 steps each
-    # a capture that fails on one rank: every rank runs the batch's steps eagerly, says why, answers the same
-    got, done, _ = run_local(dist_cases.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, "capture",
-                             timeout_s=300)[0]
-    assert got == want["llama"][:4]
-    d = done[0]
-    assert "CUDA graph capture failed" in d["graph_note"] and d["graph_replays"] == 0, d
     docs = [DOC[:24], DOC[::-1][:17]]
     qs = [(0, QS[0]), (1, QS[1]), (1, QS[2])]  # slot 1 waits for the second document; then mixed steps;
     got, done = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 2, NEW, None, True,  # then two rows of it

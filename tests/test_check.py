@@ -31,10 +31,10 @@ def test_check_on_cpu_ranks_passes(cache):
     recs = json.loads(r.stdout)
     paths = {x["path"] for x in recs}
     assert {"partial/cpu", "merge/allreduce", "merge/allgather", "merge/tree", "merge/hierarchical",
-            "ring-decode", "generate/eager", "generate/fp8"} <= paths
+            "ring-decode", "generate/eager", "generate/fp8", "batch/eager"} <= paths
     assert all(x["verdict"] in ("pass", "skipped") for x in recs)
     assert {x["path"] for x in recs if x["verdict"] == "skipped"} == {"merge/fused", "compile/<gpu>",
-                                                                      "generate/cuda-graph"}
+                                                                      "generate/cuda-graph", "batch/cuda-graph"}
     graph = next(x for x in recs if x["path"] == "generate/cuda-graph")
     assert "no GPU" in graph["note"]  # a GPU row is listed with why it did not run (issue 39 item 7)
     assert max(x["case"].count("N=65543") for x in recs)  # long shards are checked too

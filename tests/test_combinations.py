@@ -32,6 +32,7 @@ COVERAGE = {
     134: "documents evicted to disk at once (a budget of one byte) and loaded back when asked again; a "
          "document found whole in the pool's cached blocks",
     37: "documents that begin alike on 3 ranks: a later one takes the earlier one's blocks and prefills the rest",
+    231: "a single answer's verifies replayed from (stand-in) CUDA graphs",
 }
 
 
