@@ -47,6 +47,21 @@ def test_capacity_grows_geometrically_and_keeps_data():
     assert torch.equal(k[0, 0, :, 0], torch.arange(300.0)) and torch.equal(v, -k)
 
 
+def test_a_large_cache_grows_by_a_quarter_not_double(monkeypatch):
+    """Review R13: past ``GROW_GENTLY_BYTES`` a cache grows by a quarter (a long document's static
+    cache no longer doubles at the first question), still geometrically, and keeps its data."""
+    import treeattn_cli.engine.cache as cache_mod
+
+    c = ShardedKVCache(2, 1, 1, 4, rank=0, world=1, capacity=1000)
+    monkeypatch.setattr(cache_mod, "GROW_GENTLY_BYTES", c.nbytes())  # this cache counts as large
+    c.k[0][0, 0, :1000, 0] = torch.arange(1000.0)
+    c.reserve(1001)
+    assert c.capacity == 1250
+    c.reserve(1300)
+    assert c.capacity == 1562  # 1250 + a quarter
+    assert torch.equal(c.k[0][0, 0, :1000, 0], torch.arange(1000.0))
+
+
 import pytest
 
 

@@ -26,6 +26,10 @@ import torch
 SERIALS = itertools.count(1)  # each cache object's own number (a CUDA graph's key: ids are reused)
 
 _MIN_CAPACITY = 64
+# Past this many bytes a cache grows by a quarter, not double: a GPU's static cache sized for a
+# long document would otherwise double at the first question and halve the longest document
+# that fits (review R13); a growth copies the cache and recaptures the step's graph, rarely.
+GROW_GENTLY_BYTES = 1 << 30
 
 
 class ShardedKVCache:
@@ -75,7 +79,8 @@ class ShardedKVCache:
         """Make room for ``capacity`` tokens per sequence (grows geometrically, keeps data)."""
         if capacity <= self.capacity:
             return
-        new = max(capacity, 2 * self.capacity, _MIN_CAPACITY)
+        grown = 2 * self.capacity if self.nbytes() < GROW_GENTLY_BYTES else self.capacity + self.capacity // 4
+        new = max(capacity, grown, _MIN_CAPACITY)
         n = self.capacity
         stores = [(self.k, self.dtype, self.head_dim), (self.v, self.dtype, self.head_dim)]
         if self.quant is not None:  # fp8: each row's scales, [B, H_kv, capacity + 1, G] bf16
