@@ -65,3 +65,16 @@ def test_one_seed_reproduces_a_failing_random_case_and_nothing_of_the_user_is_wr
     assert all(not p.startswith(home) for p in env), env  # nothing under the user's home
     assert not any(Path(p).exists() for p in env)  # the session directory is gone
     assert not (tmp_path / ".hypothesis").exists()
+
+
+def test_every_mutant_still_applies():
+    """tests/mutants.py plants each defect by replacing a string that must occur exactly once in
+    its file: code that moved on leaves a mutant that cannot apply (three had, unnoticed, since
+    the mutation check is not in CI). Checked here, where it costs nothing."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import mutants
+
+    root = Path(__file__).resolve().parents[1]
+    stale = [(m.name, (root / m.file).read_text().count(m.old)) for m in mutants.MUTANTS
+             if (root / m.file).read_text().count(m.old) != 1]
+    assert not stale, f"mutants whose text no longer occurs exactly once: {stale}"
