@@ -397,12 +397,18 @@ def graph_agreement(ctx, job, fail):
     return (answers[0], state.tolist(), dec.graph_note) if ctx.rank == 0 else None
 
 
-def graph_speculate(ctx, job, doc, question, new, speculate):
+def graph_speculate(ctx, job, doc, question, new, speculate, max_rows=None):
     """One answer with drafts under (stand-in) CUDA graphs (:func:`fake_cuda_graphs`): its plain
     steps and its verifies replayed. Rank 0 returns the tokens, the answer's speculation record,
-    and how many plain steps and verifies were replayed and graphs captured (step, verify)."""
+    and how many plain steps and verifies were replayed and graphs captured (step, verify).
+    ``max_rows``: the split kernel's rows per launch (more go to ATen's path) set this low."""
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.sampling import Sampling
+
+    if max_rows is not None:
+        import treeattn_kernels.partial_triton as pt
+
+        pt.MAX_ROWS = max_rows
 
     eng = Engine(ctx, job)
     dec = eng.dec

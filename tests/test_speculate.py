@@ -225,6 +225,12 @@ def test_captured_verifies_replay_and_keep_the_greedy_tokens(copy_heavy):
         assert note is None, note
         assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"], spec  # kept and rejected
         assert verifies >= 3 and captures[1] >= 1, (verifies, captures)
+    # a verify of more rows than the split kernel's tile goes to ATen (which reads lengths on the
+    # host: no capture): it runs eagerly, the plain steps still replay, nothing is turned off
+    toks, spec, steps, verifies, captures, note = run_local(dist_cases.graph_speculate, 2, job, prompt, [], NEW,
+                                                            "ngram:4", 2, timeout_s=300)[0]
+    assert toks == greedy and note is None, note
+    assert spec["accepted"] > 0 and verifies == 0 and steps > 0, (spec, verifies, steps)
 
 
 def test_captured_batched_verifies_keep_each_questions_tokens(copy_heavy):

@@ -38,6 +38,8 @@ def rank_batches(ctx, job, doc, questions, new, repeats):
     """Every rank: the document, a warm-up batch, then ``repeats`` pairs of timed batches
     (``new`` tokens each, then ``SHORT``); each rank returns the seconds of each pair, its reads
     and copies per step (over the long batches), and rank 0 the long batches' graph replays."""
+    import torch
+
     from ..engine.engine import Engine
 
     try:
@@ -49,7 +51,7 @@ def rank_batches(ctx, job, doc, questions, new, repeats):
     real, ctx.emit = ctx.emit, (lambda kind, p: done.append(p) if kind == "batch_done" else None)
     req = {"op": "batch", "questions": questions, "slots": len(questions), "max_new_tokens": new,
            "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"}
-    sync = (lambda: __import__("torch").cuda.synchronize()) if eng.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)  # the batch's end, timed
     try:
         eng.serve([{"op": "append", "ids": doc}, {**req, "max_new_tokens": 4}])
         pairs, per, replays = [], {}, []

@@ -364,7 +364,7 @@ def _verify_static(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, wi
     position. Returns ``[1, T, H, d]``."""
     cache, comm = ctx.cache, ctx.comm
     slots, kv_len = ctx.ext
-    cache.put_tokens(layer, slots, k_new[0].transpose(0, 1), v_new[0].transpose(0, 1))
+    cache.put_rows(layer, slots, k_new, v_new)
     L = cache.capacity
     k, v, k_pos = cache.k[layer][:, :, :L], cache.v[layer][:, :, :L], cache.pos[:, :L]
     o, lse = _stored(cache, layer)(q, k, v, scale=scale, kv_len=kv_len, q_pos=ctx.positions[None], k_pos=k_pos,

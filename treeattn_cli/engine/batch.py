@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from treeattn_kernels import gpu_path, gpu_route
 
 from .cache import ShardedKVCache
 from . import host
@@ -425,8 +426,7 @@ class BatchDecoder:
             pos[b, :len(f)] = torch.arange(p, p + len(f))
             of[b] = s
         self.tail.begin_extend(list(range(S)), pos)
-        ext = ([self.tail.extension_slots(i, T) for i in range(S)],
-               (self.tail.host_length + self.tail._ext_added).tolist())  # host numbers: no device read
+        ext = ([self.tail.extension_slots(i, T) for i in range(S)], self.tail.extended_lengths())  # host numbers
         lg = self._forward(ids, pos, list(range(S)), of, step=False, finish=self.tail.end_extend, keep=T, ext=ext)
         return lg[[b for b, _ in slots]] if lg is not None else None
 
@@ -449,8 +449,6 @@ class BatchDecoder:
         are kept, the documents' block tables) goes in one copy (``host.Staging``). ``ext``: a
         fixed-shape verify's (every token's slot ``[R][T]``, each row's keys ``[R]``:
         :meth:`_extend_captured`)."""
-        from kernels import gpu_path
-
         from .attention import pooled_documents
 
         dec = self.dec
@@ -504,7 +502,11 @@ class BatchDecoder:
                 if c is not None:
                     c.begin(ids.shape[1])
         graphs = self.graphs if step else self.verify_graphs if ext is not None else None
-        if graphs is not None and graphs.on and not cited:
+        # a launch of more query rows than the split kernel's tile goes to ATen, which reads
+        # lengths on the host: such a step runs eagerly (the graphs of the others stay)
+        rows_per_launch = max(len(i) for _, i in specs) * ids.shape[1]
+        fits = gpu_route(dec.q_heads // dec.cache.kv_heads, rows_per_launch) == "triton"
+        if graphs is not None and graphs.on and not cited and fits:
             # replayed: everything the host decided is in the key, the rest reads the graph's
             # copies of ``inputs``. Documents read through their block tables (the GPU's path)
             # are data: only how many rows each has counts (a graph serves any documents of the

@@ -291,10 +291,14 @@ class ShardedKVCache:
         if b.numel():
             self._put(layer, (b, slice(None), slot), k_new[i, :, t], v_new[i, :, t])
 
+    def extended_lengths(self) -> list[int]:
+        """Each sequence's tokens here with the ones the extension under way gives it (host)."""
+        return (self.host_length + self._ext_added).tolist()
+
     def extension_slots(self, i: int, T: int) -> list[int]:
         """Where each of the latest extension's ``T`` tokens of its ``i``-th row goes on this
         rank: its slot where this rank keeps it, else the write-off slot (``capacity``): every
-        token written, a fixed shape (:meth:`put_tokens`, a captured verify)."""
+        token written, a fixed shape (:meth:`put_rows`, a captured verify)."""
         out = [self.capacity] * T
         for ii, t, slot in zip(*self._ext_host[1:]):
             if ii == i:
@@ -308,11 +312,6 @@ class ShardedKVCache:
         rows = self._rows.repeat_interleave(T)
         self._put(layer, (rows, slice(None), slots), k.transpose(1, 2).reshape(B * T, H, d),
                   v.transpose(1, 2).reshape(B * T, H, d))
-
-    def put_tokens(self, layer: int, slots, k, v) -> None:
-        """Write tokens ``k, v [T, H_kv, d]`` of sequence 0 at ``slots [T]`` (device; the
-        write-off slot for the ones another rank keeps)."""
-        self._put(layer, (self._rows[:1].expand(slots.shape[0]), slice(None), slots), k, v)
 
     def end_extend(self) -> None:
         """After the last layer: the extension's tokens count."""

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from treeattn_kernels import gpu_route
 
 from .attention import AttentionContext
 from . import host
@@ -209,7 +210,8 @@ class Decoder:
         the cache holds (``len(tokens)`` query rows, causal among themselves, against every
         shard); their logits ``[len(tokens), V]`` on the cp group's rank 0. The rows not kept
         are dropped with :meth:`keep_verified`."""
-        if self.use_graph and self.verify_graphs.on and self.actx.cite is None:
+        if self.use_graph and self.verify_graphs.on and self.actx.cite is None and \
+                gpu_route(self.q_heads // self.cache.kv_heads, len(tokens)) == "triton":  # (ATen's reads lengths)
             return self._verify_captured(tokens)
         logits = self._prefill_replicated(torch.tensor([tokens]), rows=len(tokens), record=False)
         return logits[0] if logits is not None else None
@@ -223,7 +225,7 @@ class Decoder:
         T, start = len(tokens), self.total
         self.cache.begin_extend([0], torch.arange(start, start + T)[None])  # host: who keeps each token
         slots = self.cache.extension_slots(0, T)
-        kept = int(self.cache.host_length[0]) + sum(s < self.cache.capacity for s in slots)
+        kept = self.cache.extended_lengths()[0]  # its keys with the ones it keeps
         inputs = self.staging.send([tokens], list(range(start, start + T)), slots, [kept])
         want = self.comm.rank == 0
 

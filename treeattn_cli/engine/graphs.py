@@ -9,8 +9,8 @@ while capturing (which rows read which document, how long each view is, the tail
 part of the graph's *key*: a step whose key has no graph yet is captured first.
 
 :class:`StepGraphs` keeps the graphs of one kind of step by key and owns the protocol every
-capture follows (the single-sequence step, ``decode.Decoder``, and a batch's step,
-``batch.BatchDecoder``): a warm-up run on a side stream (every rank runs it, so their collectives
+capture follows (a single answer's step and verify, ``decode.Decoder``, and a batch's step and
+verify, ``batch.BatchDecoder``): a warm-up run on a side stream (every rank runs it, so their collectives
 match; a step's writes are idempotent: the same slots get the same values), the capture, and the
 agreement across every rank of the world that it worked. If any rank's capture fails, every rank
 runs that kind of step eagerly from then on and says why once (a graph and eager steps of one
@@ -78,19 +78,12 @@ class StepGraphs:
         self.on = True
         self.note: str | None = None
         self.captures = self.replays = 0
-        self._graphs: OrderedDict = OrderedDict()  # key -> (graph, out)
+        self._graphs: OrderedDict = OrderedDict()  # key -> (graph, its output, its input buffers)
 
     @property
     def held(self) -> int:
         """Graphs held now."""
         return len(self._graphs)
-
-    def has(self, key) -> bool:
-        return key in self._graphs
-
-    def clear(self) -> None:
-        """Drop every graph (their buffers may be about to go)."""
-        self._graphs.clear()
 
     def run(self, key, inputs: list, fn, eager):
         """This step's output: ``fn(*static)`` replayed from the graph of ``key`` (captured first
