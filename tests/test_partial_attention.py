@@ -578,7 +578,13 @@ def test_aten_path_dequantizes_one_key_block_at_a_time(monkeypatch, case):
     o, lse = partial_attention(q, k8, v8, impl="aten", **kw)
     assert max(widest) == 64 and widest.count(64) >= 2 * 4, widest  # K and V, block by block
     ref = dict(kw, block_lse=torch.full_like(kw["block_lse"], math.nan)) if case == "block_lse" else kw
-    o_ref, lse_ref = partial_attention_ref(q, k8, v8, **ref)
+    if dtype == torch.float32:
+        o_ref, lse_ref = partial_attention_ref(q, k8, v8, **ref)
+    else:  # the path's contract: rows dequantized to q's dtype (bf16 scores differ from fp32's by
+        # up to ~3 % of |o| at these K amplitudes, blocked or not); blocking itself adds at most
+        # one bf16 rounding of each block's partial (< 2^-8 of |o|) to the final one
+        ref = {k: v for k, v in ref.items() if k not in ("k_scale", "v_scale")}
+        o_ref, lse_ref = partial_attention_ref(q, real(k8, ks, dtype), real(v8, vs, dtype), **ref)
     assert_close(o, o_ref, dtype, "o")
     assert_close(lse, lse_ref, torch.float32 if dtype == torch.float32 else dtype, "lse")
     if case == "block_lse":
