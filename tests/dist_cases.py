@@ -456,10 +456,11 @@ def graph_document_switch(ctx, job, docs, new):
     return (answers, eng.dec.captures, eng.dec.replays) if ctx.rank == 0 else None
 
 
-def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=None, graphs=False):
+def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=None, graphs=False, repeat=1):
     """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op,
-    with ``extra`` fields); rank 0 returns the token ids per question (question order), the
-    batch_done event, and each answer's speculation record (question order: drafted, accepted).
+    with ``extra`` fields; ``repeat`` times, the same batch again: the answers returned are the
+    last batch's); rank 0 returns the token ids per question (question order), the batch_done
+    events, and each answer's speculation record (question order: drafted, accepted).
     ``graphs``: the steps captured and replayed as on a GPU (:func:`fake_cuda_graphs`; a string:
     its ``fail``)."""
     from treeattn_cli.engine.sampling import Sampling
@@ -478,11 +479,11 @@ def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=No
         eng = Engine(ctx, job)
         if graphs:
             fake_cuda_graphs(eng.dec, ctx.rank, graphs if isinstance(graphs, str) else None)
-        eng.serve([{"op": "append", "ids": doc},
-                   {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
-                    "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate,
-                    **(extra or {})},
-                   {"op": "stop"}])
+        eng.serve([{"op": "append", "ids": doc}]
+                  + [{"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
+                      "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate,
+                      **(extra or {})}] * repeat
+                  + [{"op": "stop"}])
     finally:
         ctx.emit = real
         os.environ.pop("TREEATTN_KERNEL", None)

@@ -219,15 +219,19 @@ def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(mo
     slots freeing and taking the next question: every step replayed from one graph. Over two
     pooled documents, read through their block tables: one graph per shape of the step (how many
     rows each document has), whatever documents they are: the graph of two rows over the first
-    document replays for two rows over the second."""
+    document replays for two rows over the second. The engine keeps its batch decoder: the same
+    batch asked again (a server's next burst) replays the first batch's graph, captures nothing,
+    and answers the same."""
     paths, want = models
     job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, static=True)
-    got, done, _ = run_local(dist_cases.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, True,
+    got, done, _ = run_local(dist_cases.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, True, 2,
                              timeout_s=300)[0]
     assert got == want["llama"][:4]
     d = done[0]
     assert d["graph_note"] is None and d["graph_captures"] == 1, d
     assert d["graph_replays"] == 2 * (NEW - 1), d  # every step: two rounds of two answers, NEW - 1 steps each
+    again = done[1]  # the second batch: the decoder, its tail and its graph kept
+    assert again["batch_runs"] == 2 and again["graph_captures"] == 0 and again["graph_replays"] == 2 * (NEW - 1), again
     docs = [DOC[:24], DOC[::-1][:17]]
     qs = [(0, QS[0]), (1, QS[1]), (1, QS[2])]  # slot 1 waits for the second document; then mixed steps;
     got, done = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 2, NEW, None, True,  # then two rows of it

@@ -95,10 +95,32 @@ class BatchDecoder:
                                    capacity=-(-capacity // cp) + 2, quant=doc.quant,  # stored like the document
                                    static=self.graphs is not None)
         self.staging = Staging(doc.device)  # a forward's inputs, in one copy
+        self.runs = 0  # batches run (the engine keeps one decoder: later batches reuse tail and graphs)
+        self.prepare(capacity)
+
+    def prepare(self, capacity: int) -> None:
+        """Ready for a batch whose questions and answers take up to ``capacity`` tokens each: the
+        tail grows when it must (a static tail's graphs are then captured again: they are keyed by
+        its serial and capacity), the per-batch counts start from zero. The tail's rows are emptied
+        as questions take slots, so what an earlier batch left there is never read."""
+        self.tail.reserve(-(-capacity // self.dec.comm.world) + 2)
         self.documents_per_step = 0  # the most documents one forward read (rows of several: a mixed step)
         self.segments_while_decoding = 0  # document prefill segments run while answers were under way
         self.question_chunks = 0  # chunks of questions prefilled (a question over ``budget`` tokens: several)
         self.chunks_while_decoding = 0  # rounds of question chunks run while answers were under way
+        self.counts_at_start = {g: (sg.captures, sg.replays) for g, sg in
+                                (("plain", self.graphs), ("verify", self.verify_graphs)) if sg is not None}
+
+    def graph_counts(self) -> dict:
+        """This batch's graph captures and replays (the decoder's graphs outlive a batch)."""
+        out = {"graph_captures": 0, "graph_replays": 0, "verify_graph_replays": 0, "graph_note": None}
+        if self.graphs is None:
+            return out
+        c0, r0 = self.counts_at_start["plain"]
+        out.update(graph_captures=self.graphs.captures - c0, graph_replays=self.graphs.replays - r0,
+                   verify_graph_replays=self.verify_graphs.replays - self.counts_at_start["verify"][1],
+                   graph_note=self.graphs.note or self.verify_graphs.note)
+        return out
 
     @torch.inference_mode()
     def run(self, questions: list[Question], *, drafter=None, interrupted=None, feed=None, make_question=None,

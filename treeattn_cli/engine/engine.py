@@ -154,6 +154,7 @@ class Engine:
         self.documents = Documents(self)  # serve, mixed batches: the resident documents (documents.py)
         self._drafters: dict = {}  # rank 0: speculation's n-gram index of each document, by key
         self._tok = None
+        self._bd = None  # the batch decoder (batch.py), kept across batches: _batch_decoder
 
     # -- requests ----------------------------------------------------------------------
     def serve(self, requests):
@@ -281,7 +282,7 @@ class Engine:
         saved). With ``"open": True`` more questions may join while the batch runs
         (``comm.post_join``) and any may be cancelled (``comm.post_cancel``); the batch ends when
         every question it took is answered, and ``batch_done`` says how many joins it took."""
-        from .batch import BatchDecoder, Question
+        from .batch import Question
 
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs",
                                             "cite")}
@@ -315,8 +316,8 @@ class Engine:
         feed = None
         if req.get("open") and self.lead:
             feed = C.BatchFeed(seq)
-        bd = BatchDecoder(self.dec, slots=max(1, req["slots"] if req.get("open") else min(req["slots"], len(qs))),
-                          capacity=max([len(q.ids) + q.max_new_tokens for q in qs] or [64]))
+        bd = self._batch_decoder(max(1, req["slots"] if req.get("open") else min(req["slots"], len(qs))),
+                                 max([len(q.ids) + q.max_new_tokens for q in qs] or [64]))
         t0 = time.perf_counter()
 
         def on_doc(qi, q):
@@ -352,14 +353,23 @@ class Engine:
                                          "chunks_while_decoding": bd.chunks_while_decoding,
                                          "pool_waits": self.documents.waits,
                                          "pool": self.documents.pool.stats() if self.documents.pool else None,
-                                         "joins": feed.taken if feed else 0,
-                                         # its plain steps' CUDA graphs (graphs.StepGraphs): captured, replayed
-                                         "graph_captures": bd.graphs.captures if bd.graphs is not None else 0,
-                                         "graph_replays": bd.graphs.replays if bd.graphs is not None else 0,
-                                         "verify_graph_replays": bd.verify_graphs.replays
-                                         if bd.verify_graphs is not None else 0,
-                                         "graph_note": (bd.graphs.note or bd.verify_graphs.note)
-                                         if bd.graphs is not None else None})
+                                         "joins": feed.taken if feed else 0, "batch_runs": bd.runs,
+                                         # its steps' CUDA graphs (graphs.StepGraphs): captured, replayed
+                                         **bd.graph_counts()})
+
+    def _batch_decoder(self, slots: int, capacity: int):
+        """The engine's batch decoder, kept from one batch to the next while the slots and the
+        decoder stay (a server's batches end whenever it is idle): its tail and its captured
+        steps are reused, not allocated and captured again for every burst of requests."""
+        from .batch import BatchDecoder
+
+        bd = self._bd
+        if bd is None or bd.slots != slots or bd.dec is not self.dec:
+            bd = self._bd = BatchDecoder(self.dec, slots=slots, capacity=capacity)
+        else:
+            bd.prepare(capacity)
+        bd.runs += 1
+        return bd
 
     def _op_doc(self, req):
         """Make the document ``req["key"]`` (tokens ``req["ids"]``) the cached prefix later
