@@ -343,10 +343,15 @@ class Oracle:
 def requests_of(c: Config, fx: dict, save_root: str) -> list:
     """The engine requests of the configuration under test (after the document is in place)."""
     q_common = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
-    if c.route == "batch":
-        return [{"op": "batch", "questions": [{"ids": q["ids"], "max_new_tokens": new_of(c, i), "cite": q.get("cite")}
-                                              for i, q in enumerate(c.questions)],
-                 "slots": c.slots, "speculate": c.speculate, **q_common,
+    if c.route == "batch":  # as chat --batch asks: the document in the ranks' pool, named by every question
+        doc = fx[c.family]["doc"][:c.doc_len]
+        spec = {"key": f"chat-{c.seed}", "ids": doc, "piece": c.chunk or -(-len(doc) // c.cp)}
+        if c.reload_cp:
+            d = Path(save_root) / c.save_key()
+            spec.update(load_from=str(d), manifest=json.loads((d / "manifest.json").read_text()))
+        return [{"op": "batch", "questions": [{"ids": q["ids"], "max_new_tokens": new_of(c, i), "cite": q.get("cite"),
+                                               "doc": spec} for i, q in enumerate(c.questions)],
+                 "slots": c.slots, "speculate": c.speculate, **q_common, "pool_tokens": -(-len(doc) // c.cp) + 1,
                  **({"piece": c.qchunk} if c.qchunk else {})}]
     reqs = []
     for i, q in enumerate(c.questions):
@@ -517,8 +522,8 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
 
             real, ctx.emit = ctx.emit, emit
             try:
-                eng.serve(_document_requests(c, fx, save_root) + [{"op": "mark", "name": "doc"}]
-                          + requests_of(c, fx, save_root))
+                eng.serve((_document_requests(c, fx, save_root) + [{"op": "mark", "name": "doc"}]
+                           if c.route != "batch" else []) + requests_of(c, fx, save_root))
             finally:
                 ctx.emit = real
     finally:

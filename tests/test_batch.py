@@ -6,6 +6,7 @@ different lengths; sampling, stops, Ctrl-C and --save-kv behave per question."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -85,7 +86,8 @@ def test_ctrl_c_ends_the_batch_and_keeps_the_answers_so_far(models):
 def test_chat_batch_equals_one_at_a_time(models, tmp_path):
     """Through `treeattn chat`: --batch 3 and --batch 1 print the same records in question order
     (greedy, and sampling with each question's own seed stream), a stop string ends one answer
-    only, and --save-kv saves the document alone."""
+    only, and --save-kv saves the document alone. With --batch the document lives in the ranks'
+    block pool (issue 35): prefilled there, saved from there, and loaded there from --load-kv."""
     paths, _ = models
     doc = tmp_path / "doc.txt"
     doc.write_text("a ledger of seven bridges and the tolls each one asks, kept since the flood. " * 3)
@@ -101,24 +103,32 @@ def test_chat_batch_equals_one_at_a_time(models, tmp_path):
         slots = next((int(v) for k, v in zip(extra, extra[1:]) if k == "--batch"), 1)
         if slots > 1:  # the batch was on: every answer prefilled in a batch, S at a time
             assert all(x["prefill_method"] == "batched" for x in got) and f"{slots} at a time" in r.stderr, r.stderr
-        return got
+            assert re.search(r"\[KV pool: [1-9]\d* of \d+ blocks per rank", r.stderr), r.stderr  # the document's
+        return got, r.stderr
 
-    one, many = recs("--batch", "1"), recs("--batch", "3", "--save-kv", str(tmp_path / "kv"))
+    (one, _), (many, said) = recs("--batch", "1"), recs("--batch", "3", "--save-kv", str(tmp_path / "kv"))
+    doc_tokens = many[0]["context_tokens"] - many[0]["prompt_tokens"]
+    assert f"[document: {doc_tokens:,} tokens prefilled" in said and f"[saved {doc_tokens:,} cached tokens to" in said
     assert [r["question"] for r in many] == [r["question"] for r in one] and len(one) == 4
     assert [r["token_ids"] for r in many] == [r["token_ids"] for r in one]
     m = json.loads((tmp_path / "kv" / "manifest.json").read_text())
     assert m["tokens"]["count"] == many[0]["context_tokens"] - many[0]["prompt_tokens"]  # the document only
+    r = cli("chat", *[x for x in common if x not in ("--prompt-file", str(doc))], "--load-kv", str(tmp_path / "kv"),
+            "--batch", "3")
+    assert r.exit_code == 0 and "[loaded " in r.stderr and "[KV pool: " in r.stderr, r.output
+    assert [json.loads(x)["token_ids"] for x in r.stdout.splitlines() if x.startswith("{")] == \
+        [x["token_ids"] for x in one]
     from treeattn_cli.engine.model import load_tokenizer
 
     # a stop string from the second answer ends it early (and any other that says it)
     stop, n = stop_string_in(one[1]["text"], one[1]["token_ids"], load_tokenizer(paths["llama"]).decode)
     assert n < 8, (stop, n)
-    a, b = recs("--batch", "1", "--stop", stop), recs("--batch", "3", "--stop", stop)
+    (a, _), (b, _) = recs("--batch", "1", "--stop", stop), recs("--batch", "3", "--stop", stop)
     assert [(r["token_ids"], r["stop_reason"]) for r in a] == [(r["token_ids"], r["stop_reason"]) for r in b]
     assert b[1]["stop_reason"] == "stop" and b[1]["token_ids"] == one[1]["token_ids"][:n]
     assert stop in b[1]["text"] and stop in a[1]["text"]  # the command line keeps it, as generate does
     sampled = ("--temperature", "0.9", "--seed", "11")
-    a, b = recs("--batch", "1", *sampled), recs("--batch", "4", *sampled)
+    (a, _), (b, _) = recs("--batch", "1", *sampled), recs("--batch", "4", *sampled)
     assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
 
 

@@ -299,10 +299,16 @@ def test_no_questions_is_said_not_silent(setup, tmp_path):
     empty = tmp_path / "none.txt"
     empty.write_text("\n\n")
     for batch in ("1", "4"):
+        kv = tmp_path / f"kv{batch}"
         r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(empty),
-                                     "--no-chat", "--nproc", "1", "--dtype", "float32", "--batch", batch])
+                                     "--no-chat", "--nproc", "1", "--dtype", "float32", "--batch", batch,
+                                     "--save-kv", str(kv)])
         assert r.exit_code == 0, r.output
         assert f"no questions in {empty}" in r.stderr and r.stdout == "", (batch, r.stderr)
+        assert json.loads((kv / "manifest.json").read_text())["tokens"]["count"] > 0, batch  # saved all the same
+    from treeattn_cli.engine.kvstore import load_ids
+
+    assert load_ids(tmp_path / "kv1") == load_ids(tmp_path / "kv4")  # --batch 4 saved the document from its pool
 
 
 def test_questions_from_a_file_are_shown_before_their_answers(setup):

@@ -8,6 +8,11 @@ stats) from a queue:
     append(document) · mark("doc")                      once (or load a saved cache)
     append(question) · decode · rollback("doc")         per question (--conversation: no rollback)
 
+With ``--batch`` (questions from a file or a pipe) the document is not appended: one ``batch``
+request names it as every question's document (``{"doc": {"key", "ids"}}``, as ``serve`` does),
+and the ranks prefill it (or load ``--load-kv``, or save ``--save-kv`` once it is complete) into
+their block pool, sized to hold it; the questions decode over its blocks.
+
 Ctrl-C during an answer stops that answer (``comm.post_interrupt``; rank 0 ends it on the next
 token, every rank in step) and returns to the prompt; Ctrl-D or ``/exit`` leaves; ``/reset``
 returns to the document; ``/save DIR`` saves the cache. SIGTERM stops everything like
@@ -94,7 +99,8 @@ def chat_command(o: ChatOptions) -> int:
 
         spans = for_document(tok, text, doc_ids, composition, system=o.system)
     save_meta = run.save_meta(o.save_kv, composition) if o.save_kv else None
-    job = run.job(o, [], reserve=cached + 4 * o.max_new_tokens)
+    # --batch: the document lives in the ranks' block pool, not in the engine's own cache
+    job = run.job(o, [], reserve=0 if _pooled(o) else cached + 4 * o.max_new_tokens)
     return _session(o, run, job, composition, doc_ids, manifest, save_meta, spans)
 
 
@@ -126,9 +132,45 @@ def _session(o, run, job, composition, doc_ids, manifest, save_meta, spans=None)
     return code
 
 
+def _pooled(o) -> bool:
+    """Questions decode ``--batch`` at a time over the document in the ranks' block pool (one
+    ``batch`` request names it; ``_document``). A saved cache loaded and saved again elsewhere
+    in one run still goes through the engine's own cache (load, then save, then the questions)."""
+    return o.batch > 1 and not o.conversation and _from_file_or_pipe(o) and not (o.load_kv and o.save_kv)
+
+
+def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
+    """The ``batch`` request's document (every question's ``doc``) and its request-wide options:
+    its tokens (a saved cache's own, with ``--load-kv``), prefilled in the segments a single
+    prefill cuts (``--prefill-chunk``, else all at once: the numbers ``--batch 1`` holds), saved
+    once complete with ``--save-kv``, and a pool sized to its largest shard."""
+    import hashlib
+    from pathlib import Path
+
+    cp = max(1, run.nproc // o.tp)
+    if manifest is not None:
+        from ..engine.kvstore import load_ids
+
+        doc_ids = load_ids(Path(o.load_kv))
+    n = len(doc_ids)
+    doc = {"key": hashlib.sha256(" ".join(map(str, doc_ids)).encode()).hexdigest()[:24], "ids": doc_ids,
+           "piece": o.prefill_chunk or max(1, -(-n // cp))}
+    if manifest is not None:
+        doc.update(load_from=o.load_kv, manifest=manifest)
+    if save_meta is not None:
+        doc.update(save_to=o.save_kv, save_meta=save_meta)
+    return doc, {"pool_tokens": -(-n // cp) + 1}
+
+
 def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, spans=None) -> None:
     quiet = o.quiet  # as generate: stats on stderr (with --json too: stdout stays JSON lines)
     tok = run.tokenizer
+    info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind,
+                kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
+    if _pooled(o):
+        cached = manifest["tokens"]["count"] if manifest else len(doc_ids)
+        return _batch(o, run, client, composition, cached, job.eos_ids, info, spans,
+                      _document(o, run, doc_ids, manifest, save_meta))
     progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
     if manifest is not None:
         client.post(op="load", dir=o.load_kv, manifest=manifest)
@@ -148,9 +190,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
         _save(client, o.save_kv, save_meta, quiet)
     turns = (manifest or {}).get("composition", {}).get("turns", 0) if manifest else 0
     cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
-    info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind,
-                kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
-    if o.batch > 1 and not o.conversation and _from_file_or_pipe(o):
+    if o.batch > 1 and not o.conversation and _from_file_or_pipe(o):  # (a cache loaded and saved again)
         return _batch(o, run, client, composition, cached, job.eos_ids, info, spans)
     total, last_reason, asked = cached, None, 0
     for q in _question_source(o):
@@ -245,11 +285,13 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spa
     return rec
 
 
-def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=None) -> None:
+def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=None, document=None) -> None:
     """Questions from a file or a pipe, ``--batch`` of them decoding together over the document
     (the engine's ``batch`` request). Answers stream and print in question order: the first
     unanswered question's text streams as it comes, the later ones' wait their turn; each gets
-    its record (or stats line) as usual, and a line of aggregate numbers ends the batch."""
+    its record (or stats line) as usual, and a line of aggregate numbers ends the batch.
+    ``document``: ``(doc, options)`` of :func:`_document`, the document every question names
+    (made resident in the ranks' pool by the request itself); None: the engine's cached tokens."""
     tok = run.tokenizer
     questions, ids_list = [], []
     for q in _question_source(o):
@@ -268,7 +310,13 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
             continue
         questions.append(q)
         ids_list.append(ids)
+    doc, extra = document or (None, {})
+    said = _DocumentNotes(o, cached)
     if not questions:
+        if doc is not None:  # the document still goes into the pool (and to --save-kv)
+            client.post(op="batch", seq=client.seq, slots=1, max_new_tokens=0, sampling={}, **extra,
+                        questions=[{"ids": [], "doc": doc, "max_new_tokens": 0, "sampling": {}}])
+            said.batch_done(client.wait("batch_done", on_event=said.on_event))
         _no_questions(o)
         return
     n = len(questions)
@@ -293,6 +341,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
                 begin(cur[0])
 
     def on_event(kind, payload):
+        said.on_event(kind, payload)
         if kind == "btoken":
             views[payload[0]].on_event(0, "token", payload[1])
         elif kind == "banswer":
@@ -300,7 +349,8 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
             advance()
 
     begin(0)
-    seq = client.post(op="batch", seq=client.seq, questions=ids_list, slots=o.batch, max_new_tokens=o.max_new_tokens,
+    seq = client.post(op="batch", seq=client.seq, slots=o.batch, max_new_tokens=o.max_new_tokens, **extra,
+                      questions=[{"ids": ids, "doc": doc} for ids in ids_list] if doc is not None else ids_list,
                       stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True, speculate=o.speculate,
                       logprobs=o.logprobs, piece=o.prefill_chunk, cite=spans.spec() if spans else None,
                       sampling={"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed})
@@ -321,8 +371,40 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
     for i in range(cur[0], n):  # after Ctrl-C: the answers that exist, in order
         if records[i] is not None:
             show(i, records[i])
+    said.batch_done(done)
     if not o.quiet:
         print(batch_line(done), file=sys.stderr)
+
+
+class _DocumentNotes:
+    """The lines a person reads about a pooled document (``--batch``): how it became resident,
+    when its first question began, and that it was saved (``--save-kv``), once each."""
+
+    def __init__(self, o, tokens: int):
+        self.o, self.tokens, self.shown, self.saved = o, tokens, False, False
+
+    def on_event(self, kind, payload) -> None:
+        if self.o.quiet:
+            return
+        if kind == "bdoc" and not self.shown:
+            self.shown = True
+            d = payload[1]
+            if d["source"] == "disk":
+                print(f"[loaded {d['tokens']:,} cached tokens from {self.o.load_kv} in {d['seconds']:.2f} s]",
+                      file=sys.stderr)
+            else:
+                print(f"[document: {d['tokens']:,} tokens prefilled in {d['seconds']:.2f} s, "
+                      f"{d['tokens'] / max(d['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
+        elif kind == "docs" and payload.get("saved") and not self.saved:
+            self.saved = True
+            print(f"[saved {self.tokens:,} cached tokens to {self.o.save_kv}]", file=sys.stderr)
+
+    def batch_done(self, done: dict) -> None:
+        """The ranks' pools as the batch ended (every rank's used and total blocks)."""
+        if not self.o.quiet and done.get("pools"):
+            used = max(u for u, _ in done["pools"])
+            total = done["pools"][0][1]
+            print(f"[KV pool: {used} of {total} blocks per rank in use at the end]", file=sys.stderr)
 
 
 class AnswerFile:

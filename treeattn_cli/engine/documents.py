@@ -120,7 +120,8 @@ class Documents:
 
     def make_pool(self, spec: dict) -> dict:
         """Allocate this rank's pool now (``serve`` at start, else the first paged document), the
-        same number of blocks on every rank: ``pool_blocks`` blocks (tests), or ``pool`` bytes
+        same number of blocks on every rank: ``pool_blocks`` blocks (tests), or the blocks
+        ``pool_tokens`` tokens per rank fill (``chat --batch``: its document's largest shard), or ``pool`` bytes
         (default :data:`POOL_BYTES` of the device; a GPU gives at most 0.9 of its free memory), or
         ``pool_fraction`` of the memory free now (a GPU's free memory; on a CPU the available
         memory, shared by the ranks). Returns ``{blocks, page, bytes, free}`` (free: this rank's)."""
@@ -132,6 +133,8 @@ class Documents:
             free = free_memory(c.device, ranks=world.world)
             if spec.get("pool_blocks"):  # an exact count (tests of a full pool)
                 want = int(spec["pool_blocks"]) * per
+            elif spec.get("pool_tokens"):  # one block more: a shard's tokens need not start a block
+                want = (-(-int(spec["pool_tokens"]) // page) + 1) * per
             elif spec.get("pool_fraction"):
                 want = int(float(spec["pool_fraction"]) * free)
             else:
@@ -260,9 +263,12 @@ class Documents:
         """The document of ``spec`` (``key``, ``ids``; optional ``dir`` (the cache directory),
         ``manifest`` (of its saved copy), ``save`` + ``save_meta`` (write-through), ``piece``
         (tokens per rank per prefill segment, default :data:`PIECE`), ``budget`` (bytes per
-        rank), ``pool`` / ``pool_fraction`` / ``pool_blocks`` / ``page`` (the pool, when the first
-        document makes it: :meth:`make_pool`)): resident, or pending
-        (:meth:`advance` prefills it). ``paged``: kept in the pool (else a plain cache)."""
+        rank), ``pool`` / ``pool_fraction`` / ``pool_blocks`` / ``pool_tokens`` / ``page`` (the
+        pool, when the first document makes it: :meth:`make_pool`), ``load_from`` (a saved cache of
+        it, where ``dir`` does not hold it under its key: ``chat --load-kv``), ``save_to`` (where
+        its write-through copy goes, instead of ``dir``/key: ``chat --save-kv``; ``save_meta``
+        with it)): resident, or pending (:meth:`advance` prefills it). ``paged``: kept in the
+        pool (else a plain cache)."""
         from . import kvstore
 
         key, ids = spec["key"], list(spec["ids"])
@@ -277,7 +283,7 @@ class Documents:
         eng = self.engine
         t0 = time.perf_counter()
         cache = self._new(len(ids), paged, spec)
-        saved = Path(spec["dir"]) / key if spec.get("dir") else None
+        saved = Path(spec["load_from"]) if spec.get("load_from") else Path(spec["dir"]) / key if spec.get("dir") else None
         doc = Document(key, ids, cache, t_start=t0)
         if isinstance(cache, PagedShard) and ids:
             self._plan(doc, self._segment(doc, spec, cache.device))
@@ -304,8 +310,10 @@ class Documents:
             doc.source = "prefill"
             if not doc.segs:
                 self._segment(doc, spec, cache.device)
-        if spec.get("save") and spec.get("dir") and not doc.on_disk:
-            doc.save = {"dir": spec["dir"], "meta": spec["save_meta"]}
+        if spec.get("save_to"):
+            doc.save = {"target": spec["save_to"], "meta": spec["save_meta"]}
+        elif spec.get("save") and spec.get("dir") and not doc.on_disk:
+            doc.save = {"target": Path(spec["dir"]) / key, "meta": spec["save_meta"]}
         self.resident[key] = doc
         if doc.ready:
             self._complete(doc)
@@ -357,8 +365,8 @@ class Documents:
 
     def _complete(self, doc: Document) -> None:
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
-            target = Path(doc.save["dir"]) / doc.key
-            self.engine.save_cache(doc.cache, doc.ids, target, {**doc.save["meta"], "nonce": doc.key[:8]})
+            self.engine.save_cache(doc.cache, doc.ids, Path(doc.save["target"]),
+                                   {**doc.save["meta"], "nonce": doc.key[:8]})
             doc.on_disk, doc.save = True, None
             self.changes["saved"].append(doc.key)
 
