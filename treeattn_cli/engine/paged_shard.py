@@ -107,8 +107,8 @@ class PagedShard:
         n = int(positions.shape[-1])
         self._slots = self.table.slots(n)
         self.n = n
-        self._refresh()
         self.pool.place(self._slots.to(self.device), torch.as_tensor(positions).reshape(-1))
+        self._refresh()  # (after the positions: it keeps them)
         self.set_counts(counts)
 
     def fill_layer(self, layer: int, k, v, slots=None, heads: slice = slice(None), scales=None) -> None:
@@ -133,21 +133,27 @@ class PagedShard:
 
     # -- reading ----------------------------------------------------------------------------
     def _refresh(self) -> None:
-        """The shard's slots and length on the device, made as the shard changes (a prefill piece,
-        a load, a prefix taken over, freeing): the steps that read it copy nothing."""
-        self._dev = (self._slots[:self.n].to(self.device),
-                     torch.tensor([self.n], dtype=torch.int64, device=self.device))
+        """The shard's slots, length, blocks and positions on the device, made as the shard
+        changes (a prefill piece, a load, a prefix taken over, freeing): the steps that read it
+        copy nothing when its blocks are consecutive (``_blocks``: ``(first, count)``, the pool's
+        storage read in place; else their ids, gathered once a read)."""
+        page, n = self.pool.page, self.n
+        used = self.table.blocks[: -(-n // page)]
+        run = bool(used) and used == list(range(used[0], used[0] + len(used)))
+        self._blocks = (used[0], len(used)) if run else torch.tensor(used, dtype=torch.int64, device=self.device)
+        self._dev = (self._slots[:n].to(self.device), torch.tensor([n], dtype=torch.int64, device=self.device))
+        flat = self._dev[0]
+        self._pos = self.pool.pos[flat // page, flat % page][None]  # positions are written before they count
 
     def _gather(self, store: torch.Tensor) -> torch.Tensor:
-        """``store [blocks, H_kv, page, X]`` -> this shard's ``[1, H_kv, n, X]`` (a copy)."""
-        flat = self._dev[0]
-        return store[flat // self.pool.page, :, flat % self.pool.page].transpose(0, 1).contiguous()[None]
+        """``store [blocks, H_kv, page, X]`` -> this shard's ``[1, H_kv, n, X]`` (in place for
+        consecutive blocks: :meth:`pool.BlockPool.dense`)."""
+        return self.pool.dense(store, self._blocks, self.n)
 
     @property
     def pos(self) -> torch.Tensor:
         """``[1, n]`` global positions of the shard's tokens."""
-        flat = self._dev[0]
-        return self.pool.pos[flat // self.pool.page, flat % self.pool.page][None]
+        return self._pos
 
     def view(self, layer: int):
         """``(k, v [1, H_kv, n, d], kv_len [1], pos [1, n])``: the shard, gathered."""

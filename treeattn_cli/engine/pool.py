@@ -3,7 +3,10 @@ that live in it (DESIGN.md §12; issue 35: the documents of a batch live here, `
 
 A block holds ``page`` tokens of every layer: ``k[layer][block] [H_kv, page, d]`` (the storage
 dtype; fp8 with ``ks``/``vs`` scales per row, per block), and each token's global position in
-``pos[block] [page]`` (-1: empty). A sequence's shard on this rank is a :class:`BlockTable`: an
+``pos[block] [page]`` (-1: empty). The storage is head-major, ``[H_kv, blocks, page, d]``, and
+``k[layer]`` its ``[blocks, H_kv, page, d]`` view (the kernels take strides): a run of consecutive
+blocks is then one strided ``[H_kv, tokens, d]`` view of a sequence's keys, read in place where a
+kernel needs them dense (:meth:`BlockPool.dense`), where a block-major pool had to be copied. A sequence's shard on this rank is a :class:`BlockTable`: an
 ordered list of blocks and a length; its first ``length`` slots in table order are its tokens.
 
 Host bookkeeping, per block: a reference count (tables that hold it), and for a full block
@@ -58,15 +61,15 @@ class BlockPool:
         self.device = torch.device(device)
         self.quant = quant  # kvquant.KVQuant: fp8 rows in a rotated basis, bf16 scales per row
         self.dtype = quant.dtype if quant is not None else dtype
-        shape = (num_blocks, kv_heads, page, head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        def store(width, dtype, fill):  # head-major storage, seen block-major: [blocks, H_kv, page, width]
+            return [torch.full((kv_heads, num_blocks, page, width), fill, dtype=dtype, device=self.device)
+                    .transpose(0, 1) for _ in range(num_layers)]
+
+        self.k, self.v = store(head_dim, self.dtype, 0), store(head_dim, self.dtype, 0)
         self.ks: list[torch.Tensor] = []
         self.vs: list[torch.Tensor] = []
         if quant is not None:
-            sshape = (num_blocks, kv_heads, page, quant.groups)
-            self.ks = [torch.ones(sshape, dtype=torch.bfloat16, device=self.device) for _ in range(num_layers)]
-            self.vs = [torch.ones(sshape, dtype=torch.bfloat16, device=self.device) for _ in range(num_layers)]
+            self.ks, self.vs = store(quant.groups, torch.bfloat16, 1), store(quant.groups, torch.bfloat16, 1)
         self.pos = torch.full((num_blocks, page), -1, dtype=torch.int64, device=self.device)
         # host bookkeeping
         self.refs = [0] * num_blocks
@@ -202,6 +205,16 @@ class BlockPool:
         return self._key_of.get(block)
 
     # -- contents -----------------------------------------------------------------------
+    @staticmethod
+    def dense(store: torch.Tensor, blocks, n: int) -> torch.Tensor:
+        """The first ``n`` tokens of ``blocks`` (a table's ids, in order) of a layer's ``store``
+        (``k``, ``v``, ``ks`` or ``vs``) as ``[1, H_kv, n, X]``: a view of the storage when the
+        blocks are consecutive ids (a ``(first, count)`` pair), else one copy (``blocks`` a
+        device tensor of ids)."""
+        hm = store.transpose(0, 1)  # [H_kv, blocks, page, X]: the storage's own order
+        x = hm[:, blocks[0]:blocks[0] + blocks[1]] if isinstance(blocks, tuple) else hm.index_select(1, blocks)
+        return x.reshape(x.shape[0], -1, x.shape[-1])[None, :, :n]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values ``k, v [n, H_kv, d]`` of ``n`` tokens into flat ``slots [n]``
         (``block * page + offset``): cast to the storage dtype, or rounded to fp8 with scales."""
