@@ -8,10 +8,14 @@ stats) from a queue:
     append(document) · mark("doc")                      once (or load a saved cache)
     append(question) · decode · rollback("doc")         per question (--conversation: no rollback)
 
-With ``--batch`` (questions from a file or a pipe) the document is not appended: one ``batch``
-request names it as every question's document (``{"doc": {"key", "ids"}}``, as ``serve`` does),
-and the ranks prefill it (or load ``--load-kv``, or save ``--save-kv`` once it is complete) into
-their block pool, sized to hold it; the questions decode over its blocks.
+Without ``--conversation`` the document is not appended: ``batch`` requests name it as their
+questions' document (``{"doc": {"key", "ids"}}``, as ``serve`` does), and the ranks prefill it
+(or load ``--load-kv``, or save ``--save-kv`` once it is complete) into their block pool, sized
+to hold it; the questions decode over its blocks, ``--batch`` at a time from a file or a pipe
+(one request), else one request per question:
+
+    batch(doc, no question)                             once: the document resident (bar, --save-kv)
+    batch(doc, question)                                per question
 
 Ctrl-C during an answer stops that answer (``comm.post_interrupt``; rank 0 ends it on the next
 token, every rank in step) and returns to the prompt; Ctrl-D or ``/exit`` leaves; ``/reset``
@@ -133,10 +137,11 @@ def _session(o, run, job, composition, doc_ids, manifest, save_meta, spans=None)
 
 
 def _pooled(o) -> bool:
-    """Questions decode ``--batch`` at a time over the document in the ranks' block pool (one
-    ``batch`` request names it; ``_document``). A saved cache loaded and saved again elsewhere
-    in one run still goes through the engine's own cache (load, then save, then the questions)."""
-    return o.batch > 1 and not o.conversation and _from_file_or_pipe(o) and not (o.load_kv and o.save_kv)
+    """Questions answer over the document in the ranks' block pool (``batch`` requests name it:
+    ``_document``; ``--batch`` of them at a time from a file or a pipe, else one at a time).
+    ``--conversation`` (the answers stay in the cache) and a saved cache loaded and saved again
+    elsewhere in one run go through the engine's own cache."""
+    return not o.conversation and not (o.load_kv and o.save_kv)
 
 
 def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
@@ -167,31 +172,33 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
     tok = run.tokenizer
     info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind,
                 kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
-    if _pooled(o):
-        cached = manifest["tokens"]["count"] if manifest else len(doc_ids)
-        return _batch(o, run, client, composition, cached, job.eos_ids, info, spans,
-                      _document(o, run, doc_ids, manifest, save_meta))
+    turns = (manifest or {}).get("composition", {}).get("turns", 0) if manifest else 0
+    cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
+    pooled = _document(o, run, doc_ids, manifest, save_meta) if _pooled(o) else None
     progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
-    if manifest is not None:
+    if pooled is not None:  # resident now (prefilled, loaded; saved with --save-kv), before the first question
+        _resident(o, client, pooled, cached, progress)
+        if o.batch > 1 and _from_file_or_pipe(o):
+            return _batch(o, run, client, composition, cached, job.eos_ids, info, spans, pooled)
+    elif manifest is not None:
         client.post(op="load", dir=o.load_kv, manifest=manifest)
-        info = client.wait("loaded")
+        got = client.wait("loaded")
         if not quiet:
-            print(f"[loaded {info['tokens']:,} cached tokens from {o.load_kv} in {info['seconds']:.2f} s]",
+            print(f"[loaded {got['tokens']:,} cached tokens from {o.load_kv} in {got['seconds']:.2f} s]",
                   file=sys.stderr)
     else:
         client.post(op="append", ids=doc_ids, piece=o.prefill_chunk)
-        info = client.wait("appended", on_event=lambda k, v: progress.on_event(0, k, v))
+        got = client.wait("appended", on_event=lambda k, v: progress.on_event(0, k, v))
         progress.finish()
         if not quiet:
-            print(f"[document: {info['tokens']:,} tokens prefilled in {info['seconds']:.2f} s, "
-                  f"{info['tokens'] / max(info['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
-    client.post(op="mark", name="doc")
-    if save_meta is not None:
-        _save(client, o.save_kv, save_meta, quiet)
-    turns = (manifest or {}).get("composition", {}).get("turns", 0) if manifest else 0
-    cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
-    if o.batch > 1 and not o.conversation and _from_file_or_pipe(o):  # (a cache loaded and saved again)
-        return _batch(o, run, client, composition, cached, job.eos_ids, info, spans)
+            print(f"[document: {got['tokens']:,} tokens prefilled in {got['seconds']:.2f} s, "
+                  f"{got['tokens'] / max(got['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
+    if pooled is None:
+        client.post(op="mark", name="doc")
+        if save_meta is not None:
+            _save(client, o.save_kv, save_meta, quiet)
+        if o.batch > 1 and not o.conversation and _from_file_or_pipe(o):  # (a cache loaded and saved again)
+            return _batch(o, run, client, composition, cached, job.eos_ids, info, spans)
     total, last_reason, asked = cached, None, 0
     for q in _question_source(o):
         asked += 1
@@ -199,7 +206,8 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
         if cmd in ("/exit", "/quit"):
             return
         if cmd == "/reset":
-            client.post(op="rollback", name="doc")
+            if pooled is None:  # (over the pooled document every question starts from it anyway)
+                client.post(op="rollback", name="doc")
             total, turns, last_reason = cached, 0, None
             print("[back to the document]", file=sys.stderr)
             continue
@@ -213,7 +221,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
             except ValueError as e:
                 print(f"treeattn: error: {e}", file=sys.stderr)
                 continue
-            _save(client, path, meta, quiet)
+            _save(client, path, meta, quiet, doc=pooled[0]["key"] if pooled is not None else None)
             continue
         try:
             ids = P.question_ids(tok, q, composition, next_turn=o.conversation and turns > 0)
@@ -224,14 +232,33 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
         if not o.json and _from_file_or_pipe(o):
             _say_question(o, q)  # typed questions are on the screen already
         rec = _answer(o, client, tok, ids, job.eos_ids, {"question": q, **info},
-                      drop_pending=last_reason == "eos" and composition["kind"] == "chat-document", spans=spans)
+                      drop_pending=last_reason == "eos" and composition["kind"] == "chat-document", spans=spans,
+                      pooled=pooled)
         if o.conversation:
             total += len(ids) + rec["new_tokens"]
             turns, last_reason = turns + 1, rec["stop_reason"]
-        else:
+        elif pooled is None:
             client.post(op="rollback", name="doc")
     if not asked and _from_file_or_pipe(o):
         _no_questions(o)
+
+
+def _resident(o, client, pooled, tokens: int, progress) -> None:
+    """The pooled document made resident now (a request with nothing to answer: prefilled with
+    its progress bar, or loaded; saved with --save-kv), so the first question does not wait."""
+    doc, extra = pooled
+    said = _DocumentNotes(o, tokens)
+
+    def on_event(kind, payload):
+        if kind == "bdoc":  # resident: the bar goes before the line that says how it came
+            progress.finish()
+        progress.on_event(0, kind, payload)
+        said.on_event(kind, payload)
+
+    client.post(op="batch", seq=client.seq, slots=1, max_new_tokens=0, sampling={}, **extra,
+                questions=[{"ids": [], "doc": {**doc, "progress": True}, "max_new_tokens": 0, "sampling": {}}])
+    client.wait("batch_done", on_event=on_event)
+    progress.finish()
 
 
 def _from_file_or_pipe(o) -> bool:
@@ -256,21 +283,40 @@ def _no_questions(o) -> None:
           + (f" and saved to {o.save_kv}" if o.save_kv else "") + ", nothing was asked", file=sys.stderr)
 
 
-def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spans=None) -> dict:
+def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spans=None, pooled=None) -> dict:
     """One question: append, decode (streamed), and the answer's record (printed: JSON, or the
-    stats line; with ``spans``, its citations). Ctrl-C stops the answer; SIGTERM keeps what was
+    stats line; with ``spans``, its citations); ``pooled``: over the pooled document instead, a
+    ``batch`` request of this one question. Ctrl-C stops the answer; SIGTERM keeps what was
     generated and goes on up."""
     view = GenerateView(tok, stream=not o.json, progress=False)
-    client.post(op="append", ids=ids, piece=o.prefill_chunk, drop_pending=drop_pending)
-    seq = client.post(op="decode", seq=client.seq, max_new_tokens=o.max_new_tokens, stop=list(o.stop),
-                      eos_ids=list(eos_ids), sampling={"temperature": o.temperature, "top_k": o.top_k,
-                                                             "top_p": o.top_p, "seed": o.seed},
-                      keep=o.conversation, interruptible=True, speculate=o.speculate, logprobs=o.logprobs,
-                      cite=spans.spec() if spans else None)
+    sampling = {"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed}
+    common = dict(max_new_tokens=o.max_new_tokens, stop=list(o.stop), eos_ids=list(eos_ids), sampling=sampling,
+                  interruptible=True, speculate=o.speculate, logprobs=o.logprobs, cite=spans.spec() if spans else None)
+    if pooled is not None:
+        doc, extra = pooled
+        seq = client.post(op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra, **common,
+                          questions=[{"ids": ids, "doc": doc}])
+        got: dict = {}
+
+        def on_event(kind, payload):
+            if kind == "btoken":
+                view.on_event(0, "token", payload[1])
+            elif kind == "banswer":
+                got["answer"] = payload[1]
+
+        def wait():
+            client.wait("batch_done", on_event=on_event)
+            return got["answer"]
+    else:
+        client.post(op="append", ids=ids, piece=o.prefill_chunk, drop_pending=drop_pending)
+        seq = client.post(op="decode", seq=client.seq, keep=o.conversation, **common)
+
+        def wait():
+            return client.wait("answer", on_event=lambda k, v: view.on_event(0, k, v))
     try:
         while True:
             try:
-                summary = client.wait("answer", on_event=lambda k, v: view.on_event(0, k, v))
+                summary = wait()
                 break
             except launch.Terminated:
                 raise
@@ -291,7 +337,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
     unanswered question's text streams as it comes, the later ones' wait their turn; each gets
     its record (or stats line) as usual, and a line of aggregate numbers ends the batch.
     ``document``: ``(doc, options)`` of :func:`_document`, the document every question names
-    (made resident in the ranks' pool by the request itself); None: the engine's cached tokens."""
+    (resident in the ranks' pool already: :func:`_resident`); None: the engine's cached tokens."""
     tok = run.tokenizer
     questions, ids_list = [], []
     for q in _question_source(o):
@@ -311,12 +357,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
         questions.append(q)
         ids_list.append(ids)
     doc, extra = document or (None, {})
-    said = _DocumentNotes(o, cached)
     if not questions:
-        if doc is not None:  # the document still goes into the pool (and to --save-kv)
-            client.post(op="batch", seq=client.seq, slots=1, max_new_tokens=0, sampling={}, **extra,
-                        questions=[{"ids": [], "doc": doc, "max_new_tokens": 0, "sampling": {}}])
-            said.batch_done(client.wait("batch_done", on_event=said.on_event))
         _no_questions(o)
         return
     n = len(questions)
@@ -341,7 +382,6 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
                 begin(cur[0])
 
     def on_event(kind, payload):
-        said.on_event(kind, payload)
         if kind == "btoken":
             views[payload[0]].on_event(0, "token", payload[1])
         elif kind == "banswer":
@@ -371,14 +411,16 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
     for i in range(cur[0], n):  # after Ctrl-C: the answers that exist, in order
         if records[i] is not None:
             show(i, records[i])
-    said.batch_done(done)
     if not o.quiet:
+        if done.get("pools"):  # the ranks' pools as the batch ended (every rank's used and total blocks)
+            print(f"[KV pool: {max(u for u, _ in done['pools'])} of {done['pools'][0][1]} blocks per rank "
+                  "in use at the end]", file=sys.stderr)
         print(batch_line(done), file=sys.stderr)
 
 
 class _DocumentNotes:
-    """The lines a person reads about a pooled document (``--batch``): how it became resident,
-    when its first question began, and that it was saved (``--save-kv``), once each."""
+    """The lines a person reads as the pooled document becomes resident (:func:`_resident`): how
+    (prefilled, or loaded from ``--load-kv``), and that it was saved (``--save-kv``), once each."""
 
     def __init__(self, o, tokens: int):
         self.o, self.tokens, self.shown, self.saved = o, tokens, False, False
@@ -398,13 +440,6 @@ class _DocumentNotes:
         elif kind == "docs" and payload.get("saved") and not self.saved:
             self.saved = True
             print(f"[saved {self.tokens:,} cached tokens to {self.o.save_kv}]", file=sys.stderr)
-
-    def batch_done(self, done: dict) -> None:
-        """The ranks' pools as the batch ended (every rank's used and total blocks)."""
-        if not self.o.quiet and done.get("pools"):
-            used = max(u for u, _ in done["pools"])
-            total = done["pools"][0][1]
-            print(f"[KV pool: {used} of {total} blocks per rank in use at the end]", file=sys.stderr)
 
 
 class AnswerFile:
@@ -449,8 +484,9 @@ def _show(o, rec: dict, spans=None, tok=None) -> None:
         show(rec, spans)
 
 
-def _save(client, path, meta, quiet: bool) -> None:
-    client.post(op="save", dir=str(path), **meta)
+def _save(client, path, meta, quiet: bool, doc: str | None = None) -> None:
+    """Save the engine's cached tokens (or the resident document ``doc``, a key) to ``path``."""
+    client.post(op="save", dir=str(path), **meta, **({"doc": doc} if doc is not None else {}))
     info = client.wait("saved")
     if not quiet:
         print(f"[saved {info['tokens']:,} cached tokens to {info['dir']} in {info['seconds']:.2f} s]", file=sys.stderr)

@@ -87,6 +87,7 @@ class Document:
     counts: list | None = None  # every rank's shard tokens after each segment: [segments + 1][ranks]
     reused: int = 0  # tokens (over all ranks) found in the pool's cached blocks instead of prefilled
     pinned: bool = False  # never leaves memory (the documents API's pin)
+    progress: bool = False  # rank 0 reports its prefill's progress (``prefill`` events: tokens done, of all)
     t_start: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # to make it resident
 
@@ -267,8 +268,8 @@ class Documents:
         pool, when the first document makes it: :meth:`make_pool`), ``load_from`` (a saved cache of
         it, where ``dir`` does not hold it under its key: ``chat --load-kv``), ``save_to`` (where
         its write-through copy goes, instead of ``dir``/key: ``chat --save-kv``; ``save_meta``
-        with it)): resident, or pending (:meth:`advance` prefills it). ``paged``: kept in the
-        pool (else a plain cache)."""
+        with it), ``progress`` (rank 0 reports its prefill's progress)): resident, or pending
+        (:meth:`advance` prefills it). ``paged``: kept in the pool (else a plain cache)."""
         from . import kvstore
 
         key, ids = spec["key"], list(spec["ids"])
@@ -310,6 +311,7 @@ class Documents:
             doc.source = "prefill"
             if not doc.segs:
                 self._segment(doc, spec, cache.device)
+        doc.progress = bool(spec.get("progress"))
         if spec.get("save_to"):
             doc.save = {"target": spec["save_to"], "meta": spec["save_meta"]}
         elif spec.get("save") and spec.get("dir") and not doc.on_disk:
@@ -337,11 +339,15 @@ class Documents:
             if not self._room(doc, mine):
                 self.waits += 1
                 return 0
-        dec = self.engine.dec
+        eng = self.engine
+        dec = eng.dec
         was = dec.cache
         dec.cache = dec.actx.cache = doc.cache
+        progress = None
+        if doc.progress and eng.lead:  # (chat: the bar while its document is prefilled)
+            progress = lambda done, _n, s0=s0, n=len(doc.ids): eng.ctx.send("prefill", (s0 + done, n))  # noqa: E731
         try:
-            dec.prefill(torch.tensor([doc.ids[s0:s1]], dtype=torch.int64))  # one segment: s1 - s0 <= p·piece
+            dec.prefill(torch.tensor([doc.ids[s0:s1]], dtype=torch.int64), on_progress=progress)  # s1 - s0 <= p·piece
         finally:
             dec.cache = dec.actx.cache = was
         doc.todo.pop(0)

@@ -414,10 +414,17 @@ class Engine:
         self.logits, self.ready, self.pending = logits, ready, pending
 
     def _op_save(self, req):
+        """Save the engine's cached tokens, or with ``doc`` (a key) that resident document."""
         t0 = time.perf_counter()
-        self.save_cache(self.cache, self.ids, Path(req["dir"]), req)
+        cache, ids = self.cache, self.ids
+        if req.get("doc") is not None:
+            doc = self.documents.resident.get(req["doc"])
+            if doc is None or not doc.ready:  # the same on every rank: they all refuse together
+                raise RuntimeError(f"save: the document {req['doc']} is not resident")
+            cache, ids = doc.cache, doc.ids
+        self.save_cache(cache, ids, Path(req["dir"]), req)
         if self.lead:
-            self.ctx.send("saved", {"dir": str(req["dir"]), "tokens": len(self.ids),
+            self.ctx.send("saved", {"dir": str(req["dir"]), "tokens": len(ids),
                                     "seconds": time.perf_counter() - t0})
 
     def save_cache(self, cache, ids, target: Path, meta: dict) -> None:
