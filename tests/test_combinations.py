@@ -24,6 +24,9 @@ REGRESSIONS = {
          "question alone drafted differently and speculative sampling drew other tokens",
     48: "a document that took a cached block of its prefix in part copied it before writing, so a pool "
         "holding the document alone needed one block more than it had: the batch gave up on it",
+    2521: "a document sharing its last, partial block with another it then evicted to make room still "
+          "counted the copy that sharing had needed (the need was not counted again): the pool, holding the "
+          "document alone, refused it, and its questions ended empty (no_room)",
 }
 
 

@@ -162,11 +162,12 @@ class Documents:
         """Whether every rank's pool has the blocks for ``add`` more tokens of ``doc`` on that
         rank (``evict``: making room first by evicting documents no question answers over); the
         same answer on every rank."""
-        need = doc.cache.table.blocks_for(add)
-        agreed = self.engine.world.all_true(need <= self.pool.available())
+        table = doc.cache.table
+        agreed = self.engine.world.all_true(table.blocks_for(add) <= self.pool.available())
         if not agreed and evict:
-            self._make_room(keep=doc)
-            agreed = self.engine.world.all_true(need <= self.pool.available())
+            self._make_room(keep=doc)  # (counted again: a last block shared with an evicted document
+            # is this table's alone now, and needs no copy)
+            agreed = self.engine.world.all_true(table.blocks_for(add) <= self.pool.available())
         return agreed
 
     def _make_room(self, keep: Document) -> None:
