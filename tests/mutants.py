@@ -118,7 +118,7 @@ MUTANTS = [
            ("tests/test_batch.py::test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone",)),
     Mutant("batch-decoder-per-batch", "engine: every batch makes its decoder, tail and graphs afresh (captured again)",
            "treeattn_cli/engine/engine.py",
-           "        if bd is None or bd.slots != slots or bd.dec is not self.dec:",
+           "        if bd is None or bd.slots != slots:",
            "        if True:",
            ("tests/test_batch.py::test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone",)),
     Mutant("pooled-shard-copied", "paged_shard: a shard of consecutive blocks is gathered (copied) at every read",

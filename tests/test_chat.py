@@ -323,3 +323,27 @@ def test_questions_from_a_file_are_shown_before_their_answers(setup):
         shown = [line[2:] for line in r.stderr.splitlines() if line.startswith("> ")]
         assert shown == QUESTIONS, (batch, r.stderr)
         assert "> " not in r.stdout
+
+
+def test_save_at_the_prompt_saves_the_pooled_document(setup, tmp_path):
+    """`/save DIR` between questions (no --conversation: the document is in the ranks' block pool)
+    saves the document alone, whatever was asked before; loaded back with --load-kv on another
+    number of ranks, it answers the next question as transformers does after the document."""
+    model, doc, _, _ = setup
+    qs = tmp_path / "qs.txt"
+    kv = tmp_path / "kv"
+    qs.write_text(f"{QUESTIONS[0]}\n/save {kv}\n")
+    r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(qs),
+                                 "--nproc", "2", "--dtype", "float32", "--max-new-tokens", str(NEW), "--json",
+                                 "--batch", "1"])  # (with --batch, /commands are refused)
+    assert r.exit_code == 0, r.output
+    assert f"cached tokens to {kv}" in r.stderr, r.stderr
+    from treeattn_cli.engine.kvstore import load_ids
+
+    tok = load_tokenizer(model)
+    doc_ids, _ = P.document_ids(tok, doc.read_text(), chat=True)
+    assert load_ids(kv) == doc_ids  # the document only: the answer before it is not in it
+    q2 = tmp_path / "q2.txt"
+    q2.write_text(QUESTIONS[1] + "\n")
+    got = _chat("--model", str(model), "--load-kv", str(kv), "--questions", str(q2), "--nproc", "1")
+    assert [g["token_ids"] for g in got] == _expected(model, doc, QUESTIONS[1:2], chat=True)

@@ -149,7 +149,6 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
     its tokens (a saved cache's own, with ``--load-kv``), prefilled in the segments a single
     prefill cuts (``--prefill-chunk``, else all at once: the numbers ``--batch 1`` holds), saved
     once complete with ``--save-kv``, and a pool sized to its largest shard."""
-    import hashlib
     from pathlib import Path
 
     cp = max(1, run.nproc // o.tp)
@@ -158,8 +157,7 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
 
         doc_ids = load_ids(Path(o.load_kv))
     n = len(doc_ids)
-    doc = {"key": hashlib.sha256(" ".join(map(str, doc_ids)).encode()).hexdigest()[:24], "ids": doc_ids,
-           "piece": o.prefill_chunk or max(1, -(-n // cp))}
+    doc = {"key": P.document_key(doc_ids), "ids": doc_ids, "piece": o.prefill_chunk or max(1, -(-n // cp))}
     if manifest is not None:
         doc.update(load_from=o.load_kv, manifest=manifest)
     if save_meta is not None:
@@ -247,13 +245,22 @@ def _resident(o, client, pooled, tokens: int, progress) -> None:
     """The pooled document made resident now (a request with nothing to answer: prefilled with
     its progress bar, or loaded; saved with --save-kv), so the first question does not wait."""
     doc, extra = pooled
-    said = _DocumentNotes(o, tokens)
 
     def on_event(kind, payload):
-        if kind == "bdoc":  # resident: the bar goes before the line that says how it came
-            progress.finish()
         progress.on_event(0, kind, payload)
-        said.on_event(kind, payload)
+        if kind == "bdoc":  # resident: the bar goes, then the line that says how it came
+            progress.finish()
+            d = payload[1]
+            if o.quiet:
+                return
+            if d["source"] == "disk":
+                print(f"[loaded {d['tokens']:,} cached tokens from {o.load_kv} in {d['seconds']:.2f} s]",
+                      file=sys.stderr)
+            else:
+                print(f"[document: {d['tokens']:,} tokens prefilled in {d['seconds']:.2f} s, "
+                      f"{d['tokens'] / max(d['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
+        elif kind == "docs" and payload.get("saved") and not o.quiet:
+            print(f"[saved {tokens:,} cached tokens to {o.save_kv}]", file=sys.stderr)
 
     client.post(op="batch", seq=client.seq, slots=1, max_new_tokens=0, sampling={}, **extra,
                 questions=[{"ids": [], "doc": {**doc, "progress": True}, "max_new_tokens": 0, "sampling": {}}])
@@ -416,30 +423,6 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
             print(f"[KV pool: {max(u for u, _ in done['pools'])} of {done['pools'][0][1]} blocks per rank "
                   "in use at the end]", file=sys.stderr)
         print(batch_line(done), file=sys.stderr)
-
-
-class _DocumentNotes:
-    """The lines a person reads as the pooled document becomes resident (:func:`_resident`): how
-    (prefilled, or loaded from ``--load-kv``), and that it was saved (``--save-kv``), once each."""
-
-    def __init__(self, o, tokens: int):
-        self.o, self.tokens, self.shown, self.saved = o, tokens, False, False
-
-    def on_event(self, kind, payload) -> None:
-        if self.o.quiet:
-            return
-        if kind == "bdoc" and not self.shown:
-            self.shown = True
-            d = payload[1]
-            if d["source"] == "disk":
-                print(f"[loaded {d['tokens']:,} cached tokens from {self.o.load_kv} in {d['seconds']:.2f} s]",
-                      file=sys.stderr)
-            else:
-                print(f"[document: {d['tokens']:,} tokens prefilled in {d['seconds']:.2f} s, "
-                      f"{d['tokens'] / max(d['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
-        elif kind == "docs" and payload.get("saved") and not self.saved:
-            self.saved = True
-            print(f"[saved {self.tokens:,} cached tokens to {self.o.save_kv}]", file=sys.stderr)
 
 
 class AnswerFile:

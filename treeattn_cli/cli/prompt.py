@@ -194,6 +194,14 @@ def document_ids(tokenizer, document: str, *, chat: bool, system: str | None = N
                  "turn_after": turn_after}
 
 
+def document_key(ids) -> str:
+    """The name a document's tokens go by in the engine's resident documents and the cache
+    directory (``serve``'s documents, ``chat``'s pooled document): equal tokens, equal name."""
+    import hashlib
+
+    return hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()[:24]
+
+
 def question_ids(tokenizer, question: str, composition: dict, *, next_turn: bool = False) -> list[int]:
     """Tokens of a question after the cached document (``next_turn``: after an answer kept in
     the cache, a new user turn of the conversation). Tokenized alone, without special tokens."""

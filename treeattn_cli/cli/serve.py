@@ -30,7 +30,6 @@ through FastAPI (``openai_api.py``) and a scheduler thread turns them into engin
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 from ..parallel import comm as C
 from ..parallel import launch
 from .options import ServeOptions
-from .prompt import MIN_DOCUMENT
+from .prompt import MIN_DOCUMENT, document_key
 
 
 
@@ -107,9 +106,7 @@ class DocIndex:
         self.dir = cache_dir
         self.entries: dict[str, dict] = {}
 
-    @staticmethod
-    def key_of(ids) -> str:
-        return hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()[:24]
+    key_of = staticmethod(document_key)
 
     def scan(self, run) -> int:
         """Saved documents of this model in the cache directory (a restart keeps them)."""

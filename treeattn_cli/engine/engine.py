@@ -358,13 +358,13 @@ class Engine:
                                          **bd.graph_counts()})
 
     def _batch_decoder(self, slots: int, capacity: int):
-        """The engine's batch decoder, kept from one batch to the next while the slots and the
-        decoder stay (a server's batches end whenever it is idle): its tail and its captured
-        steps are reused, not allocated and captured again for every burst of requests."""
+        """The engine's batch decoder, kept from one batch to the next while the slots stay (a
+        server's batches end whenever it is idle): its tail and its captured steps are reused,
+        not allocated and captured again for every burst of requests."""
         from .batch import BatchDecoder
 
         bd = self._bd
-        if bd is None or bd.slots != slots or bd.dec is not self.dec:
+        if bd is None or bd.slots != slots:
             bd = self._bd = BatchDecoder(self.dec, slots=slots, capacity=capacity)
         else:
             bd.prepare(capacity)
