@@ -414,10 +414,8 @@ class Server:
         """The ranks allocate the documents' pool now (``--kv-memory``: a size, or a fraction of
         what each rank has free with the model loaded): too little memory shows at start, not at
         the first document. Its real size, the same on every rank, is what admission counts."""
-        from ..engine.documents import PAGE
-
         o = self.o
-        self.client.post(op="pool", page=PAGE, pool=o.cache_bytes, pool_fraction=o.kv_fraction)
+        self.client.post(op="pool", pool=o.cache_bytes, pool_fraction=o.kv_fraction)
         info = self.client.wait("pool")
         asked = (f"--kv-memory {o.kv_fraction:g} of {info['free'] / 2**20:,.0f} MiB free" if o.kv_fraction
                  else f"--kv-memory {o.kv_memory or o.cache_bytes}" if o.cache_bytes else f"the default on {self.run.kind}")
@@ -537,19 +535,17 @@ class Server:
 
     def pool_blocks(self) -> int:
         """Blocks of each rank's pool (the ranks' own count once a batch reported it)."""
-        from ..engine.documents import PAGE
+        from ..engine.documents import blocks_in
 
         if self._pool_total:
             return self._pool_total
-        per_token = self.run.kv_bytes_per_token(self.o.tp) // self.o.tp
-        return self.o.cache_bytes // (PAGE * per_token + 8 * PAGE)
+        return blocks_in(self.o.cache_bytes, self.run.kv_bytes_per_token(self.o.tp) // self.o.tp)
 
     def blocks_of(self, tokens: int) -> int:
         """Blocks a document of ``tokens`` takes on its largest shard."""
-        from ..engine.documents import PAGE
+        from ..engine.documents import blocks_held
 
-        cp = max(1, self.run.nproc // self.o.tp)
-        return -(-(-(-tokens // cp)) // PAGE)
+        return blocks_held(tokens, max(1, self.run.nproc // self.o.tp))
 
     def pinned_blocks(self, exclude: str | None = None) -> int:
         return sum(self.blocks_of(len(e["ids"])) for k, e in list(self.docs.entries.items())
