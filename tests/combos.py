@@ -343,25 +343,23 @@ class Oracle:
 def requests_of(c: Config, fx: dict, save_root: str) -> list:
     """The engine requests of the configuration under test (after the document is in place)."""
     q_common = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
-    if c.route in ("batch", "sequential"):  # as chat asks without --conversation: the document in the
-        doc = fx[c.family]["doc"][:c.doc_len]  # ranks' pool, named by every question (--batch S at a time)
+    if c.route in ("batch", "sequential", "conversation"):  # as chat asks: the document in the ranks'
+        doc = fx[c.family]["doc"][:c.doc_len]  # pool, named by every question (--batch S at a time)
         spec = {"key": f"chat-{c.seed}", "ids": doc, "piece": c.chunk or -(-len(doc) // c.cp)}
         if c.reload_cp:
             d = Path(save_root) / c.save_key()
             spec.update(load_from=str(d), manifest=json.loads((d / "manifest.json").read_text()))
         qs = [{"ids": q["ids"], "max_new_tokens": new_of(c, i), "cite": q.get("cite"), "doc": spec}
               for i, q in enumerate(c.questions)]
-        common = {"speculate": c.speculate, **q_common, "pool_tokens": -(-len(doc) // c.cp) + 1,
+        common = {"speculate": c.speculate, **q_common, "pool_for": len(doc),
                   **({"piece": c.qchunk} if c.qchunk else {})}
+        if c.route == "conversation":  # --conversation: each question and its answer join the document
+            return [{"op": "batch", "questions": [{**q, "keep": True}], "slots": 1, **common, "grow": True}
+                    for q in qs]
         if c.route == "sequential":  # one request per question (chat --batch 1, typed questions)
             return [{"op": "batch", "questions": [q], "slots": 1, **common} for q in qs]
         return [{"op": "batch", "questions": qs, "slots": c.slots, **common}]
-    reqs = []  # --conversation: every answer stays in the engine's cache
-    for i, q in enumerate(c.questions):
-        reqs += [{"op": "append", "ids": q["ids"], "piece": c.chunk},
-                 {"op": "decode", "seq": i, "speculate": c.speculate, "keep": True, "cite": q.get("cite"),
-                  **q_common}]
-    return reqs
+    raise ValueError(f"no requests for route {c.route}")
 
 
 def _document_requests(c: Config, fx: dict, save_root: str, *, alone: bool = False) -> list:
@@ -513,7 +511,7 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
             seq = [0]
 
             def emit(kind, p):
-                if kind == "banswer" and c.route == "sequential":  # a request per question, in order
+                if kind == "banswer" and c.route in ("sequential", "conversation"):  # a request per question
                     answers[len(answers)] = p[1]
                 elif kind == "banswer":
                     answers[p[0]] = p[1]
@@ -525,8 +523,7 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
 
             real, ctx.emit = ctx.emit, emit
             try:
-                eng.serve((_document_requests(c, fx, save_root) + [{"op": "mark", "name": "doc"}]
-                           if c.route == "conversation" else []) + requests_of(c, fx, save_root))
+                eng.serve(requests_of(c, fx, save_root))
             finally:
                 ctx.emit = real
     finally:

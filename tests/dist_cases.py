@@ -940,3 +940,48 @@ def host_reads_per_step(ctx, job, doc, questions, new):
         os.environ.pop("TREEATTN_KERNEL", None)
         ctx.emit = sent
     return out
+
+
+def pooled_conversation(ctx, job, doc, questions, new, pool_blocks=None, page=None):
+    """``chat --conversation`` over the block pool: the document made resident (a request with
+    nothing to answer), marked, then each question a batch request of one whose question and
+    answer are kept (they join the document: ``documents.Documents.keep``); then back to the
+    mark (``/reset``) and the first question again. Rank 0 returns each answer's tokens and
+    ``kept``, the document's tokens and the pool's used blocks after each, the engine's own
+    cache's tokens (nothing goes there), and the tokens the document's shard holds against its
+    ids (every rank and-ed: ``consistent``)."""
+    import torch
+
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    spec = {"key": "conv", "ids": list(doc), "piece": -(-len(doc) // eng.mesh.cp)}
+    pool = {"pool_blocks": pool_blocks} if pool_blocks else {"pool_for": len(doc), "grow": True}
+    pool.update({"page": page} if page else {})
+    got = []
+    real, ctx.emit = ctx.emit, lambda kind, p: got.append(p[1]) if kind == "banswer" else None
+    common = {"slots": 1, "sampling": {}, "stop": [], "eos_ids": [], "max_new_tokens": new, **pool}
+
+    def ask(q):
+        eng.serve([{"op": "batch", "questions": [{"ids": list(q), "doc": spec, "keep": True}], **common}])
+        d = eng.documents.resident["conv"]
+        consistent = int(d.cache.counts[0].sum()) == len(d.ids) and \
+            int(d.cache.counts[0][eng.mesh.cp_index]) == d.cache.max_len
+        return {"tokens": got[-1]["token_ids"] if eng.lead else None, "kept": got[-1].get("kept") if eng.lead else None,
+                "doc_tokens": len(d.ids), "used": eng.documents.pool.used,
+                "consistent": eng.world.all_true(consistent), "pending": d.pending}
+
+    try:
+        eng.serve([{"op": "batch", "questions": [{"ids": [], "doc": spec, "max_new_tokens": 0}], **common},
+                   {"op": "mark", "name": "doc", "doc": "conv"}])
+        start = {"doc_tokens": len(eng.documents.resident["conv"].ids), "used": eng.documents.pool.used}
+        turns = [ask(q) for q in questions]
+        eng.serve([{"op": "rollback", "name": "doc", "doc": "conv"}])
+        reset = {"doc_tokens": len(eng.documents.resident["conv"].ids), "used": eng.documents.pool.used}
+        again = ask(questions[0])
+    finally:
+        ctx.emit = real
+    own = int(eng.cache.counts.sum())
+    del torch
+    return {"start": start, "turns": turns, "reset": reset, "again": again, "own_cache_tokens": own,
+            "pool_blocks": eng.documents.pool.num_blocks} if eng.lead else None

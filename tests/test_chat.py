@@ -102,6 +102,20 @@ def test_conversation_equals_transformers_on_the_whole_conversation(setup):
     assert answers == _expected(model, doc, QUESTIONS, chat=False, conversation=True, answers=answers)
 
 
+def test_reset_in_a_conversation_returns_to_the_document(setup, tmp_path):
+    """--conversation keeps each turn in the document's blocks; /reset gives them back: the
+    first question asked again answers as it did, the second as after the first turn."""
+    model, doc, _, _ = setup
+    qs = tmp_path / "qs.txt"
+    qs.write_text(f"{QUESTIONS[0]}\n{QUESTIONS[1]}\n/reset\n{QUESTIONS[0]}\n")
+    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
+                 "--nproc", "2", "--conversation")
+    answers = [r["token_ids"] for r in recs]
+    assert len(recs) == 3 and answers[2] == answers[0], answers
+    assert answers[:2] == _expected(model, doc, QUESTIONS[:2], chat=False, conversation=True, answers=answers)
+    assert recs[1]["context_tokens"] > recs[2]["context_tokens"] == recs[0]["context_tokens"]
+
+
 def test_save_then_load_on_other_meshes(setup, tmp_path):
     """A cache saved from 3 ranks loads onto 2 ranks, and onto 4 ranks as 2 sequence shards x
     2 tensor-parallel ranks (re-sharded by position and by KV head), with the same answers."""
@@ -205,7 +219,8 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_pat
                 except ProcessLookupError:
                     pass
             until(lambda b: False, 3)
-        assert done and os.waitstatus_to_exitcode(status) == 0, bytes(buf[-6000:])
+        # (as text: a bytes repr is one line pytest cuts short, and the stacks are what to read)
+        assert done and os.waitstatus_to_exitcode(status) == 0, bytes(buf[-12000:]).decode(errors="replace")
     finally:
         try:
             os.kill(pid, 9)

@@ -5,17 +5,21 @@ process (``launch.run_local``); this thread owns the terminal and the signals. I
 through the rendezvous store (``comm.post_request``) and reads rank 0's events (tokens, answer
 stats) from a queue:
 
-    append(document) · mark("doc")                      once (or load a saved cache)
-    append(question) · decode · rollback("doc")         per question (--conversation: no rollback)
-
-Without ``--conversation`` the document is not appended: ``batch`` requests name it as their
-questions' document (``{"doc": {"key", "ids"}}``, as ``serve`` does), and the ranks prefill it
-(or load ``--load-kv``, or save ``--save-kv`` once it is complete) into their block pool, sized
-to hold it; the questions decode over its blocks, ``--batch`` at a time from a file or a pipe
-(one request), else one request per question:
-
     batch(doc, no question)                             once: the document resident (bar, --save-kv)
     batch(doc, question)                                per question
+    batch(doc, question kept) · mark/rollback(doc)      --conversation; /reset
+
+``batch`` requests name the document as their questions' document (``{"doc": {"key", "ids"}}``,
+as ``serve`` does), and the ranks prefill it (or load ``--load-kv``, or save ``--save-kv`` once
+it is complete) into their block pool, sized to hold it (with ``--conversation``, its turns
+too); the questions decode over its blocks, ``--batch`` at a time from a file or a pipe (one
+request), else one request per question. With ``--conversation`` each question and its answer
+join the document's blocks (``keep``), so the next question continues them; ``/reset`` rolls the
+document back to its mark. A saved cache loaded and saved again elsewhere in one run goes
+through the engine's own cache instead:
+
+    append(document) · mark("doc")                      once (or load a saved cache)
+    append(question) · decode · rollback("doc")         per question
 
 Ctrl-C during an answer stops that answer (``comm.post_interrupt``; rank 0 ends it on the next
 token, every rank in step) and returns to the prompt; Ctrl-D or ``/exit`` leaves; ``/reset``
@@ -138,17 +142,18 @@ def _session(o, run, job, composition, doc_ids, manifest, save_meta, spans=None)
 
 def _pooled(o) -> bool:
     """Questions answer over the document in the ranks' block pool (``batch`` requests name it:
-    ``_document``; ``--batch`` of them at a time from a file or a pipe, else one at a time).
-    ``--conversation`` (the answers stay in the cache) and a saved cache loaded and saved again
-    elsewhere in one run go through the engine's own cache."""
-    return not o.conversation and not (o.load_kv and o.save_kv)
+    ``_document``; ``--batch`` of them at a time from a file or a pipe, else one at a time; with
+    ``--conversation`` each question and its answer then join the document). A saved cache
+    loaded and saved again elsewhere in one run goes through the engine's own cache."""
+    return not (o.load_kv and o.save_kv)
 
 
 def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
     """The ``batch`` request's document (every question's ``doc``) and its request-wide options:
     its tokens (a saved cache's own, with ``--load-kv``), prefilled in the segments a single
     prefill cuts (``--prefill-chunk``, else all at once: the numbers ``--batch 1`` holds), saved
-    once complete with ``--save-kv``, and a pool sized to its largest shard."""
+    once complete with ``--save-kv``, and a pool sized to hold it (with ``--conversation``, its
+    turns too)."""
     from pathlib import Path
 
     cp = max(1, run.nproc // o.tp)
@@ -162,7 +167,7 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
         doc.update(load_from=o.load_kv, manifest=manifest)
     if save_meta is not None:
         doc.update(save_to=o.save_kv, save_meta=save_meta)
-    return doc, {"pool_tokens": -(-n // cp) + 1}
+    return doc, {"pool_for": n, **({"grow": True} if o.conversation else {})}
 
 
 def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, spans=None) -> None:
@@ -176,7 +181,9 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
     progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
     if pooled is not None:  # resident now (prefilled, loaded; saved with --save-kv), before the first question
         _resident(o, client, pooled, cached, progress)
-        if o.batch > 1 and _from_file_or_pipe(o):
+        if o.conversation:  # /reset comes back here: the turns kept since leave the document
+            client.post(op="mark", name="doc", doc=pooled[0]["key"])
+        elif o.batch > 1 and _from_file_or_pipe(o):
             return _batch(o, run, client, composition, cached, job.eos_ids, info, spans, pooled)
     elif manifest is not None:
         client.post(op="load", dir=o.load_kv, manifest=manifest)
@@ -204,8 +211,8 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
         if cmd in ("/exit", "/quit"):
             return
         if cmd == "/reset":
-            if pooled is None:  # (over the pooled document every question starts from it anyway)
-                client.post(op="rollback", name="doc")
+            if pooled is None or o.conversation:  # (else every question starts from the document anyway)
+                client.post(op="rollback", name="doc", **({"doc": pooled[0]["key"]} if pooled else {}))
             total, turns, last_reason = cached, 0, None
             print("[back to the document]", file=sys.stderr)
             continue
@@ -232,9 +239,12 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
         rec = _answer(o, client, tok, ids, job.eos_ids, {"question": q, **info},
                       drop_pending=last_reason == "eos" and composition["kind"] == "chat-document", spans=spans,
                       pooled=pooled)
-        if o.conversation:
+        if o.conversation and rec.get("kept", True):
             total += len(ids) + rec["new_tokens"]
             turns, last_reason = turns + 1, rec["stop_reason"]
+        elif o.conversation:
+            print("treeattn: error: the KV pool cannot hold this turn too: the conversation goes on from before "
+                  "this question (/reset returns to the document)", file=sys.stderr)
         elif pooled is None:
             client.post(op="rollback", name="doc")
     if not asked and _from_file_or_pipe(o):
@@ -301,8 +311,9 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spa
                   interruptible=True, speculate=o.speculate, logprobs=o.logprobs, cite=spans.spec() if spans else None)
     if pooled is not None:
         doc, extra = pooled
+        kept = {"keep": True, "drop_pending": drop_pending} if o.conversation else {}
         seq = client.post(op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra, **common,
-                          questions=[{"ids": ids, "doc": doc}])
+                          questions=[{"ids": ids, "doc": doc, **kept}])
         got: dict = {}
 
         def on_event(kind, payload):
@@ -332,10 +343,10 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spa
     except launch.Terminated:
         _show(o, {**view.finish(stop_reason="terminated"), **info})
         raise
-    view.summary = {k: v for k, v in summary.items() if k != "token_ids"}
+    view.summary = {k: v for k, v in summary.items() if k not in ("token_ids", "kept")}
     rec = {**view.finish(), **info}
     _show(o, rec, spans, tok)
-    return rec
+    return {**rec, "kept": summary.get("kept", True)}
 
 
 def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=None, document=None) -> None:

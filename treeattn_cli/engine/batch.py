@@ -52,6 +52,7 @@ class Question:
     doc_spec: dict | None = None  # what documents.Documents.get takes to make its document resident again
     pools: list | None = None  # every rank's pool [(used, total) blocks] when it began (serve's metrics)
     cite: dict | None = None  # the request's citation spec (engine.Engine.citation): the answer carries ``cite``
+    keep: bool = False  # the question and its answer become part of its document (chat --conversation)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class _Slot:
     started: bool = True  # took a slot (False: cancelled before it began)
     fed: int = 0  # of the question's tokens, those in the tail (its prefill goes a chunk per round)
     citation: object = None  # cite.Citation of an answer that cites (every rank)
+    row: int = -1  # its slot: its row of the tail
 
 
 class BatchDecoder:
@@ -171,9 +173,15 @@ class BatchDecoder:
         filling: list[int] = []  # slots whose question is not all in the tail yet, in the order they began
 
         def finish(s: _Slot, reason):
+            q = questions[s.question]
+            kept = None
+            if q.keep and documents is not None:  # what the tail holds of it joins its document
+                kept = s.fed > 0 and documents.keep(q.doc, self.tail, s.row, list(q.ids) + list(s.tokens))
             if documents is not None:
-                documents.release(questions[s.question].doc, running=s.started)
+                documents.release(q.doc, running=s.started)
             out[s.question] = self._summary(s, reason)
+            if kept is not None:
+                out[s.question]["kept"] = kept
             if questions[s.question].cite and citation is not None:  # every rank, at the same answer's end
                 c = s.citation or citation(questions[s.question].cite)
                 out[s.question]["cite"] = c.gather(dec.world)
@@ -225,7 +233,7 @@ class BatchDecoder:
                 b = free.pop(0)
                 slots[b] = _Slot(qi, len(q.ids), torch.Generator(device=dec.device).manual_seed(q.sampling.seed)
                                  if lead else None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens,
-                                 citation=citation(q.cite) if q.cite and citation is not None else None)
+                                 citation=citation(q.cite) if q.cite and citation is not None else None, row=b)
                 if documents is not None:
                     documents.start(q.doc)
                 if lead:

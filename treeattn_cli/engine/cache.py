@@ -361,6 +361,28 @@ class ShardedKVCache:
                 self.host_length[b] -= 1
         self._ext_owners[b] = owners[:keep]
 
+    def row_stored(self, layer: int, b: int) -> list[torch.Tensor]:
+        """The tokens this rank keeps of sequence ``b``, as stored: ``k, v`` (and fp8 ``ks, vs``)
+        ``[1, H_kv, m, X]`` (a kept answer folded into its document: ``append_stored``)."""
+        m = int(self.host_length[b])
+        return [t[layer][b:b + 1, :, :m] for t in (self.k, self.v, self.ks, self.vs) if t]
+
+    def append_stored(self, positions, counts, layers) -> None:
+        """Append tokens already in this cache's storage form (another cache's
+        :meth:`row_stored`, copied as they are: fp8 rows keep their scales) to a batch-1 cache:
+        ``positions [m]`` (global), ``counts [world]`` (every rank's new tokens), ``layers``:
+        each layer's ``[k, v, (ks, vs)]`` ``[1, H_kv, m, X]``."""
+        m, n = int(len(positions)), int(self.host_length[0])
+        self.counts[0] += torch.as_tensor(counts, dtype=torch.int64)
+        self.reserve(max(n + m, int(self.counts.max())))
+        for layer, t in enumerate(layers):
+            for x, store in zip(t, (self.k, self.v, self.ks, self.vs)):
+                store[layer][:, :, n:n + m] = x
+        self.pos[0, n:n + m] = torch.as_tensor(positions, device=self.device)
+        self.length += m
+        self.host_length += m
+        self._ext_owners = [None] * self.batch
+
     def reset_rows(self, rows) -> None:
         """Empty sequences ``rows`` (a batch slot that takes the next question); the others
         keep everything, their extensions' owners included."""

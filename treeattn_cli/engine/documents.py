@@ -8,7 +8,10 @@ their tokens fill, and an evicted document gives its blocks back. Before each pr
 ranks agree that every one of them has the blocks it needs (evicting unused documents first);
 when they have not, the document waits, and the answers under way go on. A document shorter than
 the number of sequence shards, and a document the engine continues itself (the ``doc`` op: a
-private copy it appends to), use a plain ``cache.ShardedKVCache``.
+private copy it appends to), use a plain ``cache.ShardedKVCache``. A document grows only by the
+turns a conversation keeps (:meth:`Documents.keep`: a kept question and its answer, copied from
+the batch's tail onto the rank that holds each of their tokens); :meth:`Documents.rollback`
+gives them back.
 
 A document is the cached prefix that questions continue (a server's document, chat's prompt).
 :meth:`Documents.get` makes one resident: from memory if held; from a saved cache
@@ -52,6 +55,25 @@ PAGE = 64  # tokens per block of the documents' pool (a power of two, a multiple
 POOL_BYTES = {"cpu": 512 << 20, "cuda": 8 << 30}
 
 
+def blocks_held(tokens: int, cp: int, page: int = PAGE) -> int:
+    """Blocks of ``page`` tokens the even share of a document of ``tokens`` tokens over ``cp``
+    sequence shards fills (``serve``'s count of what pinned documents hold)."""
+    return -(-(-(-tokens // cp)) // page)
+
+
+def blocks_per_rank(tokens: int, cp: int, page: int = PAGE) -> int:
+    """Blocks a pool must have for a document of ``tokens`` tokens alone, on the largest of its
+    ``cp`` shards: the even share and one token (segments cut unevenly), and one block more (a
+    shard's tokens need not start at a block)."""
+    return blocks_held(tokens + cp, cp, page) + 1
+
+
+def blocks_in(pool_bytes: int, kv_bytes_per_token: int, page: int = PAGE) -> int:
+    """Blocks a pool of ``pool_bytes`` holds, ``kv_bytes_per_token`` per token on the rank (every
+    layer's K and V, fp8 scales included), and each token's position."""
+    return pool_bytes // (page * kv_bytes_per_token + 8 * page)
+
+
 def free_memory(device: torch.device, ranks: int = 1) -> int:
     """Bytes free for this rank's KV now: a GPU's free memory, or a CPU's available memory
     (``MemAvailable``) over the ``ranks`` that share it."""
@@ -88,6 +110,7 @@ class Document:
     reused: int = 0  # tokens (over all ranks) found in the pool's cached blocks instead of prefilled
     pinned: bool = False  # never leaves memory (the documents API's pin)
     progress: bool = False  # rank 0 reports its prefill's progress (``prefill`` events: tokens done, of all)
+    pending: int | None = None  # a kept answer's last token: sampled, not in the cache (the next kept question's first)
     t_start: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # to make it resident
 
@@ -121,9 +144,11 @@ class Documents:
 
     def make_pool(self, spec: dict) -> dict:
         """Allocate this rank's pool now (``serve`` at start, else the first paged document), the
-        same number of blocks on every rank: ``pool_blocks`` blocks (tests), or the blocks
-        ``pool_tokens`` tokens per rank fill (``chat --batch``: its document's largest shard), or ``pool`` bytes
-        (default :data:`POOL_BYTES` of the device; a GPU gives at most 0.9 of its free memory), or
+        same number of blocks on every rank: ``pool_blocks`` blocks (tests), or the blocks a
+        document of ``pool_for`` tokens takes on its largest shard (``chat``: its document), and
+        with ``grow`` (the document will grow: a conversation's turns) at least the default pool,
+        never more than the model's whole context takes, or ``pool`` bytes (default
+        :data:`POOL_BYTES` of the device; a GPU gives at most 0.9 of its free memory), or
         ``pool_fraction`` of the memory free now (a GPU's free memory; on a CPU the available
         memory, shared by the ranks). Returns ``{blocks, page, bytes, free}`` (free: this rank's)."""
         c, world = self.engine.cache, self.engine.world
@@ -134,8 +159,15 @@ class Documents:
             free = free_memory(c.device, ranks=world.world)
             if spec.get("pool_blocks"):  # an exact count (tests of a full pool)
                 want = int(spec["pool_blocks"]) * per
-            elif spec.get("pool_tokens"):  # one block more: a shard's tokens need not start a block
-                want = (-(-int(spec["pool_tokens"]) // page) + 1) * per
+            elif spec.get("pool_for"):
+                cp = self.engine.mesh.cp
+                want = blocks_per_rank(int(spec["pool_for"]), cp, page) * per
+                if spec.get("grow"):
+                    default = POOL_BYTES.get(c.device.type, POOL_BYTES["cuda"])
+                    if c.device.type == "cuda":
+                        default = min(default, int(0.9 * free))
+                    context = getattr(self.engine.model.config, "max_position_embeddings", None)
+                    want = max(want, min(default, blocks_per_rank(context, cp, page) * per) if context else default)
             elif spec.get("pool_fraction"):
                 want = int(float(spec["pool_fraction"]) * free)
             else:
@@ -265,7 +297,7 @@ class Documents:
         """The document of ``spec`` (``key``, ``ids``; optional ``dir`` (the cache directory),
         ``manifest`` (of its saved copy), ``save`` + ``save_meta`` (write-through), ``piece``
         (tokens per rank per prefill segment, default :data:`PIECE`), ``budget`` (bytes per
-        rank), ``pool`` / ``pool_fraction`` / ``pool_blocks`` / ``pool_tokens`` / ``page`` (the
+        rank), ``pool`` / ``pool_fraction`` / ``pool_blocks`` / ``pool_for`` / ``grow`` / ``page`` (the
         pool, when the first document makes it: :meth:`make_pool`), ``load_from`` (a saved cache of
         it, where ``dir`` does not hold it under its key: ``chat --load-kv``), ``save_to`` (where
         its write-through copy goes, instead of ``dir``/key: ``chat --save-kv``; ``save_meta``
@@ -376,6 +408,38 @@ class Documents:
                                    {**doc.save["meta"], "nonce": doc.key[:8]})
             doc.on_disk, doc.save = True, None
             self.changes["saved"].append(doc.key)
+
+    def keep(self, doc: Document, tail, row: int, tokens: list) -> bool:
+        """A kept answer (``chat --conversation``) becomes part of its document: the tokens slot
+        ``row`` of the batch's ``tail`` holds (its question and answer, ``tokens`` in order, each
+        rank's share of them) are copied onto the document's own shard on the same rank, and the
+        answer's last token, sampled but not fed, waits as ``doc.pending``. False (nothing
+        changes) when the ranks' pools cannot hold them even after evicting documents nobody
+        answers over: the conversation goes on from before that question. A collective: every
+        rank calls it for the same answer."""
+        if doc.evicted or doc.todo:
+            return False
+        n = int(tail.counts[row].sum())
+        if isinstance(doc.cache, PagedShard) and not self._room(doc, int(tail.host_length[row])):
+            return False
+        sh = doc.cache
+        layers = (tail.row_stored(layer, row) for layer in range(sh.num_layers))
+        sh.append_stored(tail.pos[row, :int(tail.host_length[row])], tail.counts[row], layers)
+        doc.ids = list(doc.ids) + list(tokens[:n])
+        doc.pending = tokens[n] if len(tokens) == n + 1 else None
+        return True
+
+    def mark(self, doc: Document):
+        """A point of ``doc`` to come back to (a conversation's start: ``chat --conversation``'s
+        ``/reset``)."""
+        return doc.cache.mark(), len(doc.ids), doc.pending
+
+    def rollback(self, doc: Document, mark) -> None:
+        """``doc`` as it was at ``mark``: the turns kept since leave (their blocks go back)."""
+        cache_mark, n, pending = mark
+        doc.cache.rollback(cache_mark)
+        doc.ids = list(doc.ids[:n])
+        doc.pending = pending
 
     def use(self, doc: Document) -> None:
         doc.users += 1

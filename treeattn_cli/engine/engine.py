@@ -17,9 +17,14 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
 * ``{"op": "batch", "questions": [[...], ...], "slots": n, "max_new_tokens": n, "sampling": {...},
   "stop": [...], "eos_ids": [...]}``: answer many questions after the document, ``slots`` at a
   time (continuous batching over the shared document, ``batch.py``), streaming ``btoken`` and
-  ``banswer`` events; the document's cache is unchanged;
+  ``banswer`` events; the document's cache is unchanged, but for a question with ``"keep":
+  True`` (``chat --conversation``): its tokens and its answer's join its document's blocks, and
+  the answer's last token is fed with the next kept question over it (``"drop_pending": True``:
+  not, the turn having ended with EOS); its answer says ``kept`` (False: the pool could not hold
+  them, the document is as it was);
 * ``{"op": "mark", "name": s}`` / ``{"op": "rollback", "name": s}``: remember the cache's
-  lengths / return to them (nothing copied);
+  lengths / return to them (nothing copied); with ``"doc": key``, those of that resident
+  document (a conversation's turns leave, their blocks go back to the pool);
 * ``{"op": "save", "dir": d, "nonce": s, ...}`` / ``{"op": "load", "dir": d, "manifest": {...}}``:
   the sharded cache to and from disk (``kvstore.py``);
 * ``{"op": "pool", "pool": bytes | "pool_fraction": f, "page": n}``: allocate the documents' block
@@ -256,11 +261,11 @@ class Engine:
 
         if doc is not None and doc.key is not None:
             base = self._drafters.get(doc.key)
-            if base is None or base.tokens != doc.ids:
+            if base is None or len(base.tokens) > len(doc.ids) or base.tokens != doc.ids[:len(base.tokens)]:
                 for k in [k for k in self._drafters if k not in self.documents.resident]:
                     del self._drafters[k]  # their documents left memory
                 base = self._drafters[doc.key] = Drafter(doc.ids)
-            return Drafter(list(own), base=base)
+            return Drafter(doc.ids[len(base.tokens):] + list(own), base=base)  # (a conversation's kept turns)
         base = self._doc_drafter
         if base is None or len(base.tokens) > len(self.ids) or base.tokens != self.ids[:len(base.tokens)]:
             base = self._doc_drafter = Drafter(self.ids)
@@ -287,7 +292,7 @@ class Engine:
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs",
                                             "cite")}
         doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks",
-                                            "pool_tokens", "page") if req.get(k) is not None}
+                                            "pool_for", "grow", "page") if req.get(k) is not None}
         here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
 
         def question(q) -> Question:
@@ -307,9 +312,12 @@ class Engine:
                 doc = self.documents.get(doc_spec)
                 source = doc.source if doc.ready else "prefill"
             self.documents.use(doc)
+            keep = bool(spec.get("keep")) and doc_spec is not None
+            if keep and doc.pending is not None and not spec.get("drop_pending"):
+                ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
                             spec.get("speculate") or "off", stop_check, spec.get("logprobs"), doc=doc, source=source,
-                            doc_spec=doc_spec, cite=spec.get("cite"))
+                            doc_spec=doc_spec, cite=spec.get("cite"), keep=keep)
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
@@ -405,9 +413,22 @@ class Engine:
         self.pending, self.logits, self.ready = None, None, False
 
     def _op_mark(self, req):
+        """Remember the engine's cache as it is now, or with ``doc`` (a key) that resident document."""
+        if req.get("doc") is not None:
+            self.marks[req["name"]] = self.documents.mark(self._resident_doc(req["doc"], "mark"))
+            return
         self.marks[req["name"]] = (self.cache.mark(), len(self.ids), self.logits, self.ready, self.pending)
 
+    def _resident_doc(self, key: str, what: str) -> Document:
+        doc = self.documents.resident.get(key)
+        if doc is None or not doc.ready:  # the same on every rank: they all refuse together
+            raise RuntimeError(f"{what}: the document {key} is not resident")
+        return doc
+
     def _op_rollback(self, req):
+        if req.get("doc") is not None:
+            self.documents.rollback(self._resident_doc(req["doc"], "rollback"), self.marks[req["name"]])
+            return
         mark, n, logits, ready, pending = self.marks[req["name"]]
         self.cache.rollback(mark)
         del self.ids[n:]
@@ -418,9 +439,7 @@ class Engine:
         t0 = time.perf_counter()
         cache, ids = self.cache, self.ids
         if req.get("doc") is not None:
-            doc = self.documents.resident.get(req["doc"])
-            if doc is None or not doc.ready:  # the same on every rank: they all refuse together
-                raise RuntimeError(f"save: the document {req['doc']} is not resident")
+            doc = self._resident_doc(req["doc"], "save")
             cache, ids = doc.cache, doc.ids
         self.save_cache(cache, ids, Path(req["dir"]), req)
         if self.lead:

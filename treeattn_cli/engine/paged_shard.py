@@ -131,6 +131,39 @@ class PagedShard:
             else:
                 store[layer][b, heads, o] = x.to(self.dtype)
 
+    def append_stored(self, positions, counts, layers) -> None:
+        """Append tokens already in the pool's storage form (a batch tail's
+        ``cache.ShardedKVCache.row_stored``, copied as they are: fp8 rows keep their scales):
+        ``positions [m]`` (global), ``counts [world]`` (every rank's new tokens), ``layers``:
+        each layer's ``[k, v, (ks, vs)]`` ``[1, H_kv, m, X]``. Blocks are taken as for a
+        prefill piece (a shared partial last block is copied first): raises ``pool.PoolFull``
+        when they are not there, before anything changes."""
+        m, start = int(len(positions)), self.n
+        if m:
+            new = self.table.slots(m)
+            self._slots = self.table.flat(0, self.table.length)
+            self.pool.place(new.to(self.device), torch.as_tensor(positions).reshape(-1))
+            for layer, t in enumerate(layers):
+                self.fill_layer(layer, t[0], t[1], slots=torch.arange(start, start + m),
+                                scales=(t[2], t[3]) if self.quant is not None else None)
+            self.n += m
+        self.counts[0] += torch.as_tensor(counts, dtype=torch.int64)
+        self._refresh()
+
+    def mark(self):
+        """A point to come back to (:meth:`rollback`): this rank's tokens and every rank's counts."""
+        return self.n, self.counts.clone()
+
+    def rollback(self, mark) -> None:
+        """Forget every token added since ``mark``: the blocks past it go back to the pool
+        (nothing copied). Every rank rolls back together."""
+        n, counts = mark
+        self.table.truncate(n)
+        self._slots = self._slots[:n]
+        self.n = n
+        self.counts = counts.clone()
+        self._refresh()
+
     # -- reading ----------------------------------------------------------------------------
     def _refresh(self) -> None:
         """The shard's slots, length, blocks and positions on the device, made as the shard

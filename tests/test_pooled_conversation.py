@@ -1,0 +1,70 @@
+"""``chat --conversation`` over the ranks' block pool (issue 35): each question and its answer
+join the document's own blocks (on each rank, the share the batch's tail holds), so the next
+question continues the whole conversation; ``/reset`` gives the turns' blocks back; a turn the
+pool cannot hold leaves the conversation as it was before that question."""
+
+from __future__ import annotations
+
+import pytest
+
+import dist_cases
+from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.parallel.launch import run_local
+from treeattn_cli.verify import tiny as tiny_models
+
+DOC = [(13 * i + 5) % 230 + 20 for i in range(150)]
+QUESTIONS = [[(7 * i + j) % 230 + 20 for i in range(n)] for j, n in ((1, 9), (2, 1), (3, 14))]
+NEW = 7
+
+
+def conversation(doc, questions, answers):
+    """What transformers sees before each question: the document, every earlier question and
+    its whole answer (the last token too: it is fed with the next question)."""
+    ctx, out = list(doc), []
+    for q, a in zip(questions, answers):
+        out.append(ctx + list(q))
+        ctx = ctx + list(q) + list(a)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny("llama", seed=6)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_kept_turns_join_the_document_and_answer_as_transformers(model, world):
+    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=NEW)
+    got = run_local(dist_cases.pooled_conversation, world, job, DOC, QUESTIONS, NEW, None, 16, timeout_s=120)[0]
+    answers = [t["tokens"] for t in got["turns"]]
+    for prompt, a in zip(conversation(DOC, QUESTIONS, answers), answers):
+        assert a == tiny_models.hf_greedy(model, prompt, NEW)
+    assert all(t["kept"] and t["consistent"] for t in got["turns"]), got
+    # the document grew by each question and answer but the answer's last token (fed next time)
+    sizes = [got["start"]["doc_tokens"]] + [t["doc_tokens"] for t in got["turns"]]
+    want, n = [len(DOC)], len(DOC)
+    for i, q in enumerate(QUESTIONS):
+        n += (1 if i else 0) + len(q) + NEW - 1  # the pending token, the question, the answer less its last
+        want.append(n)
+    assert sizes == want, (sizes, want)
+    assert got["turns"][-1]["used"] > got["start"]["used"]  # the turns took blocks of the pool
+    assert got["own_cache_tokens"] == 0  # nothing went through the engine's own cache
+    # /reset: back to the document, its turns' blocks given back; the first question answers as before
+    assert got["reset"] == got["start"], got
+    assert got["again"]["tokens"] == answers[0] and got["again"]["kept"], got
+
+
+def test_a_turn_the_pool_cannot_hold_leaves_the_conversation_as_it_was(model):
+    """A pool with one block to spare (26 free slots): the first turn (16 tokens) fits, the long
+    second one does not (its answer is given, not kept), the short third one does: it continues
+    the conversation of the first alone."""
+    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=NEW)
+    qs = [QUESTIONS[0], [(5 * i + 1) % 230 + 20 for i in range(40)], QUESTIONS[1]]
+    got = run_local(dist_cases.pooled_conversation, 1, job, DOC, qs, NEW, -(-len(DOC) // 16) + 1, 16,
+                    timeout_s=120)[0]
+    first, second, third = got["turns"]
+    assert first["kept"] and not second["kept"] and third["kept"], got
+    assert second["doc_tokens"] == first["doc_tokens"] and second["used"] == first["used"], got
+    assert second["tokens"] == tiny_models.hf_greedy(model, DOC + qs[0] + first["tokens"] + qs[1], NEW)
+    assert third["tokens"] == tiny_models.hf_greedy(model, DOC + qs[0] + first["tokens"] + qs[2], NEW)
+    assert third["doc_tokens"] == first["doc_tokens"] + 1 + len(qs[2]) + NEW - 1, got
