@@ -117,16 +117,23 @@ def test_reset_in_a_conversation_returns_to_the_document(setup, tmp_path):
 
 
 def test_save_then_load_on_other_meshes(setup, tmp_path):
-    """A cache saved from 3 ranks loads onto 2 ranks, and onto 4 ranks as 2 sequence shards x
-    2 tensor-parallel ranks (re-sharded by position and by KV head), with the same answers."""
+    """A cache saved from 3 ranks loads onto 2 ranks (and is saved again from there, in the same
+    run, then loaded onto 1), and onto 4 ranks as 2 sequence shards x 2 tensor-parallel ranks
+    (re-sharded by position and by KV head), with the same answers."""
     model, doc, qs, _ = setup
     kv = tmp_path / "kv"
     first = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
                   "--nproc", "3", "--save-kv", str(kv))
     m = json.loads((kv / "manifest.json").read_text())
     assert m["mesh"] == {"nproc": 3, "tp": 1, "cp": 3} and len(m["shards"]) == 3
-    again = _chat("--model", str(model), "--load-kv", str(kv), "--questions", str(qs), "--nproc", "2")
+    kv2 = tmp_path / "kv2"  # loaded and saved again elsewhere in one run: re-sharded for 2 ranks
+    again = _chat("--model", str(model), "--load-kv", str(kv), "--questions", str(qs), "--nproc", "2",
+                  "--save-kv", str(kv2))
     assert [r["token_ids"] for r in again] == [r["token_ids"] for r in first]
+    m2 = json.loads((kv2 / "manifest.json").read_text())
+    assert m2["mesh"] == {"nproc": 2, "tp": 1, "cp": 2} and m2["tokens"] == m["tokens"], m2
+    third = _chat("--model", str(model), "--load-kv", str(kv2), "--questions", str(qs), "--nproc", "1")
+    assert [r["token_ids"] for r in third] == [r["token_ids"] for r in first]
     g = CliRunner().invoke(app, ["generate", "--model", str(model), "--load-kv", str(kv), "--prompt", QUESTIONS[2],
                                  "--nproc", "4", "--tp", "2", "--dtype", "float32", "--max-new-tokens", str(NEW),
                                  "--json"])

@@ -15,11 +15,7 @@ it is complete) into their block pool, sized to hold it (with ``--conversation``
 too); the questions decode over its blocks, ``--batch`` at a time from a file or a pipe (one
 request), else one request per question. With ``--conversation`` each question and its answer
 join the document's blocks (``keep``), so the next question continues them; ``/reset`` rolls the
-document back to its mark. A saved cache loaded and saved again elsewhere in one run goes
-through the engine's own cache instead:
-
-    append(document) · mark("doc")                      once (or load a saved cache)
-    append(question) · decode · rollback("doc")         per question
+document back to its mark.
 
 Ctrl-C during an answer stops that answer (``comm.post_interrupt``; rank 0 ends it on the next
 token, every rank in step) and returns to the prompt; Ctrl-D or ``/exit`` leaves; ``/reset``
@@ -107,8 +103,7 @@ def chat_command(o: ChatOptions) -> int:
 
         spans = for_document(tok, text, doc_ids, composition, system=o.system)
     save_meta = run.save_meta(o.save_kv, composition) if o.save_kv else None
-    # --batch: the document lives in the ranks' block pool, not in the engine's own cache
-    job = run.job(o, [], reserve=0 if _pooled(o) else cached + 4 * o.max_new_tokens)
+    job = run.job(o, [], reserve=0)  # the document lives in the ranks' block pool, not in the engine's own cache
     return _session(o, run, job, composition, doc_ids, manifest, save_meta, spans)
 
 
@@ -140,14 +135,6 @@ def _session(o, run, job, composition, doc_ids, manifest, save_meta, spans=None)
     return code
 
 
-def _pooled(o) -> bool:
-    """Questions answer over the document in the ranks' block pool (``batch`` requests name it:
-    ``_document``; ``--batch`` of them at a time from a file or a pipe, else one at a time; with
-    ``--conversation`` each question and its answer then join the document). A saved cache
-    loaded and saved again elsewhere in one run goes through the engine's own cache."""
-    return not (o.load_kv and o.save_kv)
-
-
 def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
     """The ``batch`` request's document (every question's ``doc``) and its request-wide options:
     its tokens (a saved cache's own, with ``--load-kv``), prefilled in the segments a single
@@ -177,33 +164,13 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
                 kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
     turns = (manifest or {}).get("composition", {}).get("turns", 0) if manifest else 0
     cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
-    pooled = _document(o, run, doc_ids, manifest, save_meta) if _pooled(o) else None
+    pooled = _document(o, run, doc_ids, manifest, save_meta)
     progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
-    if pooled is not None:  # resident now (prefilled, loaded; saved with --save-kv), before the first question
-        _resident(o, client, pooled, cached, progress)
-        if o.conversation:  # /reset comes back here: the turns kept since leave the document
-            client.post(op="mark", name="doc", doc=pooled[0]["key"])
-        elif o.batch > 1 and _from_file_or_pipe(o):
-            return _batch(o, run, client, composition, cached, job.eos_ids, info, spans, pooled)
-    elif manifest is not None:
-        client.post(op="load", dir=o.load_kv, manifest=manifest)
-        got = client.wait("loaded")
-        if not quiet:
-            print(f"[loaded {got['tokens']:,} cached tokens from {o.load_kv} in {got['seconds']:.2f} s]",
-                  file=sys.stderr)
-    else:
-        client.post(op="append", ids=doc_ids, piece=o.prefill_chunk)
-        got = client.wait("appended", on_event=lambda k, v: progress.on_event(0, k, v))
-        progress.finish()
-        if not quiet:
-            print(f"[document: {got['tokens']:,} tokens prefilled in {got['seconds']:.2f} s, "
-                  f"{got['tokens'] / max(got['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
-    if pooled is None:
-        client.post(op="mark", name="doc")
-        if save_meta is not None:
-            _save(client, o.save_kv, save_meta, quiet)
-        if o.batch > 1 and not o.conversation and _from_file_or_pipe(o):  # (a cache loaded and saved again)
-            return _batch(o, run, client, composition, cached, job.eos_ids, info, spans)
+    _resident(o, client, pooled, cached, progress)  # prefilled, loaded; saved with --save-kv: before the first question
+    if o.conversation:  # /reset comes back here: the turns kept since leave the document
+        client.post(op="mark", name="doc", doc=pooled[0]["key"])
+    elif o.batch > 1 and _from_file_or_pipe(o):
+        return _batch(o, run, client, composition, cached, job.eos_ids, info, spans, pooled)
     total, last_reason, asked = cached, None, 0
     for q in _question_source(o):
         asked += 1
@@ -211,8 +178,8 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
         if cmd in ("/exit", "/quit"):
             return
         if cmd == "/reset":
-            if pooled is None or o.conversation:  # (else every question starts from the document anyway)
-                client.post(op="rollback", name="doc", **({"doc": pooled[0]["key"]} if pooled else {}))
+            if o.conversation:  # (else every question starts from the document anyway)
+                client.post(op="rollback", name="doc", doc=pooled[0]["key"])
             total, turns, last_reason = cached, 0, None
             print("[back to the document]", file=sys.stderr)
             continue
@@ -226,7 +193,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
             except ValueError as e:
                 print(f"treeattn: error: {e}", file=sys.stderr)
                 continue
-            _save(client, path, meta, quiet, doc=pooled[0]["key"] if pooled is not None else None)
+            _save(client, path, meta, quiet, doc=pooled[0]["key"])
             continue
         try:
             ids = P.question_ids(tok, q, composition, next_turn=o.conversation and turns > 0)
@@ -245,8 +212,6 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
         elif o.conversation:
             print("treeattn: error: the KV pool cannot hold this turn too: the conversation goes on from before "
                   "this question (/reset returns to the document)", file=sys.stderr)
-        elif pooled is None:
-            client.post(op="rollback", name="doc")
     if not asked and _from_file_or_pipe(o):
         _no_questions(o)
 
@@ -300,37 +265,32 @@ def _no_questions(o) -> None:
           + (f" and saved to {o.save_kv}" if o.save_kv else "") + ", nothing was asked", file=sys.stderr)
 
 
-def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spans=None, pooled=None) -> dict:
-    """One question: append, decode (streamed), and the answer's record (printed: JSON, or the
-    stats line; with ``spans``, its citations); ``pooled``: over the pooled document instead, a
-    ``batch`` request of this one question. Ctrl-C stops the answer; SIGTERM keeps what was
-    generated and goes on up."""
+def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spans=None, pooled) -> dict:
+    """One question over the pooled document (``pooled``: :func:`_document`'s), a ``batch``
+    request of this one question (with ``--conversation`` kept: it and its answer join the
+    document), streamed, and the answer's record (printed: JSON, or the stats line; with
+    ``spans``, its citations). Ctrl-C stops the answer; SIGTERM keeps what was generated and
+    goes on up."""
     view = GenerateView(tok, stream=not o.json, progress=False)
     sampling = {"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed}
-    common = dict(max_new_tokens=o.max_new_tokens, stop=list(o.stop), eos_ids=list(eos_ids), sampling=sampling,
-                  interruptible=True, speculate=o.speculate, logprobs=o.logprobs, cite=spans.spec() if spans else None)
-    if pooled is not None:
-        doc, extra = pooled
-        kept = {"keep": True, "drop_pending": drop_pending} if o.conversation else {}
-        seq = client.post(op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra, **common,
-                          questions=[{"ids": ids, "doc": doc, **kept}])
-        got: dict = {}
+    doc, extra = pooled
+    kept = {"keep": True, "drop_pending": drop_pending} if o.conversation else {}
+    seq = client.post(op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra,
+                      max_new_tokens=o.max_new_tokens, stop=list(o.stop), eos_ids=list(eos_ids), sampling=sampling,
+                      interruptible=True, speculate=o.speculate, logprobs=o.logprobs,
+                      cite=spans.spec() if spans else None, questions=[{"ids": ids, "doc": doc, **kept}])
+    got: dict = {}
 
-        def on_event(kind, payload):
-            if kind == "btoken":
-                view.on_event(0, "token", payload[1])
-            elif kind == "banswer":
-                got["answer"] = payload[1]
+    def on_event(kind, payload):
+        if kind == "btoken":
+            view.on_event(0, "token", payload[1])
+        elif kind == "banswer":
+            got["answer"] = payload[1]
 
-        def wait():
-            client.wait("batch_done", on_event=on_event)
-            return got["answer"]
-    else:
-        client.post(op="append", ids=ids, piece=o.prefill_chunk, drop_pending=drop_pending)
-        seq = client.post(op="decode", seq=client.seq, keep=o.conversation, **common)
+    def wait():
+        client.wait("batch_done", on_event=on_event)
+        return got["answer"]
 
-        def wait():
-            return client.wait("answer", on_event=lambda k, v: view.on_event(0, k, v))
     try:
         while True:
             try:
@@ -349,13 +309,13 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spa
     return {**rec, "kept": summary.get("kept", True)}
 
 
-def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=None, document=None) -> None:
+def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans, document) -> None:
     """Questions from a file or a pipe, ``--batch`` of them decoding together over the document
     (the engine's ``batch`` request). Answers stream and print in question order: the first
     unanswered question's text streams as it comes, the later ones' wait their turn; each gets
     its record (or stats line) as usual, and a line of aggregate numbers ends the batch.
     ``document``: ``(doc, options)`` of :func:`_document`, the document every question names
-    (resident in the ranks' pool already: :func:`_resident`); None: the engine's cached tokens."""
+    (resident in the ranks' pool already: :func:`_resident`)."""
     tok = run.tokenizer
     questions, ids_list = [], []
     for q in _question_source(o):
@@ -374,7 +334,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
             continue
         questions.append(q)
         ids_list.append(ids)
-    doc, extra = document or (None, {})
+    doc, extra = document
     if not questions:
         _no_questions(o)
         return
@@ -408,7 +368,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans=
 
     begin(0)
     seq = client.post(op="batch", seq=client.seq, slots=o.batch, max_new_tokens=o.max_new_tokens, **extra,
-                      questions=[{"ids": ids, "doc": doc} for ids in ids_list] if doc is not None else ids_list,
+                      questions=[{"ids": ids, "doc": doc} for ids in ids_list],
                       stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True, speculate=o.speculate,
                       logprobs=o.logprobs, piece=o.prefill_chunk, cite=spans.spec() if spans else None,
                       sampling={"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed})
@@ -478,9 +438,9 @@ def _show(o, rec: dict, spans=None, tok=None) -> None:
         show(rec, spans)
 
 
-def _save(client, path, meta, quiet: bool, doc: str | None = None) -> None:
-    """Save the engine's cached tokens (or the resident document ``doc``, a key) to ``path``."""
-    client.post(op="save", dir=str(path), **meta, **({"doc": doc} if doc is not None else {}))
+def _save(client, path, meta, quiet: bool, doc: str) -> None:
+    """Save the resident document ``doc`` (a key: with --conversation, its kept turns too) to ``path``."""
+    client.post(op="save", dir=str(path), **meta, doc=doc)
     info = client.wait("saved")
     if not quiet:
         print(f"[saved {info['tokens']:,} cached tokens to {info['dir']} in {info['seconds']:.2f} s]", file=sys.stderr)
