@@ -271,8 +271,8 @@ def d_cite(rng, c, fx):
 
 
 def d_graphs(rng, c, fx):
-    """Steps replayed from CUDA graphs as on a GPU (issue 38): the single sequence's step and a
-    batch's plain steps captured and replayed by ``graph_standin`` (each replay checked to issue
+    """Steps replayed from CUDA graphs as on a GPU (issue 38): a batch's plain steps and verifies
+    captured and replayed by ``graph_standin`` (each replay checked to issue
     what its capture recorded), over a fixed-shape cache and the GPU's kernels (Triton,
     interpreted); the same requests alone run eagerly on the CPU's. Drawn last, so the
     configurations drawn before it stay what they were."""
@@ -722,8 +722,6 @@ def features(c: Config, r: dict) -> set[str]:
     if r["events"].get("graph_replays_checked"):
         if any(b.get("graph_replays") for b in batches + r["events"].get("batch_done", [])):
             out.add("batched steps replayed from graphs")
-        if r["events"].get("single_replays"):
-            out.add("single steps replayed from graphs")
         if r["events"].get("verify_replays") or any(b.get("verify_graph_replays")
                                                      for b in batches + r["events"].get("batch_done", [])):
             out.add("verifies replayed from graphs")

@@ -969,7 +969,7 @@ def pooled_conversation(ctx, job, doc, questions, new, pool_blocks=None, page=No
             int(d.cache.counts[0][eng.mesh.cp_index]) == d.cache.max_len
         return {"tokens": got[-1]["token_ids"] if eng.lead else None, "kept": got[-1].get("kept") if eng.lead else None,
                 "doc_tokens": len(d.ids), "used": eng.documents.pool.used,
-                "consistent": eng.world.all_true(consistent), "pending": d.pending}
+                "consistent": eng.world.all_true(consistent), "pending": d.pending, "counts": d.cache.counts[0].tolist()}
 
     try:
         eng.serve([{"op": "batch", "questions": [{"ids": [], "doc": spec, "max_new_tokens": 0}], **common},

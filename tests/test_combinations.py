@@ -35,7 +35,7 @@ COVERAGE = {
     134: "documents evicted to disk at once (a budget of one byte) and loaded back when asked again; a "
          "document found whole in the pool's cached blocks",
     37: "documents that begin alike on 3 ranks: a later one takes the earlier one's blocks and prefills the rest",
-    231: "a single answer's verifies replayed from (stand-in) CUDA graphs",
+    231: "a conversation's verifies replayed from (stand-in) CUDA graphs (a batch of one over its pooled document)",
 }
 
 
@@ -73,8 +73,9 @@ def test_the_configurations_meet_where_defects_live(outcome):
     documents in one step, a document prefilled while others decode, a long question prefilled in
     chunks between the other answers' steps, documents evicted to disk
     and loaded back, a document waiting for blocks of a full pool, documents found in the pool's
-    cached blocks (whole, or a prefix of them), a batch's steps, a single answer's steps and its
-    verifies replayed from (stand-in) CUDA graphs, every mesh, family, route and KV storage."""
+    cached blocks (whole, or a prefix of them), a batch's steps and its verifies replayed from
+    (stand-in) CUDA graphs (every route asks as chat does now: a single answer's steps, on the
+    engine's own cache, are the alone reference's), every mesh, family, route and KV storage."""
     configs, results, _, _, default = outcome
     if not default:
         pytest.skip("coverage is checked on the default seed set")
@@ -88,7 +89,7 @@ def test_the_configurations_meet_where_defects_live(outcome):
             "a document waited for blocks", "document found whole in the pool's cached blocks",
             "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode",
             "cited", "cited with drafts accepted", "cited beside answers that do not",
-            "batched steps replayed from graphs", "single steps replayed from graphs", "verifies replayed from graphs"}
+            "batched steps replayed from graphs", "verifies replayed from graphs"}
     need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)

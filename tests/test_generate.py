@@ -56,6 +56,38 @@ def test_greedy_token_ids_equal_transformers(models, kind, n):
         assert rec["nproc"] == p and rec["prompt_tokens"] == n and rec["new_tokens"] == 10
         assert sum(rec["shard_tokens"]) == n + 9 and max(rec["shard_tokens"]) - min(rec["shard_tokens"]) <= 1 + (n < p)
         assert rec["stop_reason"] == "length"
+        if n >= p:  # the prompt in every rank's block pool: the blocks its shard fills (64 tokens a block)
+            assert [u for u, _ in rec["kv_pool"]] == [-(-c // 64) for c in _prompt_shards(n, p)], rec["kv_pool"]
+
+
+def _prompt_shards(n: int, p: int) -> list[int]:
+    """Every rank's tokens of an ``n``-token prompt prefilled in one segment on ``p`` ranks."""
+    from treeattn_cli.engine.prefill import shard, size
+
+    return [size(pc) for pc in shard(0, n, p, balanced=True)]
+
+
+def test_a_loaded_cache_continued_and_saved_again_holds_the_prompt_too(models, tmp_path):
+    """generate --load-kv A --prompt P --save-kv B saves A's document and P (not the answer):
+    a later --load-kv B continues both. Each step on another number of ranks; every answer is
+    transformers' greedy decode of everything before it."""
+    from treeattn_cli.engine.model import load_tokenizer
+
+    m = models["llama"]
+    tok = load_tokenizer(m)
+    doc, p1, p2 = text_of(90, seed=1), text_of(7, seed=2), text_of(5, seed=3)
+    ids = lambda t: tok(t)["input_ids"]  # noqa: E731
+    first = run_json("--model", str(m), "--prompt", doc, "--nproc", "3", "--dtype", "float32",
+                     "--max-new-tokens", "2", "--save-kv", str(tmp_path / "a"))
+    assert first["token_ids"] == tiny_models.hf_greedy(m, ids(doc), 2)
+    second = run_json("--model", str(m), "--load-kv", str(tmp_path / "a"), "--prompt", p1, "--nproc", "2",
+                      "--dtype", "float32", "--max-new-tokens", "4", "--save-kv", str(tmp_path / "b"))
+    assert second["token_ids"] == tiny_models.hf_greedy(m, ids(doc) + ids(p1), 4)
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["tokens"]["count"] == len(ids(doc)) + len(ids(p1)), manifest["tokens"]
+    third = run_json("--model", str(m), "--load-kv", str(tmp_path / "b"), "--prompt", p2, "--nproc", "1",
+                     "--dtype", "float32", "--max-new-tokens", "4")
+    assert third["token_ids"] == tiny_models.hf_greedy(m, ids(doc) + ids(p1) + ids(p2), 4)
 
 
 def test_logprobs_are_the_models_own(models):

@@ -48,6 +48,8 @@ def test_kept_turns_join_the_document_and_answer_as_transformers(model, world):
         want.append(n)
     assert sizes == want, (sizes, want)
     assert got["turns"][-1]["used"] > got["start"]["used"]  # the turns took blocks of the pool
+    # each turn's tokens went to the ranks holding the fewest of the document and the turns: balanced
+    assert all(max(t["counts"]) - min(t["counts"]) <= 1 for t in got["turns"]), [t["counts"] for t in got["turns"]]
     assert got["own_cache_tokens"] == 0  # nothing went through the engine's own cache
     # /reset: back to the document, its turns' blocks given back; the first question answers as before
     assert got["reset"] == got["start"], got
@@ -68,3 +70,16 @@ def test_a_turn_the_pool_cannot_hold_leaves_the_conversation_as_it_was(model):
     assert second["tokens"] == tiny_models.hf_greedy(model, DOC + qs[0] + first["tokens"] + qs[1], NEW)
     assert third["tokens"] == tiny_models.hf_greedy(model, DOC + qs[0] + first["tokens"] + qs[2], NEW)
     assert third["doc_tokens"] == first["doc_tokens"] + 1 + len(qs[2]) + NEW - 1, got
+
+
+def test_a_kept_question_goes_to_the_ranks_that_hold_the_fewest_of_the_document(model):
+    """An answer of one token feeds nothing (its token waits for the next turn), so what joins
+    the document is the question alone, placed token by token where the document and the
+    question so far are shortest: 153 tokens on 2 ranks ([77, 76]) and 9 more stay balanced
+    (placed as if the document held nothing, they would start on rank 0: [82, 80])."""
+    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=1)
+    doc = DOC + [77, 78, 79]
+    got = run_local(dist_cases.pooled_conversation, 2, job, doc, [QUESTIONS[0]], 1, None, 16, timeout_s=120)[0]
+    (turn,) = got["turns"]
+    assert turn["kept"] and turn["doc_tokens"] == len(doc) + len(QUESTIONS[0]), got
+    assert max(turn["counts"]) - min(turn["counts"]) <= 1, turn["counts"]

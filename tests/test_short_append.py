@@ -80,7 +80,9 @@ def test_generate_load_kv_and_chat_with_one_letter_questions(models, tmp_path):
     assert r.exit_code == 0, r.output
     rec = json.loads(r.stdout.splitlines()[-1])
     assert rec["token_ids"] == tiny_models.hf_greedy(m, doc_ids + tok("x")["input_ids"], NEW)
-    assert rec["prefill_segments"][-1]["method"] == "replicated"
+    # the prompt after the loaded document is a question of the pool's batch: its tokens in the
+    # tail, spread over the ranks like an answer's (no sharded prefill segment of its own)
+    assert rec["prefill_method"] == "batched" and rec["prefill_segments"] == [], rec
     qs = tmp_path / "qs.txt"
     qs.write_text("a\nbc\n")
     r = cli("chat", *common, "--prompt-file", str(doc), "--questions", str(qs), "--nproc", "3",

@@ -52,7 +52,8 @@ class Question:
     doc_spec: dict | None = None  # what documents.Documents.get takes to make its document resident again
     pools: list | None = None  # every rank's pool [(used, total) blocks] when it began (serve's metrics)
     cite: dict | None = None  # the request's citation spec (engine.Engine.citation): the answer carries ``cite``
-    keep: bool = False  # the question and its answer become part of its document (chat --conversation)
+    keep: bool | str = False  # the question and its answer become part of its document (chat --conversation);
+    # "question": the question alone (generate --load-kv --save-kv)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class BatchDecoder:
         self.tail = ShardedKVCache(doc.num_layers, slots, doc.kv_heads, doc.head_dim, dtype=doc.dtype,
                                    device=doc.device, rank=doc.rank, world=doc.world,
                                    capacity=-(-capacity // cp) + 2, quant=doc.quant,  # stored like the document
-                                   static=self.graphs is not None)
+                                   static=self.graphs is not None or doc.static)  # (the engine's: job.static)
         self.staging = Staging(doc.device)  # a forward's inputs, in one copy
         self.runs = 0  # batches run (the engine keeps one decoder: later batches reuse tail and graphs)
         self.prepare(capacity)
@@ -176,7 +177,8 @@ class BatchDecoder:
             q = questions[s.question]
             kept = None
             if q.keep and documents is not None:  # what the tail holds of it joins its document
-                kept = s.fed > 0 and documents.keep(q.doc, self.tail, s.row, list(q.ids) + list(s.tokens))
+                kept = s.fed > 0 and documents.keep(q.doc, self.tail, s.row, list(q.ids) + list(s.tokens),
+                                                    upto=len(q.ids) if q.keep == "question" else None)
             if documents is not None:
                 documents.release(q.doc, running=s.started)
             out[s.question] = self._summary(s, reason)
@@ -251,6 +253,15 @@ class BatchDecoder:
                     q = questions[qi]
                     finish(_Slot(qi, 0, None, time.perf_counter(), t0, doc=q.doc, doc_tokens=q.doc.tokens,
                                  started=False), "document")
+            for b in [b for b in new if not questions[slots[b].question].ids]:  # no tokens of its own: it
+                new.remove(b)  # answers from its document's last logits (generate: the prompt is the document)
+                doc = slots[b].doc
+                if not doc.has_logits:
+                    raise RuntimeError("a question with no tokens needs its document prefilled here with "
+                                       "last_logits")
+                self.tail.reset_rows([b], [doc.cache.counts[0]])
+                rows[b] = doc.logits if lead else None
+                ready[b], drafts[b] = True, []
             filling += new
             for b in [b for b in filling if slots[b].question in cancelled]:  # cancelled in its prefill
                 filling.remove(b)
@@ -414,7 +425,8 @@ class BatchDecoder:
         for i, (_, s, c) in enumerate(chunks):
             ids[i, T - len(c):] = torch.tensor(c)
             pos[i, T - len(c):] = torch.arange(s.doc_tokens + s.fed, s.doc_tokens + s.fed + len(c))
-        self.tail.reset_rows([b for b, s, _ in chunks if s.fed == 0])
+        new = [(b, s) for b, s, _ in chunks if s.fed == 0]
+        self.tail.reset_rows([b for b, _ in new], [s.doc.cache.counts[0] for _, s in new])
         self.tail.begin_extend(rows, pos)
         lg = self._forward(ids, pos, rows, [s for _, s, _ in chunks], step=False, finish=self.tail.end_extend)
         done = []

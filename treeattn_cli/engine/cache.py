@@ -59,6 +59,9 @@ class ShardedKVCache:
         self.length = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.host_length = torch.zeros(batch, dtype=torch.int64)  # the same, on the host
         self.counts = torch.zeros(batch, world, dtype=torch.int64)  # host: tokens per (seq, rank)
+        # host: tokens each rank holds of what a sequence continues elsewhere (a batch slot's
+        # document): placement counts them too, so document and answer together stay balanced
+        self.beside = torch.zeros(batch, world, dtype=torch.int64)
         self._rows = torch.arange(batch, device=self.device)
         # per-step buffers, written in place so a captured step reads the same storage
         self.step_positions = torch.zeros(batch, dtype=torch.int64, device=self.device)
@@ -180,7 +183,7 @@ class ShardedKVCache:
         """Owner rank of the next token of each sequence: ``[B]`` (fewest tokens, lowest rank
         on ties); updates every rank's view of the counts. ``active [B]`` (host bool): only
         those sequences get a token (the others' counts stay)."""
-        owner = torch.argmin(self.counts, dim=1)  # first minimum = lowest rank
+        owner = torch.argmin(self.counts + self.beside, dim=1)  # first minimum = lowest rank
         add = torch.ones(self.batch, dtype=torch.int64) if active is None else torch.as_tensor(active).to(torch.int64)
         self.counts[torch.arange(self.batch), owner] += add
         return owner
@@ -265,7 +268,7 @@ class ShardedKVCache:
             for t in range(positions.shape[1]):
                 if positions[i, t] < 0:
                     continue
-                owner = int(torch.argmin(self.counts[b]))
+                owner = int(torch.argmin(self.counts[b] + self.beside[b]))
                 owners.append(owner)
                 self.counts[b, owner] += 1
                 if owner == self.rank:
@@ -383,12 +386,14 @@ class ShardedKVCache:
         self.host_length += m
         self._ext_owners = [None] * self.batch
 
-    def reset_rows(self, rows) -> None:
+    def reset_rows(self, rows, beside=None) -> None:
         """Empty sequences ``rows`` (a batch slot that takes the next question); the others
-        keep everything, their extensions' owners included."""
-        for b in rows:
+        keep everything, their extensions' owners included. ``beside``: each row's ``[world]``
+        tokens of its document on every rank (placement then balances the two together)."""
+        for i, b in enumerate(rows):
             if bool(self._ext_added[b]):
                 raise RuntimeError(f"reset_rows: sequence {b} has an extension under way")
+            self.beside[b] = 0 if beside is None else torch.as_tensor(beside[i], dtype=torch.int64)
             self.length[b] = 0
             self.host_length[b] = 0
             self.counts[b] = 0

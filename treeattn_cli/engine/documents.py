@@ -111,6 +111,9 @@ class Document:
     pinned: bool = False  # never leaves memory (the documents API's pin)
     progress: bool = False  # rank 0 reports its prefill's progress (``prefill`` events: tokens done, of all)
     pending: int | None = None  # a kept answer's last token: sampled, not in the cache (the next kept question's first)
+    logits: object = None  # rank 0, when asked (``last_logits``): its last token's ``[1, V]`` from its prefill
+    want_logits: bool = False
+    has_logits: bool = False  # (every rank) its prefill here kept them
     t_start: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # to make it resident
 
@@ -301,7 +304,9 @@ class Documents:
         pool, when the first document makes it: :meth:`make_pool`), ``load_from`` (a saved cache of
         it, where ``dir`` does not hold it under its key: ``chat --load-kv``), ``save_to`` (where
         its write-through copy goes, instead of ``dir``/key: ``chat --save-kv``; ``save_meta``
-        with it), ``progress`` (rank 0 reports its prefill's progress)): resident, or pending
+        with it), ``progress`` (rank 0 reports its prefill's progress), ``last_logits`` (rank 0 keeps the
+        logits of its last token, once prefilled: a question with no tokens of its own answers
+        from them, ``generate``)): resident, or pending
         (:meth:`advance` prefills it). ``paged``: kept in the pool (else a plain cache)."""
         from . import kvstore
 
@@ -345,6 +350,7 @@ class Documents:
             if not doc.segs:
                 self._segment(doc, spec, cache.device)
         doc.progress = bool(spec.get("progress"))
+        doc.want_logits = bool(spec.get("last_logits"))
         if spec.get("save_to"):
             doc.save = {"target": spec["save_to"], "meta": spec["save_meta"]}
         elif spec.get("save") and spec.get("dir") and not doc.on_disk:
@@ -380,10 +386,12 @@ class Documents:
         if doc.progress and eng.lead:  # (chat: the bar while its document is prefilled)
             progress = lambda done, _n, s0=s0, n=len(doc.ids): eng.ctx.send("prefill", (s0 + done, n))  # noqa: E731
         try:
-            dec.prefill(torch.tensor([doc.ids[s0:s1]], dtype=torch.int64), on_progress=progress)  # s1 - s0 <= p·piece
+            logits = dec.prefill(torch.tensor([doc.ids[s0:s1]], dtype=torch.int64), on_progress=progress)  # s1 - s0 <= p·piece
         finally:
             dec.cache = dec.actx.cache = was
         doc.todo.pop(0)
+        if doc.want_logits and not doc.todo:  # a question with no tokens of its own starts from them
+            doc.logits, doc.has_logits = (logits[-1:] if logits is not None else None), True
         self._publish(doc)
         self._ready(doc)
         return s1 - s0
@@ -409,24 +417,31 @@ class Documents:
             doc.on_disk, doc.save = True, None
             self.changes["saved"].append(doc.key)
 
-    def keep(self, doc: Document, tail, row: int, tokens: list) -> bool:
+    def keep(self, doc: Document, tail, row: int, tokens: list, upto: int | None = None) -> bool:
         """A kept answer (``chat --conversation``) becomes part of its document: the tokens slot
         ``row`` of the batch's ``tail`` holds (its question and answer, ``tokens`` in order, each
         rank's share of them) are copied onto the document's own shard on the same rank, and the
         answer's last token, sampled but not fed, waits as ``doc.pending``. False (nothing
         changes) when the ranks' pools cannot hold them even after evicting documents nobody
         answers over: the conversation goes on from before that question. A collective: every
-        rank calls it for the same answer."""
+        rank calls it for the same answer. ``upto``: only the first ``upto`` of ``tokens`` (the
+        question: ``generate --load-kv --save-kv`` saves the loaded document and the prompt), the
+        first ``upto`` positions after the document on every rank; nothing pending."""
         if doc.evicted or doc.todo:
             return False
-        n = int(tail.counts[row].sum())
-        if isinstance(doc.cache, PagedShard) and not self._room(doc, int(tail.host_length[row])):
+        m, counts = int(tail.host_length[row]), tail.counts[row]
+        n = int(counts.sum())
+        if upto is not None and upto < n:  # each rank holds its tokens in position order
+            m = int((tail.pos[row, :m] < doc.tokens + upto).sum())
+            counts = self.engine.comm.all_gather_values([m])[:, 0].to(torch.int64)  # [cp]
+            n = upto
+        if isinstance(doc.cache, PagedShard) and not self._room(doc, m):
             return False
         sh = doc.cache
-        layers = (tail.row_stored(layer, row) for layer in range(sh.num_layers))
-        sh.append_stored(tail.pos[row, :int(tail.host_length[row])], tail.counts[row], layers)
+        layers = ([t[:, :, :m] for t in tail.row_stored(layer, row)] for layer in range(sh.num_layers))
+        sh.append_stored(tail.pos[row, :m], counts, layers)
         doc.ids = list(doc.ids) + list(tokens[:n])
-        doc.pending = tokens[n] if len(tokens) == n + 1 else None
+        doc.pending = tokens[n] if len(tokens) == n + 1 and upto is None else None
         return True
 
     def mark(self, doc: Document):

@@ -60,8 +60,13 @@ from .model import load_model, load_tokenizer, pick_dtype, shapes, weight_bytes
 
 
 def generate_requests(job) -> list[dict]:
-    """``generate`` as requests: load a saved cache (``--load-kv``), append the prompt, decode,
-    and with ``--save-kv`` save the cache of the prompt (rolled back past the answer)."""
+    """``generate`` as requests: the prompt a document in the ranks' block pool, the answer a
+    question over it (``Engine._op_generate``). The ring baseline (``decode_method="ring"``,
+    ``bench``) keeps the engine's own cache: load a saved cache (``--load-kv``), append the
+    prompt, decode, and with ``--save-kv`` save the cache of the prompt (rolled back past the
+    answer)."""
+    if job.decode_method != "ring":
+        return [{"op": "generate"}, {"op": "stop"}]
     reqs = []
     if job.load_kv:
         reqs.append({"op": "load", "dir": job.load_kv, "manifest": job.load_manifest})
@@ -160,6 +165,8 @@ class Engine:
         self._drafters: dict = {}  # rank 0: speculation's n-gram index of each document, by key
         self._tok = None
         self._bd = None  # the batch decoder (batch.py), kept across batches: _batch_decoder
+        self.batch_graphs: dict = {}  # the last batch's CUDA graph counts (batch.BatchDecoder.graph_counts)
+        self.generated: dict | None = None  # generate over the pool: its shards and step (_op_generate)
 
     # -- requests ----------------------------------------------------------------------
     def serve(self, requests):
@@ -271,7 +278,53 @@ class Engine:
             base = self._doc_drafter = Drafter(self.ids)
         return Drafter(self.ids[len(base.tokens):] + list(own), base=base)
 
-    def _op_batch(self, req):
+    def _op_generate(self, req):
+        """``generate`` over the block pool: the prompt is a document, prefilled into the ranks'
+        pools in the segments one prefill of it cuts (``--prefill-chunk``; its progress
+        reported, saved once complete with ``--save-kv``), and the answer a question with no
+        tokens of its own over it (``documents.Document.logits``); with ``--load-kv`` the loaded
+        cache is the document and the prompt the question (with ``--save-kv`` too, the prompt is
+        kept into the document, then saved: the cache of both, as a later ``--load-kv``
+        continues it). Rank 0 streams ``token`` events and ends with ``answer``, as a ``decode``
+        does; the summary counts the prompt's prefill, whichever way it went."""
+        job = self.job
+        first = len(self.dec.segments)
+        prompt = list(job.prompt_ids)
+        if job.load_kv:
+            from .kvstore import load_ids
+
+            doc_ids, question = load_ids(Path(job.load_kv)), prompt
+            doc = {"load_from": job.load_kv, "manifest": job.load_manifest}
+        else:
+            doc_ids, question = prompt, []
+            doc = {"progress": True, "last_logits": True,
+                   **({"save_to": job.save_kv, "save_meta": job.save_meta} if job.save_kv else {})}
+        doc.update(key="generate", ids=doc_ids, piece=job.prefill_chunk or max(1, -(-len(doc_ids) // self.mesh.cp)))
+        keep = {"keep": "question"} if job.load_kv and job.save_kv else {}
+        self._op_batch({"op": "batch", "questions": [{"ids": question, "doc": doc, **keep}], "slots": 1,
+                        "max_new_tokens": job.max_new_tokens, "stop": list(job.stop), "eos_ids": list(job.eos_ids),
+                        "sampling": vars(job.sampling), "speculate": job.speculate, "logprobs": job.logprobs,
+                        "cite": job.cite, "pool_for": len(doc_ids) + (len(question) if keep else 0)},  # (the
+                       # answer lives in the batch's tail)
+                       single=True)
+        d = self.documents.resident["generate"]
+        if keep:
+            self._op_save({"dir": job.save_kv, "doc": "generate", **job.save_meta})
+        s = dict(self.summary)
+        prefill_s = s["prefill_s"] + (0.0 if job.load_kv else d.seconds)
+        methods = sorted({seg["method"] for seg in self.dec.segments[first:]} | ({"batched"} if question else set()))
+        s.update(prompt_tokens=len(prompt), prefill_s=prefill_s, prefill_method="+".join(methods) or None,
+                 prefill_tokens_per_s=len(prompt) / prefill_s if prefill_s else None)
+        tail = self._bd.tail
+        self.generated = {"shard_tokens": (tail.counts[0] + tail.beside[0]).tolist(),  # the prompt's and the answer's
+                          "static_step": bool(tail.static), "kv_pool": self.documents.pools()}  # [[used, total]] per rank
+        if self.lead:
+            rec = self._single
+            s.update({k: rec[k] for k in ("logprobs",) if k in rec})
+            self.ctx.send("answer", {**s, "token_ids": rec["token_ids"]})
+        self.summary = s
+
+    def _op_batch(self, req, single: bool = False):
         """Many questions, ``req["slots"]`` decoding together (``batch.py``); rank 0 streams
         ``btoken (question, token)`` and ``banswer (question, record)`` events and ends with
         ``batch_done``. Documents' caches are read, never changed.
@@ -312,8 +365,8 @@ class Engine:
                 doc = self.documents.get(doc_spec)
                 source = doc.source if doc.ready else "prefill"
             self.documents.use(doc)
-            keep = bool(spec.get("keep")) and doc_spec is not None
-            if keep and doc.pending is not None and not spec.get("drop_pending"):
+            keep = (spec.get("keep") or False) if doc_spec is not None else False
+            if keep is True and doc.pending is not None and not spec.get("drop_pending"):
                 ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
                             spec.get("speculate") or "off", stop_check, spec.get("logprobs"), doc=doc, source=source,
@@ -341,8 +394,10 @@ class Engine:
                          interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
                          feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,
                          news_flag=C.news if self.lead and (feed or req.get("interruptible")) else None,
-                         on_token=lambda qi, tok: self.ctx.send("btoken", (qi, tok)),
-                         on_answer=lambda qi, rec: self.ctx.send("banswer", (qi, rec)),
+                         on_token=(lambda qi, tok: self.ctx.send("token", tok)) if single else
+                         (lambda qi, tok: self.ctx.send("btoken", (qi, tok))),
+                         on_answer=(lambda qi, rec: setattr(self, "_single", rec)) if single else
+                         (lambda qi, rec: self.ctx.send("banswer", (qi, rec))),
                          budget=req.get("piece") or PIECE.get(self.device.type, PIECE["cuda"]))
         done = [a for a in answers if a is not None]
         if done:
@@ -364,6 +419,7 @@ class Engine:
                                          "joins": feed.taken if feed else 0, "batch_runs": bd.runs,
                                          # its steps' CUDA graphs (graphs.StepGraphs): captured, replayed
                                          **bd.graph_counts()})
+        self.batch_graphs = bd.graph_counts()
 
     def _batch_decoder(self, slots: int, capacity: int):
         """The engine's batch decoder, kept from one batch to the next while the slots stay (a
@@ -496,13 +552,17 @@ class Engine:
         out = dict(self.summary or {})
         out.update({
             "nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp, "nodes": len(set(self.nodes)),
-            "weight_bytes": weight_bytes(self.model), "shard_tokens": self.cache.counts[0].tolist(),
+            "weight_bytes": weight_bytes(self.model),
+            "shard_tokens": (self.generated or {}).get("shard_tokens") or self.cache.counts[0].tolist(),
             "scheme": self.scheme, "eager_scheme": self.comm.eager_scheme or self.scheme, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "kv_dtype": self.kv_name,  # bytes of KV one token takes on all ranks together, scales included
             "kv_bytes_per_token": self.cache.bytes_per_token() * self.mesh.tp,
-            "cuda_graph": self.dec.graph is not None, "cuda_graph_replays": self.dec.replays,
-            "verify_graph_replays": self.dec.verify_graphs.replays,  # speculative steps replayed
-            "static_step": bool(self.cache.static),  # the fixed-shape step a graph captures
+            # steps replayed from CUDA graphs: a single answer's (decode op), or generate's batch of one
+            "cuda_graph": self.dec.graph is not None or bool(self.batch_graphs.get("graph_captures")),
+            "cuda_graph_replays": self.dec.replays + self.batch_graphs.get("graph_replays", 0),
+            "verify_graph_replays": self.dec.verify_graphs.replays + self.batch_graphs.get("verify_graph_replays", 0),
+            "static_step": bool(self.generated["static_step"] if self.generated else self.cache.static),
+            **({"kv_pool": self.generated["kv_pool"]} if self.generated else {}),  # every rank's [used, total] blocks
             "kernels": "reference (the fast kernels failed their self-check)" if self.job.reference else "fast",
             "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
             "prefill_segments": [{**{k: seg[k] for k in ("tokens", "cached", "method", "sharding")},
@@ -512,8 +572,8 @@ class Engine:
         })
         if self.device.type == "cuda":
             out["peak_device_bytes"] = [int(x) for x in mem[:, 1].tolist()]
-        if self.dec.graph_note:
-            out["note"] = self.dec.graph_note
+        if self.dec.graph_note or self.batch_graphs.get("graph_note"):
+            out["note"] = self.dec.graph_note or self.batch_graphs["graph_note"]
         return out
 
 
@@ -525,7 +585,13 @@ def _peak_rss() -> int:
 
 
 def rank_generate(ctx, job):
-    """Entry point of every rank for ``generate`` (``launch.run_local`` / ``run_torchrun``)."""
+    """Entry point of every rank for ``generate`` (``launch.run_local`` / ``run_torchrun``): its
+    KV lives in the ranks' block pools, the engine's own cache reserves nothing (but for the
+    ring baseline)."""
+    import dataclasses
+
+    if job.decode_method != "ring":
+        job = dataclasses.replace(job, reserve=0)
     summary = Engine(ctx, job).serve(generate_requests(job))
     if summary is not None:
         ctx.send("done", summary)
