@@ -393,18 +393,18 @@ def _save(ctx, key: str, c: Config, fx: dict, save_root: str) -> None:
 
 
 def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, events: dict) -> None:
-    """The server's path: the document through the ``doc`` op (from disk when saved), one open
-    batch that late questions join (posted as tokens stream, like the scheduler does) and
-    whose answers may be cancelled, questions that joined too late answered by a next batch,
-    and, with ``again``, the same questions once more after another document was served (the
-    first document then comes from the engine's memory)."""
+    """The server's path: every question names the document (from disk when saved: the cache
+    directory), one open batch that late questions join (posted as tokens stream, like the
+    scheduler does) and whose answers may be cancelled, questions that joined too late answered
+    by a next batch, and, with ``again``, the same questions once more after another document
+    was served (the first document then comes from the ranks' pools)."""
     from treeattn_cli.parallel import comm as C
 
     doc = fx[c.family]["doc"][:c.doc_len]
     key = c.save_key() if c.reload_cp else f"doc-{c.seed}"
-    req = {"op": "doc", "key": key, "ids": doc, "piece": c.chunk}
+    the_doc = {"key": key, "ids": doc, "piece": c.chunk}
     if c.reload_cp:
-        req.update(dir=save_root, manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()))
+        the_doc.update(dir=save_root, manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()))
     spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
     if c.qchunk:  # a long question goes in chunks of this many tokens, a round each
         spec["piece"] = c.qchunk
@@ -427,8 +427,8 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
     def question(i):
         q = {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec,
              "max_new_tokens": new_of(c, i), "cite": c.questions[i].get("cite")}
-        if c.route == "mixed":
-            q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)}
+        q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)} \
+            if c.route == "mixed" else the_doc
         return q
 
     def run_batch(seq: int, order: list, into: dict, posts: bool) -> list:
@@ -477,15 +477,15 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
 
     late = {i for _, i in c.joins}
     seq = 1000 + 10 * (c.seed % 1000)
-    if c.route != "mixed":
-        eng.serve([req])
     rest = run_batch(seq, [i for i in range(len(c.questions)) if i not in late], answers, posts=True)
     if rest:
         events["late"] = len(rest)
         run_batch(seq + 1, list(rest), answers, posts=False)
     if c.again:  # another document, then this one again: from the engine's memory (or disk: a budget)
-        if c.route != "mixed":
-            eng.serve([{"op": "doc", "key": f"other-{c.seed}", "ids": doc[: max(3, len(doc) // 2)]}, req])
+        if c.route != "mixed":  # (a request with nothing to answer makes it resident, as POST /v1/documents)
+            other = {"key": f"other-{c.seed}", "ids": doc[: max(3, len(doc) // 2)], "piece": c.chunk}
+            eng.serve([{"op": "batch", "slots": 1, "max_new_tokens": 0, "sampling": {},
+                        "questions": [{"ids": [], "doc": other, "max_new_tokens": 0}]}])
         events["again"] = {}
         run_batch(seq + 2, list(range(len(c.questions))), events["again"], posts=False)
 
@@ -546,12 +546,15 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
     spec = "off" if c.greedy else c.speculate
     try:
         reqs = _document_requests(c, fx, save_root, alone=True) + [{"op": "mark", "name": "doc"}] \
-            if c.route != "mixed" else []
+            if c.route != "mixed" else [{"op": "mark", "name": "empty"}]
         for i, q in enumerate(c.questions):
             qspec = "off" if c.greedy else q.get("speculate", spec)
-            if c.route == "mixed":  # its own document, alone (fp8: prefilled in the same segments)
-                reqs += [{"op": "doc", "key": f"alone-{c.seed}-{q['doc']}", "ids": doc_of(c, fx, i),
-                          "piece": c.chunk if c.kv == "fp8" else None}, {"op": "mark", "name": "doc"}]
+            if c.route == "mixed":  # its own document, alone (fp8: prefilled in the same segments as the pool's)
+                from treeattn_cli.engine.documents import PIECE
+
+                reqs += [{"op": "rollback", "name": "empty"},
+                         {"op": "append", "ids": doc_of(c, fx, i), "piece": (c.chunk or PIECE["cpu"]) if c.kv == "fp8"
+                          else None}, {"op": "mark", "name": "doc"}]
             reqs += [{"op": "append", "ids": q["ids"]},
                      {"op": "decode", "seq": i, "max_new_tokens": new_of(c, i), "sampling": c.sampling, "stop": [],
                       "eos_ids": [], "logprobs": LOGPROBS, "speculate": qspec, "keep": c.route == "conversation",

@@ -430,32 +430,6 @@ def graph_speculate(ctx, job, doc, question, new, speculate, max_rows=None):
             (dec.captures, dec.verify_graphs.captures), dec.graph_note)
 
 
-def graph_document_switch(ctx, job, docs, new):
-    """The server's document switch under (stand-in) CUDA graphs: decode after document A, then
-    after document B (another cache of the same capacity), then A again. Rank 0 returns the
-    answers and how many graphs were captured and replayed."""
-    from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.sampling import Sampling
-
-    eng = Engine(ctx, job)
-    fake_cuda_graphs(eng.dec, ctx.rank)
-    answers = []
-    real = ctx.emit
-    ctx.emit = lambda kind, payload: answers.append(payload["token_ids"]) if kind == "answer" else None
-    reqs = []
-    for key, ids in docs:
-        reqs += [{"op": "doc", "key": key, "ids": ids[:-1]}, {"op": "mark", "name": "doc"},
-                 {"op": "append", "ids": ids[-1:]},
-                 {"op": "decode", "seq": 0, "max_new_tokens": new, "sampling": vars(Sampling()), "keep": False},
-                 {"op": "rollback", "name": "doc"}]
-    try:
-        eng.serve(reqs + [{"op": "stop"}])
-    finally:
-        ctx.emit = real
-        os.environ.pop("TREEATTN_KERNEL", None)
-    return (answers, eng.dec.captures, eng.dec.replays) if ctx.rank == 0 else None
-
-
 def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=None, graphs=False, repeat=1):
     """An engine: append ``doc``, then answer ``questions`` ``slots`` at a time (the batch op,
     with ``extra`` fields; ``repeat`` times, the same batch again: the answers returned are the
@@ -582,8 +556,8 @@ def triton_sessions(ctx, sessions):
 def document_by_segments(ctx, job, doc, piece):
     """A document made resident a segment at a time (``documents.Documents``: in the block
     pool) and the same tokens prefilled in one call with the same ``piece`` into a plain cache:
-    rank 0 returns whether every rank's keys, values and positions are bitwise equal (and those
-    of the plain copy the ``doc`` op continues), how many segments the first took, and its kind."""
+    rank 0 returns whether every rank's keys, values and positions are bitwise equal, how many
+    segments the first took, and its kind."""
     import torch
 
     from treeattn_cli.engine.engine import Engine
@@ -598,15 +572,6 @@ def document_by_segments(ctx, job, doc, piece):
     same = d.cache.max_len == other.max_len and torch.equal(d.cache.counts, other.counts) and all(
         torch.equal(x, y) for layer in range(other.num_layers)
         for x, y in zip(d.cache.view(layer), other.view(layer)))  # k, v, length, positions
-    ctx.emit, real = (lambda kind, p: None), ctx.emit
-    try:  # the doc op continues a pooled document in a private plain copy of it
-        eng.serve([{"op": "doc", "key": "k", "ids": doc}])
-    finally:
-        ctx.emit = real
-    copy = eng.cache
-    same = same and copy is not d.cache and all(
-        torch.equal(x, y) for layer in range(other.num_layers)
-        for x, y in zip(copy.view(layer), other.view(layer)))
     every = eng.world.all_gather_values([int(same)])
     return (bool(every.min()), segs, type(d.cache).__name__) if ctx.rank == 0 else None
 

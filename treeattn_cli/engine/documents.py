@@ -7,8 +7,8 @@ the device; :meth:`Documents.make_pool`; ``paged_shard.PagedShard``): they take 
 their tokens fill, and an evicted document gives its blocks back. Before each prefill segment the
 ranks agree that every one of them has the blocks it needs (evicting unused documents first);
 when they have not, the document waits, and the answers under way go on. A document shorter than
-the number of sequence shards, and a document the engine continues itself (the ``doc`` op: a
-private copy it appends to), use a plain ``cache.ShardedKVCache``. A document grows only by the
+the number of sequence shards, and a saved one loaded while the pool has no room for it, use a
+plain ``cache.ShardedKVCache``. A document grows only by the
 turns a conversation keeps (:meth:`Documents.keep`: a kept question and its answer, copied from
 the batch's tail onto the rank that holds each of their tokens); :meth:`Documents.rollback`
 gives them back.
@@ -187,9 +187,9 @@ class Documents:
         return {"blocks": self.pool.num_blocks, "page": self.pool.page, "bytes": self.pool.num_blocks * per,
                 "free": self.pool_free}
 
-    def _new(self, tokens: int, paged: bool, spec: dict):
+    def _new(self, tokens: int, spec: dict):
         eng = self.engine
-        if paged and tokens >= eng.mesh.cp:
+        if tokens >= eng.mesh.cp:
             return PagedShard(self._pool(spec), rank=eng.cache.rank, world=eng.cache.world)
         return eng.new_cache(tokens)
 
@@ -296,7 +296,7 @@ class Documents:
         doc.todo = list(doc.segs)
         return piece
 
-    def get(self, spec: dict, paged: bool = True) -> Document:
+    def get(self, spec: dict) -> Document:
         """The document of ``spec`` (``key``, ``ids``; optional ``dir`` (the cache directory),
         ``manifest`` (of its saved copy), ``save`` + ``save_meta`` (write-through), ``piece``
         (tokens per rank per prefill segment, default :data:`PIECE`), ``budget`` (bytes per
@@ -307,7 +307,7 @@ class Documents:
         with it), ``progress`` (rank 0 reports its prefill's progress), ``last_logits`` (rank 0 keeps the
         logits of its last token, once prefilled: a question with no tokens of its own answers
         from them, ``generate``)): resident, or pending
-        (:meth:`advance` prefills it). ``paged``: kept in the pool (else a plain cache)."""
+        (:meth:`advance` prefills it)."""
         from . import kvstore
 
         key, ids = spec["key"], list(spec["ids"])
@@ -321,7 +321,7 @@ class Documents:
             return doc
         eng = self.engine
         t0 = time.perf_counter()
-        cache = self._new(len(ids), paged, spec)
+        cache = self._new(len(ids), spec)
         saved = Path(spec["load_from"]) if spec.get("load_from") else Path(spec["dir"]) / key if spec.get("dir") else None
         doc = Document(key, ids, cache, t_start=t0)
         if isinstance(cache, PagedShard) and ids:
@@ -555,18 +555,6 @@ class Documents:
         if keys and self.pool is not None:
             self.pool.forget(keys)
         return "dropped" if doc is not None else "absent"
-
-    def private_copy(self, doc: Document) -> ShardedKVCache:
-        """A plain cache holding ``doc``'s tokens (the engine continues it: appends its own)."""
-        src = doc.cache
-        if not isinstance(src, PagedShard):
-            return src
-        out = self.engine.new_cache(len(doc.ids))
-        out.begin_fill(src.pos[0], src.counts[0].tolist())
-        for layer in range(src.num_layers):
-            t = src.layer_tensors(layer)
-            out.fill_layer(layer, t[0], t[1], scales=(t[2], t[3]) if src.quant is not None else None)
-        return out
 
     def take_changes(self) -> dict:
         """What left memory, was spilled to disk or saved since the last call (then cleared)."""

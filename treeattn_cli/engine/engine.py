@@ -27,6 +27,8 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
   document (a conversation's turns leave, their blocks go back to the pool);
 * ``{"op": "save", "dir": d, "nonce": s, ...}`` / ``{"op": "load", "dir": d, "manifest": {...}}``:
   the sharded cache to and from disk (``kvstore.py``);
+* ``{"op": "generate"}``: the job's prompt over the block pool, as a batch of one whose
+  document is the prompt (``_op_generate``; ``token`` events, then ``answer``);
 * ``{"op": "pool", "pool": bytes | "pool_fraction": f, "page": n}``: allocate the documents' block
   pool now (``serve`` at start: an out-of-memory shows then, not at the first document); rank 0
   reports ``pool {blocks, page, bytes, free}``;
@@ -434,26 +436,6 @@ class Engine:
             bd.prepare(capacity)
         bd.runs += 1
         return bd
-
-    def _op_doc(self, req):
-        """Make the document ``req["key"]`` (tokens ``req["ids"]``) the cached prefix later
-        requests continue: from memory if this engine holds it, else from ``req["dir"]/key``
-        (a saved cache), else by prefill (all of it now). Documents are kept in memory least
-        recently used first within ``req["budget"]`` bytes per rank (``documents.py``); one pushed
-        out is saved to ``req["dir"]`` first (``req["save_meta"]``), so it can come back. Rank 0
-        reports ``doc_ready`` with where it came from and what left memory."""
-        t0 = time.perf_counter()
-        doc = self.documents.get(req, paged=False)
-        source = doc.source
-        self.documents.complete(doc)
-        self._activate(self.documents.private_copy(doc), doc.ids)  # a batch's pooled document: a copy
-        self.documents.evict(req.get("budget"), keep=doc)
-        changes = self.documents.take_changes()
-        if self.lead:
-            self.ctx.send("doc_ready", {"key": doc.key, "source": source, "tokens": len(doc.ids),
-                                        "saved": doc.key in changes["saved"], "seconds": time.perf_counter() - t0,
-                                        "evicted": changes["evicted"], "spilled": changes["spilled"],
-                                        "resident_bytes": self.documents.nbytes()})
 
     def new_cache(self, tokens: int) -> ShardedKVCache:
         """An empty cache for a document of ``tokens`` tokens (stored like the engine's)."""
