@@ -215,18 +215,19 @@ def fail_while_others_block(ctx, stamp=None):
     time.sleep(600)
 
 
-def mesh_generate(ctx, jobs):
+def mesh_generate(ctx, jobs, single=()):
     """``engine.rank_generate`` for each job in turn on these ranks (several (cp x tp) meshes in
-    one launch); rank 0 returns, per job, (token ids, summary)."""
+    one launch; the jobs whose index is in ``single`` on the engine's own cache, a single
+    answer's path); rank 0 returns, per job, (token ids, summary)."""
     from treeattn_cli.engine.engine import rank_generate
 
     out = []
-    for job in jobs:
+    for i, job in enumerate(jobs):
         toks = []
         real = ctx.emit
         ctx.emit = lambda kind, payload: toks.append(payload) if kind == "token" else None
         try:
-            summary = rank_generate(ctx, job)
+            summary = rank_generate(ctx, job, single=i in single)
         finally:
             ctx.emit = real
         out.append((toks, summary))

@@ -53,7 +53,11 @@ def test_speculation_equals_greedy(copy_heavy, world, tp):
             jobs.append(GenerateJob(str(m), prompt, max_new_tokens=NEW, dtype="float32", tp=tp, speculate=spec,
                                     prefill_chunk=chunk, sampling=Sampling()))
             want.append((kind, spec, greedy))
-    got = run_local(dist_cases.mesh_generate, world, jobs, timeout_s=120)[0]
+    # the same jobs' drafts verified on the engine's own cache too (a single answer's path: the
+    # reference the pooled answers are checked against, and the ring baseline's)
+    n = len(jobs)
+    jobs, want = jobs + jobs, want + want
+    got = run_local(dist_cases.mesh_generate, world, jobs, set(range(n, 2 * n)), timeout_s=180)[0]
     for (kind, spec, greedy), (toks, summary) in zip(want, got):
         assert toks == greedy, (kind, spec)
         s = summary["speculation"]

@@ -63,12 +63,17 @@ from .model import load_model, load_tokenizer, pick_dtype, shapes, weight_bytes
 
 def generate_requests(job) -> list[dict]:
     """``generate`` as requests: the prompt a document in the ranks' block pool, the answer a
-    question over it (``Engine._op_generate``). The ring baseline (``decode_method="ring"``,
-    ``bench``) keeps the engine's own cache: load a saved cache (``--load-kv``), append the
-    prompt, decode, and with ``--save-kv`` save the cache of the prompt (rolled back past the
-    answer)."""
+    question over it (``Engine._op_generate``); the ring baseline (``decode_method="ring"``,
+    ``bench``) on the engine's own cache (:func:`single_requests`)."""
     if job.decode_method != "ring":
         return [{"op": "generate"}, {"op": "stop"}]
+    return single_requests(job)
+
+
+def single_requests(job) -> list[dict]:
+    """``generate`` on the engine's own cache (the ring baseline, and the single answer the
+    pooled one is checked against): load a saved cache (``--load-kv``), append the prompt,
+    decode, and with ``--save-kv`` save the cache of the prompt (rolled back past the answer)."""
     reqs = []
     if job.load_kv:
         reqs.append({"op": "load", "dir": job.load_kv, "manifest": job.load_manifest})
@@ -566,15 +571,18 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_generate(ctx, job):
+def rank_generate(ctx, job, single: bool = False):
     """Entry point of every rank for ``generate`` (``launch.run_local`` / ``run_torchrun``): its
     KV lives in the ranks' block pools, the engine's own cache reserves nothing (but for the
-    ring baseline)."""
+    ring baseline; ``single``: on the engine's own cache, :func:`single_requests`)."""
     import dataclasses
 
-    if job.decode_method != "ring":
-        job = dataclasses.replace(job, reserve=0)
-    summary = Engine(ctx, job).serve(generate_requests(job))
+    if single:
+        summary = Engine(ctx, job).serve(single_requests(job))
+    else:
+        if job.decode_method != "ring":
+            job = dataclasses.replace(job, reserve=0)
+        summary = Engine(ctx, job).serve(generate_requests(job))
     if summary is not None:
         ctx.send("done", summary)
     return summary
