@@ -414,6 +414,7 @@ class Engine:
         if self.lead and any(changes.values()):
             self.ctx.send("docs", changes)
         pools = self.documents.pools()  # every rank's (the pool is made on every rank at the same document)
+        self.batch_graphs = bd.graph_counts()  # (generate's record reads them too)
         if self.lead:
             self.ctx.send("batch_done", {"pools": pools, "answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
                                          "seconds": time.perf_counter() - t0, "slots": bd.slots,
@@ -425,8 +426,7 @@ class Engine:
                                          "pool": self.documents.pool.stats() if self.documents.pool else None,
                                          "joins": feed.taken if feed else 0, "batch_runs": bd.runs,
                                          # its steps' CUDA graphs (graphs.StepGraphs): captured, replayed
-                                         **bd.graph_counts()})
-        self.batch_graphs = bd.graph_counts()
+                                         **self.batch_graphs})
 
     def _batch_decoder(self, slots: int, capacity: int):
         """The engine's batch decoder, kept from one batch to the next while the slots stay (a
