@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -169,15 +170,46 @@ def _tile_bases(K, V, TABLE, tb, b, hk, n0, N, k_base, v_base, skb, skh, skn, sv
 
 
 @triton.jit
-def _scores(s, qk_scale, softcap):
+def _scores(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
     """Raw ``q.k`` to base-2 scores (``qk_scale = scale * log2(e)``); soft-capping in natural
-    units: ``softcap * tanh(scale * q.k / softcap)``, ``tanh(x) = 1 - 2 / (e^{2x} + 1)``."""
-    if softcap > 0:
-        x = s * (qk_scale / _LOG2E_C) / softcap
-        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
+    units: ``softcap * tanh(scale * q.k / softcap)``, ``tanh(x) = 1 - 2 / (e^{2x} + 1)``.
+    ``SOFTCAP`` (:func:`softcap_mode`): 0 tests the runtime ``softcap`` (one kernel for every
+    model), 1 compiles soft-capping in, -1 compiles it out."""
+    if SOFTCAP == 0:
+        if softcap > 0:
+            s = _capped(s, qk_scale, softcap)
+        else:
+            s = s * qk_scale
+    elif SOFTCAP > 0:
+        s = _capped(s, qk_scale, softcap)
     else:
         s = s * qk_scale
     return s
+
+
+@triton.jit
+def _capped(s, qk_scale, softcap):
+    x = s * (qk_scale / _LOG2E_C) / softcap
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
+
+
+# Triton releases whose Hopper pipeliner fails on a runtime branch on the scores inside the key
+# loop: ``PassManager::run failed`` in TritonGPUPipeline for every wgmma tile (64+ query rows:
+# prefill slices, batches of 16+ sequences, verify blocks with block_lse). Seen on an H100 with
+# Triton 3.6.0; reproduced offline (``offline_compile --target sm_90``: 194 of 3155 configurations
+# under 3.6.0; 3.5.0 fails too, 3.7.0, 3.8.0 and 3.9.0 compile it). They get soft-capping as a
+# compile-time flag instead (a second kernel only for soft-capped models). The later releases keep
+# the branch: under 3.9 the branch-free kernel of a model without soft-capping spills (fp32 d = 64
+# decode: 255 registers and 16 bytes, against 94 and none).
+PIPELINER_NEEDS_STATIC_SOFTCAP = tuple(map(int, re.match(r"(\d+)\.(\d+)", triton.__version__).groups())) < (3, 7)
+
+
+def softcap_mode(softcap) -> int:
+    """The split kernel's ``SOFTCAP``: 0 (a runtime test) where this Triton pipelines it, else
+    1 or -1 (soft-capping compiled in or out)."""
+    if not PIPELINER_NEEDS_STATIC_SOFTCAP:
+        return 0
+    return 1 if softcap else -1
 
 
 @triton.jit
@@ -264,13 +296,15 @@ def _split_kernel(
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr, UPCAST: tl.constexpr, FANOUT: tl.constexpr,
     SCALE_G: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, LSE_BLOCK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # PAGE > 0: a paged shard (issue 35): K, V, KPOS, KS and VS are pools of blocks of PAGE keys
     # ([blocks, H_kv, PAGE, d], [blocks, PAGE], ...: their first stride is the block's), and
     # row b's keys are the blocks TABLE[b, :] names, in order; N = the table's width x PAGE.
-    # window (0: none), softcap (0: none), has_len and sorted_pos are runtime values tested
-    # once per program or block: one compiled kernel per tile shape serves every model, and
-    # none of them costs a recompile.
+    # window (0: none), has_len and sorted_pos are runtime values tested once per program or
+    # block: one compiled kernel per tile shape serves every model, and none of them costs a
+    # recompile. So is softcap, except under a Triton whose pipeliner fails on it (SOFTCAP:
+    # softcap_mode).
     # LSE_BLOCK > 0: also the log-sum-exp of each row's scores per run of LSE_BLOCK keys, from
     # the score tiles as they pass: BL [B, H, NQ, ceil(N / LSE_BLOCK)] fp32, written for the
     # rows LR [B, NQ] (bytes) asks when has_rows; LSE_BLOCK = 0 compiles all of it out.
@@ -371,7 +405,7 @@ def _split_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N) raw q.k
         else:
             s = tl.dot(q, tl.trans(k))
-        s = _visible(_scores(s, qk_scale, softcap), row_ok, n_ok, qpos, kpos, window, HAS_POS)
+        s = _visible(_scores(s, qk_scale, softcap, SOFTCAP), row_ok, n_ok, qpos, kpos, window, HAS_POS)
         if LSE_BLOCK > 0 and HAS_POS:  # block_lse before the PV dot here: see below
             _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
         p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
@@ -713,7 +747,8 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
         bl, lr, *b_strides, int(has_rows),
         HEAD_D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         HAS_POS=has_pos, UPCAST=plan.upcast, FANOUT=SEARCH_FANOUT, SCALE_G=groups, BLOCK_G=max(1, plan.block_g),
-        PAGE=page, LSE_BLOCK=lse_block, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        PAGE=page, LSE_BLOCK=lse_block, SOFTCAP=softcap_mode(softcap), num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     sk = sink.to(device=dev, dtype=torch.float32).contiguous() if sink is not None else lp  # placeholder: unused
     launch(_reduce_kernel, (B * H * Q,),

@@ -132,6 +132,22 @@ def test_window_and_softcap(impl):
              window=17, softcap=3.0)
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_softcap_compiled_in_or_out(monkeypatch, softcap):
+    """Under a Triton whose Hopper pipeliner fails on a runtime branch on the scores (3.5, 3.6:
+    every prefill tile failed to compile on an H100), soft-capping is a compile-time flag: the
+    kernel compiled with it in (1) or out (-1) still equals the reference, and the flag is the
+    one the launch chose."""
+    pytest.importorskip("triton")
+    from treeattn_kernels import partial_triton as pt
+
+    monkeypatch.setattr(pt, "PIPELINER_NEEDS_STATIC_SOFTCAP", True)
+    assert pt.softcap_mode(softcap) == (1 if softcap else -1)
+    run_case("triton", 2, 2, 2, 3, 90, 64, torch.float32, causal=True, ragged=True, window=17, softcap=softcap)
+    monkeypatch.setattr(pt, "PIPELINER_NEEDS_STATIC_SOFTCAP", False)
+    assert pt.softcap_mode(softcap) == 0
+
+
 @pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
 def test_empty_shard_and_no_visible_key(impl):
     """N = 0, and every key in the future: o = 0 and lse = -inf, never NaN."""
