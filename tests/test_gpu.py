@@ -28,6 +28,24 @@ def test_triton_kernel_on_gpu(N, G, dtype):
     assert_close(lse, lse_ref, torch.float32 if dtype == torch.float32 else dtype, "lse")
 
 
+def test_failed_capture_leaves_the_random_generator_usable():
+    """A capture that fails inside ``torch.cuda.graph`` (here a host sync) leaves torch's CUDA
+    generator in its capture state: every later random op raised "Offset increment outside graph
+    capture encountered unexpectedly" (seen on an H100, torch 2.11: bench.gpu_decode, and sampling
+    with a temperature would do the same). ``StepGraphs``' backend heals it; the next capture works."""
+    from treeattn_cli.engine import graphs
+
+    dev = torch.device("cuda")
+    x = torch.randn(4, device=dev)
+    with pytest.raises(Exception):
+        graphs.CudaBackend().capture(lambda: (x * 2).sum().item(), dev)
+    torch.randn(4, device=dev)  # raised before heal_rng
+    g, out = graphs.CudaBackend().capture(lambda: x * 3, dev)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 3)
+
+
 def test_cuda_graph_decode_equals_eager(tmp_path):
     from treeattn_cli.verify import tiny as tiny_models
     from treeattn_cli.parallel.launch import run_local

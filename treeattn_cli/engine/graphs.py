@@ -47,14 +47,42 @@ class CudaBackend:
     def capture(self, fn, device):
         """``(graph, out)``: ``fn``'s work recorded, and the output the replays write into."""
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = fn()
+        try:
+            with torch.cuda.graph(g, pool=self.pool):
+                out = fn()
+        except Exception:
+            heal_rng(device)
+            raise
         if self.pool is None:
             self.pool = g.pool()
         return g, out
 
     def replay(self, g) -> None:
         g.replay()
+
+
+def heal_rng(device) -> bool:
+    """After a failed capture: leave the device's random generator usable. A capture that fails
+    inside ``torch.cuda.graph`` can end before torch's generator leaves its capture state, and
+    every later random op of the process then raises "Offset increment outside graph capture
+    encountered unexpectedly" (seen on an H100, torch 2.11: ``bench.gpu_decode`` after a failed
+    capture). An empty capture runs the generator's prologue and epilogue again. Returns whether
+    the generator works now."""
+    try:
+        torch.empty(1, device=device).uniform_()
+        return True
+    except RuntimeError:
+        pass
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+    except Exception:  # noqa: BLE001 - best effort; the probe below says whether it worked
+        pass
+    try:
+        torch.empty(1, device=device).uniform_()
+        return True
+    except RuntimeError:
+        return False
 
 
 backend = None  # the process's backend: made on first use (CudaBackend), or a test's stand-in
