@@ -81,11 +81,27 @@ def time_transformers(model_dir, ids, new_tokens, dtype=torch.float32, device="c
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = m.generate(x, attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=clock)
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=clock,
+                         output_scores=True, return_dict_in_generate=True)
     first, last = clock.stamps[1], clock.stamps[-1]  # stamps[0]: the prompt, before prefill
     return {"method": "transformers sdpa", "prefill_s": first - t0,
             "decode_ms_per_token": 1e3 * (last - first) / (new_tokens - 1),
-            "token_ids": out[0, len(ids):].tolist()}
+            "token_ids": out.sequences[0, len(ids):].tolist(),
+            "scores": [sc[0].float().cpu() for sc in out.scores]}  # [vocab] logits per step
+
+
+def divergence(ours: list, hf: dict) -> dict:
+    """Where ``ours`` first differs from transformers' greedy tokens, and how close transformers'
+    own choice was there: ``margin`` = its logit of its token minus its logit of ours (a near tie,
+    against the logits' scale ``logit_scale``, is a rounding
+    difference of a low-precision dtype; a large one is a wrong answer). Empty when they agree."""
+    ref = hf["token_ids"]
+    i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    if i is None:
+        return {} if len(ours) == len(ref) else {"first_divergence": min(len(ours), len(ref))}
+    sc = hf["scores"][i]
+    return {"first_divergence": i, "margin": round(float(sc[ref[i]] - sc[ours[i]]), 4),
+            "logit_scale": round(float(sc.abs().max()), 3)}
 
 
 def machine(device: str, nproc) -> str:
@@ -105,7 +121,7 @@ def model_bench(model=None, prompt_tokens=(4096,), nprocs=(1, 2), new_tokens=32,
     records = []
 
     def emit(r):
-        r = {k: v for k, v in r.items() if k != "token_ids"}
+        r = {k: v for k, v in r.items() if k not in ("token_ids", "scores")}
         r.update(machine=machine(device, r.get("nproc", 1)), device=device, dtype=dtype)
         records.append(r)
         if on_record is not None:
@@ -118,6 +134,7 @@ def model_bench(model=None, prompt_tokens=(4096,), nprocs=(1, 2), new_tokens=32,
             for kv in kv_dtypes:
                 r = time_treeattn(model_dir, ids, new_tokens, p, dtype=dtype, kv_dtype=kv, device=device)
                 r["same_tokens_as_transformers"] = r["token_ids"] == hf["token_ids"]
+                r.update(divergence(r["token_ids"], hf))
                 emit({**r, "prompt_tokens": n})
         emit({**hf, "prompt_tokens": n})
     return records
