@@ -25,9 +25,14 @@ def check_command(*, nproc=None, device="auto", backend="auto", kernels_only=Fal
 
     kind, be, n, devices = plan_devices(device, backend, nproc)
     dev = torch.device(devices[0])
-    say = on_progress or (lambda what: None)
+    t0 = time.perf_counter()
+    told = on_progress or (lambda what: None)
+
+    def say(what):  # each line says when it began: where a slow check spends its time
+        told(f"[{time.perf_counter() - t0:.0f} s] {what}")
+
     say(f"kernels on {dev}")
-    records = kernel_checks(dev, full=not kernels_only)
+    records = kernel_checks(dev, full=not kernels_only, say=say)
     save_verdict(dev, records)
     if kernels_only:
         return records

@@ -170,12 +170,14 @@ def _fp8_refusal(device) -> str | None:
         return str(e)
 
 
-def kernel_checks(device, full: bool = True, kinds=None) -> list[dict]:
+def kernel_checks(device, full: bool = True, kinds=None, say=None) -> list[dict]:
     """The partial attention of every implementation on ``device`` vs the reference, and on
     CUDA the fused merge kernels and the offline compile for the local target. ``kinds``: only
-    the partial-attention cases of these kinds, nothing else (tests)."""
+    the partial-attention cases of these kinds, nothing else (tests). ``say(what)``: a progress
+    line before each part."""
     from treeattn_kernels import partial_attention, partial_attention_ref
 
+    say = say or (lambda what: None)
     device = torch.device(device)
     gen = torch.Generator().manual_seed(1234)
     out = []
@@ -204,8 +206,10 @@ def kernel_checks(device, full: bool = True, kinds=None) -> list[dict]:
     if kinds is not None:
         return out
     if device.type == "cuda":
+        say("fused merge kernels")
         out += _fused_merge_checks(device, gen)
         if full:
+            say("every kernel configuration compiled for this GPU (compile/<target>)")
             out.append(_compile_check(device))
     else:
         out.append(skipped("merge/fused", "CPU: the merge is the torch code itself"))
@@ -242,11 +246,17 @@ def _compile_check(device) -> dict:
     target = target_of(device)
     t0 = time.perf_counter()
     res = compile_all(target)
-    bad = [f"{k['kernel']} ({k['first_config']}): spill {k['spill_bytes']} B, shared {k['shared_bytes']} B"
-           for k in res["kernels"] if not k["ok"]]
+    # A kernel that does not compile, or asks for more shared memory than the GPU has, cannot
+    # launch: the kernel path fails (generate falls back to the reference). A spill only costs
+    # speed: CI holds its Triton to none, and another release may spill a few bytes (Triton 3.6
+    # on sm_90: 8 bytes in two fp32 soft-capped decode kernels), so it is a note, not a failure.
+    bad = [f"{k['kernel']} ({k['first_config']}): shared {k['shared_bytes']} B of {k['max_shared']}"
+           for k in res["kernels"] if k["shared_bytes"] > k["max_shared"]]
     bad += [f"{e['config']}: {e['error']}" for e in res["errors"]]
+    spills = [f"spill {k['spill_bytes']} B: {k['kernel']} ({k['first_config']})"
+              for k in res["kernels"] if k["spill_bytes"] > 0]
     rec = _record(f"compile/{target.name}", f"{res['configs']} configurations, {len(res['kernels'])} kernels",
-                  1.0 if bad else 0.0, 0.0, time.perf_counter() - t0, "; ".join(bad)[:300])
+                  1.0 if bad else 0.0, 0.0, time.perf_counter() - t0, "; ".join(bad + spills)[:300])
     rec["max_err"] = None
     return rec
 
