@@ -951,3 +951,24 @@ def pooled_conversation(ctx, job, doc, questions, new, pool_blocks=None, page=No
     del torch
     return {"start": start, "turns": turns, "reset": reset, "again": again, "own_cache_tokens": own,
             "pool_blocks": eng.documents.pool.num_blocks} if eng.lead else None
+
+
+def two_kept_questions(ctx, job, doc):
+    """A batch keeping two questions over one document: refused before anything runs (the second
+    would be answered without the first's turn and fed the same pending token). Rank 0 returns
+    the error and the document's tokens before and after."""
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    spec = {"key": "conv", "ids": list(doc), "piece": len(doc)}
+    common = {"slots": 2, "sampling": {}, "stop": [], "eos_ids": [], "max_new_tokens": 3, "pool_for": len(doc),
+              "grow": True}
+    eng.serve([{"op": "batch", "questions": [{"ids": [], "doc": spec, "max_new_tokens": 0}], **common}])
+    before = len(eng.documents.resident["conv"].ids)
+    try:
+        eng.serve([{"op": "batch", "questions": [{"ids": [21, 22], "doc": spec, "keep": True},
+                                                 {"ids": [23], "doc": spec, "keep": True}], **common}])
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return {"error": err, "before": before, "after": len(eng.documents.resident["conv"].ids)} if eng.lead else None

@@ -83,3 +83,10 @@ def test_a_kept_question_goes_to_the_ranks_that_hold_the_fewest_of_the_document(
     (turn,) = got["turns"]
     assert turn["kept"] and turn["doc_tokens"] == len(doc) + len(QUESTIONS[0]), got
     assert max(turn["counts"]) - min(turn["counts"]) <= 1, turn["counts"]
+
+
+def test_a_batch_keeps_at_most_one_question_per_document(model):
+    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=3)
+    got = run_local(dist_cases.two_kept_questions, 1, job, DOC, timeout_s=120)[0]
+    assert got["error"] and "at most one question per document" in got["error"], got
+    assert got["after"] == got["before"] == len(DOC), got

@@ -354,6 +354,7 @@ class Engine:
         doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks",
                                             "pool_for", "grow", "page") if req.get(k) is not None}
         here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
+        kept_docs: set = set()  # documents a question of this batch keeps into
 
         def question(q) -> Question:
             spec = {**defaults, **({} if isinstance(q, list) else q)}
@@ -373,6 +374,12 @@ class Engine:
                 source = doc.source if doc.ready else "prefill"
             self.documents.use(doc)
             keep = (spec.get("keep") or False) if doc_spec is not None else False
+            if keep:
+                # a kept turn continues the document as the previous turn left it: a second one in
+                # the same batch would be answered without the first and fed its pending token too
+                if doc_spec["key"] in kept_docs:
+                    raise ValueError(f"a batch keeps at most one question per document; two keep {doc_spec['key']!r}")
+                kept_docs.add(doc_spec["key"])
             if keep is True and doc.pending is not None and not spec.get("drop_pending"):
                 ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
