@@ -271,3 +271,31 @@ def test_the_block_lse_variant_keeps_the_plain_kernels_tiles(compiled, target):
     lse = [k for k in split if k["constexprs"].get("LSE_BLOCK")]
     assert {k["constexprs"]["LSE_BLOCK"] for k in lse} == {1, 16}  # in the sweep: spills and offsets checked above
     assert all(k["first_config"].startswith("block_lse") for k in lse)
+
+
+def test_a_share_of_the_configurations_warms_the_cache(tmp_path):
+    """``--warm I/N`` compiles every N-th configuration from the I-th into Triton's cache (the
+    worker processes ``treeattn check`` starts on a GPU so its compile row finds its kernels
+    there): exactly its share, none failing; and the share is what compile_all compiles. A
+    target the table does not know, or one worker, starts no process."""
+    import os
+    import subprocess
+    import sys
+
+    from treeattn_kernels.offline_compile import launches, start_warming
+    from treeattn_kernels.targets import TARGETS, Target
+
+    t = TARGETS["sm_90"]
+    labels = [label for label, _ in launches(t)]
+    assert len(labels) == len(set(labels)) > 2000
+    shares, share = 600, 7
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", "sm_90", "--warm",
+                          f"{share}/{shares}"], env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["compiled"] == len(labels[share::shares]) and got["failed"] == 0, got
+    assert any((tmp_path / "cache").rglob("*.cubin"))  # compiled for real, into the cache named
+    assert start_warming(t, workers=1) == []
+    assert start_warming(Target("sm_89", "cuda", 89, 32, 128, 101376), workers=4) == []

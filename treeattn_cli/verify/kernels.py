@@ -175,12 +175,29 @@ def kernel_checks(device, full: bool = True, kinds=None, say=None) -> list[dict]
     CUDA the fused merge kernels and the offline compile for the local target. ``kinds``: only
     the partial-attention cases of these kinds, nothing else (tests). ``say(what)``: a progress
     line before each part."""
-    from treeattn_kernels import partial_attention, partial_attention_ref
-
     say = say or (lambda what: None)
     device = torch.device(device)
     gen = torch.Generator().manual_seed(1234)
     out = []
+    warming = []
+    if device.type == "cuda" and full and kinds is None:
+        # the compile row's kernels, compiled into Triton's cache by worker processes while the
+        # partial checks run: one process takes ~100 s for sm_90's 142 kernels, cold
+        from treeattn_kernels.offline_compile import start_warming
+        from treeattn_kernels.targets import target_of
+
+        warming = start_warming(target_of(device))
+    try:
+        return _kernel_checks(device, full, kinds, say, gen, out, warming)
+    finally:
+        for p in warming:
+            if p.poll() is None:
+                p.kill()
+
+
+def _kernel_checks(device, full, kinds, say, gen, out, warming) -> list[dict]:
+    from treeattn_kernels import partial_attention, partial_attention_ref
+
     no_fp8 = _fp8_refusal(device)
     for kind, B, G, H_kv, Q, N, d, dt, extra in _kernel_cases(full):
         if kinds is not None and kind not in kinds:
@@ -209,7 +226,13 @@ def kernel_checks(device, full: bool = True, kinds=None, say=None) -> list[dict]
         say("fused merge kernels")
         out += _fused_merge_checks(device, gen)
         if full:
-            say("every kernel configuration compiled for this GPU (compile/<target>)")
+            say(f"every kernel configuration compiled for this GPU (compile/<target>; {len(warming)} "
+                "processes compiled them into the cache meanwhile)")
+            for p in warming:
+                try:
+                    p.wait(timeout=600)
+                except Exception:  # noqa: BLE001 - a stuck worker: compile_all compiles what it left
+                    p.kill()
             out.append(_compile_check(device))
     else:
         out.append(skipped("merge/fused", "CPU: the merge is the torch code itself"))
