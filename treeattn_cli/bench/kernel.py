@@ -55,7 +55,7 @@ def time_graph(fn, device, iters=20, warmup=5, calls: int = 10) -> list[float]:
     """Seconds per call of ``fn()`` on the device alone: ``calls`` calls captured in one CUDA
     graph, each replay timed with events and divided by ``calls``. An eager call of a small
     kernel is bound by the host (the Python that plans and launches it: ~0.27 ms a call on an
-    H100 for treeattn's split + reduce, against 0.05 ms of SDPA's device time at 8K keys); the
+    H100 for treeattn's split + reduce, against 0.013 ms of its device time at 8K keys); the
     engine's decode step replays graphs too, so this is the time a step pays. Raises when the
     capture fails (the caller falls back to :func:`time_fn`)."""
     for _ in range(warmup):
