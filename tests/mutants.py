@@ -190,6 +190,21 @@ MUTANTS = [
            "                             cites=[of[(b + 1) % len(of)].citation if going[b] else None "
            "for b, s in enumerate(of)])",
            ("tests/test_cite.py::test_citation_masses_are_transformers_attention",)),
+    Mutant("batch-keeps-two-per-document", "a batch keeps two questions over one document (both fed its pending token)",
+           "treeattn_cli/engine/engine.py",
+           '                if doc_spec["key"] in kept_docs:',
+           "                if False:",
+           ("tests/test_pooled_conversation.py::test_a_batch_keeps_at_most_one_question_per_document",)),
+    Mutant("softcap-compiled-out", "Triton 3.5/3.6's static soft-capping: compiled out for a soft-capped model",
+           "kernels/partial_triton.py",
+           "    return 1 if softcap else -1",
+           "    return -1",
+           ("tests/test_partial_attention.py::test_softcap_compiled_in_or_out",)),
+    Mutant("softcap-static-uncapped", "Triton 3.5/3.6's kernel with soft-capping compiled in does not cap",
+           "kernels/partial_triton.py",
+           "    elif SOFTCAP > 0:\n        s = _capped(s, qk_scale, softcap)",
+           "    elif SOFTCAP > 0:\n        s = s * qk_scale",
+           ("tests/test_partial_attention.py::test_softcap_compiled_in_or_out",)),
 ]
 
 
