@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from . import _version_tuple
 from .partial_ref import check_block_lse, check_inputs, dequantize
 from .targets import Target, launch, target_of
 
@@ -201,7 +201,7 @@ def _capped(s, qk_scale, softcap):
 # compile-time flag instead (a second kernel only for soft-capped models). The later releases keep
 # the branch: under 3.9 the branch-free kernel of a model without soft-capping spills (fp32 d = 64
 # decode: 255 registers and 16 bytes, against 94 and none).
-PIPELINER_NEEDS_STATIC_SOFTCAP = tuple(map(int, re.match(r"(\d+)\.(\d+)", triton.__version__).groups())) < (3, 7)
+PIPELINER_NEEDS_STATIC_SOFTCAP = _version_tuple(triton.__version__) < (3, 7)
 
 
 def softcap_mode(softcap) -> int:

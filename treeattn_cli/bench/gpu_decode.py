@@ -57,9 +57,6 @@ def _guarded(fn, need):
     except torch.OutOfMemoryError as e:
         return f"OutOfMemoryError: {str(e)[:80]}"
     except Exception as e:  # noqa: BLE001 - one context's failure is its row's result, not the run's end
-        from ..engine.graphs import heal_rng
-
-        heal_rng(torch.device("cuda"))
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     finally:
         torch.cuda.empty_cache()

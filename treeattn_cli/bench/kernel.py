@@ -56,20 +56,22 @@ def time_graph(fn, device, iters=20, warmup=5, calls: int = 10) -> list[float]:
     graph, each replay timed with events and divided by ``calls``. An eager call of a small
     kernel is bound by the host (the Python that plans and launches it: ~0.27 ms a call on an
     H100 for treeattn's split + reduce, against 0.013 ms of its device time at 8K keys); the
-    engine's decode step replays graphs too, so this is the time a step pays. Raises when the
-    capture fails (the caller falls back to :func:`time_fn`)."""
+    engine's decode step replays graphs too, so this is the time a step pays. The engine's own
+    capture protocol (``graphs.CudaBackend``: a side-stream warm-up, the capture, the random
+    generator healed if it fails); raises when the capture fails (the caller falls back to
+    :func:`time_fn`)."""
+    from ..engine.graphs import CudaBackend
+
+    def run():
+        for _ in range(calls):
+            fn()
+
     for _ in range(warmup):
         fn()
     _sync(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    be = CudaBackend()
+    be.warm_up(run, device)
+    g, _ = be.capture(run, device)
     for _ in range(2):
         g.replay()
     _sync(device)
@@ -174,9 +176,6 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
                     ts = time_graph(lambda: fn(q, k, v), device, iters=iters, warmup=0)
                     timing = "cuda-graph"
                 except Exception as e:  # noqa: BLE001 - a method that cannot be captured: eager, said
-                    from ..engine.graphs import heal_rng
-
-                    heal_rng(device)
                     timing = f"eager (capture failed: {type(e).__name__}: {str(e)[:80]})"
             med = statistics.median(ts)
             records.append({

@@ -93,8 +93,8 @@ def time_transformers(model_dir, ids, new_tokens, dtype=torch.float32, device="c
 def divergence(ours: list, hf: dict) -> dict:
     """Where ``ours`` first differs from transformers' greedy tokens, and how close transformers'
     own choice was there: ``margin`` = its logit of its token minus its logit of ours (a near tie,
-    against the logits' scale ``logit_scale``, is a rounding
-    difference of a low-precision dtype; a large one is a wrong answer). Empty when they agree."""
+    against the logits' scale ``logit_scale``, is a rounding difference of a low-precision dtype;
+    a large one is a wrong answer). Empty when they agree."""
     ref = hf["token_ids"]
     i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
     if i is None:

@@ -177,8 +177,6 @@ def kernel_checks(device, full: bool = True, kinds=None, say=None) -> list[dict]
     line before each part."""
     say = say or (lambda what: None)
     device = torch.device(device)
-    gen = torch.Generator().manual_seed(1234)
-    out = []
     warming = []
     if device.type == "cuda" and full and kinds is None:
         # the compile row's kernels, compiled into Triton's cache by worker processes while the
@@ -188,16 +186,18 @@ def kernel_checks(device, full: bool = True, kinds=None, say=None) -> list[dict]
 
         warming = start_warming(target_of(device))
     try:
-        return _kernel_checks(device, full, kinds, say, gen, out, warming)
+        return _kernel_checks(device, full, kinds, say, warming)
     finally:
         for p in warming:
             if p.poll() is None:
                 p.kill()
 
 
-def _kernel_checks(device, full, kinds, say, gen, out, warming) -> list[dict]:
+def _kernel_checks(device, full, kinds, say, warming) -> list[dict]:
     from treeattn_kernels import partial_attention, partial_attention_ref
 
+    gen = torch.Generator().manual_seed(1234)
+    out = []
     no_fp8 = _fp8_refusal(device)
     for kind, B, G, H_kv, Q, N, d, dt, extra in _kernel_cases(full):
         if kinds is not None and kind not in kinds:
