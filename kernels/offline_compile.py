@@ -743,7 +743,10 @@ def main(argv=None) -> int:
         print("offline_compile: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
         return 2
     if a.warm:
-        share, shares = (int(x) for x in a.warm.split("/"))
+        m = re.fullmatch(r"(\d+)/(\d+)", a.warm)
+        if not m or not int(m[1]) < int(m[2]):
+            ap.error(f"--warm takes I/N with 0 <= I < N, got {a.warm!r}")
+        share, shares = int(m[1]), int(m[2])
         done, failed = warm_share(TARGETS[a.target], share, shares)
         print(json.dumps({"target": a.target, "share": share, "shares": shares, "compiled": done, "failed": failed}))
         return 0

@@ -222,3 +222,14 @@ def test_batched_decode_over_a_shared_document():
     alone = json.loads(run("--simulate", "dgx-h100", "--model-shape", "llama-3.1-8b", "--gpus", "8", "--seq-len", "128K",
                            "--tp", "1", "--batch", "8", "--json").stdout)
     assert alone[0]["kv_ms"] == 8 * kv[8]  # eight documents of their own: eight times the reads
+
+
+def test_divergence_names_the_first_differing_token_and_transformers_margin_there():
+    from treeattn_cli.bench.model import divergence
+
+    scores = [torch.tensor([0.0, 5.0, 1.0, 0.0]), torch.tensor([0.0, 0.0, 3.0, 2.9])]
+    hf = {"token_ids": [1, 2], "scores": scores}
+    assert divergence([1, 2], hf) == {}
+    assert divergence([1, 3], hf) == {"first_divergence": 1, "margin": 0.1, "logit_scale": 3.0}
+    assert divergence([2, 2], hf)["margin"] == 4.0  # transformers preferred its token by 4: not a tie
+    assert divergence([1], hf) == {"first_divergence": 1}  # ours ended early

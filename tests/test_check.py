@@ -195,3 +195,26 @@ def test_fp8_generate_agrees_with_the_reference_or_names_a_near_tie():
     assert _fp8_agreement(run([5, 6, 1]), run([5, 9, 2], far))[1] is False
     assert _fp8_agreement(run([5, 6, 1]), run([5, 9, 2]))[1] is False  # the fast choice not even in its top 2
     assert _fp8_agreement(run([5, 6]), run([5, 6], kv="bfloat16"))[1] is False
+
+
+def test_the_compile_row_fails_on_what_cannot_launch_and_notes_a_spill(monkeypatch):
+    """A GPU's compile/<target> row: a compile error or shared memory over the limit fails it (the
+    kernel verdict then sends generate to the reference path); a spill only costs speed, so it is
+    named in the note and the row passes (Triton 3.6 spills 8 bytes where CI's Triton spills none)."""
+    import treeattn_kernels.offline_compile as oc
+    import treeattn_kernels.targets as tg
+    from treeattn_cli.verify import kernels as vk
+
+    def kernel(spill=0, shared=1000):
+        return {"kernel": "_split_kernel", "first_config": "decode x", "spill_bytes": spill, "shared_bytes": shared,
+                "max_shared": 2000, "ok": spill == 0 and shared <= 2000}
+
+    monkeypatch.setattr(tg, "target_of", lambda device: tg.TARGETS["sm_90"])
+    for kernels, errors, verdict, note in (([kernel(), kernel(spill=8)], [], "pass", "spill 8 B"),
+                                           ([kernel(shared=4000)], [], "FAIL", "shared 4000 B of 2000"),
+                                           ([kernel()], [{"config": "prefill y", "error": "RuntimeError: x"}], "FAIL",
+                                            "prefill y")):
+        monkeypatch.setattr(oc, "compile_all", lambda target, k=kernels, e=errors: {
+            "configs": 3, "kernels": k, "errors": e})
+        rec = vk._compile_check(torch.device("cpu"))
+        assert rec["verdict"] == verdict and note in rec["note"], rec
