@@ -4,6 +4,7 @@ processes a run leaves (for the tests that start the console script)."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -157,6 +158,36 @@ def rank_pids(launcher_pid: int) -> list[int]:
     for s in server:
         kids += [int(k) for k in Path(f"/proc/{s}/task/{s}/children").read_text().split()]
     return sorted(kids)
+
+
+def kernel_view(pids) -> str:
+    """What the kernel says each thread of ``pids`` is doing: its name, state, the call it
+    waits in and (where readable) its kernel stack. It explains a hang that Python's own
+    stacks cannot: a process past its interpreter's finalization prints none."""
+    lines = []
+    for pid in pids:
+        lines.append(f"process {pid}: {cmdline(pid)[:120]}")
+        try:
+            tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            lines.append("  (gone)")
+            continue
+        for tid in tids:
+            base = f"/proc/{pid}/task/{tid}"
+            read = lambda name: _read(f"{base}/{name}")  # noqa: E731
+            stat = read("stat")
+            state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
+            stack = " < ".join(ln.split()[-1] for ln in read("stack").splitlines()[:6])
+            lines.append(f"  {tid} {read('comm').strip()!r} {state} wchan={read('wchan').strip() or '-'}"
+                         + (f" stack: {stack}" if stack else ""))
+    return "\n".join(lines)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def still_running(pids, within=10.0):

@@ -23,7 +23,7 @@ from treeattn_cli.cli import prompt as P
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.main import app
 from treeattn_cli.engine.model import load_tokenizer
-from helpers import assert_usage_error, rank_pids
+from helpers import assert_usage_error, descendants, kernel_view, rank_pids
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -219,7 +219,9 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_pat
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 break
+        kernel = ""
         if not done:  # what each process is doing: their stacks (kill -USR1), in the message
+            kernel = kernel_view([pid, *descendants(pid)])  # (also past Python's finalization)
             for p in [pid, *rank_pids(pid)]:
                 try:
                     os.kill(p, signal.SIGUSR1)
@@ -227,7 +229,8 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_pat
                     pass
             until(lambda b: False, 3)
         # (as text: a bytes repr is one line pytest cuts short, and the stacks are what to read)
-        assert done and os.waitstatus_to_exitcode(status) == 0, bytes(buf[-12000:]).decode(errors="replace")
+        assert done and os.waitstatus_to_exitcode(status) == 0, \
+            bytes(buf[-12000:]).decode(errors="replace") + "\n" + kernel
     finally:
         try:
             os.kill(pid, 9)

@@ -413,7 +413,32 @@ def main() -> None:
         from .report import stdout_closed
 
         sys.exit(stdout_closed())
-    sys.exit(rv if isinstance(rv, int) else 0)
+    _leave(rv if isinstance(rv, int) else 0)
+
+
+def _leave(code: int) -> None:
+    """End a finished command with ``code``: the interpreter's own exit work first (``atexit``:
+    multiprocessing's finalizers, logging), the standard streams flushed, then ``os._exit``,
+    which skips what native libraries tear down at exit (their thread pools, static
+    destructors). By then the ranks have stopped and everything is printed; nothing of ours runs
+    there. Why: ``chat`` was seen twice on CI, after its last answer and Ctrl-D, not to exit in
+    60 s, and ``kill -USR1`` printed no Python stack for it, where a process still in the
+    interpreter prints one (``_stacks_on_sigusr1``; checked on a live chat): most likely it hung
+    past the interpreter, in that teardown (tests/test_chat.py's Ctrl-D test now also prints what
+    the kernel says each thread waits in, should it happen again)."""
+    import atexit
+
+    atexit._run_exitfuncs()  # (what the interpreter's own exit runs first)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:  # the reader left at the very end: as any closed pipe
+            from .report import stdout_closed
+
+            code = code or stdout_closed()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
