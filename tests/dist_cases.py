@@ -972,3 +972,53 @@ def two_kept_questions(ctx, job, doc):
     except ValueError as e:
         err = str(e)
     return {"error": err, "before": before, "after": len(eng.documents.resident["conv"].ids)} if eng.lead else None
+
+
+def documents_all_pooled(ctx, job, short_docs, short_qs, saved, big, q, new, root):
+    """Every document lives in the rank's block pool (issue 35, item 2). One batch of
+    ``short_qs`` over ``short_docs`` (some shorter than the sequence shards); then, in a pool of
+    8 blocks of 16 tokens, ``saved`` is answered and written through to ``root``, ``big`` takes
+    the pool (``saved`` leaves), and ``q`` over ``saved`` again finds no free blocks: its saved
+    copy waits for them (``big`` leaves) and is loaded into the pool. Every rank returns the
+    kind of each short document's cache; rank 0 also the answers and what became of ``saved``."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.engine.sampling import Sampling
+
+    got, sources = {}, {}
+
+    def emit(kind, p):
+        if kind == "banswer":
+            got[p[0]] = p[1]["token_ids"]
+        elif kind == "bdoc":
+            sources[p[0]] = p[1]["source"]
+
+    base = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
+            "eos_ids": [], "speculate": "off"}
+    real, ctx.emit = ctx.emit, emit
+    out = {}
+    try:
+        eng = Engine(ctx, job)
+        pool = {"pool_blocks": 8, "page": 16}  # (the first document makes the pool)
+        eng.serve([{**base, **pool, "slots": 2, "questions": [{"ids": qq, "doc": {"key": f"s{d}", "ids": short_docs[d]}}
+                                                              for d, qq in short_qs]}])
+        out["short"] = [got.get(i) for i in range(len(short_qs))]
+        out["kinds"] = {k: type(d.cache).__name__ for k, d in eng.documents.resident.items()}
+        out["short_counts"] = {k: d.cache.counts[0].tolist() for k, d in eng.documents.resident.items()}
+        for k in list(eng.documents.resident):
+            eng.documents._evict(k)
+        disk = {"dir": str(root), "save": True, **pool,
+                "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
+        for name, ids in (("saved", saved), ("big", big), ("saved", saved)):
+            got.clear()
+            sources.clear()
+            eng.serve([{**base, **disk, "slots": 1, "questions": [{"ids": q, "doc": {"key": name, "ids": ids}}]}])
+            out.setdefault("answers", []).append(got.get(0))
+            out.setdefault("sources", []).append(sources.get(0))
+        d = eng.documents.resident.get("saved")
+        out["saved_kind"] = type(d.cache).__name__ if d is not None else None
+        out["big_resident"] = "big" in eng.documents.resident
+        eng.serve([{"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return out if ctx.rank == 0 else {"kinds": out.get("kinds"), "saved_kind": out.get("saved_kind")}

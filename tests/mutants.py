@@ -205,6 +205,16 @@ MUTANTS = [
            "    elif SOFTCAP > 0:\n        s = _capped(s, qk_scale, softcap)",
            "    elif SOFTCAP > 0:\n        s = s * qk_scale",
            ("tests/test_partial_attention.py::test_softcap_compiled_in_or_out",)),
+    Mutant("short-document-unwritten", "a document shorter than the shards: its pooled tokens' keys and values never written",
+           "treeattn_cli/engine/paged_shard.py",
+           "        if t.numel():\n            self.pool.write(layer, slots,",
+           "        if False:\n            self.pool.write(layer, slots,",
+           ("tests/test_batch.py::test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait",)),
+    Mutant("saved-load-never-makes-room", "a saved document's load waits for free blocks but never evicts an unused document",
+           "treeattn_cli/engine/documents.py",
+           "            if not self._load(doc):",
+           "            if not self._load(doc, evict=False):",
+           ("tests/test_batch.py::test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait",)),
 ]
 
 

@@ -250,3 +250,25 @@ def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(mo
     d = done[0]
     assert d["documents_per_step"] == 2, d  # rows of both documents shared steps
     assert d["graph_note"] is None and d["graph_captures"] == 2 and d["graph_replays"] >= 2 * (NEW - 1), d
+
+
+def test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait(models, tmp_path):
+    """Documents shorter than the three sequence shards (one and two tokens) take blocks of the
+    pool like any other and are answered as transformers answers; a saved document asked for
+    while an unused one fills the pool waits for blocks (that one leaves), is loaded into the
+    pool (not beside it, as it once was), and answered as before."""
+    paths, _ = models
+    short = [[17], DOC[:50], [40, 41]]
+    sq = [(0, QS[0]), (1, QS[1]), (2, QS[2]), (0, QS[3])]
+    saved, big = DOC[:60], [(7 * i + 3) % 200 + 30 for i in range(300)]  # 20 and 100 tokens a rank: 2 + 7 > 8 blocks
+    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    outs = run_local(dist_cases.documents_all_pooled, 3, job, short, sq, saved, big, QS[4], NEW, tmp_path,
+                     timeout_s=180)
+    lead = outs[0]
+    assert lead["short"] == [tiny_models.hf_greedy(paths["llama"], short[d] + q, NEW) for d, q in sq]
+    assert all(o["kinds"] == {"s0": "PagedShard", "s1": "PagedShard", "s2": "PagedShard"} for o in outs), outs
+    assert lead["short_counts"]["s0"] == [1, 0, 0] and lead["short_counts"]["s2"] == [1, 1, 0], lead
+    want = tiny_models.hf_greedy(paths["llama"], saved + QS[4], NEW)
+    assert lead["answers"] == [want, tiny_models.hf_greedy(paths["llama"], big + QS[4], NEW), want], lead
+    assert lead["sources"] == ["prefill", "prefill", "disk"], lead
+    assert all(o["saved_kind"] == "PagedShard" for o in outs) and not lead["big_resident"], lead

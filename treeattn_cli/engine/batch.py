@@ -198,9 +198,8 @@ class BatchDecoder:
                     documents.release(q.doc)
                     q.doc = documents.get(q.doc_spec)
                     documents.use(q.doc)
-                    q.source = q.doc.source if q.doc.ready else "prefill"
-            pending = next((questions[qi].doc for qi in queue if questions[qi].doc.todo
-                            and not questions[qi].doc.evicted), None)
+                    q.source = q.doc.source
+            pending = next((questions[qi].doc for qi in queue if questions[qi].doc.waiting), None)
             blocked = False  # the pool has no room for it while other documents are in use
             if pending is not None:  # one segment of the first document a queued question waits for
                 clean = False

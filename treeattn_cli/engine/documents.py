@@ -4,11 +4,12 @@ prefill that runs a segment at a time (DESIGN.md §12).
 A batch's documents live in the rank's block pool (``pool.BlockPool``, sized once, the same on
 every rank: ``pool`` bytes or a ``pool_fraction`` of the free memory, else :data:`POOL_BYTES` for
 the device; :meth:`Documents.make_pool`; ``paged_shard.PagedShard``): they take the blocks
-their tokens fill, and an evicted document gives its blocks back. Before each prefill segment the
-ranks agree that every one of them has the blocks it needs (evicting unused documents first);
-when they have not, the document waits, and the answers under way go on. A document shorter than
-the number of sequence shards, and a saved one loaded while the pool has no room for it, use a
-plain ``cache.ShardedKVCache``. A document grows only by the
+their tokens fill, and an evicted document gives its blocks back. Before each prefill segment,
+and before a saved copy is loaded, the ranks agree that every one of them has the blocks it
+needs (evicting unused documents first); when they have not, the document waits, and the answers
+under way go on. Every document is in the pool: one shorter than the number of sequence shards
+too (every rank computes its tokens and the fewest-tokens rule places them, as for a short
+question; no block of it is offered for reuse). A document grows only by the
 turns a conversation keeps (:meth:`Documents.keep`: a kept question and its answer, copied from
 the batch's tail onto the rank that holds each of their tokens); :meth:`Documents.rollback`
 gives them back.
@@ -110,6 +111,7 @@ class Document:
     reused: int = 0  # tokens (over all ranks) found in the pool's cached blocks instead of prefilled
     pinned: bool = False  # never leaves memory (the documents API's pin)
     progress: bool = False  # rank 0 reports its prefill's progress (``prefill`` events: tokens done, of all)
+    load: tuple | None = None  # (dir, manifest): a saved copy to load once every rank has the blocks
     pending: int | None = None  # a kept answer's last token: sampled, not in the cache (the next kept question's first)
     logits: object = None  # rank 0, when asked (``last_logits``): its last token's ``[1, V]`` from its prefill
     want_logits: bool = False
@@ -120,7 +122,12 @@ class Document:
     @property
     def ready(self) -> bool:
         """Resident and complete: questions over it can start."""
-        return not self.todo and not self.evicted
+        return not self.todo and self.load is None and not self.evicted
+
+    @property
+    def waiting(self) -> bool:
+        """Resident but not complete: prefill segments or its load to come (:meth:`Documents.advance`)."""
+        return bool(self.todo or self.load is not None) and not self.evicted
 
     @property
     def tokens(self) -> int:
@@ -187,11 +194,20 @@ class Documents:
         return {"blocks": self.pool.num_blocks, "page": self.pool.page, "bytes": self.pool.num_blocks * per,
                 "free": self.pool_free}
 
-    def _new(self, tokens: int, spec: dict):
+    def _new(self, spec: dict) -> PagedShard:
         eng = self.engine
-        if tokens >= eng.mesh.cp:
-            return PagedShard(self._pool(spec), rank=eng.cache.rank, world=eng.cache.world)
-        return eng.new_cache(tokens)
+        return PagedShard(self._pool(spec), rank=eng.cache.rank, world=eng.cache.world)
+
+    def _mine(self, doc: Document, s0: int, s1: int) -> int:
+        """Tokens of segment ``[s0, s1)`` of ``doc`` this rank will keep: its piece of the
+        segment's sharding, or, for a segment shorter than the sequence shards (every rank
+        computes all of it: ``decode._prefill_replicated``), those the fewest-tokens rule gives it."""
+        from .prefill import shard, size
+
+        eng = self.engine
+        if s1 - s0 < eng.mesh.cp:
+            return len(doc.cache.placement([True] * (s1 - s0))[0])
+        return size(shard(s0, s1 - s0, eng.mesh.cp, balanced=eng.dec.sharding == "balanced")[eng.mesh.cp_index])
 
     def _room(self, doc: Document, add: int, evict: bool = True) -> bool:
         """Whether every rank's pool has the blocks for ``add`` more tokens of ``doc`` on that
@@ -210,7 +226,7 @@ class Documents:
         first when it can be; queued questions over it ask for it again when they start)."""
         for key in list(self.resident):
             d = self.resident[key]
-            if d is keep or d.running or d.pinned or not isinstance(d.cache, PagedShard):
+            if d is keep or d.running or d.pinned:
                 continue
             if d.ready:
                 self._evict(key)
@@ -278,7 +294,7 @@ class Documents:
 
     def _publish(self, doc: Document) -> None:
         """Offer the document's full blocks to later documents that start with the same tokens."""
-        if doc.keys and isinstance(doc.cache, PagedShard):
+        if doc.keys:
             table = doc.cache.table
             table.publish(doc.keys if not doc.todo else doc.keys[:table.length // table.pool.page])
 
@@ -317,14 +333,15 @@ class Documents:
         if doc is not None:
             self.resident.move_to_end(key)
             doc.hits += 1
-            doc.source = "memory"
+            if doc.ready:  # (a pending one keeps how it becomes resident: prefill, disk)
+                doc.source = "memory"
             return doc
         eng = self.engine
         t0 = time.perf_counter()
-        cache = self._new(len(ids), spec)
+        cache = self._new(spec)
         saved = Path(spec["load_from"]) if spec.get("load_from") else Path(spec["dir"]) / key if spec.get("dir") else None
         doc = Document(key, ids, cache, t_start=t0)
-        if isinstance(cache, PagedShard) and ids:
+        if len(ids) >= eng.mesh.cp:  # (a shorter one fills no block worth sharing: every rank computes it)
             self._plan(doc, self._segment(doc, spec, cache.device))
             self._reuse(doc)
             if not doc.todo:
@@ -336,15 +353,9 @@ class Documents:
             doc.seconds = time.perf_counter() - t0
         elif saved is not None and (saved / kvstore.MANIFEST).exists():
             manifest = spec.get("manifest") or json.loads((saved / kvstore.MANIFEST).read_text())  # ours: spilled
-            bounds = chunk_bounds(int(manifest["tokens"]["count"]), eng.mesh.cp)
-            mine = bounds[eng.mesh.cp_index + 1] - bounds[eng.mesh.cp_index]
-            if isinstance(cache, PagedShard) and not self._room(doc, mine, evict=False):
-                cache = doc.cache = eng.new_cache(len(ids))  # no free blocks: outside the pool (evicting
-                # others here could evict, in turn, the documents of the questions queued before it)
-            kvstore.load_into(saved, manifest, cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index,
-                              head0=eng.head0)
-            doc.source, doc.on_disk = "disk", True
-            doc.seconds = time.perf_counter() - t0
+            doc.load, doc.source, doc.on_disk = (saved, manifest), "disk", True
+            self._load(doc, evict=False)  # now if the blocks are free; else it waits for them like a
+            # prefill segment (advance): evicting here could evict the documents of questions queued before it
         else:
             doc.source = "prefill"
             if not doc.segs:
@@ -362,22 +373,23 @@ class Documents:
         return doc
 
     def advance(self, doc: Document) -> int:
-        """Prefill the next segment of a pending document; returns the tokens it took (0: it
-        waits, the pool being full of documents in use)."""
-        from .prefill import shard, size
-
-        if isinstance(doc.cache, PagedShard) and doc.todo == doc.segs:  # not begun: documents prefilled
+        """Prefill the next segment of a pending document (or load its saved copy); returns the
+        tokens it took (0: it waits, the pool being full of documents in use)."""
+        if doc.load is not None:  # a saved copy, once every rank has the blocks
+            if not self._load(doc):
+                self.waits += 1
+                return 0
+            self._ready(doc)
+            return max(1, len(doc.ids))
+        if doc.keys is not None and doc.todo == doc.segs:  # not begun: documents prefilled
             self._reuse(doc)  # since it was asked for (or before a reset) may hold its prefix
             if not doc.todo:
                 self._ready(doc)
                 return doc.reused
         s0, s1 = doc.todo[0]
-        if isinstance(doc.cache, PagedShard):
-            eng = self.engine
-            mine = size(shard(s0, s1 - s0, eng.mesh.cp, balanced=eng.dec.sharding == "balanced")[eng.mesh.cp_index])
-            if not self._room(doc, mine):
-                self.waits += 1
-                return 0
+        if not self._room(doc, self._mine(doc, s0, s1)):
+            self.waits += 1
+            return 0
         eng = self.engine
         dec = eng.dec
         was = dec.cache
@@ -396,6 +408,21 @@ class Documents:
         self._ready(doc)
         return s1 - s0
 
+    def _load(self, doc: Document, evict: bool = True) -> bool:
+        """Load ``doc``'s saved copy into its blocks if every rank has them (``evict``: making
+        room first, as for a prefill segment); False: it waits, nothing changed."""
+        from . import kvstore
+
+        saved, manifest = doc.load
+        eng = self.engine
+        bounds = chunk_bounds(int(manifest["tokens"]["count"]), eng.mesh.cp)
+        if not self._room(doc, bounds[eng.mesh.cp_index + 1] - bounds[eng.mesh.cp_index], evict=evict):
+            return False
+        kvstore.load_into(saved, manifest, doc.cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index, head0=eng.head0)
+        doc.load = None
+        doc.seconds = time.perf_counter() - doc.t_start
+        return True
+
     def _ready(self, doc: Document) -> None:
         if doc.ready:
             if doc.cache.device.type == "cuda":
@@ -404,8 +431,8 @@ class Documents:
             self._complete(doc)
 
     def complete(self, doc: Document) -> None:
-        """Every remaining segment of ``doc`` now."""
-        while doc.todo:
+        """Every remaining segment of ``doc`` (or its load) now."""
+        while doc.waiting:
             if not self.advance(doc):
                 raise RuntimeError(f"the documents' KV pool ({self.pool.num_blocks} blocks of {self.pool.page} tokens "
                                    f"per rank) cannot hold a document of {len(doc.ids)} tokens")
@@ -427,7 +454,7 @@ class Documents:
         rank calls it for the same answer. ``upto``: only the first ``upto`` of ``tokens`` (the
         question: ``generate --load-kv --save-kv`` saves the loaded document and the prompt), the
         first ``upto`` positions after the document on every rank; nothing pending."""
-        if doc.evicted or doc.todo:
+        if not doc.ready:
             return False
         m, counts = int(tail.host_length[row]), tail.counts[row]
         n = int(counts.sum())
@@ -435,7 +462,7 @@ class Documents:
             m = int((tail.pos[row, :m] < doc.tokens + upto).sum())
             counts = self.engine.comm.all_gather_values([m])[:, 0].to(torch.int64)  # [cp]
             n = upto
-        if isinstance(doc.cache, PagedShard) and not self._room(doc, m):
+        if not self._room(doc, m):
             return False
         sh = doc.cache
         layers = ([t[:, :, :m] for t in tail.row_stored(layer, row)] for layer in range(sh.num_layers))
@@ -497,8 +524,7 @@ class Documents:
                                    {**self.spill_meta, "nonce": key[:8]})
             doc.on_disk = True
             self.changes["spilled"].append(key)
-        if isinstance(doc.cache, PagedShard):
-            doc.cache.free()
+        doc.cache.free()
         doc.evicted = True
         self.changes["evicted"].append(key)
 
@@ -507,8 +533,7 @@ class Documents:
         if self.resident.get(doc.key) is doc:
             del self.resident[doc.key]
             self.changes["evicted"].append(doc.key)
-        if isinstance(doc.cache, PagedShard):
-            doc.cache.free()
+        doc.cache.free()
         doc.todo, doc.evicted = list(doc.segs), True
 
     def pools(self) -> list | None:
@@ -544,8 +569,7 @@ class Documents:
         keys = doc.keys if doc is not None else None
         if doc is not None:
             del self.resident[key]
-            if isinstance(doc.cache, PagedShard):
-                doc.cache.free()
+            doc.cache.free()
             doc.evicted = True
             self.changes["evicted"].append(key)
         if keys is None and self.pool is not None and len(spec["ids"]) >= self.engine.mesh.cp:

@@ -371,7 +371,7 @@ class Engine:
             elif spec.get("doc"):
                 doc_spec = {**doc_defaults, **spec["doc"]}
                 doc = self.documents.get(doc_spec)
-                source = doc.source if doc.ready else "prefill"
+                source = doc.source
             self.documents.use(doc)
             keep = (spec.get("keep") or False) if doc_spec is not None else False
             if keep:

@@ -35,6 +35,7 @@ class PagedShard:
         self.n = 0  # tokens that count (a piece being appended counts after its last layer)
         self._refresh()  # _dev: (slots [n], length [1]) on the device, made as the shard changes
         self._pending: torch.Tensor | None = None  # slots of the piece being appended (every layer)
+        self._ext: tuple | None = None  # an extension under way: (its tokens this rank keeps, their slots, counts)
 
     # -- what a ShardedKVCache answers ----------------------------------------------------
     @property
@@ -148,6 +149,69 @@ class PagedShard:
                                 scales=(t[2], t[3]) if self.quant is not None else None)
             self.n += m
         self.counts[0] += torch.as_tensor(counts, dtype=torch.int64)
+        self._refresh()
+
+    # -- a piece every rank computes (shorter than the sequence shards: decode._prefill_replicated)
+    def begin_extend(self, rows, positions) -> None:
+        """Start appending tokens every rank computes, ``positions [1, T]`` (host, global; -1 a
+        padding token, kept nowhere) of this one sequence (``rows`` = ``[0]``): each goes to the
+        rank holding the fewest tokens at that point (ties: the lowest), as a plain cache places
+        them (``cache.ShardedKVCache.begin_extend``). This rank takes the blocks for its own now
+        (all or nothing: ``pool.PoolFull``), writes them with :meth:`extend` (once per layer),
+        and they count at :meth:`end_extend`; until then :meth:`view` is the shard before them."""
+        if [int(b) for b in rows] != [0]:
+            raise ValueError(f"begin_extend: a document's shard has one sequence, not rows {list(rows)}")
+        if self._ext is not None:
+            raise RuntimeError("begin_extend: the previous extension was not ended (end_extend)")
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        mine, counts = self.placement([p >= 0 for p in positions.tolist()])
+        new = self.table.slots(len(mine)).to(self.device)
+        self._slots = self.table.flat(0, self.table.length)  # a copied last block moves its tokens
+        self._refresh()
+        self.pool.place(new, positions[mine])
+        self._ext = (torch.tensor(mine, dtype=torch.int64, device=self.device), new, counts)
+
+    def placement(self, kept) -> tuple[list[int], torch.Tensor]:
+        """Where an extension's tokens go, ``kept [T]`` saying which are tokens (not padding):
+        the indices of those this rank keeps, and every rank's counts after them ``[world]``."""
+        counts, mine = self.counts[0].clone(), []
+        for t, real in enumerate(kept):
+            if real:
+                owner = int(torch.argmin(counts))
+                counts[owner] += 1
+                if owner == self.rank:
+                    mine.append(t)
+        return mine, counts
+
+    def extend(self, layer: int, k_new, v_new) -> None:
+        """This rank's share of the extension's ``k_new, v_new [1, H_kv, T, d]``, into its blocks."""
+        t, slots, _ = self._ext
+        if t.numel():
+            self.pool.write(layer, slots, k_new[0][:, t].transpose(0, 1), v_new[0][:, t].transpose(0, 1))
+
+    def _at(self, store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``store [blocks, H_kv, page, X]`` at flat ``slots [m]`` -> ``[1, H_kv, m, X]``."""
+        return store[slots // self.pool.page, :, slots % self.pool.page].transpose(0, 1)[None]
+
+    def extension_view(self, layer: int, b: int = 0):
+        """``(k, v [1, H_kv, m, d], pos [m])``: the extension's tokens this rank keeps, as stored
+        (written by :meth:`extend`, not yet counted)."""
+        _, slots, _ = self._ext
+        page = self.pool.page
+        return (self._at(self.pool.k[layer], slots), self._at(self.pool.v[layer], slots),
+                self.pool.pos[slots // page, slots % page])
+
+    def extension_scales(self, layer: int, b: int = 0):
+        """The fp8 scales of :meth:`extension_view`'s tokens: ``(k_scale, v_scale [1, H_kv, m, G])``."""
+        _, slots, _ = self._ext
+        return self._at(self.pool.ks[layer], slots), self._at(self.pool.vs[layer], slots)
+
+    def end_extend(self) -> None:
+        """After the last layer: the extension's tokens count, on every rank's counts."""
+        _, slots, counts = self._ext
+        self.n += int(slots.numel())
+        self.counts[0] = counts
+        self._ext = None
         self._refresh()
 
     def mark(self):
