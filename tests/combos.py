@@ -6,7 +6,7 @@ back), never inside one feature's own tests. So each configuration combines them
 ranks, --tp, merge scheme, fp8 KV, chat --batch with more questions than slots, the server's
 open batch (questions joining it, cancelled, a document asked for again or loaded from disk),
 questions over several documents in the same steps (new documents prefilled a segment at a time
-while the others decode, documents evicted to disk and loaded back),
+while the others decode, documents evicted to disk and loaded back, one shorter than the shards),
 --conversation, --speculate off|auto|ngram:K over questions that copy the document and ones
 that do not, questions shorter than the sequence shards, chunked prefill (of documents, and of long questions
 between the other answers' steps), a saved cache
@@ -279,8 +279,19 @@ def d_graphs(rng, c, fx):
     c.graphs = rng.random() < 0.08  # (slow: interpreted kernels; CI draws four, and a coverage seed)
 
 
+def d_short(rng, c, fx):
+    """Mixed documents: one more, shorter than the sequence shards (every rank computes its
+    tokens, each kept where the fewest are; in the block pool like any other: issue 35 item 2),
+    and one more question, over it (a copy of a drawn one, uncited: spans belong to their
+    document). Drawn last, and only adding, so what was drawn before stays as it was."""
+    if c.route == "mixed" and c.cp > 1 and rng.random() < 0.35:
+        c.docs.append([5 * len(c.docs), rng.randint(1, c.cp - 1)])
+        q = {k: v for k, v in rng.choice(c.questions).items() if k != "cite"}
+        c.questions.append({**q, "doc": len(c.docs) - 1})
+
+
 DIMENSIONS = [d_family, d_mesh, d_scheme, d_kv, d_route, d_document, d_questions, d_slots, d_speculate,
-              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk, d_cite, d_graphs]
+              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk, d_cite, d_graphs, d_short]
 
 
 def draw(seed: int, fx: dict) -> Config:
@@ -703,6 +714,8 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("document from memory")
     if any(len(q["ids"]) < c.cp for q in c.questions) and c.route == "conversation":
         out.add("question shorter than the shards")
+    if any(n < c.cp for _, n in c.docs or []):
+        out.add("document shorter than the shards")
     if not c.greedy:
         out.add("sampling")
     if c.chunk:

@@ -128,7 +128,7 @@ MUTANTS = [
            ("tests/test_pooled_conversation.py",)),
     Mutant("conversation-fold-ignores-room", "documents: a kept turn is folded in without asking the pool for room",
            "treeattn_cli/engine/documents.py",
-           "        if isinstance(doc.cache, PagedShard) and not self._room(doc, m):",
+           "        if not self._room(doc, m):",
            "        if False:",
            ("tests/test_pooled_conversation.py",)),
     Mutant("chat-reset-keeps-turns", "chat: /reset in a pooled --conversation leaves the kept turns in the document",

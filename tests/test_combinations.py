@@ -32,8 +32,9 @@ REGRESSIONS = {
 
 # Seeds that exercise a path the first 40 miss (seed: what it adds).
 COVERAGE = {
-    134: "documents evicted to disk at once (a budget of one byte) and loaded back when asked again; a "
-         "document found whole in the pool's cached blocks",
+    134: "documents evicted to disk at once (a budget of one byte) and loaded back when asked again",
+    658: "a document found whole in the pool's cached blocks (134 found one while a saved copy was loaded "
+         "beside a full pool; loads now wait for blocks inside it, and take the cached ones)",
     37: "documents that begin alike on 3 ranks: a later one takes the earlier one's blocks and prefills the rest",
     231: "a conversation's verifies replayed from (stand-in) CUDA graphs (a batch of one over its pooled document)",
 }
@@ -69,8 +70,8 @@ def test_every_answer_equals_the_same_request_alone(outcome):
 def test_the_configurations_meet_where_defects_live(outcome):
     """The run exercised what it claims to: drafts kept and rejected, slots refilled while other
     slots' drafts were verified, answers citing (with drafts kept, beside answers that do not), requests joining a running batch and cancelled, a cache saved
-    on other ranks, a document from the server's memory, short questions, rows of several
-    documents in one step, a document prefilled while others decode, a long question prefilled in
+    on other ranks, a document from the server's memory, short questions and a document shorter
+    than the shards, rows of several documents in one step, a document prefilled while others decode, a long question prefilled in
     chunks between the other answers' steps, documents evicted to disk
     and loaded back, a document waiting for blocks of a full pool, documents found in the pool's
     cached blocks (whole, or a prefix of them), a batch's steps and its verifies replayed from
@@ -89,7 +90,7 @@ def test_the_configurations_meet_where_defects_live(outcome):
             "a document waited for blocks", "document found whole in the pool's cached blocks",
             "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode",
             "cited", "cited with drafts accepted", "cited beside answers that do not",
-            "batched steps replayed from graphs", "verifies replayed from graphs"}
+            "batched steps replayed from graphs", "verifies replayed from graphs", "document shorter than the shards"}
     need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)
