@@ -249,8 +249,7 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     elif ctx.ext is not None:  # a fixed-shape verify (every row, every token written: here or written off)
         slots, tlen = ctx.ext
         tail.put_rows(layer, slots, k_new, v_new)
-        L = tail.capacity
-        tk, tv, tpos = tail.k[layer][:, :, :L], tail.v[layer][:, :, :L], tail.pos[:, :L]
+        tk, tv, tpos = tail.full(layer)
     else:
         tail.extend(layer, k_new, v_new)
         tk, tv, tlen, tpos = tail.view_rows(layer, ctx.rows, extended=True)

@@ -238,6 +238,12 @@ class ShardedKVCache:
         L = self.capacity if self.static else self._view_len
         return self.k[layer][:, :, :L], self.v[layer][:, :, :L], self._kv_len
 
+    def full(self, layer: int):
+        """``(k, v [B, H_kv, capacity, d], pos [B, capacity])``: every sequence's whole view (a
+        fixed-shape verify's; lengths mask it)."""
+        L = self.capacity
+        return self.k[layer][:, :, :L], self.v[layer][:, :, :L], self.pos[:, :L]
+
     def shard_lens(self) -> list[int]:
         """Every rank's longest sequence this step (host bookkeeping: no communication)."""
         return self.counts.max(0).values.tolist()

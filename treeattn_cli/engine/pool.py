@@ -61,8 +61,12 @@ class BlockPool:
         self.device = torch.device(device)
         self.quant = quant  # kvquant.KVQuant: fp8 rows in a rotated basis, bf16 scales per row
         self.dtype = quant.dtype if quant is not None else dtype
-        def store(width, dtype, fill):  # head-major storage, seen block-major: [blocks, H_kv, page, width]
-            return [torch.full((kv_heads, num_blocks, page, width), fill, dtype=dtype, device=self.device)
+        # one more block than the pool hands out: the write-off block, where a fixed-shape step writes
+        # what no sequence keeps (a batch's tail: tokens other ranks keep, idle slots), never read
+        self.write_off = num_blocks
+
+        def store(width, dtype, fill):  # head-major storage, seen block-major: [blocks + 1, H_kv, page, width]
+            return [torch.full((kv_heads, num_blocks + 1, page, width), fill, dtype=dtype, device=self.device)
                     .transpose(0, 1) for _ in range(num_layers)]
 
         self.k, self.v = store(head_dim, self.dtype, 0), store(head_dim, self.dtype, 0)
@@ -70,7 +74,7 @@ class BlockPool:
         self.vs: list[torch.Tensor] = []
         if quant is not None:
             self.ks, self.vs = store(quant.groups, torch.bfloat16, 1), store(quant.groups, torch.bfloat16, 1)
-        self.pos = torch.full((num_blocks, page), -1, dtype=torch.int64, device=self.device)
+        self.pos = torch.full((num_blocks + 1, page), -1, dtype=torch.int64, device=self.device)
         # host bookkeeping
         self.refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids first
