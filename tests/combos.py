@@ -421,11 +421,14 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
         spec["piece"] = c.qchunk
     if c.route == "mixed":  # each question names its document; the batch makes them resident
         spec["piece"] = c.chunk
-        if c.tight:  # blocks for the largest document's shard on one rank, no more
-            from treeattn_cli.engine.documents import PAGE
+        if c.tight:  # blocks for the largest document's shard on one rank, no more, and the tail of
+            # one question and answer (the longest) at a time: the others wait for its blocks
+            from treeattn_cli.engine.documents import PAGE, tail_blocks
 
+            page = c.page or PAGE
             longest = max(n for _, n in c.docs)
-            spec["pool_blocks"] = -(-(-(-longest // c.cp)) // (c.page or PAGE))
+            tail = max(len(q["ids"]) + new_of(c, i) for i, q in enumerate(c.questions))
+            spec["pool_blocks"] = -(-(-(-longest // c.cp)) // page) + tail_blocks(tail, c.cp, page)
         if c.page:
             spec["page"] = c.page
         if c.budget is not None:
@@ -729,6 +732,8 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("question prefilled in chunks while others decode")
     if any(b.get("pool_waits") for b in batches):
         out.add("a document waited for blocks")
+    if any(b.get("tail_waits") for b in batches):
+        out.add("a question waited for its tail's blocks")
     if r["events"].get("spilled") and "disk" in r["events"].get("sources", []):
         out.add("document evicted to disk and loaded back")
     if "pool" in r["events"].get("sources", []):

@@ -210,6 +210,18 @@ MUTANTS = [
            "        if t.numel():\n            self.pool.write(layer, slots,",
            "        if False:\n            self.pool.write(layer, slots,",
            ("tests/test_batch.py::test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait",)),
+    Mutant("tail-blocks-kept", "batch: an answer that ends keeps its tail's blocks (the pool fills with finished answers)",
+           "treeattn_cli/engine/batch.py",
+           "            if s.started and isinstance(self.tail, PagedTail):  # its blocks back to the pool\n"
+           "                self.tail.release(s.row)",
+           "            if s.started and isinstance(self.tail, PagedTail):  # its blocks back to the pool\n"
+           "                pass",
+           ("tests/test_batch.py::test_questions_wait_for_their_tails_blocks_and_give_them_back",)),
+    Mutant("tail-admitted-without-blocks", "batch: a question takes a slot without its tail's blocks",
+           "treeattn_cli/engine/batch.py",
+           "        if not isinstance(tail, PagedTail):\n            return True",
+           "        if True:\n            return True",
+           ("tests/test_batch.py::test_questions_wait_for_their_tails_blocks_and_give_them_back",)),
     Mutant("saved-load-never-makes-room", "a saved document's load waits for free blocks but never evicts an unused document",
            "treeattn_cli/engine/documents.py",
            "            if not self._load(doc):",

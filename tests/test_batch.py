@@ -260,7 +260,7 @@ def test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait(mo
     paths, _ = models
     short = [[17], DOC[:50], [40, 41]]
     sq = [(0, QS[0]), (1, QS[1]), (2, QS[2]), (0, QS[3])]
-    saved, big = DOC[:60], [(7 * i + 3) % 200 + 30 for i in range(300)]  # 20 and 100 tokens a rank: 2 + 7 > 8 blocks
+    saved, big = DOC[:60], [(7 * i + 3) % 200 + 30 for i in range(300)]  # 20 and 100 tokens a rank: 2 + 7 + a tail > 8 blocks
     job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
     outs = run_local(dist_cases.documents_all_pooled, 3, job, short, sq, saved, big, QS[4], NEW, tmp_path,
                      timeout_s=180)
@@ -272,3 +272,21 @@ def test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait(mo
     assert lead["answers"] == [want, tiny_models.hf_greedy(paths["llama"], big + QS[4], NEW), want], lead
     assert lead["sources"] == ["prefill", "prefill", "disk"], lead
     assert all(o["saved_kind"] == "PagedShard" for o in outs) and not lead["big_resident"], lead
+
+
+def test_questions_wait_for_their_tails_blocks_and_give_them_back(models):
+    """The batch's tail lives in the block pool: with room for the document (two blocks of 16 a
+    rank) and one question's tail, three questions over two slots answer one after another, each
+    as transformers answers it, the later ones waiting for the earlier one's blocks; a question
+    whose tail the pool can never hold ends ``no_room`` (the others go on); at the end the pool
+    holds the document alone."""
+    paths, _ = models
+    long_q = [(3 * i + 2) % 230 + 20 for i in range(60)]  # 33 tokens a rank with its answer: 3 blocks
+    qs = [(0, QS[1]), (0, QS[2]), (0, long_q), (0, QS[4])]
+    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    got, done, reasons = run_local(dist_cases.engine_mixed, 2, job, [DOC], qs, 2, NEW,
+                                   {"pool_blocks": 3, "page": 16}, timeout_s=120)[0]
+    want = [tiny_models.hf_greedy(paths["llama"], DOC + q, NEW) for _, q in qs]
+    assert got[:2] + got[3:] == want[:2] + want[3:] and got[2] == [], got
+    assert reasons == ["length", "length", "no_room", "length"], reasons
+    assert done[0]["tail_waits"] >= 1 and done[0]["pool"]["used"] == 2, done[0]

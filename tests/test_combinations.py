@@ -73,7 +73,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
     on other ranks, a document from the server's memory, short questions and a document shorter
     than the shards, rows of several documents in one step, a document prefilled while others decode, a long question prefilled in
     chunks between the other answers' steps, documents evicted to disk
-    and loaded back, a document waiting for blocks of a full pool, documents found in the pool's
+    and loaded back, a document waiting for blocks of a full pool, a question waiting for its
+    tail's blocks (the batch's tail lives in the pool), documents found in the pool's
     cached blocks (whole, or a prefix of them), a batch's steps and its verifies replayed from
     (stand-in) CUDA graphs (every route asks as chat does now: a single answer's steps, on the
     engine's own cache, are the alone reference's), every mesh, family, route and KV storage."""
@@ -90,7 +91,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
             "a document waited for blocks", "document found whole in the pool's cached blocks",
             "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode",
             "cited", "cited with drafts accepted", "cited beside answers that do not",
-            "batched steps replayed from graphs", "verifies replayed from graphs", "document shorter than the shards"}
+            "batched steps replayed from graphs", "verifies replayed from graphs", "document shorter than the shards",
+            "a question waited for its tail's blocks"}
     need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)

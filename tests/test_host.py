@@ -28,6 +28,8 @@ POOLED = [{"ids": QS[1], "doc": {"key": "a", "ids": DOC[::-1]}}, {"ids": QS[2], 
 HOST_BOOKKEEPING = {"cache.py:plan_step", "cache.py:max_len", "cache.py:begin_extend", "cache.py:view_rows",
                     "cache.py:reset_rows", "documents.py:tokens", "decode.py:total", "decode.py:prefill",
                     "pool.py:chain_key", "engine.py:_finish", "engine.py:<listcomp>",
+                    "paged_tail.py:view_rows", "paged_tail.py:most_here",  # (the tail in the pool: the same host lengths,
+                    # and a question's admission reading its document's counts)
                     # rounds that make a document resident, not steps: the ranks agree on room and
                     # segments (one collective each, read), and report their pools as questions begin
                     "comm.py:all_true", "comm.py:all_min", "documents.py:_plan", "documents.py:pools"}

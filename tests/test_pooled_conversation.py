@@ -57,12 +57,14 @@ def test_kept_turns_join_the_document_and_answer_as_transformers(model, world):
 
 
 def test_a_turn_the_pool_cannot_hold_leaves_the_conversation_as_it_was(model):
-    """A pool with one block to spare (26 free slots): the first turn (16 tokens) fits, the long
-    second one does not (its answer is given, not kept), the short third one does: it continues
-    the conversation of the first alone."""
+    """A pool with one block to spare for turns (26 free slots) beside the batch's tail (the long
+    question's 3 blocks): the first turn (16 tokens) fits, the long
+    second one does not (its answer is given, not kept: its tail holds the blocks the turn would
+    need until it is folded in), the short third one does: it continues the conversation of the
+    first alone."""
     job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=NEW)
     qs = [QUESTIONS[0], [(5 * i + 1) % 230 + 20 for i in range(40)], QUESTIONS[1]]
-    got = run_local(dist_cases.pooled_conversation, 1, job, DOC, qs, NEW, -(-len(DOC) // 16) + 1, 16,
+    got = run_local(dist_cases.pooled_conversation, 1, job, DOC, qs, NEW, -(-len(DOC) // 16) + 1 + 3, 16,
                     timeout_s=120)[0]
     first, second, third = got["turns"]
     assert first["kept"] and not second["kept"] and third["kept"], got

@@ -145,6 +145,8 @@ def stats_line(rec: dict) -> str:
         parts.append(f"{spec['accepted']}/{spec['drafted']} drafts accepted ({spec['accepted'] / spec['drafted']:.0%})")
     if rec.get("stop_reason") in ("interrupted", "terminated", "error"):
         parts.append(rec["stop_reason"])
+    if rec.get("stop_reason") == "no_room":
+        parts.append("not answered: the KV pool has no room for it")
     return "[" + ", ".join(parts) + "]"
 
 

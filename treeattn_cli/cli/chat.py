@@ -35,6 +35,10 @@ from .engine_client import ResidentEngine
 from .options import ChatOptions
 from .prepare import prepare_run
 
+# Tokens of a question the KV pool is sized to hold beside the document and the answer, for each
+# of --batch at a time (a question alone may take the room of them all: the pool's blocks are
+# shared; one that cannot fit is not answered, and says so).
+QUESTION_ROOM = 256
 HELP = "/exit (or Ctrl-D) leaves · /reset returns to the document · /save DIR saves the cache · Ctrl-C stops an answer"
 
 
@@ -154,7 +158,8 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
         doc.update(load_from=o.load_kv, manifest=manifest)
     if save_meta is not None:
         doc.update(save_to=o.save_kv, save_meta=save_meta)
-    return doc, {"pool_for": n, **({"grow": True} if o.conversation else {})}
+    tails = {"tails": o.max_new_tokens + QUESTION_ROOM, "tail_slots": max(1, o.batch or 1)}
+    return doc, {"pool_for": n, **tails, **({"grow": True} if o.conversation else {})}
 
 
 def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, spans=None) -> None:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api_errors import error as _error
 from .citations import CiteError, citations, for_request
-from .prompt import PromptError, split_chat, split_completion
+from .prompt import MIN_DOCUMENT, PromptError, split_chat, split_completion
 
 # parameters a client may send at their default (the official client and others often do);
 # any other value is refused: treeattn would not honour it
@@ -226,7 +226,8 @@ def build_app(srv) -> FastAPI:
                 raise BadRequest(f"This model's maximum context length is {srv.context} tokens; the request has "
                                  f"{len(ids)} prompt tokens and asks for {max_tokens} more", "max_tokens",
                                  code="context_length_exceeded")
-            too_large = srv.too_large(doc, ids)
+            question = len(ids) - (doc if doc >= MIN_DOCUMENT else 0)  # (a shorter document part is question)
+            too_large = srv.too_large(doc, ids, tail_tokens=question + max_tokens)
             if too_large:
                 raise BadRequest(too_large, "messages" if chat else "prompt", code="document_too_large")
             spans = None
@@ -293,8 +294,8 @@ def build_app(srv) -> FastAPI:
                         meta["cached"] = payload["cached"]
                         continue
                     if kind == "done" and payload.get("stop_reason") == "no_room":
-                        kind, payload = "error", ("the KV pool has no room for this request's document next to "
-                                                  "the pinned ones (unpin or delete some: /v1/documents)")
+                        kind, payload = "error", ("the KV pool has no room for this request's document and answer "
+                                                  "next to the pinned ones (unpin or delete some: /v1/documents)")
                     yield kind, payload
                     if kind in ("done", "error"):
                         return

@@ -551,23 +551,32 @@ class Server:
         return sum(self.blocks_of(len(e["ids"])) for k, e in list(self.docs.entries.items())
                    if e.get("pinned") and k != exclude)
 
-    def too_large(self, doc_tokens: int, ids=None) -> str | None:
+    def too_large(self, doc_tokens: int, ids=None, tail_tokens: int = 0) -> str | None:
         """Why a request's document part cannot be held (:func:`document_too_large`, or the
-        room pinned documents leave), or None. A request over a resident document needs no room."""
+        room pinned documents leave), or None. A request over a resident document needs no room
+        for it. ``tail_tokens``: its question and answer (a batch's tail takes the pool's blocks
+        too, ``documents.tail_blocks``): the room they need counts beside the document's."""
+        from ..engine.documents import tail_blocks
+
         o = self.o
         why = document_too_large(doc_tokens, self.run.kv_bytes_per_token(o.tp), self.run.nproc, o.tp, o.cache_bytes)
-        if why or doc_tokens < MIN_DOCUMENT:
+        if why:
             return why
-        if ids is not None:
+        need = self.blocks_of(doc_tokens) if doc_tokens >= MIN_DOCUMENT else 0
+        if need and ids is not None:
             key, n = self.docs.match(ids, doc_tokens)
             if n >= doc_tokens and self.docs.entries.get(key, {}).get("resident"):
-                return None
+                need = 0
+        tail = tail_blocks(tail_tokens, max(1, self.run.nproc // o.tp)) if tail_tokens else 0
         total, pinned = self.pool_blocks(), self.pinned_blocks()
-        need = self.blocks_of(doc_tokens)
-        if need <= total - pinned:
+        if need + tail <= total - pinned:
             return None
-        return (f"the document part of this request ({doc_tokens} tokens) needs {need} blocks of the KV pool per rank; "
-                f"pinned documents hold {pinned} of its {total} (unpin or delete some: /v1/documents)")
+        parts = ([f"its document part ({doc_tokens} tokens) {need}"] if need else []) + \
+            ([f"its question and answer ({tail_tokens} tokens) {tail}"] if tail else [])
+        what = f"this request needs {need + tail} blocks of the KV pool per rank ({', '.join(parts)})"
+        if pinned:
+            return f"{what}; pinned documents hold {pinned} of its {total} (unpin or delete some: /v1/documents)"
+        return f"{what}; the pool holds {total} per rank (--kv-memory)"
 
     def fail(self, reason: str) -> None:
         self._failed = self._failed or reason

@@ -1,9 +1,13 @@
 """Many questions about one document at once: continuous batching over the shared, sharded
 document (DESIGN.md §11; cascade attention).
 
-The document stays in the engine's cache, one shard per rank, and is never copied per question.
-Each question lives in a slot of a small second cache, the *tail* (batch = slots): its own
-tokens, spread over the ranks like decode tokens. Per step every rank runs the model on one
+The document stays in its cache, one shard per rank, and is never copied per question. Each
+question lives in a slot of a second cache, the *tail* (batch = slots): its own tokens, spread
+over the ranks like decode tokens. Once the rank has a block pool, the tail's keys and values
+live there too (``paged_tail.PagedTail``): a question takes a slot only when every rank has the
+blocks its question and answer can take (documents nobody answers over leave to make room;
+else it waits for the answers under way, and a question that can never fit ends ``no_room``),
+and gives them back when its answer ends. Per step every rank runs the model on one
 token of every busy slot; per layer its attention reads its document shard once for all of
 them (the slots' queries are rows of one kernel call) and each slot's tail rows, merges the two
 partials by LSE, and one merge across the ranks serves the whole batch (``attention._cascade``).
@@ -26,6 +30,7 @@ import torch
 from treeattn_kernels import gpu_path, gpu_route
 
 from .cache import ShardedKVCache
+from .paged_tail import PagedTail, most_here
 from . import host
 from .graphs import StepGraphs
 from .host import Staging
@@ -82,32 +87,45 @@ class _Slot:
 class BatchDecoder:
     """Continuous batching of questions after their documents, ``slots`` at a time."""
 
-    def __init__(self, dec, slots: int, capacity: int):
+    def __init__(self, dec, slots: int, capacity: int, pool=None):
         self.dec = dec
         self.slots = slots
         doc = dec.cache  # the shapes and storage every document's cache shares
-        cp = dec.comm.world
         # the step's CUDA graphs (graphs.StepGraphs), by the documents its rows read and how
         # (the tail then has fixed-shape views, as the single step's cache does)
         self.graphs = StepGraphs(doc.device, dec.world, what="batched decode step") if dec.use_graph else None
         # its verifies' (every slot's last token and drafts, padded to a power of two of rows)
         self.verify_graphs = StepGraphs(doc.device, dec.world, what="batched verify step") \
             if dec.use_graph else None
-        self.tail = ShardedKVCache(doc.num_layers, slots, doc.kv_heads, doc.head_dim, dtype=doc.dtype,
-                                   device=doc.device, rank=doc.rank, world=doc.world,
-                                   capacity=-(-capacity // cp) + 2, quant=doc.quant,  # stored like the document
-                                   static=self.graphs is not None or doc.static)  # (the engine's: job.static)
+        self.tail: ShardedKVCache | None = None
         self.staging = Staging(doc.device)  # a forward's inputs, in one copy
         self.runs = 0  # batches run (the engine keeps one decoder: later batches reuse tail and graphs)
-        self.prepare(capacity)
+        self.prepare(capacity, pool)
 
-    def prepare(self, capacity: int) -> None:
+    def prepare(self, capacity: int, pool=None) -> None:
         """Ready for a batch whose questions and answers take up to ``capacity`` tokens each: the
-        tail grows when it must (a static tail's graphs are then captured again: they are keyed by
+        tail lives in the rank's block pool when there is one (``paged_tail.PagedTail``: each
+        question's blocks taken as it is admitted to a slot), else in a dense cache of its own;
+        it grows when it must (a static tail's graphs are then captured again: they are keyed by
         its serial and capacity), the per-batch counts start from zero. The tail's rows are emptied
         as questions take slots, so what an earlier batch left there is never read."""
-        self.tail.reserve(-(-capacity // self.dec.comm.world) + 2)
+        doc, cp = self.dec.cache, self.dec.comm.world
+        width = -(-capacity // cp) + 2
+        static = self.graphs is not None or doc.static  # (the engine's: job.static)
+        if isinstance(self.tail, PagedTail):
+            self.tail.release_all()  # (a batch that failed may have left some)
+            if self.tail.pool is not pool:
+                self.tail = None
+        if self.tail is None or (pool is not None) != isinstance(self.tail, PagedTail):
+            if pool is not None:
+                self.tail = PagedTail(pool, self.slots, rank=doc.rank, world=doc.world, capacity=width, static=static)
+            else:
+                self.tail = ShardedKVCache(doc.num_layers, self.slots, doc.kv_heads, doc.head_dim, dtype=doc.dtype,
+                                           device=doc.device, rank=doc.rank, world=doc.world, capacity=width,
+                                           quant=doc.quant, static=static)  # stored like the document
+        self.tail.reserve(width)
         self.documents_per_step = 0  # the most documents one forward read (rows of several: a mixed step)
+        self.tail_waits = 0  # rounds a question waited for its tail's blocks (answers under way held the pool)
         self.segments_while_decoding = 0  # document prefill segments run while answers were under way
         self.question_chunks = 0  # chunks of questions prefilled (a question over ``budget`` tokens: several)
         self.chunks_while_decoding = 0  # rounds of question chunks run while answers were under way
@@ -181,6 +199,8 @@ class BatchDecoder:
                                                     upto=len(q.ids) if q.keep == "question" else None)
             if documents is not None:
                 documents.release(q.doc, running=s.started)
+            if s.started and isinstance(self.tail, PagedTail):  # its blocks back to the pool
+                self.tail.release(s.row)
             out[s.question] = self._summary(s, reason)
             if kept is not None:
                 out[s.question]["kept"] = kept
@@ -230,6 +250,14 @@ class BatchDecoder:
                     if blocked:  # then nothing behind it starts (the documents in use finish, it gets room)
                         break
                     continue
+                room = self._admit(free[0], q, documents, busy=any(slots) or bool(filling))
+                if room is None:  # its tail can never fit: nothing running holds blocks it could wait for
+                    queue.remove(qi)
+                    finish(_Slot(qi, len(q.ids), None, time.perf_counter(), t0, doc=q.doc, started=False), "no_room")
+                    continue
+                if not room:  # it waits for the answers under way to give blocks back; nothing behind it starts
+                    self.tail_waits += 1
+                    break
                 queue.remove(qi)
                 b = free.pop(0)
                 slots[b] = _Slot(qi, len(q.ids), torch.Generator(device=dec.device).manual_seed(q.sampling.seed)
@@ -390,6 +418,26 @@ class BatchDecoder:
                 for b in busy:
                     ready[b], drafts[b] = True, nxt_all[b]
         return out
+
+    def _admit(self, b: int, q: Question, documents, busy: bool) -> bool | None:
+        """Slot ``b``'s blocks for question ``q`` (a pooled tail: the most tokens its question and
+        answer can place on this rank, ``paged_tail.most_here``), evicting documents nobody answers
+        over when the pool has not got them; the same answer on every rank: True (admitted), False
+        (it waits: the answers under way, ``busy``, will give blocks back), None (nothing runs: it never
+        fits)."""
+        tail = self.tail
+        if not isinstance(tail, PagedTail):
+            return True
+        world = self.dec.world
+        need = tail.blocks_for(most_here(q.doc.cache.counts[0], len(q.ids) + q.max_new_tokens, tail.rank))
+        ok = world.all_true(need <= tail.pool.available())
+        if not ok and documents is not None:
+            documents.make_room(keep=q.doc)
+            ok = world.all_true(need <= tail.pool.available())
+        if ok:
+            tail.admit(b, need * tail.pool.page)
+            return True
+        return False if busy else None
 
     def _summary(self, s: _Slot, reason) -> dict:
         n = len(s.tokens)

@@ -69,6 +69,14 @@ def blocks_per_rank(tokens: int, cp: int, page: int = PAGE) -> int:
     return blocks_held(tokens + cp, cp, page) + 1
 
 
+def tail_blocks(tokens: int, cp: int, page: int = PAGE) -> int:
+    """Blocks a batch slot's question and answer of ``tokens`` tokens may take on its busiest rank
+    (``paged_tail.PagedTail.admit``): the even share, and room for the document beside it
+    holding up to a block's worth of tokens more on some ranks (placement fills the ranks that
+    hold fewest first)."""
+    return blocks_held(tokens, cp, page) + 1
+
+
 def blocks_in(pool_bytes: int, kv_bytes_per_token: int, page: int = PAGE) -> int:
     """Blocks a pool of ``pool_bytes`` holds, ``kv_bytes_per_token`` per token on the rank (every
     layer's K and V, fp8 scales included), and each token's position."""
@@ -155,7 +163,9 @@ class Documents:
     def make_pool(self, spec: dict) -> dict:
         """Allocate this rank's pool now (``serve`` at start, else the first paged document), the
         same number of blocks on every rank: ``pool_blocks`` blocks (tests), or the blocks a
-        document of ``pool_for`` tokens takes on its largest shard (``chat``: its document), and
+        document of ``pool_for`` tokens takes on its largest shard (``chat``: its document) and the
+        tails of ``tail_slots`` questions of ``tails`` tokens each, question and answer
+        (:func:`tail_blocks`; the batch's tail lives in the pool too), and
         with ``grow`` (the document will grow: a conversation's turns) at least the default pool,
         never more than the model's whole context takes, or ``pool`` bytes (default
         :data:`POOL_BYTES` of the device; a GPU gives at most 0.9 of its free memory), or
@@ -171,7 +181,8 @@ class Documents:
                 want = int(spec["pool_blocks"]) * per
             elif spec.get("pool_for"):
                 cp = self.engine.mesh.cp
-                want = blocks_per_rank(int(spec["pool_for"]), cp, page) * per
+                tails = int(spec.get("tail_slots") or 1) * tail_blocks(int(spec.get("tails") or 0), cp, page)
+                want = (blocks_per_rank(int(spec["pool_for"]), cp, page) + tails) * per
                 if spec.get("grow"):
                     default = POOL_BYTES.get(c.device.type, POOL_BYTES["cuda"])
                     if c.device.type == "cuda":
@@ -216,12 +227,12 @@ class Documents:
         table = doc.cache.table
         agreed = self.engine.world.all_true(table.blocks_for(add) <= self.pool.available())
         if not agreed and evict:
-            self._make_room(keep=doc)  # (counted again: a last block shared with an evicted document
+            self.make_room(keep=doc)  # (counted again: a last block shared with an evicted document
             # is this table's alone now, and needs no copy)
             agreed = self.engine.world.all_true(table.blocks_for(add) <= self.pool.available())
         return agreed
 
-    def _make_room(self, keep: Document) -> None:
+    def make_room(self, keep: Document) -> None:
         """Every resident pooled document no question is answering over leaves memory (saved
         first when it can be; queued questions over it ask for it again when they start)."""
         for key in list(self.resident):

@@ -311,8 +311,8 @@ class Engine:
         self._op_batch({"op": "batch", "questions": [{"ids": question, "doc": doc, **keep}], "slots": 1,
                         "max_new_tokens": job.max_new_tokens, "stop": list(job.stop), "eos_ids": list(job.eos_ids),
                         "sampling": vars(job.sampling), "speculate": job.speculate, "logprobs": job.logprobs,
-                        "cite": job.cite, "pool_for": len(doc_ids) + (len(question) if keep else 0)},  # (the
-                       # answer lives in the batch's tail)
+                        "cite": job.cite, "pool_for": len(doc_ids) + (len(question) if keep else 0),
+                        "tails": len(question) + job.max_new_tokens},  # (the question and its answer: the tail's)
                        single=True)
         d = self.documents.resident["generate"]
         if keep:
@@ -352,7 +352,7 @@ class Engine:
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs",
                                             "cite")}
         doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks",
-                                            "pool_for", "grow", "page") if req.get(k) is not None}
+                                            "pool_for", "tails", "tail_slots", "grow", "page") if req.get(k) is not None}
         here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
         kept_docs: set = set()  # documents a question of this batch keeps into
 
@@ -430,6 +430,7 @@ class Engine:
                                          "question_chunks": bd.question_chunks,
                                          "chunks_while_decoding": bd.chunks_while_decoding,
                                          "pool_waits": self.documents.waits,
+                                         "tail_waits": bd.tail_waits,  # rounds a question waited for its tail's blocks
                                          "pool": self.documents.pool.stats() if self.documents.pool else None,
                                          "joins": feed.taken if feed else 0, "batch_runs": bd.runs,
                                          # its steps' CUDA graphs (graphs.StepGraphs): captured, replayed
@@ -440,12 +441,15 @@ class Engine:
         server's batches end whenever it is idle): its tail and its captured steps are reused,
         not allocated and captured again for every burst of requests."""
         from .batch import BatchDecoder
+        from .paged_tail import PagedTail
 
-        bd = self._bd
+        bd, pool = self._bd, self.documents.pool  # (the tail takes its blocks there, once there is one)
         if bd is None or bd.slots != slots:
-            bd = self._bd = BatchDecoder(self.dec, slots=slots, capacity=capacity)
+            if bd is not None and isinstance(bd.tail, PagedTail):
+                bd.tail.release_all()
+            bd = self._bd = BatchDecoder(self.dec, slots=slots, capacity=capacity, pool=pool)
         else:
-            bd.prepare(capacity)
+            bd.prepare(capacity, pool)
         bd.runs += 1
         return bd
 
