@@ -143,8 +143,12 @@ MUTANTS = [
            ("tests/test_generate.py::test_greedy_token_ids_equal_transformers",)),
     Mutant("question-placement-ignores-document", "cache: a batch slot's question is placed as if its document held nothing",
            "treeattn_cli/engine/cache.py",
-           "                owner = int(torch.argmin(self.counts[b] + self.beside[b]))",
-           "                owner = int(torch.argmin(self.counts[b]))",
+           "            total = self.counts[b] + self.beside[b]\n"
+           "            owners = self._ext_owners[b] = fewest_first(total, len(real))  # this sequence's new tokens' owners\n"
+           "            self.counts[b] = total - self.beside[b]",
+           "            total = self.counts[b].clone()\n"
+           "            owners = self._ext_owners[b] = fewest_first(total, len(real))  # this sequence's new tokens' owners\n"
+           "            self.counts[b] = total",
            ("tests/test_pooled_conversation.py",)),
     Mutant("generate-saves-only-the-loaded-document", "generate --load-kv --save-kv: the prompt is not kept into the saved cache",
            "treeattn_cli/engine/engine.py",

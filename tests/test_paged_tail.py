@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from treeattn_cli.engine.cache import ShardedKVCache
+from treeattn_cli.engine.cache import ShardedKVCache, fewest_first
 from treeattn_cli.engine.kvquant import KVQuant
 from treeattn_cli.engine.paged_tail import PagedTail, most_here
 from treeattn_cli.engine.pool import BlockPool, PoolFull
@@ -19,15 +19,14 @@ L_, H, D, PAGE = 2, 2, 16, 8
 
 
 def test_most_here_is_where_the_fewest_tokens_rule_puts_n_tokens():
+    """The closed form admission uses against the rule every cache places tokens by."""
     rng = random.Random(5)
     for _ in range(300):
         world = rng.randint(1, 5)
         beside = [rng.randint(0, 9) for _ in range(world)]
         n = rng.randint(0, 40)
-        counts = list(beside)
-        for _ in range(n):
-            counts[counts.index(min(counts))] += 1
-        assert [most_here(beside, n, r) for r in range(world)] == [c - b for c, b in zip(counts, beside)]
+        owners = fewest_first(torch.tensor(beside), n)  # the placement itself, a token at a time
+        assert [most_here(beside, n, r) for r in range(world)] == [owners.count(r) for r in range(world)]
 
 
 def _same(a, b, lens):

@@ -32,6 +32,17 @@ _MIN_CAPACITY = 64
 GROW_GENTLY_BYTES = 1 << 30
 
 
+def fewest_first(counts: torch.Tensor, n: int) -> list[int]:
+    """The rank each of ``n`` new tokens of a sequence goes to, each to the rank holding the
+    fewest (ties: the lowest) of ``counts [world]`` (host; updated in place as they are placed)."""
+    out = []
+    for _ in range(n):
+        owner = int(torch.argmin(counts))
+        counts[owner] += 1
+        out.append(owner)
+    return out
+
+
 class ShardedKVCache:
     """This rank's slice of the KV cache of every layer.
 
@@ -270,13 +281,11 @@ class ShardedKVCache:
         b_idx, i_idx, t_idx, slot_idx = [], [], [], []
         for i, b in enumerate(rows):
             held = int(self.host_length[b])
-            owners = self._ext_owners[b] = []  # this sequence's new tokens' owners, in order
-            for t in range(positions.shape[1]):
-                if positions[i, t] < 0:
-                    continue
-                owner = int(torch.argmin(self.counts[b] + self.beside[b]))
-                owners.append(owner)
-                self.counts[b, owner] += 1
+            real = (positions[i] >= 0).nonzero().flatten().tolist()  # (padding: kept nowhere)
+            total = self.counts[b] + self.beside[b]
+            owners = self._ext_owners[b] = fewest_first(total, len(real))  # this sequence's new tokens' owners
+            self.counts[b] = total - self.beside[b]
+            for t, owner in zip(real, owners):
                 if owner == self.rank:
                     b_idx.append(b)
                     i_idx.append(i)

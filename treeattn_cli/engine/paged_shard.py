@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import SERIALS, ShardedKVCache
+from .cache import SERIALS, ShardedKVCache, fewest_first
 from .pool import BlockPool, BlockTable
 
 
@@ -174,14 +174,9 @@ class PagedShard:
     def placement(self, kept) -> tuple[list[int], torch.Tensor]:
         """Where an extension's tokens go, ``kept [T]`` saying which are tokens (not padding):
         the indices of those this rank keeps, and every rank's counts after them ``[world]``."""
-        counts, mine = self.counts[0].clone(), []
-        for t, real in enumerate(kept):
-            if real:
-                owner = int(torch.argmin(counts))
-                counts[owner] += 1
-                if owner == self.rank:
-                    mine.append(t)
-        return mine, counts
+        counts = self.counts[0].clone()
+        real = [t for t, token in enumerate(kept) if token]
+        return [t for t, owner in zip(real, fewest_first(counts, len(real))) if owner == self.rank], counts
 
     def extend(self, layer: int, k_new, v_new) -> None:
         """This rank's share of the extension's ``k_new, v_new [1, H_kv, T, d]``, into its blocks."""
@@ -189,22 +184,18 @@ class PagedShard:
         if t.numel():
             self.pool.write(layer, slots, k_new[0][:, t].transpose(0, 1), v_new[0][:, t].transpose(0, 1))
 
-    def _at(self, store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``store [blocks, H_kv, page, X]`` at flat ``slots [m]`` -> ``[1, H_kv, m, X]``."""
-        return store[slots // self.pool.page, :, slots % self.pool.page].transpose(0, 1)[None]
-
     def extension_view(self, layer: int, b: int = 0):
         """``(k, v [1, H_kv, m, d], pos [m])``: the extension's tokens this rank keeps, as stored
         (written by :meth:`extend`, not yet counted)."""
         _, slots, _ = self._ext
         page = self.pool.page
-        return (self._at(self.pool.k[layer], slots), self._at(self.pool.v[layer], slots),
+        return (self.pool.gather(self.pool.k[layer], slots[None]), self.pool.gather(self.pool.v[layer], slots[None]),
                 self.pool.pos[slots // page, slots % page])
 
     def extension_scales(self, layer: int, b: int = 0):
         """The fp8 scales of :meth:`extension_view`'s tokens: ``(k_scale, v_scale [1, H_kv, m, G])``."""
         _, slots, _ = self._ext
-        return self._at(self.pool.ks[layer], slots), self._at(self.pool.vs[layer], slots)
+        return self.pool.gather(self.pool.ks[layer], slots[None]), self.pool.gather(self.pool.vs[layer], slots[None])
 
     def end_extend(self) -> None:
         """After the last layer: the extension's tokens count, on every rank's counts."""

@@ -118,22 +118,9 @@ class PagedTail(ShardedKVCache):
         self._flat = torch.stack([self._row(b, new + 1) for b in range(self.batch)]).to(self.device) \
             if self.batch else torch.zeros(0, new + 1, dtype=torch.int64, device=self.device)
 
-    def nbytes(self) -> int:
-        """Bytes of the pool this tail holds (its slots' blocks)."""
-        per = BlockPool.bytes_per_block(self.num_layers, self.kv_heads, self.head_dim, self.pool.page,
-                                        self.pool.dtype, self.quant.groups if self.quant else 0)
-        return self.held() * per
-
     def _put(self, layer: int, index, k, v) -> None:
         rows, _, slots = index  # (the tail's writes: row and slot indices, every KV head)
         self.pool.write(layer, self._flat[rows, slots], k, v)
-
-    def _gather(self, store: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        """``store [blocks, H_kv, page, X]`` at ``flat [R, L]`` -> ``[R, H_kv, L, X]``."""
-        R, L = flat.shape
-        hm = store.transpose(0, 1)  # [H_kv, blocks, page, X]: the storage's own order
-        x = hm.reshape(hm.shape[0], -1, hm.shape[-1]).index_select(1, flat.reshape(-1))
-        return x.view(x.shape[0], R, L, x.shape[-1]).transpose(0, 1)
 
     def _rows_flat(self, rows, L: int) -> torch.Tensor:
         if rows is None or list(rows) == list(range(self.batch)):
@@ -147,18 +134,18 @@ class PagedTail(ShardedKVCache):
     def update(self, layer: int, k_new, v_new):
         self._put(layer, (self._rows, slice(None), self._slot), k_new[:, :, 0], v_new[:, :, 0])
         flat = self._flat[:, :self.capacity if self.static else self._view_len]
-        return self._gather(self.pool.k[layer], flat), self._gather(self.pool.v[layer], flat), self._kv_len
+        return self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat), self._kv_len
 
     def full(self, layer: int):
         flat = self._flat[:, :self.capacity]
-        return (self._gather(self.pool.k[layer], flat), self._gather(self.pool.v[layer], flat),
+        return (self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat),
                 self.pos[:, :self.capacity])
 
     def scales(self, layer: int, L: int, rows=None):
         if self.quant is None:
             return None, None
         flat = self._rows_flat(rows, L)
-        return self._gather(self.pool.ks[layer], flat), self._gather(self.pool.vs[layer], flat)
+        return self.pool.gather(self.pool.ks[layer], flat), self.pool.gather(self.pool.vs[layer], flat)
 
     def _span(self, b: int, start: int, m: int) -> torch.Tensor:
         return self._flat[b:b + 1, start:start + m]
@@ -166,13 +153,13 @@ class PagedTail(ShardedKVCache):
     def extension_view(self, layer: int, b: int):
         start, m = int(self.host_length[b]), int(self._ext_added[b])
         flat = self._span(b, start, m)
-        return (self._gather(self.pool.k[layer], flat), self._gather(self.pool.v[layer], flat),
+        return (self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat),
                 self.pos[b, start:start + m])
 
     def extension_scales(self, layer: int, b: int):
         start, m = int(self.host_length[b]), int(self._ext_added[b])
         flat = self._span(b, start, m)
-        return self._gather(self.pool.ks[layer], flat), self._gather(self.pool.vs[layer], flat)
+        return self.pool.gather(self.pool.ks[layer], flat), self.pool.gather(self.pool.vs[layer], flat)
 
     def view_rows(self, layer: int, rows, extended: bool = False):
         lens = self.host_length[rows] + (self._ext_added[rows] if extended else 0)
@@ -182,9 +169,9 @@ class PagedTail(ShardedKVCache):
             pos = self.pos[:, :L]
         else:
             pos = self.pos[torch.as_tensor(list(rows), dtype=torch.int64, device=self.device), :L]
-        return (self._gather(self.pool.k[layer], flat), self._gather(self.pool.v[layer], flat),
+        return (self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat),
                 lens.to(self.device), pos)
 
     def row_stored(self, layer: int, b: int) -> list[torch.Tensor]:
         flat = self._span(b, 0, int(self.host_length[b]))
-        return [self._gather(store[layer], flat) for store in self._stores()]
+        return [self.pool.gather(store[layer], flat) for store in self._stores()]

@@ -219,6 +219,15 @@ class BlockPool:
         x = hm[:, blocks[0]:blocks[0] + blocks[1]] if isinstance(blocks, tuple) else hm.index_select(1, blocks)
         return x.reshape(x.shape[0], -1, x.shape[-1])[None, :, :n]
 
+    @staticmethod
+    def gather(store: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """A layer's ``store [blocks, H_kv, page, X]`` (``k``, ``v``, ``ks`` or ``vs``) at flat slots
+        ``flat [R, L]`` (``block * page + offset``) as ``[R, H_kv, L, X]``: one copy."""
+        R, L = flat.shape
+        hm = store.transpose(0, 1)  # [H_kv, blocks, page, X]: the storage's own order
+        x = hm.reshape(hm.shape[0], -1, hm.shape[-1]).index_select(1, flat.reshape(-1))
+        return x.view(x.shape[0], R, L, x.shape[-1]).transpose(0, 1)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values ``k, v [n, H_kv, d]`` of ``n`` tokens into flat ``slots [n]``
         (``block * page + offset``): cast to the storage dtype, or rounded to fp8 with scales."""
