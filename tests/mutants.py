@@ -231,6 +231,11 @@ MUTANTS = [
            "            if not self._load(doc):",
            "            if not self._load(doc, evict=False):",
            ("tests/test_batch.py::test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait",)),
+    Mutant("admission-ignores-tail", "serve's admission counts a request's document but not its question and answer",
+           "treeattn_cli/engine/room.py",
+           "        tail = tail_blocks(tail_tokens, self.cp, self.page) if tail_tokens else 0",
+           "        tail = 0",
+           ("tests/test_serve.py::test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_documents",)),
 ]
 
 

@@ -396,19 +396,63 @@ def test_saved_documents_of_another_kv_dtype_are_named_at_start(tmp_path):
 
 
 def test_a_document_that_cannot_fit_even_alone_is_refused_with_the_numbers():
-    """The admission rule behind HTTP 400 ``document_too_large``: a document part whose KV per
-    rank exceeds --kv-memory is refused with its size and the limit; one that fits alone is
-    taken (others leave memory first); short document parts are not cached, so never refused."""
-    from treeattn_cli.cli.serve import MIN_DOCUMENT, document_too_large
+    """The admission rule behind HTTP 400 ``document_too_large``, counted engine-side
+    (``engine.room.PoolRoom``) from tokens: a document part whose KV per rank exceeds
+    --kv-memory is refused with its size and the limit; one that fits alone is taken (others
+    leave memory first)."""
+    from treeattn_cli.engine.room import PoolRoom
 
     per_token = 131072  # Llama-3.1-8B in bf16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
-    line = document_too_large(1_000_000, per_token, nproc=8, tp=1, cache_bytes=8 << 30)
-    assert line == ("the document part of this request (1000000 tokens) needs 15625.0 MiB of KV cache per rank; "
-                    "this server keeps at most 8192.0 MiB per rank (--kv-memory)")
-    assert document_too_large(500_000, per_token, nproc=8, tp=1, cache_bytes=8 << 30) is None  # 7.6 GiB per rank
-    assert document_too_large(1_000_000, per_token, nproc=16, tp=2, cache_bytes=8 << 30) is None  # tp splits heads
-    assert document_too_large(1_000_000, per_token, nproc=4, tp=1, cache_bytes=8 << 30) is not None
-    assert document_too_large(MIN_DOCUMENT - 1, per_token, nproc=1, tp=1, cache_bytes=1) is None
+
+    def alone(tokens, nproc, tp):
+        return PoolRoom(cp=nproc // tp, tp=tp, bytes_per_token=per_token, pool_bytes=8 << 30).alone(tokens)
+
+    assert alone(1_000_000, 8, 1) == ("the document part of this request (1000000 tokens) needs 15625.0 MiB of KV "
+                                      "cache per rank; this server keeps at most 8192.0 MiB per rank (--kv-memory)")
+    assert alone(500_000, 8, 1) is None  # 7.6 GiB per rank
+    assert alone(1_000_000, 16, 2) is None  # tp splits heads
+    assert alone(1_000_000, 4, 1) is not None
+
+
+def test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_documents():
+    """``PoolRoom.request`` and ``PoolRoom.pin`` count what the ranks' pools hold: a document's
+    even share in blocks, its question and answer as the batch's tail takes them, beside the
+    pinned documents; the block count is the ranks' own once reported, else what the bytes hold
+    (as ``Documents.make_pool`` sizes it)."""
+    from treeattn_cli.engine.documents import PAGE, blocks_in
+    from treeattn_cli.engine.room import PoolRoom
+
+    per_token = 2 * 30 * 3 * 64 * 4  # the embedded model in fp32, 2 ranks: both ranks' bytes
+    room = PoolRoom(cp=2, tp=1, bytes_per_token=per_token, pool_bytes=64 << 20)
+    assert room.blocks == blocks_in(64 << 20, per_token) == (64 << 20) // (PAGE * per_token + 8 * PAGE)
+    room = PoolRoom(cp=2, tp=1, bytes_per_token=per_token, pool_bytes=64 << 20, reported=20)
+    assert room.blocks == 20 and room.document(1280) == 10 and room.document(1281) == 11
+    assert room.request(1280, 120) is None  # 10 + a tail of 60 tokens here: 2 blocks (even share + 1)
+    assert room.request(1280, 0, pinned=[1280]) is None  # 10 + 10 of 20
+    line = room.request(1280, 120, pinned=[1280])
+    assert line == ("this request needs 12 blocks of the KV pool per rank (its document part (1280 tokens) 10, its "
+                    "question and answer (120 tokens) 2); pinned documents hold 10 of its 20 (unpin or delete "
+                    "some: /v1/documents)")
+    assert room.request(0, 2600) == ("this request needs 22 blocks of the KV pool per rank (its question and answer "
+                                     "(2600 tokens) 22); the pool holds 20 per rank (--kv-memory)")
+    assert room.pin(1280, [], 0.75) is None and room.pin(1280, [640], 0.75) is None  # 10 + 5 of 15
+    refusal = room.pin(1281, [640], 0.75)
+    assert refusal.startswith("pinning this document (1281 tokens: 11 blocks per rank, ") and \
+        "needs 16 blocks per rank; pinned documents may hold 15 of the pool's 20 (75% of the KV pool's 64.0 MiB" \
+        in refusal, refusal
+    # the server's admission asks it: a short document part is question, a resident one needs no room
+    from types import SimpleNamespace
+
+    from treeattn_cli.cli.prompt import MIN_DOCUMENT
+    from treeattn_cli.cli.serve import Server
+
+    resident = {"k": {"resident": True}}
+    srv = SimpleNamespace(room=room, pinned=lambda: [1280],
+                          docs=SimpleNamespace(entries=resident, match=lambda ids, d: ("k", d if ids == "known" else 0)))
+    assert Server.too_large(srv, 1280, "new", tail_tokens=120) == line
+    assert Server.too_large(srv, 1280, "known", tail_tokens=120) is None  # resident: its tail alone
+    assert "its question and answer (1300 tokens) 12" in Server.too_large(srv, 1280, "known", tail_tokens=1300)
+    assert Server.too_large(srv, MIN_DOCUMENT - 1, "new", tail_tokens=120) is None
 
 
 @pytest.mark.parametrize("text,want", [("8GiB", (8 << 30, None)), ("512MiB", (512 << 20, None)),

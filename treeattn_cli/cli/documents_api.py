@@ -88,16 +88,8 @@ def document_ids(srv, text: str) -> list[int]:
 
 def pin_refusal(srv, key: str, tokens: int) -> str | None:
     """Why pinning ``key`` (``tokens``) would take pinned documents past :data:`PIN_SHARE` of the
-    pool, or None (counted in blocks: what the ranks' pools hold)."""
-    held, need, total = srv.pinned_blocks(exclude=key), srv.blocks_of(tokens), srv.pool_blocks()
-    limit = int(total * PIN_SHARE)
-    if held + need <= limit:
-        return None
-    return (f"pinning this document ({tokens} tokens: {need} blocks per rank, "
-            f"{srv.kv_bytes_per_rank(tokens) / 2**20:.2f} MiB) next to the pinned ones ({held} blocks) needs "
-            f"{held + need} blocks per rank; pinned documents may hold {limit} of the pool's {total} "
-            f"({PIN_SHARE:.0%} of the KV pool's {srv.o.cache_bytes / 2**20:.1f} MiB (--kv-memory): the rest stays for other "
-            f"documents)")
+    pool, or None (``room.PoolRoom.pin``: what the ranks' pools hold)."""
+    return srv.room.pin(tokens, srv.pinned(exclude=key), PIN_SHARE)
 
 
 def post_at_start(srv, path: str, pin: bool) -> dict:

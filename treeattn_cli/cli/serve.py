@@ -165,21 +165,6 @@ class DocIndex:
         return best, n
 
 
-def document_too_large(doc_tokens: int, bytes_per_token: int, nproc: int, tp: int, cache_bytes: int) -> str | None:
-    """Why a request's document part cannot be held even alone (one line with the numbers), or
-    None: its KV on each rank (``bytes_per_token``: all ranks together, as
-    ``Run.kv_bytes_per_token`` counts it) exceeds ``--kv-memory``. A document that fits
-    alone always gets in: others leave memory first."""
-    if doc_tokens < MIN_DOCUMENT:
-        return None
-    cp = max(1, nproc // tp)
-    per_rank = bytes_per_token * -(-doc_tokens // cp) // tp
-    if per_rank <= cache_bytes:
-        return None
-    return (f"the document part of this request ({doc_tokens} tokens) needs {per_rank / 2**20:.1f} MiB of KV cache "
-            f"per rank; this server keeps at most {cache_bytes / 2**20:.1f} MiB per rank (--kv-memory)")
-
-
 class Scheduler(threading.Thread):
     """Turns jobs into one open engine batch over every document (see the module's docstring)."""
 
@@ -515,10 +500,19 @@ class Server:
         self.scheduler.submit(job)
         return job
 
+    @property
+    def room(self):
+        """The ranks' pools as admission counts them (``engine.room.PoolRoom``): tokens in,
+        verdicts with their numbers out."""
+        from ..engine.room import PoolRoom
+
+        o = self.o
+        return PoolRoom(cp=max(1, self.run.nproc // o.tp), tp=o.tp, bytes_per_token=self.run.kv_bytes_per_token(o.tp),
+                        pool_bytes=o.cache_bytes, reported=self._pool_total)
+
     def kv_bytes_per_rank(self, tokens: int) -> int:
         """Bytes of KV a document of ``tokens`` takes on each rank."""
-        cp = max(1, self.run.nproc // self.o.tp)
-        return self.run.kv_bytes_per_token(self.o.tp) * -(-tokens // cp) // self.o.tp
+        return self.room.rank_bytes(tokens)
 
     def _sweep(self) -> None:
         """Every second: documents whose TTL ran out since their last use leave memory."""
@@ -533,50 +527,25 @@ class Server:
                                       lambda kind, p, e=e: e.pop("evicting", None) if kind in ("done", "error") else None)
             time.sleep(1.0)
 
-    def pool_blocks(self) -> int:
-        """Blocks of each rank's pool (the ranks' own count once a batch reported it)."""
-        from ..engine.documents import blocks_in
-
-        if self._pool_total:
-            return self._pool_total
-        return blocks_in(self.o.cache_bytes, self.run.kv_bytes_per_token(self.o.tp) // self.o.tp)
-
-    def blocks_of(self, tokens: int) -> int:
-        """Blocks a document of ``tokens`` takes on its largest shard."""
-        from ..engine.documents import blocks_held
-
-        return blocks_held(tokens, max(1, self.run.nproc // self.o.tp))
-
-    def pinned_blocks(self, exclude: str | None = None) -> int:
-        return sum(self.blocks_of(len(e["ids"])) for k, e in list(self.docs.entries.items())
-                   if e.get("pinned") and k != exclude)
+    def pinned(self, exclude: str | None = None) -> list[int]:
+        """The tokens of each pinned document (but ``exclude``)."""
+        return [len(e["ids"]) for k, e in list(self.docs.entries.items()) if e.get("pinned") and k != exclude]
 
     def too_large(self, doc_tokens: int, ids=None, tail_tokens: int = 0) -> str | None:
-        """Why a request's document part cannot be held (:func:`document_too_large`, or the
-        room pinned documents leave), or None. A request over a resident document needs no room
-        for it. ``tail_tokens``: its question and answer (a batch's tail takes the pool's blocks
-        too, ``documents.tail_blocks``): the room they need counts beside the document's."""
-        from ..engine.documents import tail_blocks
-
-        o = self.o
-        why = document_too_large(doc_tokens, self.run.kv_bytes_per_token(o.tp), self.run.nproc, o.tp, o.cache_bytes)
+        """Why a request can never be held (``room.PoolRoom.alone``: its document part alone;
+        ``PoolRoom.request``: beside the pinned documents, with its question and answer of
+        ``tail_tokens``), or None. A document part under :data:`MIN_DOCUMENT` is no document; a
+        request over a resident document needs no room for it."""
+        room = self.room
+        doc = doc_tokens if doc_tokens >= MIN_DOCUMENT else 0
+        why = room.alone(doc) if doc else None
         if why:
             return why
-        need = self.blocks_of(doc_tokens) if doc_tokens >= MIN_DOCUMENT else 0
-        if need and ids is not None:
-            key, n = self.docs.match(ids, doc_tokens)
-            if n >= doc_tokens and self.docs.entries.get(key, {}).get("resident"):
-                need = 0
-        tail = tail_blocks(tail_tokens, max(1, self.run.nproc // o.tp)) if tail_tokens else 0
-        total, pinned = self.pool_blocks(), self.pinned_blocks()
-        if need + tail <= total - pinned:
-            return None
-        parts = ([f"its document part ({doc_tokens} tokens) {need}"] if need else []) + \
-            ([f"its question and answer ({tail_tokens} tokens) {tail}"] if tail else [])
-        what = f"this request needs {need + tail} blocks of the KV pool per rank ({', '.join(parts)})"
-        if pinned:
-            return f"{what}; pinned documents hold {pinned} of its {total} (unpin or delete some: /v1/documents)"
-        return f"{what}; the pool holds {total} per rank (--kv-memory)"
+        if doc and ids is not None:
+            key, n = self.docs.match(ids, doc)
+            if n >= doc and self.docs.entries.get(key, {}).get("resident"):
+                doc = 0
+        return room.request(doc, tail_tokens, self.pinned())
 
     def fail(self, reason: str) -> None:
         self._failed = self._failed or reason
