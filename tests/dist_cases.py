@@ -614,12 +614,31 @@ def engine_mixed(ctx, job, docs, questions, slots, new, extra=None, graphs=False
 
 
 def triton_mixed(ctx, job, docs, questions, slots, new):
-    """:func:`engine_mixed` with ``TREEATTN_KERNEL=triton``: the documents' rows of each step go
-    through the paged Triton kernel (interpreted here); every rank returns how many times it
-    ran, rank 0 the batch's result too."""
-    with _triton_path("partial_attention_triton_paged") as calls:
-        got = engine_mixed(ctx, job, docs, questions, slots, new)
-    return got, calls[0]
+    """:func:`engine_mixed` with ``TREEATTN_KERNEL=triton``: the documents' rows of each step, and
+    each row's own tokens in the batch's pooled tail, go through the paged Triton kernel
+    (interpreted here); every rank returns how many times it ran and how often the tail was read
+    through its block tables and gathered into dense views (``{"tables": n, "gathered": n}``),
+    rank 0 the batch's result too."""
+    from treeattn_cli.engine.paged_tail import PagedTail
+
+    reads = {"tables": 0, "gathered": 0}
+    real = {}
+    for name, kind in (("step_tables", "tables"), ("rows_tables", "tables"), ("full_tables", "tables"),
+                       ("update", "gathered"), ("view_rows", "gathered"), ("full", "gathered")):
+        real[name] = getattr(PagedTail, name)
+
+        def counted(self, *a, _f=real[name], _k=kind, **kw):
+            reads[_k] += 1
+            return _f(self, *a, **kw)
+
+        setattr(PagedTail, name, counted)
+    try:
+        with _triton_path("partial_attention_triton_paged") as calls:
+            got = engine_mixed(ctx, job, docs, questions, slots, new)
+    finally:
+        for name, f in real.items():
+            setattr(PagedTail, name, f)
+    return got, calls[0], reads
 
 
 def document_prefix_reuse(ctx, job, doc_a, extra, piece):

@@ -235,7 +235,16 @@ MUTANTS = [
            "treeattn_cli/engine/room.py",
            "        tail = tail_blocks(tail_tokens, self.cp, self.page) if tail_tokens else 0",
            "        tail = 0",
-           ("tests/test_serve.py::test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_documents",)),
+           ("tests/test_serve.py::test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_documents",)),    Mutant("tail-positions-unplaced", "a pooled tail's question tokens keep no position in the pool (the paged read masks nothing among them)",
+           "treeattn_cli/engine/paged_tail.py",
+           "        if b.numel():\n            self._place(b, slot)",
+           "        pass",
+           ("tests/test_paged_tail.py",)),
+    Mutant("tail-gathered-on-gpu", "on the GPU's path a pooled tail is still gathered into dense views every layer",
+           "treeattn_cli/engine/attention.py",
+           'if gpu_path(q) and getattr(tail, "pool", None) is not None:',
+           'if False:',
+           ("tests/test_triton_end_to_end.py::test_documents_in_the_pool_through_the_paged_kernel_equal_transformers",)),
 ]
 
 

@@ -188,7 +188,8 @@ def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
     assert [c[1] for c in calls if c[0] == "random"] == [gr.RANDOM_SHAPE] * 3 and any(c[0] == "serve" for c in calls), kinds
     steps = [c for c in calls if c[0] == "host_step"]  # issue 38: eager and captured at B = 1, 8, 32 on the GPU
     assert [(c[1][1], c[2]["graphs"]) for c in steps] == [(b, g) for b in (1, 8, 32) for g in (False, True)]
-    assert all(c[2]["device"] == "cuda" for c in steps) and [c[1] for c in calls if c[0] == "host_model"] == ["llama-1b"]
+    assert all(c[2]["device"] == "cuda" and c[2]["pool"] for c in steps)  # issue 35: the pool's path, tables
+    assert [c[1] for c in calls if c[0] == "host_model"] == ["llama-1b"]
 
 
 def test_the_calls_cover_every_step_once_and_each_fits_the_budget(tmp_path):

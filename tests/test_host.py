@@ -29,8 +29,9 @@ HOST_BOOKKEEPING = {"cache.py:plan_step", "cache.py:max_len", "cache.py:begin_ex
                     "cache.py:view_rows",
                     "cache.py:reset_rows", "documents.py:tokens", "decode.py:total", "decode.py:prefill",
                     "pool.py:chain_key", "engine.py:_finish", "engine.py:<listcomp>",
-                    "paged_tail.py:view_rows", "paged_tail.py:most_here",  # (the tail in the pool: the same host lengths,
-                    # and a question's admission reading its document's counts)
+                    "paged_tail.py:view_rows", "paged_tail.py:rows_tables", "paged_tail.py:most_here",  # (the tail in
+                    # the pool: the same host lengths, gathered or as tables, and a question's admission reading
+                    # its document's counts)
                     # rounds that make a document resident, not steps: the ranks agree on room and
                     # segments (one collective each, read), and report their pools as questions begin
                     "comm.py:all_true", "comm.py:all_min", "documents.py:_plan", "documents.py:pools"}

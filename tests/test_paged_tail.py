@@ -14,6 +14,7 @@ from treeattn_cli.engine.cache import ShardedKVCache, fewest_first
 from treeattn_cli.engine.kvquant import KVQuant
 from treeattn_cli.engine.paged_tail import PagedTail, most_here
 from treeattn_cli.engine.pool import BlockPool, PoolFull
+from treeattn_kernels import gather_pages
 
 L_, H, D, PAGE = 2, 2, 16, 8
 
@@ -33,6 +34,17 @@ def _same(a, b, lens):
     """Two views ``[R, H, L, X]`` agree on every row's first ``lens[r]`` tokens, bit for bit."""
     for r, n in enumerate(lens):
         assert torch.equal(a[r, :, :n], b[r, :, :n]), r
+
+
+def _tables_name(pool, layer, tables, lens, k, v, pos, scales=None):
+    """Block tables ``[R, nb]`` read through the pool (what the paged kernel reads, positions
+    included) give the dense views' first ``lens[r]`` tokens of every row, bit for bit."""
+    assert tables.dtype == torch.int32 and tables.shape[1] * pool.page >= max(list(lens) + [0])
+    _same(gather_pages(pool.k[layer], tables), k, lens), _same(gather_pages(pool.v[layer], tables), v, lens)
+    _same(gather_pages(pool.pos, tables)[:, None, :, None], pos[:, None, :, None], lens)
+    if scales is not None:
+        _same(gather_pages(pool.ks[layer], tables), scales[0], lens)
+        _same(gather_pages(pool.vs[layer], tables), scales[1], lens)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -61,9 +73,13 @@ def test_a_pooled_tail_holds_what_a_dense_tail_holds(seed, fp8, static):
             _same(a[0], b[0], lens), _same(a[1], b[1], lens)
             for r, n in enumerate(lens):
                 assert torch.equal(a[3][r, :n], b[3][r, :n])
+            sa = None
             if fp8:
                 sa, sb = (c.scales(layer, a[0].shape[2], rows) for c in caches)
                 _same(sa[0], sb[0], lens), _same(sa[1], sb[1], lens)
+            tables, kv_len = paged.rows_tables(rows, extended=extended)  # the GPU's read
+            assert kv_len.tolist() == lens
+            _tables_name(pool, layer, tables, lens, a[0], a[1], a[3], sa)
 
     def extend(rows, feeds):
         T = max(feeds)
@@ -111,6 +127,10 @@ def test_a_pooled_tail_holds_what_a_dense_tail_holds(seed, fp8, static):
                 (ka, va, la), (kb, vb, lb) = (c.update(layer, k, v) for c in caches)
                 assert torch.equal(la, lb)
                 _same(ka, kb, la.tolist()), _same(va, vb, la.tolist())
+                tables, kv_len = paged.step_tables(layer, k, v)  # the GPU's read (the same writes again)
+                assert torch.equal(kv_len, la) and tables.shape[1] == -(-ka.shape[2] // PAGE)
+                sa = dense.scales(layer, ka.shape[2]) if fp8 else None
+                _tables_name(pool, layer, tables, la.tolist(), ka, va, dense.pos[:, :ka.shape[2]], sa)
             for c in caches:
                 c.end_step()
         elif any(budget[b] > 4 for b in range(S)):  # drafts verified, some cut back
@@ -144,6 +164,8 @@ def test_a_pooled_tail_holds_what_a_dense_tail_holds(seed, fp8, static):
                 c.put_rows(layer, torch.tensor(slots).reshape(-1), k, v)
             (ka, va, pa), (kb, vb, pb) = (c.full(layer) for c in caches)
             _same(ka, kb, lens), _same(va, vb, lens), _same(pa[:, None], pb[:, None], lens)
+            sa = dense.scales(layer, ka.shape[2]) if fp8 else None
+            _tables_name(pool, layer, paged.full_tables(), lens, ka, va, pa, sa)
         for c in caches:
             c.end_extend()
     assert pool.used == paged.held() > 0

@@ -66,8 +66,9 @@ def test_the_triton_decode_kernel_end_to_end_equals_transformers(tiny):
 def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny):
     """Questions over two documents in the block pool, one batch: on the GPU's path every
     step's document rows go through the paged Triton kernel (one launch per layer for both
-    documents' rows; counted), and the answers are transformers' greedy decode; the same with
-    an fp8 pool and a sliding-window model."""
+    documents' rows; counted), and so does every row's tail in the pool (one more launch, read
+    through each slot's block table, never gathered), and the answers are transformers' greedy
+    decode; the same with an fp8 pool and a sliding-window model."""
     llama, gemma2 = tiny("llama", seed=3, head_dim=64, **ONE_LAYER), tiny("gemma2", seed=4, **ONE_LAYER)
     rnd = KVQuant(64, "cpu").roundtrip
     docs = [DOC, DOC[::-1][:20]]
@@ -76,7 +77,10 @@ def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny)
     for model, kv, kw in ((llama, "auto", {}), (llama, "fp8", {"kv_round": rnd}), (gemma2, "auto", {})):
         job = GenerateJob(str(model), [], max_new_tokens=new, dtype="float32", kv_dtype=kv)
         per_rank = run_local(dist_cases.triton_mixed, 2, job, docs, qs, 3, new, timeout_s=600)
-        (got, done), _ = per_rank[0]
+        (got, done), _, _ = per_rank[0]
         assert got == [tiny_models.hf_greedy(model, docs[d] + q, new, **kw) for d, q in qs], (kv, model)
         assert done[0]["documents_per_step"] == 2
-        assert all(n >= new for _, n in per_rank), per_rank  # the paged kernel ran on every rank
+        # every rank: the tail read through its tables in every forward, never gathered; the paged
+        # kernel ran twice per forward (the documents' rows, then every row's tail)
+        assert all(r["gathered"] == 0 and r["tables"] >= new for _, _, r in per_rank), per_rank
+        assert all(n >= 2 * r["tables"] for _, n, r in per_rank), per_rank

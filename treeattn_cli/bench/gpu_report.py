@@ -34,7 +34,8 @@ recorded and the next step runs:
 - ``batch``: ``chat --batch``'s step, B = 1, 8, 64 questions over one 32K-token document
   (``treeattn bench --shared``), and ``batch-fp8`` the same over an fp8 cache at B = 1, 8, 32;
 - ``batch-graphs``: the whole batched step of a random Llama-3.2-1B-shaped model through the
-  engine, eager against replayed from CUDA graphs, B = 1, 8, 32 (``bench/host_step.py``);
+  engine, eager against replayed from CUDA graphs, B = 1, 8, 32, the document and the questions'
+  tails in the block pool, read through block tables (``bench/host_step.py --cache pool``);
 - ``kernel-tune``: the launch-parameter sweep (``--tune``): the best configuration per length
   and the runtime's own, with registers, spills, shared memory, tiles in flight, CTAs per SM;
 - ``model``: ``generate`` end to end in bf16 with a bf16 and an fp8 cache against transformers
@@ -322,9 +323,11 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
              [*_CLI, "bench", "--shared", "--batch", "1,8,32", "--seq-len", "32768", "--nproc", "1", "--methods",
               "tree", "--kv-dtype", "fp8", "--json"], cap_s=90, parse=parse_batch, needs=ENGINE),
         Step("batch-graphs", "the engine's batched step, eager vs replayed from CUDA graphs, B = 1, 8, 32 over an "
-                             "8K-token document (random Llama-3.2-1B shape; issue 38: captured >= 2x faster at B 1-8)",
+                             "8K-token document in the block pool, each question's tail too, both read through "
+                             "block tables (random Llama-3.2-1B shape; issue 38: captured >= 2x faster at B 1-8)",
              [_PY, "-m", "treeattn_cli.bench.host_step", "--device", "cuda", "--random", "llama-1b", "--nproc", "1",
-              "--batch", "1,8,32", "--graphs", "off,on", "--tokens", "40", "--repeats", "3", "--doc-tokens", "8192"],
+              "--batch", "1,8,32", "--graphs", "off,on", "--tokens", "40", "--repeats", "3", "--doc-tokens", "8192",
+              "--cache", "pool"],
              cap_s=150, parse=parse_batch_graphs, needs=ENGINE),
         Step("kernel-tune", "launch-parameter sweep of the split kernel (block, warps, stages, splits)",
              [_PY, "-m", "treeattn_cli.bench.kernel", "--tune", "--seq-len", "32768,131072", "--iters", "10",

@@ -12,6 +12,11 @@ graphs' capture, cancels), median of ``--repeats`` pairs after a warm-up. With `
 the engine plans as ``--scheme auto`` does (``auto_layout``: steps that no graph replays merge
 with one all-gather). Also: the reads of the device (``engine.host.read``) and host-to-device
 copies (``host.Staging``) each rank makes a step, and the graphs the batch replayed.
+
+``--cache pool`` (the default: what ``chat --batch`` and ``serve`` run) puts the document in the
+rank's block pool and the batch's tail there too (``paged_tail``; on a GPU both are read through
+block tables); ``--cache own`` keeps the document in the engine's own cache and the tail dense
+beside it (the path before the pool, kept as the oracle); ``own,pool`` times both.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ def _doc(n: int) -> list[int]:
     return [(13 * i + 5) % 230 + 20 for i in range(n)]
 
 
-def rank_batches(ctx, job, doc, questions, new, repeats):
+def rank_batches(ctx, job, doc, questions, new, repeats, pool=False):
     """Every rank: the document, a warm-up batch, then ``repeats`` pairs of timed batches
     (``new`` tokens each, then ``SHORT``); each rank returns the seconds of each pair, its reads
-    and copies per step (over the long batches), and rank 0 the long batches' graph replays."""
+    and copies per step (over the long batches), and rank 0 the long batches' graph replays.
+    ``pool``: the document (and the tail) in the block pool, sized for it and the batch, as
+    ``chat --batch`` sizes it; else the engine's own cache."""
     import torch
 
     from ..engine.engine import Engine
@@ -51,9 +58,14 @@ def rank_batches(ctx, job, doc, questions, new, repeats):
     real, ctx.emit = ctx.emit, (lambda kind, p: done.append(p) if kind == "batch_done" else None)
     req = {"op": "batch", "questions": questions, "slots": len(questions), "max_new_tokens": new,
            "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"}
+    first = [{"op": "append", "ids": doc}]
+    if pool:  # every question names the document: it is made resident in the pool by the warm-up
+        req.update(questions=[{"ids": q, "doc": {"key": "bench", "ids": doc}} for q in questions],
+                   pool_for=len(doc), tails=max(len(q) for q in questions) + new, tail_slots=len(questions))
+        first = []
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)  # the batch's end, timed
     try:
-        eng.serve([{"op": "append", "ids": doc}, {**req, "max_new_tokens": 4}])
+        eng.serve([*first, {**req, "max_new_tokens": 4}])
         pairs, per, replays = [], {}, []
         for _ in range(repeats):
             secs = []
@@ -84,18 +96,20 @@ def make_model(random: str | None) -> Path:
 
 
 def measure(nproc: int, batch: int, new: int, repeats: int, scheme: str, *, device: str = "cpu",
-            random: str | None = None, graphs: bool = False, doc_tokens: int = 100, model=None) -> dict:
+            random: str | None = None, graphs: bool = False, doc_tokens: int = 100, model=None,
+            pool: bool = True) -> dict:
     model = model or make_model(random)
     qs = [[(29 * i + 11 + j) % 230 + 20 for i in range(5)] for j in range(batch)]
     cuda = device == "cuda"
     job = GenerateJob(str(model), [], dtype="bfloat16" if cuda else "float32", max_new_tokens=new,
                       reserve=doc_tokens + 256, scheme="allreduce" if scheme == "auto" else scheme,
                       auto_layout=scheme == "auto", cuda_graph=graphs)
-    got = run_local(rank_batches, nproc, job, _doc(doc_tokens), qs, new, repeats, timeout_s=1200,
+    got = run_local(rank_batches, nproc, job, _doc(doc_tokens), qs, new, repeats, pool, timeout_s=1200,
                     backend="nccl" if cuda else "gloo", devices=[f"cuda:{i}" for i in range(nproc)] if cuda else None)
     ms = [1e3 * (a - b) / (new - SHORT) for a, b in got[0]["pairs"]]
     return {"device": device, "model": random or "tiny", "nproc": nproc, "batch": batch, "doc_tokens": doc_tokens,
-            "scheme": scheme, "graphs": graphs, "ms_per_step": statistics.median(ms), "samples": ms,
+            "scheme": scheme, "graphs": graphs, "cache": "pool" if pool else "own",
+            "ms_per_step": statistics.median(ms), "samples": ms,
             "graph_replays": got[0]["graph_replays"], "per_step": [r["per_step"] for r in got]}
 
 
@@ -110,7 +124,12 @@ def main(argv=None):
     ap.add_argument("--random", default=None, help="a random model of this shape (bench.random_model.SHAPES)")
     ap.add_argument("--doc-tokens", type=int, default=100)
     ap.add_argument("--graphs", default="off", help="off | on | off,on: the batch's steps replayed from CUDA graphs")
+    ap.add_argument("--cache", default="pool", help="pool | own | own,pool: the document (and the batch's tail) in "
+                                                    "the block pool, or in the engine's own cache")
     a = ap.parse_args(argv)
+    caches = [c.strip() for c in a.cache.split(",")]
+    if not caches or any(c not in ("own", "pool") for c in caches):
+        ap.error("--cache takes pool, own or own,pool")
     if a.tokens <= SHORT:
         ap.error(f"--tokens must be more than {SHORT}")
     modes = [m.strip() for m in a.graphs.split(",")]
@@ -121,9 +140,11 @@ def main(argv=None):
     model = make_model(a.random)
     for n in [int(x) for x in a.nproc.split(",")]:
         for b in [int(x) for x in a.batch.split(",")]:
-            for m in modes:
-                print(json.dumps(measure(n, b, a.tokens, a.repeats, a.scheme, device=a.device, random=a.random,
-                                         graphs=m == "on", doc_tokens=a.doc_tokens, model=model)), flush=True)
+            for c in caches:
+                for m in modes:
+                    print(json.dumps(measure(n, b, a.tokens, a.repeats, a.scheme, device=a.device, random=a.random,
+                                             graphs=m == "on", doc_tokens=a.doc_tokens, model=model,
+                                             pool=c == "pool")), flush=True)
 
 
 if __name__ == "__main__":

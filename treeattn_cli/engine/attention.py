@@ -205,7 +205,8 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     document (``ctx.groups``: each document's cache and its rows; none: ``ctx.cache`` for all).
     A document's rows go against this rank's shard of it in one call — the query rows of a KV
     head meet each K/V tile once, so the shard is read once for all of them — and each
-    sequence's rows against its own tokens in the tail (causal); the two partials merge by LSE,
+    sequence's rows against its own tokens in the tail (causal; on the GPU's path a pooled tail's
+    rows through their block tables in one more launch, :func:`_tail_paged`); the two partials merge by LSE,
     then across ranks in one merge for the whole batch, whatever documents its rows read.
     Returns ``[R, T, H, d]``."""
     R, H, T, d = q.shape
@@ -243,6 +244,26 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
             o_d = torch.zeros(R, H, T, d, dtype=o.dtype, device=o.device)
             l_d = torch.full((R, H, T), float("-inf"), dtype=lse.dtype, device=lse.device)
         o_d[idx], l_d[idx] = o, lse
+    if gpu_path(q) and getattr(tail, "pool", None) is not None:  # the GPU's path: each row's tail through its
+        o_t, l_t = _tail_paged(ctx, layer, q, k_new, v_new, scale, window, softcap)  # blocks, one launch
+    else:
+        o_t, l_t = _tail_dense(ctx, layer, q, k_new, v_new, scale, window, softcap)
+    o, lse = merge_pair(o_d, l_d, o_t, l_t)
+    if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
+        o, lse = add_sink(o, lse, sink)
+    out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
+    _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)  # a batch's step may be captured
+    for cite, i, bl, doc, positions in cited:  # each row's share of its merged attention, per key
+        cite.add(layer, bl, lse[i], cite.bins_of(doc, bl.shape[-1], positions))
+    return out
+
+
+def _tail_dense(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap):
+    """The tail's partials of a cascade (``q [R, H, T, d]``): the new tokens written, each row
+    against its own tokens (causal by position), read from the tail's dense views (a pooled
+    tail's gathered into them). Returns ``(o [R, H, T, d] fp32, lse [R, H, T])``."""
+    tail, pos = ctx.tail, ctx.positions
+    T = q.shape[2]
     if ctx.step:  # one token per sequence, placed by tail.begin_step
         tk, tv, tlen = tail.update(layer, k_new, v_new)
         tpos = tail.pos[:, : tk.shape[2]]
@@ -255,16 +276,34 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
         tk, tv, tlen, tpos = tail.view_rows(layer, ctx.rows, extended=True)
     kw = dict(q_pos=pos, k_pos=tpos, window=window) if (T > 1 or window is not None) else {}
     every = ctx.step or ctx.ext is not None  # every row of the tail (else the extension's rows)
-    o_t, l_t = _stored(tail, layer, None if every else ctx.rows)(q, tk, tv, scale=scale, kv_len=tlen,
-                                                                   softcap=softcap, out_dtype=torch.float32, **kw)
-    o, lse = merge_pair(o_d, l_d, o_t, l_t)
-    if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
-        o, lse = add_sink(o, lse, sink)
-    out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
-    _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)  # a batch's step may be captured
-    for cite, i, bl, doc, positions in cited:  # each row's share of its merged attention, per key
-        cite.add(layer, bl, lse[i], cite.bins_of(doc, bl.shape[-1], positions))
-    return out
+    return _stored(tail, layer, None if every else ctx.rows)(q, tk, tv, scale=scale, kv_len=tlen, softcap=softcap,
+                                                               out_dtype=torch.float32, **kw)
+
+
+def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap):
+    """:func:`_tail_dense` read where the tail lies: a pooled tail (``paged_tail.PagedTail``)
+    hands each row's blocks as a table, and one paged call reads every row's own tokens from
+    the pool (nothing gathered; the positions for masks and windows are the pool's). Same
+    return."""
+    tail, pos = ctx.tail, ctx.positions
+    pool = tail.pool
+    if ctx.step:
+        tables, kv_len = tail.step_tables(layer, k_new, v_new)
+    elif ctx.ext is not None:  # a fixed-shape verify (every row, every token written: here or written off)
+        slots, kv_len = ctx.ext
+        tail.put_rows(layer, slots, k_new, v_new)
+        tables = tail.full_tables()
+    else:
+        tail.extend(layer, k_new, v_new)
+        tables, kv_len = tail.rows_tables(ctx.rows, extended=True)
+    kw = dict(q_pos=pos, pos_pool=pool.pos, window=window) if (q.shape[2] > 1 or window is not None) else {}
+    quant = pool.quant
+    if quant is not None:
+        kw.update(k_scale=pool.ks[layer], v_scale=pool.vs[layer])
+        q = quant.rotate(q)
+    o, lse = partial_attention_paged(q, pool.k[layer], pool.v[layer], tables, kv_len, scale=scale, softcap=softcap,
+                                     out_dtype=torch.float32, **kw)
+    return (quant.unrotate(o) if quant is not None else o), lse
 
 
 def pooled_documents(shards) -> bool:

@@ -13,10 +13,20 @@ only, as in the dense tail.
 
 ``_flat [slots, capacity + 1]`` (device) names each slot's token slots in the pool (flat slots,
 ``block * page + offset``); the last column, and every index past a slot's blocks, name the
-pool's write-off block. Writes go through it; reads gather the rows a step attends to into
-the dense ``[R, H_kv, L, X]`` views the kernels take, the same numbers the dense tail gives (a
-row's keys past its length are masked by its length; every value in the pool is finite). A
-captured step reads ``_flat`` in place, so admitting or releasing a slot changes no graph.
+pool's write-off block. Writes go through it (the tokens' positions too, into the pool's
+``pos``). Two ways to read:
+
+* through block tables (the GPU's path, ``attention._cascade``): ``_table [slots,
+  ceil(capacity / page)]`` (device) holds each slot's blocks in order, padded with the
+  write-off block, and :meth:`PagedTail.step_tables` / :meth:`PagedTail.full_tables` /
+  :meth:`PagedTail.rows_tables` give the tables and lengths the paged kernel takes, so a step
+  reads each slot's tail where it lies, once, in the same launch for every row;
+* gathered (elsewhere): the rows a step attends to copied into the dense ``[R, H_kv, L, X]``
+  views the kernels take, the same numbers the dense tail gives bit for bit (a row's keys past
+  its length are masked by its length; every value in the pool is finite).
+
+A captured step reads ``_flat`` and ``_table`` in place, so admitting or releasing a slot
+changes no graph.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ class PagedTail(ShardedKVCache):
         self.pool = pool
         self.blocks: list[list[int]] = [[] for _ in range(slots)]  # each slot's blocks, in order
         self._flat = torch.zeros(slots, 1, dtype=torch.int64, device=pool.device)
+        self._table = torch.zeros(slots, 0, dtype=torch.int32, device=pool.device)
         self.capacity = 0
         super().__init__(pool.num_layers, slots, pool.kv_heads, pool.head_dim,
                          dtype=pool.dtype if pool.quant is None else torch.float32, device=pool.device,
@@ -99,8 +110,15 @@ class PagedTail(ShardedKVCache):
         out[:n] = blocks[idx // page] * page + idx % page
         return out
 
+    def _table_row(self, b: int, width: int) -> torch.Tensor:
+        out = torch.full((width,), self.pool.write_off, dtype=torch.int32)
+        n = min(width, len(self.blocks[b]))
+        out[:n] = torch.tensor(self.blocks[b][:n], dtype=torch.int32)
+        return out
+
     def _map(self, b: int) -> None:
         self._flat[b].copy_(self._row(b, self._flat.shape[1]), non_blocking=True)
+        self._table[b].copy_(self._table_row(b, self._table.shape[1]), non_blocking=True)
 
     # -- storage: the pool's, through _flat ---------------------------------------------------
     def reserve(self, capacity: int) -> None:
@@ -117,6 +135,24 @@ class PagedTail(ShardedKVCache):
         self.capacity = new
         self._flat = torch.stack([self._row(b, new + 1) for b in range(self.batch)]).to(self.device) \
             if self.batch else torch.zeros(0, new + 1, dtype=torch.int64, device=self.device)
+        nb = self.blocks_for(new)
+        self._table = torch.stack([self._table_row(b, nb) for b in range(self.batch)]).to(self.device) \
+            if self.batch else torch.zeros(0, nb, dtype=torch.int32, device=self.device)
+
+    # -- positions: the host bookkeeping's, and the pool's for reads through tables ------------
+    def start_step(self, store, store_dev, positions_dev) -> None:
+        super().start_step(store, store_dev, positions_dev)
+        self._place(self._rows, self._slot)
+
+    def begin_extend(self, rows, positions) -> None:
+        super().begin_extend(rows, positions)
+        b, _, _, slot = self._ext
+        if b.numel():
+            self._place(b, slot)
+
+    def _place(self, rows, slots) -> None:
+        """The positions of tokens ``(rows, slots)`` (set in ``pos``) at their pool slots too."""
+        self.pool.pos.view(-1)[self._flat[rows, slots]] = self.pos[rows, slots]
 
     def _put(self, layer: int, index, k, v) -> None:
         rows, _, slots = index  # (the tail's writes: row and slot indices, every KV head)
@@ -130,9 +166,39 @@ class PagedTail(ShardedKVCache):
     def _stores(self):
         return (self.pool.k, self.pool.v) + ((self.pool.ks, self.pool.vs) if self.quant is not None else ())
 
+    # -- reads through block tables (the paged kernel's) ---------------------------------------
+    def _tables(self, tokens: int, rows=None) -> torch.Tensor:
+        """``[R, ceil(tokens / page)]`` int32: the blocks of slots ``rows`` (None: all) wide enough
+        for ``tokens`` tokens (a view of ``_table`` when all rows)."""
+        nb = max(1, self.blocks_for(tokens))
+        if rows is None or list(rows) == list(range(self.batch)):
+            return self._table[:, :nb]
+        return self._table[torch.as_tensor(list(rows), dtype=torch.int64, device=self.device), :nb]
+
+    def step_tables(self, layer: int, k_new, v_new):
+        """:meth:`update` for a read through tables: write this rank's share of the step's K/V and
+        return ``(block_tables [B, nb], kv_len [B])`` of what the step attends to (the whole
+        capacity when static: a captured step's shapes)."""
+        self.write_step(layer, k_new, v_new)
+        return self._tables(self.capacity if self.static else self._view_len), self._kv_len
+
+    def full_tables(self) -> torch.Tensor:
+        """:meth:`full`'s tokens as ``block_tables [B, ceil(capacity / page)]`` (a fixed-shape
+        verify's; its lengths come with it)."""
+        return self._tables(self.capacity)
+
+    def rows_tables(self, rows, extended: bool = False):
+        """:meth:`view_rows`'s tokens as ``(block_tables [R, nb], kv_len [R])``."""
+        lens = self.host_length[rows] + (self._ext_added[rows] if extended else 0)
+        return self._tables(int(lens.max()) if len(rows) else 0, rows), lens.to(self.device)
+
     # -- the reads of cache.ShardedKVCache, gathered ----------------------------------------
-    def update(self, layer: int, k_new, v_new):
+    def write_step(self, layer: int, k_new, v_new) -> None:
+        """A step's K/V ``[B, H_kv, 1, d]`` at each slot's next token here, or the write-off slot."""
         self._put(layer, (self._rows, slice(None), self._slot), k_new[:, :, 0], v_new[:, :, 0])
+
+    def update(self, layer: int, k_new, v_new):
+        self.write_step(layer, k_new, v_new)
         flat = self._flat[:, :self.capacity if self.static else self._view_len]
         return self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat), self._kv_len
 
