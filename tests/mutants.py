@@ -244,7 +244,11 @@ MUTANTS = [
            "treeattn_cli/engine/attention.py",
            'if gpu_path(q) and getattr(tail, "pool", None) is not None:',
            'if False:',
-           ("tests/test_triton_end_to_end.py::test_documents_in_the_pool_through_the_paged_kernel_equal_transformers",)),
+           ("tests/test_triton_end_to_end.py::test_documents_in_the_pool_through_the_paged_kernel_equal_transformers",)),    Mutant("chat-pool-without-context-room", "chat sizes its pool for --batch short questions only: a long one is left unanswered",
+           "treeattn_cli/cli/chat.py",
+           'return doc, {"pool_for": n, **tails, "grow": True}',
+           'return doc, {"pool_for": n, **tails, **({"grow": True} if o.conversation else {})}',
+           ("tests/test_chat.py::test_a_question_longer_than_the_pools_room_per_slot_is_answered",)),
 ]
 
 

@@ -75,6 +75,27 @@ def test_answers_equal_transformers_on_document_plus_question(setup, nproc):
                for r in recs)  # every question against the document alone
 
 
+def test_a_question_longer_than_the_pools_room_per_slot_is_answered(setup, tmp_path):
+    """chat sizes its pool for --batch questions of QUESTION_ROOM tokens at once, and for one
+    question as long as the model's context allows: a question of more tokens than the room of
+    every slot together (here --batch 1) is answered, and as transformers answers it, not left
+    unanswered for want of blocks."""
+    from treeattn_cli.cli.chat import QUESTION_ROOM
+
+    _, doc, _, _ = setup
+    long_ctx = tiny_models.make_model("llama", tmp_path / "m", seed=3, max_position_embeddings=2048)
+    question = "which tower stands by the iron bridge, and which clock is right? " * 20
+    tok = load_tokenizer(long_ctx)
+    ids, comp = P.document_ids(tok, doc.read_text(), chat=False)
+    turn = P.question_ids(tok, question, comp)
+    assert len(turn) > QUESTION_ROOM + NEW and len(ids) + len(turn) + NEW < 2048, (len(ids), len(turn))
+    (tmp_path / "q.txt").write_text(question + "\n")
+    recs = _chat("--model", str(long_ctx), "--prompt-file", str(doc), "--questions", str(tmp_path / "q.txt"),
+                 "--no-chat", "--nproc", "2", "--batch", "1")
+    assert [r["stop_reason"] for r in recs] == ["length"], recs
+    assert [r["token_ids"] for r in recs] == [tiny_models.hf_greedy(long_ctx, ids + turn, NEW)]
+
+
 def test_chat_template_composition_equals_generate(setup, tmp_path):
     """With a chat template the document and the question form one user message: the answer is
     the one `generate --chat` gives for that message."""

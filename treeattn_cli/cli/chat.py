@@ -11,8 +11,8 @@ stats) from a queue:
 
 ``batch`` requests name the document as their questions' document (``{"doc": {"key", "ids"}}``,
 as ``serve`` does), and the ranks prefill it (or load ``--load-kv``, or save ``--save-kv`` once
-it is complete) into their block pool, sized to hold it (with ``--conversation``, its turns
-too); the questions decode over its blocks, ``--batch`` at a time from a file or a pipe (one
+it is complete) into their block pool, sized to hold it, ``--batch`` questions at once, and a
+question as long as the model's context allows (with ``--conversation``, its turns too); the questions decode over its blocks, ``--batch`` at a time from a file or a pipe (one
 request), else one request per question. With ``--conversation`` each question and its answer
 join the document's blocks (``keep``), so the next question continues them; ``/reset`` rolls the
 document back to its mark.
@@ -37,7 +37,9 @@ from .prepare import prepare_run
 
 # Tokens of a question the KV pool is sized to hold beside the document and the answer, for each
 # of --batch at a time (a question alone may take the room of them all: the pool's blocks are
-# shared; one that cannot fit is not answered, and says so).
+# shared). The pool also holds at least what the model's whole context takes (up to the device's
+# default pool, documents.POOL_BYTES), so one question as long as the context allows fits alone;
+# one that still cannot fit is not answered, and says so.
 QUESTION_ROOM = 256
 HELP = "/exit (or Ctrl-D) leaves · /reset returns to the document · /save DIR saves the cache · Ctrl-C stops an answer"
 
@@ -159,7 +161,7 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
     if save_meta is not None:
         doc.update(save_to=o.save_kv, save_meta=save_meta)
     tails = {"tails": o.max_new_tokens + QUESTION_ROOM, "tail_slots": max(1, o.batch or 1)}
-    return doc, {"pool_for": n, **tails, **({"grow": True} if o.conversation else {})}
+    return doc, {"pool_for": n, **tails, "grow": True}  # (grow: turns, and a question the context allows)
 
 
 def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, spans=None) -> None:
@@ -433,6 +435,10 @@ def _show(o, rec: dict, spans=None, tok=None) -> None:
 
         rec.update(citations(spans, cited, tok, rec["token_ids"]))
     _ANSWERS.add(rec["text"])
+    if rec.get("stop_reason") == "no_room":
+        print(f"treeattn: error: a question of {rec.get('prompt_tokens', 0):,} tokens was not answered: with its "
+              f"answer (--max-new-tokens {o.max_new_tokens}) it does not fit in the KV pool beside the document",
+              file=sys.stderr)
     if o.json:
         print(json.dumps(rec), flush=True)
     if not o.quiet:

@@ -166,8 +166,9 @@ class Documents:
         document of ``pool_for`` tokens takes on its largest shard (``chat``: its document) and the
         tails of ``tail_slots`` questions of ``tails`` tokens each, question and answer
         (:func:`tail_blocks`; the batch's tail lives in the pool too), and
-        with ``grow`` (the document will grow: a conversation's turns) at least the default pool,
-        never more than the model's whole context takes, or ``pool`` bytes (default
+        with ``grow`` (``chat``: the document may grow by a conversation's turns, and a question
+        may be as long as the context allows) at least the default pool, never more than the
+        model's whole context and those tails take, or ``pool`` bytes (default
         :data:`POOL_BYTES` of the device; a GPU gives at most 0.9 of its free memory), or
         ``pool_fraction`` of the memory free now (a GPU's free memory; on a CPU the available
         memory, shared by the ranks). Returns ``{blocks, page, bytes, free}`` (free: this rank's)."""
@@ -188,7 +189,8 @@ class Documents:
                     if c.device.type == "cuda":
                         default = min(default, int(0.9 * free))
                     context = getattr(self.engine.model.config, "max_position_embeddings", None)
-                    want = max(want, min(default, blocks_per_rank(context, cp, page) * per) if context else default)
+                    whole = (blocks_per_rank(context, cp, page) + tails) * per if context else default
+                    want = max(want, min(default, whole))
             elif spec.get("pool_fraction"):
                 want = int(float(spec["pool_fraction"]) * free)
             else:
