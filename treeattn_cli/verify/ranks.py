@@ -100,8 +100,10 @@ def generate_checks(nproc: int, backend: str, devices: list[str], workdir: Path)
 
 
 def batch_rank(ctx, job, doc, questions, slots, new):
-    """Rank function: ``doc`` in the cache, then ``questions`` answered ``slots`` at a time (the
-    batch ``chat --batch`` runs); rank 0 returns each answer's token ids and the batch's record."""
+    """Rank function: ``questions`` about ``doc`` answered ``slots`` at a time, the batch ``chat
+    --batch`` and ``serve`` run: the document in the ranks' block pool, each question's tokens in
+    blocks of it too (on a GPU both read through block tables, the steps captured or not); rank 0
+    returns each answer's token ids and the batch's record."""
     from ..engine.engine import Engine
     from ..engine.sampling import Sampling
 
@@ -115,9 +117,11 @@ def batch_rank(ctx, job, doc, questions, slots, new):
 
     real, ctx.emit = ctx.emit, emit
     try:
-        Engine(ctx, job).serve([{"op": "append", "ids": doc},
-                                {"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
-                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"},
+        Engine(ctx, job).serve([{"op": "batch", "questions": [{"ids": q, "doc": {"key": "check", "ids": doc}}
+                                                              for q in questions],
+                                 "slots": slots, "max_new_tokens": new, "sampling": vars(Sampling()), "stop": [],
+                                 "eos_ids": [], "speculate": "off", "pool_for": len(doc),
+                                 "tails": max(len(q) for q in questions) + new, "tail_slots": slots},
                                 {"op": "stop"}])
     finally:
         ctx.emit = real
@@ -125,9 +129,9 @@ def batch_rank(ctx, job, doc, questions, slots, new):
 
 
 def _batch_checks(model, doc, nproc: int, backend: str, devices: list[str]) -> list[dict]:
-    """Three questions after the document, two at a time (a slot frees and takes the third):
-    each answer against transformers' greedy decode of document + question; on GPUs with the
-    batch's steps eager and replayed from CUDA graphs (which must have replayed)."""
+    """Three questions after the document, two at a time (a slot frees and takes the third), over
+    the block pool: each answer against transformers' greedy decode of document + question; on
+    GPUs with the batch's steps eager and replayed from CUDA graphs (which must have replayed)."""
     from ..parallel.launch import run_local
     from ..engine.job import GenerateJob
     from .tiny import hf_greedy
@@ -149,7 +153,8 @@ def _batch_checks(model, doc, nproc: int, backend: str, devices: list[str]) -> l
         bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None) if got else 0
         same = got == want and not note
         out.append({"path": f"batch/{'cuda-graph' if graph else 'eager'}",
-                    "case": f"tiny llama, {nproc} ranks, 3 questions 2 at a time, 8 tokens each", "max_err": None,
+                    "case": f"tiny llama, {nproc} ranks, the block pool, 3 questions 2 at a time, 8 tokens each",
+                    "max_err": None,
                     "tol": None, "seconds": round(time.perf_counter() - t0, 3), "verdict": "pass" if same else "FAIL",
                     "note": note or ("" if same else f"answer {bad} differs from transformers")})
     if not devices[0].startswith("cuda"):
