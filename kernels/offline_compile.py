@@ -205,8 +205,15 @@ PAGE = 64  # the paged launches' block of keys: a multiple of every target's til
 def paged_calls(target: Target):
     """The split kernel reading through block tables (issue 35): a decode step of 8 rows of
     different sequences over pools of 64-key blocks, 128K keys a table, per head dim and group
-    size, plain and windowed with soft-capping; an fp8 pool where the target stores fp8."""
+    size, plain and windowed with soft-capping; a batch's tail under a fixed-shape verify (8
+    slots, 8 tokens each, causal by the pool's positions, 4K keys a slot's table); an fp8 pool
+    where the target stores fp8."""
     B, nb = 8, 131072 // PAGE
+    yield (f"paged-verify d=128 G=4 Q=8 causal bf16 page={PAGE}",
+           dict(q=_meta(B, 8, 8, 128, dtype=torch.bfloat16), k_pool=_meta(4096, 2, PAGE, 128, dtype=torch.bfloat16),
+                v_pool=_meta(4096, 2, PAGE, 128, dtype=torch.bfloat16),
+                block_tables=_meta(B, 4096 // PAGE, dtype=torch.int32), kv_len=_meta(B, dtype=torch.int64),
+                q_pos=_meta(B, 8, dtype=torch.int64), pos_pool=_meta(4096, PAGE, dtype=torch.int64)))
     for d, G in itertools.product(HEAD_DIMS, (1, 4, 8)):
         H_kv = 8 // G
         for window, softcap in ((None, None), (1024, 30.0)):

@@ -241,12 +241,14 @@ def test_fp8_steps_of_many_rows_read_about_half_of_bf16s_bytes(compiled, target)
 def test_the_paged_split_kernel_compiles(compiled, target):
     """The split kernel reading through block tables (issue 35): compiled for every target with
     64-key blocks (no spills, shared memory within the limit, 64-bit offsets: the tests above),
-    over fp8 pools where the target stores fp8. Its K/V tiles are not software-pipelined yet
+    over fp8 pools where the target stores fp8, and the causal verify a batch's pooled tail takes. Its K/V tiles are not software-pipelined yet
     (one in flight, against the dense kernel's two: BENCHMARKS.md)."""
     paged = [k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel" and k["constexprs"].get("PAGE")]
     assert {k["constexprs"]["PAGE"] for k in paged} == {64}
     assert {k["constexprs"]["HEAD_D"] for k in paged} >= {64, 128}
     assert any(k["constexprs"].get("SCALE_G") for k in paged) == (target != "sm_80")
+    # a pooled tail's fixed-shape verify: 8 tokens of a row (x 4 query heads a KV head), causal by position
+    assert any(k["constexprs"].get("HAS_POS") and k["constexprs"]["BLOCK_M"] >= 32 for k in paged), paged
     dense = [k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel" and not k["constexprs"].get("PAGE")]
     assert dense  # the dense kernel is compiled apart (PAGE = 0 compiles the table out)
 
