@@ -248,7 +248,11 @@ MUTANTS = [
            "treeattn_cli/cli/chat.py",
            'return doc, {"pool_for": n, **tails, "grow": True}',
            'return doc, {"pool_for": n, **tails, **({"grow": True} if o.conversation else {})}',
-           ("tests/test_chat.py::test_a_question_longer_than_the_pools_room_per_slot_is_answered",)),
+           ("tests/test_chat.py::test_a_question_longer_than_the_pools_room_per_slot_is_answered",)),    Mutant("chat-refusal-exits-0", "chat refuses a question with an error line but exits 0 (a script never knows)",
+           "treeattn_cli/cli/chat.py",
+           "    return 2 if code == 0 and _REFUSED else code",
+           "    return code",
+           ("tests/test_chat.py", "-k", "refused_question")),
 ]
 
 

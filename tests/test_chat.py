@@ -96,6 +96,26 @@ def test_a_question_longer_than_the_pools_room_per_slot_is_answered(setup, tmp_p
     assert [r["token_ids"] for r in recs] == [tiny_models.hf_greedy(long_ctx, ids + turn, NEW)]
 
 
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_a_refused_question_is_one_error_line_the_others_are_answered_and_the_exit_is_2(setup, tmp_path, batch):
+    """A question too long for the model's context, between two good ones (one at a time, and a
+    batch): one error line for it, the others answered as transformers answers them, and the
+    run ends with exit status 2 (a script sees that a question went unanswered)."""
+    model, doc, _, _ = setup
+    good = [QUESTIONS[0], QUESTIONS[2]]
+    qs = tmp_path / "q.txt"
+    qs.write_text(f"{good[0]}\n{'the towers and the clocks ' * 120}\n{good[1]}\n")
+    r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(qs),
+                                 "--no-chat", "--nproc", "2", "--batch", batch, "--dtype", "float32",
+                                 "--max-new-tokens", str(NEW), "--json"])
+    assert r.exit_code == 2, r.output
+    errors = [x for x in r.stderr.splitlines() if x.startswith("treeattn: error: ")]
+    assert len(errors) == 1 and "exceeds the model's context" in errors[0], r.stderr
+    recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert [x["question"] for x in recs] == good
+    assert [x["token_ids"] for x in recs] == _expected(model, doc, good, chat=False)
+
+
 def test_chat_template_composition_equals_generate(setup, tmp_path):
     """With a chat template the document and the question form one user message: the answer is
     the one `generate --chat` gives for that message."""

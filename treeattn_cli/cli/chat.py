@@ -82,12 +82,15 @@ def _question_source(o: ChatOptions):
 
 
 def chat_command(o: ChatOptions) -> int:
-    """Run ``treeattn chat``; returns the exit code (0; 1 when the ranks failed; 143 on SIGTERM)."""
+    """Run ``treeattn chat``; returns the exit code (0; 2 when a question was refused — too long for
+    the context or the KV pool, or a command where a question belongs — after every other answer;
+    1 when the ranks failed; 143 on SIGTERM)."""
     if launch.under_torchrun():
         raise ValueError("chat starts its own local ranks; under torchrun use generate (--load-kv continues a cache)")
     if o.prompt is not None:
         raise P.PromptError("chat reads the document from --prompt-file (questions come after it)")
     _ANSWERS.start(o.output)  # (its folder, and the --questions file, were checked with the flags)
+    _REFUSED.clear()
     run = prepare_run(o)
     o.max_new_tokens = o.max_new_tokens or 256
     tok = run.tokenizer
@@ -110,7 +113,8 @@ def chat_command(o: ChatOptions) -> int:
         spans = for_document(tok, text, doc_ids, composition, system=o.system)
     save_meta = run.save_meta(o.save_kv, composition) if o.save_kv else None
     job = run.job(o, [], reserve=0)  # the document lives in the ranks' block pool, not in the engine's own cache
-    return _session(o, run, job, composition, doc_ids, manifest, save_meta, spans)
+    code = _session(o, run, job, composition, doc_ids, manifest, save_meta, spans)
+    return 2 if code == 0 and _REFUSED else code
 
 
 def _session(o, run, job, composition, doc_ids, manifest, save_meta, spans=None) -> int:
@@ -206,7 +210,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
             ids = P.question_ids(tok, q, composition, next_turn=o.conversation and turns > 0)
             run.check_fits(total + len(ids), o.max_new_tokens, "the document, the conversation and the question")
         except ValueError as e:
-            print(f"treeattn: error: {e}", file=sys.stderr)
+            _refuse(str(e))
             continue
         if not o.json and _from_file_or_pipe(o):
             _say_question(o, q)  # typed questions are on the screen already
@@ -330,14 +334,14 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans,
         if cmd in ("/exit", "/quit"):
             break
         if cmd.startswith("/"):
-            print(f"treeattn: error: {cmd.split()[0]} is not a question; with --batch only /exit is "
-                  "understood (--batch 1 answers one at a time)", file=sys.stderr)
+            _refuse(f"{cmd.split()[0]} is not a question; with --batch only /exit is understood (--batch 1 "
+                    "answers one at a time)")
             continue
         try:
             ids = P.question_ids(tok, q, composition)
             run.check_fits(cached + len(ids), o.max_new_tokens, "the document and the question")
         except ValueError as e:
-            print(f"treeattn: error: {e}", file=sys.stderr)
+            _refuse(str(e))
             continue
         questions.append(q)
         ids_list.append(ids)
@@ -424,6 +428,13 @@ class AnswerFile:
 
 
 _ANSWERS = AnswerFile()  # one chat per process
+_REFUSED: list[str] = []  # the questions refused so far (the exit status is 2 if any)
+
+
+def _refuse(why: str) -> None:
+    """A question not answered: one error line; the session goes on, and ends with exit status 2."""
+    _REFUSED.append(why)
+    print(f"treeattn: error: {why}", file=sys.stderr)
 
 
 def _show(o, rec: dict, spans=None, tok=None) -> None:
@@ -436,9 +447,8 @@ def _show(o, rec: dict, spans=None, tok=None) -> None:
         rec.update(citations(spans, cited, tok, rec["token_ids"]))
     _ANSWERS.add(rec["text"])
     if rec.get("stop_reason") == "no_room":
-        print(f"treeattn: error: a question of {rec.get('prompt_tokens', 0):,} tokens was not answered: with its "
-              f"answer (--max-new-tokens {o.max_new_tokens}) it does not fit in the KV pool beside the document",
-              file=sys.stderr)
+        _refuse(f"a question of {rec.get('prompt_tokens', 0):,} tokens was not answered: with its answer "
+                f"(--max-new-tokens {o.max_new_tokens}) it does not fit in the KV pool beside the document")
     if o.json:
         print(json.dumps(rec), flush=True)
     if not o.quiet:
