@@ -12,8 +12,9 @@ stats) from a queue:
 ``batch`` requests name the document as their questions' document (``{"doc": {"key", "ids"}}``,
 as ``serve`` does), and the ranks prefill it (or load ``--load-kv``, or save ``--save-kv`` once
 it is complete) into their block pool, sized to hold it, ``--batch`` questions at once, and a
-question as long as the model's context allows (with ``--conversation``, its turns too); the questions decode over its blocks, ``--batch`` at a time from a file or a pipe (one
-request), else one request per question. With ``--conversation`` each question and its answer
+question as long as the model's context allows (with ``--conversation``, its turns too); the
+questions decode over its blocks, ``--batch`` at a time from a file or a pipe (one request),
+else one request per question. With ``--conversation`` each question and its answer
 join the document's blocks (``keep``), so the next question continues them; ``/reset`` rolls the
 document back to its mark.
 
