@@ -590,7 +590,9 @@ def engine_mixed(ctx, job, docs, questions, slots, new, extra=None, graphs=False
     def emit(kind, p):
         if kind == "banswer":
             got[p[0]] = p[1]["token_ids"]
-            reasons[p[0]] = p[1]["stop_reason"]
+            # (an answer with no token has no first-token time: the record must not make one up)
+            reasons[p[0]] = p[1]["stop_reason"] if p[1]["new_tokens"] or p[1]["ttft_s"] is None \
+                else "no token, yet a first-token time"
         elif kind == "batch_done":
             done.append(p)
 

@@ -443,7 +443,8 @@ class BatchDecoder:
         n = len(s.tokens)
         decode_s = (s.t_last - s.t_first) if n > 1 else 0.0
         return {"prompt_tokens": s.prompt, "context_tokens": s.doc_tokens + s.prompt, "new_tokens": n,
-                "ttft_s": (s.t_first or s.t_start) - s.t_batch, "prefill_s": s.prefill_s,
+                "ttft_s": (s.t_first or s.t_start) - s.t_batch if n else None,  # (no token: none came first)
+                "prefill_s": s.prefill_s,
                 "prefill_tokens_per_s": s.prompt / s.prefill_s if s.prefill_s else None,
                 "decode_tokens_per_s": (n - 1) / decode_s if decode_s else None,
                 "stop_reason": reason, "prefill_method": "batched",
