@@ -297,12 +297,18 @@ def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
         tail.extend(layer, k_new, v_new)
         tables, kv_len = tail.rows_tables(ctx.rows, extended=True)
     kw = dict(q_pos=pos, pos_pool=pool.pos, window=window) if (q.shape[2] > 1 or window is not None) else {}
+    return _pooled(pool, layer, q, tables, kv_len, scale=scale, softcap=softcap, **kw)
+
+
+def _pooled(pool, layer: int, q, tables, kv_len, **kw):
+    """``partial_attention_paged`` over ``pool``'s layer as stored (:func:`_stored`'s twin for
+    block tables): an fp8 pool's queries turn into its rotated basis, its per-block scales come
+    along, and the output turns back. Returns ``(o fp32, lse)``."""
     quant = pool.quant
     if quant is not None:
         kw.update(k_scale=pool.ks[layer], v_scale=pool.vs[layer])
         q = quant.rotate(q)
-    o, lse = partial_attention_paged(q, pool.k[layer], pool.v[layer], tables, kv_len, scale=scale, softcap=softcap,
-                                     out_dtype=torch.float32, **kw)
+    o, lse = partial_attention_paged(q, pool.k[layer], pool.v[layer], tables, kv_len, out_dtype=torch.float32, **kw)
     return (quant.unrotate(o) if quant is not None else o), lse
 
 
@@ -336,7 +342,6 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
     else:
         tables, _ = tables_tensor([s.table for s in shards], device=q.device)
         kv_len = torch.tensor([s.n for s in shards], dtype=torch.int64, device=q.device)
-    quant = pool.quant
     kw = dict(q_pos=qp, pos_pool=pool.pos, window=window) if window is not None else {}
     asking = [[i for i in members if cites[i] is not None] if cites else [] for _, _, members in groups]
     if any(asking):  # the rows that cite: each key's log-sum-exp, in table order
@@ -346,13 +351,7 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
                 if i in asking[g]:
                     want[g, j * T:(j + 1) * T] = True
         kw.update(_blocks(qq, tables.shape[1] * pool.page, want.to(q.device)))
-    if quant is not None:
-        kw.update(k_scale=pool.ks[layer], v_scale=pool.vs[layer])
-        qq = quant.rotate(qq)
-    o, lse = partial_attention_paged(qq, pool.k[layer], pool.v[layer], tables, kv_len, scale=scale, softcap=softcap,
-                                     out_dtype=torch.float32, **kw)
-    if quant is not None:
-        o = quant.unrotate(o)
+    o, lse = _pooled(pool, layer, qq, tables, kv_len, scale=scale, softcap=softcap, **kw)
     o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
     l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
     for g, idx in enumerate(idxs):

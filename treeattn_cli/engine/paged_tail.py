@@ -158,10 +158,16 @@ class PagedTail(ShardedKVCache):
         rows, _, slots = index  # (the tail's writes: row and slot indices, every KV head)
         self.pool.write(layer, self._flat[rows, slots], k, v)
 
-    def _rows_flat(self, rows, L: int) -> torch.Tensor:
+    def _pick(self, t: torch.Tensor, rows, width: int) -> torch.Tensor:
+        """The first ``width`` columns of slot-major ``t`` (``_flat``, ``_table``, ``pos``) for
+        slots ``rows`` (None: all; a view then)."""
         if rows is None or list(rows) == list(range(self.batch)):
-            return self._flat[:, :L]
-        return self._flat[torch.as_tensor(list(rows), dtype=torch.int64, device=self.device), :L]
+            return t[:, :width]
+        return t[torch.as_tensor(list(rows), dtype=torch.int64, device=self.device), :width]
+
+    def _lens(self, rows, extended: bool) -> torch.Tensor:
+        """Host lengths of slots ``rows``, with the extension under way's tokens when ``extended``."""
+        return self.host_length[rows] + (self._ext_added[rows] if extended else 0)
 
     def _stores(self):
         return (self.pool.k, self.pool.v) + ((self.pool.ks, self.pool.vs) if self.quant is not None else ())
@@ -170,10 +176,7 @@ class PagedTail(ShardedKVCache):
     def _tables(self, tokens: int, rows=None) -> torch.Tensor:
         """``[R, ceil(tokens / page)]`` int32: the blocks of slots ``rows`` (None: all) wide enough
         for ``tokens`` tokens (a view of ``_table`` when all rows)."""
-        nb = max(1, self.blocks_for(tokens))
-        if rows is None or list(rows) == list(range(self.batch)):
-            return self._table[:, :nb]
-        return self._table[torch.as_tensor(list(rows), dtype=torch.int64, device=self.device), :nb]
+        return self._pick(self._table, rows, max(1, self.blocks_for(tokens)))
 
     def step_tables(self, layer: int, k_new, v_new):
         """:meth:`update` for a read through tables: write this rank's share of the step's K/V and
@@ -189,7 +192,7 @@ class PagedTail(ShardedKVCache):
 
     def rows_tables(self, rows, extended: bool = False):
         """:meth:`view_rows`'s tokens as ``(block_tables [R, nb], kv_len [R])``."""
-        lens = self.host_length[rows] + (self._ext_added[rows] if extended else 0)
+        lens = self._lens(rows, extended)
         return self._tables(int(lens.max()) if len(rows) else 0, rows), lens.to(self.device)
 
     # -- the reads of cache.ShardedKVCache, gathered ----------------------------------------
@@ -210,7 +213,7 @@ class PagedTail(ShardedKVCache):
     def scales(self, layer: int, L: int, rows=None):
         if self.quant is None:
             return None, None
-        flat = self._rows_flat(rows, L)
+        flat = self._pick(self._flat, rows, L)
         return self.pool.gather(self.pool.ks[layer], flat), self.pool.gather(self.pool.vs[layer], flat)
 
     def _span(self, b: int, start: int, m: int) -> torch.Tensor:
@@ -228,13 +231,9 @@ class PagedTail(ShardedKVCache):
         return self.pool.gather(self.pool.ks[layer], flat), self.pool.gather(self.pool.vs[layer], flat)
 
     def view_rows(self, layer: int, rows, extended: bool = False):
-        lens = self.host_length[rows] + (self._ext_added[rows] if extended else 0)
+        lens = self._lens(rows, extended)
         L = int(lens.max()) if len(rows) else 0
-        flat = self._rows_flat(rows, L)
-        if list(rows) == list(range(self.batch)):
-            pos = self.pos[:, :L]
-        else:
-            pos = self.pos[torch.as_tensor(list(rows), dtype=torch.int64, device=self.device), :L]
+        flat, pos = self._pick(self._flat, rows, L), self._pick(self.pos, rows, L)
         return (self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat),
                 lens.to(self.device), pos)
 
