@@ -21,6 +21,8 @@ import tempfile
 import zlib
 
 import pytest
+
+import treeattn_cli  # noqa: F401  (before torch computes anything: MKL's strict mode, treeattn_cli/__init__.py)
 import torch
 
 # A run started in the background (`make test &`, nohup, some CI runners) inherits SIGINT

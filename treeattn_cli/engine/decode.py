@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from treeattn_kernels import gpu_route
 
+from . import invariance
 from .attention import AttentionContext
 from . import host
 from .graphs import StepGraphs
@@ -92,10 +93,13 @@ class Decoder:
         """The model on ``ids [B, T]``: the last position's logits ``[B, V]`` (``rows`` > 1: the
         last ``rows`` positions', ``[B, rows, V]``) where ``want_logits``, else None."""
         kw = dict(input_ids=ids, position_ids=positions, use_cache=False, treeattn_ctx=self.actx)
-        if want_logits:
-            logits = self.model(**kw, logits_to_keep=rows).logits
-            return (logits[:, -1] if rows == 1 else logits[:, -rows:]).float()
-        self.base(**kw)
+        # every forward but a document's prefill segment may hold rows of several requests, or must
+        # give a request's rows the numbers any other forward would: rows in fixed chunks
+        with invariance.shared_rows(self.actx.phase != "prefill"):
+            if want_logits:
+                logits = self.model(**kw, logits_to_keep=rows).logits
+                return (logits[:, -1] if rows == 1 else logits[:, -rows:]).float()
+            self.base(**kw)
         return None
 
     @property

@@ -216,7 +216,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_re
     only this rank's slices (transformers' TP loader; see ``tp.py``)."""
     from transformers import AutoModelForCausalLM
 
-    from . import tp
+    from . import invariance, tp
     from .attention import register
 
     name = register()
@@ -236,7 +236,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_re
         raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0][:200]}") from None
     check_supported(model)
-    return (model if tp_mesh is not None else model.to(device)).eval()
+    model = (model if tp_mesh is not None else model.to(device)).eval()
+    invariance.prepare(model)  # each row's numbers its own, alone or among others (model.treeattn_rows)
+    return model
 
 
 def weight_bytes(model) -> int:

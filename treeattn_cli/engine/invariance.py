@@ -1,0 +1,170 @@
+"""Rows that do not see their neighbours: a row's weight matmuls give the same bits whether it is
+alone, one of a batch of 32, a draft of a verify or a token of a question's prefill (issue 49).
+
+A batch, a verify of K drafts and a joined request all change how many rows share a matrix
+multiply, and BLAS libraries pick their kernel by that number: measured on the project's CPU
+(MKL 2024.2, torch 2.13), a row of ``linear(x, W)`` alone (a GEMV) differs in its last bits from
+the same row among 2..64 rows, and the GEMMs of 2-3 rows differ from those of 8 or 16. An fp8
+cache turns one such bit into a whole e4m3 step of a key, and answers change.
+
+Two ways to make every row's numbers its own, chosen per model by :func:`prepare` on its own
+weights and checked there (the check computes rows alone and among 2..200 others at several
+places and compares the bits):
+
+* ``library``: the matmul library is invariant by itself. MKL's strict conditional numerical
+  reproducibility (``MKL_CBWR=AUTO,STRICT``, set by ``treeattn_cli/__init__.py`` before any MKL
+  call of the process) fixes each element's order of summation whatever the number of rows or
+  threads: measured, every row equal at any M. No padding (a layer's rows are only made
+  contiguous); a one-row GEMV then runs as a GEMM row (BENCHMARKS.md, "what bit-for-bit answers
+  cost").
+* ``fixed``: every call has exactly ``chunk`` rows (the rows cut in chunks, the last padded with
+  zeros): one shape, one kernel, a row's numbers independent of its place in the chunk and of
+  its neighbours (measured on the CPU without strict mode at 8 rows; on GPUs cuBLAS chooses its
+  kernel by the shape, so one shape is one kernel).
+
+Both are a wrapper of each linear layer's forward (:func:`fixed_linear`; tensor-parallel styles
+included: they wrap the layer's forward, ours wraps theirs), and the check runs the layers through
+it, collectives and all.
+
+Fixed rows apply where rows of several requests meet (:func:`shared_rows`: the engine's decode
+steps, verifies and questions); a document's prefill segments, whose rows are the document's
+alone, run at their natural size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+MKL_MODE = "AUTO,STRICT"  # (also in treeattn_cli/__init__.py, which sets it before torch is imported)
+CHUNK = {"cpu": 8, "cuda": 64}  # rows per call where the library is not invariant by itself
+PROBE_ROWS = (1, 2, 3, 5, 17, 64, 200)  # how many rows a checked row is computed among
+_SHARED = {"on": 0}  # > 0: the forward under way mixes requests' rows (shared_rows)
+
+
+@dataclass(frozen=True)
+class RowPolicy:
+    """How this model's linear layers keep rows apart: ``how`` is ``library`` or ``fixed``
+    (``chunk`` rows per call), ``checked`` whether the check of :func:`prepare` passed."""
+
+    how: str
+    chunk: int | None
+    checked: bool
+
+    def describe(self) -> str:
+        what = ("the matmul library's strict mode (MKL_CBWR=" + os.environ.get("MKL_CBWR", "") + ")"
+                if self.how == "library" else f"every call {self.chunk} rows (padded)")
+        return f"{what}: {'checked' if self.checked else 'NOT row-invariant here'}"
+
+
+@contextlib.contextmanager
+def shared_rows(on: bool = True):
+    """Inside: linear layers of a ``fixed`` policy cut their rows in fixed chunks (the forward
+    mixes rows of several requests, or must give a request's rows as any other forward would)."""
+    _SHARED["on"] += int(on)
+    try:
+        yield
+    finally:
+        _SHARED["on"] -= int(on)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if hasattr(w, "to_local") else w  # a tensor-parallel shard
+
+
+def fixed_linear(forward, chunk: int | None):
+    """``forward`` (a linear layer's) on rows in contiguous memory, and with a ``chunk`` on
+    exactly ``chunk`` rows per call while :func:`shared_rows` is on: the rows of ``x [..., in]``
+    cut in chunks, the last padded. (Contiguous: a tensor-parallel layer takes another route for
+    strided rows than for contiguous ones, measured: the LM head's ``[B, 1, in]`` slice of the
+    last positions gives row 0 other bits beside a second row.)"""
+
+    def run(x, *args, **kwargs):
+        if chunk is None or not _SHARED["on"]:
+            return forward(x.contiguous(), *args, **kwargs)
+        lead, width = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, width)
+        n = rows.shape[0]
+        outs = []
+        for i in range(0, n, chunk):
+            part = rows[i:i + chunk]
+            if part.shape[0] < chunk:  # (the same shape always: zeros below)
+                part = torch.cat([part, part.new_zeros(chunk - part.shape[0], width)])
+            outs.append(forward(part.contiguous(), *args, **kwargs)[:min(chunk, n - i)])
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out.reshape(*lead, out.shape[-1])
+
+    return run
+
+
+def rows_invariant(f, width: int, device, dtype, seed: int = 0) -> bool:
+    """Whether ``f(x)`` (a linear layer, ``x [..., width]``) gives a row the same bits alone and
+    among 2..200 other rows (:data:`PROBE_ROWS`) at its first, middle and last place, its rows
+    contiguous (``[M, width]``) or each the last position of a longer row (``[M, 1, width]``
+    sliced from ``[M, 3, width]``: the LM head's input)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(width, generator=g).to(device, dtype)
+    alone = f(x[None])[0]
+    for m in PROBE_ROWS[1:]:
+        others = torch.randn(m, 3, width, generator=g).to(device, dtype)
+        for at in sorted({0, m // 2, m - 1}):
+            rows = others.clone()
+            rows[at, -1] = x
+            if not (torch.equal(f(rows[:, -1].contiguous())[at], alone) and torch.equal(f(rows[:, -1:])[at, -1], alone)):
+                return False
+    return True
+
+
+def _linears(model) -> list:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _check(model) -> bool:
+    """Every kind of linear layer of ``model`` (by name and local weight), through its forward as
+    installed (a tensor-parallel one's collectives included: every rank checks the same layers in
+    the same order, with the same rows)."""
+    seen = set()
+    for name, m in _linears(model):
+        w = _local(m.weight)
+        key = (name.rsplit(".", 1)[-1], tuple(w.shape), w.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        if not rows_invariant(m, _width(m, w), w.device, w.dtype):
+            return False
+    return True
+
+
+def _width(m, w) -> int:
+    """The width of the rows layer ``m`` takes: its weight's (a tensor-parallel shard's: the
+    rows arrive split), or the declared ``in_features`` for a style that splits them itself (a
+    row-wise layer whose input is replicated). The same answer on every rank."""
+    try:
+        m(torch.zeros(1, w.shape[1], device=w.device, dtype=w.dtype))
+        return w.shape[1]
+    except RuntimeError:
+        return m.in_features
+
+
+def prepare(model) -> RowPolicy:
+    """Make ``model``'s linear layers row-invariant and say how (``model.treeattn_rows``): the
+    library's own matmul where it is invariant on the model's layers (MKL's strict mode on a
+    CPU), else fixed chunks of rows (:data:`CHUNK`), checked the same way. Where neither passes
+    (an unknown BLAS), fixed chunks stay and the policy says it is not checked."""
+    linears = [m for _, m in _linears(model)]
+    device = _local(linears[0].weight).device if linears else torch.device("cpu")
+    real = [m.forward for m in linears]
+    with torch.inference_mode(), shared_rows():
+        for m, f in zip(linears, real):
+            m.forward = fixed_linear(f, None)
+        policy = RowPolicy("library", None, True)
+        if device.type != "cpu" or not _check(model):
+            chunk = CHUNK.get(device.type, CHUNK["cuda"])
+            for m, f in zip(linears, real):
+                m.forward = fixed_linear(f, chunk)
+            policy = RowPolicy("fixed", chunk, _check(model))
+    model.treeattn_rows = policy
+    return policy
