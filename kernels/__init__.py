@@ -100,7 +100,8 @@ def gpu_path(q) -> bool:
 
 def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None, pos_pool=None,
                             window=None, softcap=None, k_scale=None, v_scale=None, out_dtype=None,
-                            block_lse=None, lse_block: int = 1, lse_rows=None, impl: str = "auto"):
+                            block_lse=None, lse_block: int = 1, lse_rows=None, impl: str = "auto",
+                            fixed_splits: bool = False):
     """Partial attention of ``q [B, H, Q, d]`` to the shards ``block_tables [B, nb]`` name in a
     layer's pool ``k_pool, v_pool [blocks, H_kv, page, d]`` (row b: the first ``kv_len[b]``
     tokens of its blocks; ``pos_pool [blocks, page]`` their positions, for ``q_pos [B, Q]``
@@ -108,8 +109,8 @@ def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=No
     path (:func:`gpu_path`) the Triton split kernel reads through the tables, one launch for the
     rows of every sequence; elsewhere, or past its rows, each row's blocks are gathered and
     :func:`partial_attention` runs on them. ``block_lse [B, H, Q, ceil(nb·page / lse_block)]``,
-    ``lse_rows``: as :func:`partial_attention`, over each row's keys in table order. Returns
-    ``(o [B, H, Q, d], lse [B, H, Q])``."""
+    ``lse_rows``: as :func:`partial_attention`, over each row's keys in table order;
+    ``fixed_splits`` too. Returns ``(o [B, H, Q, d], lse [B, H, Q])``."""
     blocks = dict(block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows) if block_lse is not None else {}
     if impl == "auto" and _REFERENCE["on"]:
         impl = "torch"
@@ -121,20 +122,22 @@ def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=No
         out = torch.empty(*q.shape, dtype=out_dtype or q.dtype, device=q.device)
         return partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, scale=scale, q_pos=q_pos,
                                               pos_pool=pos_pool, window=window, softcap=softcap, k_scale=k_scale,
-                                              v_scale=v_scale, out=out, **blocks)
+                                              v_scale=v_scale, out=out, fixed_splits=fixed_splits, **blocks)
     kw = dict(blocks)
     if k_scale is not None:
         kw.update(k_scale=gather_pages(k_scale, block_tables), v_scale=gather_pages(v_scale, block_tables))
     if q_pos is not None:
         kw.update(q_pos=q_pos, k_pos=gather_pages(pos_pool, block_tables), k_pos_sorted=True)
     return partial_attention(q, gather_pages(k_pool, block_tables), gather_pages(v_pool, block_tables), scale=scale,
-                             kv_len=kv_len, window=window, softcap=softcap, out_dtype=out_dtype, impl=impl, **kw)
+                             kv_len=kv_len, window=window, softcap=softcap, out_dtype=out_dtype, impl=impl,
+                             fixed_splits=fixed_splits, **kw)
 
 
 def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                       window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
                       k_pos_sorted: bool = False, out=None, lse_out=None, out_dtype=None,
-                      block_lse=None, lse_block: int = 1, lse_rows=None, impl: str = "auto"):
+                      block_lse=None, lse_block: int = 1, lse_rows=None, impl: str = "auto",
+                      fixed_splits: bool = False):
     """Partial attention of ``q [B, H, Q, d]`` to one KV shard ``k, v [B, H_kv, N, d]``.
 
     Returns ``(o [B, H, Q, d] in q.dtype, lse [B, H, Q] fp32, natural log)``; rows with no
@@ -153,6 +156,12 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     cache's positions do): the Triton kernel then searches a sliding window's first key instead
     of walking the shard; the other paths do not need it.
 
+    Rows whose bits must not depend on their neighbours (issue 49: a batch's, a verify's) take
+    ``impl="triton"`` on the GPU's path and ``"torch"`` elsewhere: both reduce keys in splits
+    fixed by their index, never by the rows or the grid. ``fixed_splits``: the Triton kernel's
+    splits are of one length whatever a row's length (keys that grow at the end: a tail); the
+    reference's always are.
+
     ``TREEATTN_KERNEL=triton`` in the environment makes ``auto`` choose on CPU as it does on CUDA
     (the Triton kernel for decode and verify rows, ATen for long query blocks), the kernel run
     by Triton's interpreter (``TRITON_INTERPRET=1``): slow, for tests of the GPU's path end to
@@ -170,10 +179,9 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     if impl == "auto":
         if on_gpu_path and triton_available():  # (on CPU, TREEATTN_KERNEL=triton: the same choice, interpreted)
             impl = gpu_route(q.shape[1] // max(1, k.shape[1]), q.shape[2])
-        else:
+        else:  # (rows that ask for block_lse take the same path as the others: the fused kernel's
+            # partials, the scores beside them, so a citation never changes an answer's bits)
             impl = "aten" if q.device.type == "cpu" else "torch"
-            if block_lse is not None:  # the fused kernel writes no scores: the reference does both in one
-                impl = "torch"  # pass (decode rows on a CPU: 441 us against 554 fused + scores, 2.3K keys)
     if k_scale is not None:  # every path takes the fp8 rows and their scales (ATen's: a key block at a time)
         kw.update(k_scale=k_scale, v_scale=v_scale)
     if impl in ("aten", "cpu"):
@@ -192,5 +200,5 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     if impl == "triton":
         from .partial_triton import partial_attention_triton
 
-        return partial_attention_triton(q, k, v, k_pos_sorted=k_pos_sorted, **kw)
+        return partial_attention_triton(q, k, v, k_pos_sorted=k_pos_sorted, fixed_splits=fixed_splits, **kw)
     raise ValueError(f"unknown kernel impl {impl!r} (expected auto, triton, aten, cpu or torch)")

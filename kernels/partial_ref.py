@@ -15,6 +15,11 @@ import torch
 # blocks under it: the fallback after a failed self-check holds any context the cache holds.
 _MAX_SCORE_ELEMS = 1 << 26  # 256 MiB of fp32
 _KEY_BLOCK = 1 << 14
+# Keys are reduced in splits of SPLIT keys fixed by their index in the shard (issue 49): every
+# matmul and every sum has the same shape whatever the rows beside a row and however many keys
+# follow the ones it sees, so a row's bits are the same alone, in a batch, in a verify of drafts
+# (its later drafts masked) or in the decode step that follows. _KEY_BLOCK is a multiple of it.
+SPLIT = 64
 LSE_BLOCKS = (1, 2, 4, 8, 16)  # keys per block of ``block_lse``: at most the smallest kernel tile
 
 
@@ -163,7 +168,7 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
                 bo, bl, s = _block(rows, kb, vb, scale, softcap,
                                    key_mask(B, q1 - q0, n1 - n0, q.device, qp,
                                             None if k_pos is None else k_pos[..., n0:n1], kv_len, window, k_start=n0),
-                                   B, H_kv, G, q1 - q0)
+                                   B, H_kv, G, q1 - q0, scores=block_lse is not None)
                 if block_lse is not None:
                     _write_blocks(block_lse, lse_rows, s, q0, q1, n0, lse_block, B, H)
                 acc_o, acc_l = (bo, bl) if acc_o is None else _merge(acc_o, acc_l, bo, bl)
@@ -226,16 +231,57 @@ def _scores(rows, k, scale, softcap, mask, B, H_kv, G, nq):
     return s
 
 
-def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq):
+def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq, scores: bool = False):
     """Partial of ``rows [B, H_kv, G*nq, d]`` over one block of keys ``[B, H_kv, n, d]``:
-    ``(o [B, H_kv, G*nq, d], lse [B, H_kv, G, nq])`` fp32, natural log, and the masked scores
-    ``s [B, H_kv, G, nq, n]``."""
-    n = k.shape[2]
-    s = _scores(rows, k, scale, softcap, mask, B, H_kv, G, nq)
-    lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, q)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - safe[..., None])  # (B, H_kv, G, q, n); rows with no key are all 0
-    return torch.matmul(p.view(B, H_kv, G * nq, n), v.float()), lse, s
+    ``(o [B, H_kv, G*nq, d], lse [B, H_kv, G, nq])`` fp32, natural log, and with ``scores`` the
+    masked scores ``s [B, H_kv, G, nq, n]`` (else None).
+
+    The keys go in splits of :data:`SPLIT` (the last padded, its padding masked), each split
+    reduced on its own by one fixed-shape batched matmul and sum per step, then the splits
+    summed in their order along a dimension of their own (a running sum): a row's result does
+    not depend on the other rows, nor on keys it does not see after the ones it sees (they add
+    exact zeros), so it is bit for bit the same in any batch and at any later length."""
+    n, d = k.shape[2], k.shape[3]
+    R = G * nq
+    ns = -(-n // SPLIT)
+    pad = ns * SPLIT - n
+    kf, vf = k.float(), v.float()
+    if pad:  # zeros: finite, and masked below
+        kf = torch.nn.functional.pad(kf, (0, 0, 0, pad))
+        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
+    Rp = max(R, 2)  # a one-row batched matmul takes another kernel: two rows at least (the second zeros)
+    qr = rows.float()
+    if Rp != R:
+        qr = torch.cat([qr, qr.new_zeros(B, H_kv, Rp - R, d)], 2)
+    BH = B * H_kv
+    q3 = qr.reshape(BH, 1, Rp, d).expand(BH, ns, Rp, d).reshape(BH * ns, Rp, d)  # (BH·ns, Rp, d)
+    k3 = kf.reshape(BH * ns, SPLIT, d)  # (BH·ns, SPLIT, d)
+    s = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)  # (BH·ns, Rp, SPLIT)
+    if softcap is not None:
+        s = torch.tanh(s / softcap).mul_(softcap)
+    s = s.view(BH, ns, Rp, SPLIT)[:, :, :R]  # (BH, ns, R, SPLIT)
+    if mask is not None or pad:
+        m = torch.ones(B, nq, n, dtype=torch.bool, device=k.device) if mask is None else mask  # (B, q, n)
+        m = torch.nn.functional.pad(m, (0, pad), value=False).view(B, 1, 1, nq, ns, SPLIT)
+        m = m.expand(B, H_kv, G, nq, ns, SPLIT).permute(0, 1, 4, 2, 3, 5).reshape(BH, ns, R, SPLIT)
+        s = s.masked_fill(~m, -math.inf)
+    mx = s.amax(dim=-1)  # (BH, ns, R): each split's largest score
+    safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+    p = torch.exp(s - safe[..., None])  # masked keys: 0
+    den = p.sum(dim=-1)  # (BH, ns, R)
+    pv = torch.zeros(BH * ns, Rp, SPLIT, device=k.device)
+    pv[:, :R] = p.reshape(BH * ns, R, SPLIT)
+    o = torch.bmm(pv, vf.reshape(BH * ns, SPLIT, d))[:, :R].view(BH, ns, R, d)  # each split's sum of p·v
+    top = mx.amax(dim=1, keepdim=True)  # (BH, 1, R)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(mx - top)  # (BH, ns, R); an empty split weighs 0
+    num = torch.cumsum(o * w[..., None], dim=1)[:, -1]  # (BH, R, d): the splits in order
+    tot = torch.cumsum(den * w, dim=1)[:, -1]  # (BH, R)
+    o = num / torch.where(tot > 0, tot, torch.ones_like(tot))[..., None]
+    lse = (top[:, 0] + torch.log(tot)).view(B, H_kv, G, nq)  # -inf where no key
+    if scores:  # (B, H_kv, G, q, n), as _scores gives them
+        s = s.reshape(B, H_kv, ns, G, nq, SPLIT).permute(0, 1, 3, 4, 2, 5).reshape(B, H_kv, G, nq, ns * SPLIT)[..., :n]
+    return o.view(B, H_kv, R, d), lse, s if scores else None
 
 
 def _write_blocks(block_lse, lse_rows, s, q0, q1, n0, cb, B, H):

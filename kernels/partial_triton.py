@@ -3,10 +3,15 @@
 Two launches:
   1. ``_split_kernel``: one program per (batch, KV head, split). It loads each K/V block of
      its split once for all ``G = H / H_kv`` query heads of the group (times Q query rows),
-     runs an online softmax in base 2, and writes a per-split partial ``(o, lse)``. The split
-     count is planned on the host from the capacity (CUDA graphs keep their shapes); each
-     program cuts its run of blocks from the live length on the device, and, with positions
-     sorted, from the window: a search over the positions, not a walk. The K/V loads are
+     runs an online softmax in base 2, and writes a per-split partial ``(o, lse)``. Splits are
+     runs of keys fixed by their index (issue 49): split s of a row covers keys ``[s·L, (s+1)·L)``,
+     ``L`` a fixed length (a tail that grows) or a function of the row's own length (a
+     document), never of the batch, the grid or the other rows; the tile (``BLOCK_M`` query rows,
+     ``BLOCK_N`` keys) is the same for every call. A row's numbers are then the same alone, in a
+     batch, as a draft of a verify or as the decode step after it. The grid is planned on the host
+     from the capacity (CUDA graphs keep their shapes); each program skips the tiles past the
+     live length and, with positions sorted, outside the window (a search over the positions, not
+     a walk): a skipped tile is one no row sees, which would add exact zeros. The K/V loads are
      software-pipelined (``num_stages=3``: two tiles in flight per CTA). An fp8 cache
      (``k_scale``/``v_scale``, DESIGN.md §11) is read as stored: the program loads the fp8 K/V
      tiles and their per-row scales (bf16, ``SCALE_G`` per row, one per ``d / SCALE_G``
@@ -53,7 +58,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Runtime integers that change from call to call (lengths, split counts, group sizes) are
 # never specialised: one compiled kernel serves every N, so eager decode does not recompile as
 # the cache grows. Strides stay specialised (a unit stride gives vectorised loads).
-_RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "window", "has_len", "sorted_pos",
+_RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "SPLIT_LEN", "SPLIT_MIN", "SPLIT_CAP", "window", "has_len",
+                 "sorted_pos",
                  "sqpb", "sqpq", "skpb", "skpn", "stb",  # position strides: 0 or 1 either way
                  # block_lse's outer strides follow N and Q; lse_rows' are 0 without it (one kernel)
                  "sbb", "sbh", "sbq", "srb", "srq", "has_rows"]
@@ -293,6 +299,7 @@ def _split_kernel(
     svsb, svsh, svsn, svsg,
     N, H_KV, G, NQ, NSPLIT, qk_scale, window, softcap, has_len, sorted_pos,
     BL, LR, sbb, sbh, sbq, sbj, srb, srq, has_rows,  # last: the other arguments keep their places
+    SPLIT_LEN, SPLIT_MIN, SPLIT_CAP,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr, UPCAST: tl.constexpr, FANOUT: tl.constexpr,
     SCALE_G: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, LSE_BLOCK: tl.constexpr,
@@ -333,6 +340,16 @@ def _split_kernel(
     n_end = N
     if has_len:
         n_end = tl.minimum(N, tl.load(KVLEN + b).to(tl.int32))
+    # ... in the split of keys this program owns, fixed by key index (issue 49): [s·L, (s+1)·L),
+    # L = SPLIT_LEN, or 0: from this row's own length (at least SPLIT_MIN, at most SPLIT_CAP
+    # splits of it, in whole tiles). Tiles are aligned to BLOCK_N from key 0: the same tiles, in
+    # the same order, whatever else the launch holds; a tile the window or the causal end hides
+    # from every row of the program is skipped (below: it would add exact zeros)
+    split = SPLIT_LEN + n_end * 0
+    if SPLIT_LEN == 0:  # (one division: tiles of BLOCK_N keys, SPLIT_CAP splits)
+        split = tl.maximum(SPLIT_MIN, tl.cdiv(n_end, SPLIT_CAP * BLOCK_N) * BLOCK_N)
+    s_lo = pid_s * split
+    s_hi = tl.minimum(s_lo + split, n_end)
     lo = n_end * 0
     hi = n_end
     k_base = K + b * skb + hk * skh  # this (batch, KV head)'s keys; 64-bit offsets
@@ -346,12 +363,10 @@ def _split_kernel(
         q_lo, q_hi = _query_span(qpos, row_ok)
         if sorted_pos:  # ... narrowed to the window and the causal end by their positions
             lo, hi = _live_range(KPOS, b * skpb, skpn, n_end, q_lo - window + 1, q_hi, window > 0, FANOUT)
-    # ... and cut into NSPLIT runs of whole blocks, balanced (every split has work whenever
-    # there are at least NSPLIT blocks, however far the capacity is from the length)
     lo = lo // BLOCK_N * BLOCK_N
     nblk = tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0).to(tl.int64)
-    start = lo + ((pid_s * nblk) // NSPLIT).to(tl.int32) * BLOCK_N
-    stop = tl.minimum(lo + (((pid_s + 1) * nblk) // NSPLIT).to(tl.int32) * BLOCK_N, hi)
+    start = tl.maximum(lo, s_lo)
+    stop = tl.minimum(hi, s_hi)
     if LSE_BLOCK > 0:
         bl_row = BL + b * sbb + head * sbh + qi.to(tl.int64) * sbq  # (BLOCK_M,) each row's runs
         ask = row_ok  # the rows whose runs are stored
@@ -471,30 +486,8 @@ def _reduce_kernel(OP, LP, O, LSE, SINK, sob, soh, soq, sod, slb, slh, slq, H, N
              tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")))
 
 
-def choose_splits(B: int, H_kv: int, N: int, n_sms: int, block_n: int, min_blocks: int = 4,
-                  depth: int = 2) -> int:
-    """Split count for the KV axis of ``N`` keys (the capacity under a CUDA graph: the kernel
-    cuts the *live* length into this many runs on the device).
-
-    Two waves of CTAs over the SMs (a second CTA per SM computes while the first waits), with no
-    split under ``min_blocks`` blocks (below that the reduce costs more than it saves); but never
-    less than one full wave while the shard has the blocks for it: ``splits >= min(one wave,
-    blocks / depth)``. ``depth`` is the kernel's K/V tiles in flight per CTA; a split shorter
-    than that leaves its pipeline part empty, so a shard too short for a full wave (Llama-8B at
-    tp 8 over 8K keys: 128 blocks of 64 for 132 SMs) is cut into runs of ``depth`` blocks:
-    every byte of it is requested in the first memory round trip, which is all Little's law
-    asks of it."""
-    if N <= 0:
-        return 1
-    blocks = triton.cdiv(N, block_n)
-    bh = max(1, B * H_kv)
-    splits = min(triton.cdiv(2 * n_sms, bh), blocks // min_blocks)
-    splits = max(splits, min(triton.cdiv(n_sms, bh), triton.cdiv(blocks, max(1, depth))))
-    return int(max(1, splits))
-
-
 def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool,
-            p_size: int | None = None, decode: bool = False) -> tuple[int, int]:
+            p_size: int | None = None) -> tuple[int, int]:
     """``(BLOCK_N, num_stages)`` of the split kernel's K/V tiles on ``target``.
 
     Tiles are software-pipelined with ``num_stages=3``: two K/V tiles in flight per CTA (the
@@ -510,20 +503,21 @@ def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool
 
     fp8 K/V: ``esize`` 1 (their scales are prefetched into registers, not buffered), at most
     32 keys on CUDA (registers). On ROCm the stream pipeliner keeps tiles dequantized before
-    their dot in registers, not LDS: three in flight for ``decode`` (one query row per
-    sequence; half-size tiles, and gfx942's 304 CUs at tp 8 over 32K keys hold one workgroup
-    each, whose two tiles alone fall short of Little's law), two of 32 keys for query slices
-    (as many workgroups per CU as the 16-bit kernel's one tile of 32 keys: at half the bytes a
-    tile, as many bytes in flight). The probability tile is staged in the compute dtype
-    (``p_size`` bytes, default ``esize``)."""
+    their dot in registers, not LDS: three in flight for tiles of 16 rows (half-size tiles:
+    gfx942's 304 CUs at tp 8 over 32K keys hold one workgroup each, whose two tiles alone fall
+    short of Little's law), two of 32 keys for taller tiles (as many workgroups per CU as the
+    16-bit kernel's one tile of 32 keys: at half the bytes a tile, as many bytes in flight).
+    Every call of a model takes the same tile (issue 49: ``plan_split``), decode steps the slice
+    height. The probability tile is staged in the compute dtype (``p_size`` bytes, default
+    ``esize``)."""
     if target.backend == "interpreter":
         return 64, 2
-    if upcast:
-        return 32, (1 if target.is_hip else 3)
+    if upcast:  # (d = 256 on CUDA: 16 keys, or ptxas spills the window variant on sm_80)
+        return (16 if block_d >= 256 and not target.is_hip else 32), (1 if target.is_hip else 3)
     budget = target.sm_shared // 2 if target.is_hip else target.sm_shared // 3 - 8192
     stages = 2 if target.is_hip and block_m > 16 else 3
     if esize == 1 and target.is_hip:
-        stages = 4 if decode or block_m <= 16 else 3  # fp8 on ROCm (above)
+        stages = 4 if block_m <= 16 else 3  # fp8 on ROCm (above)
     p_size = p_size or esize
     # fp8 on CUDA: a 64-key tile's dequantized MMA operands take ~190 registers (2 CTAs per SM);
     # 32 keys take ~165 (3 CTAs per SM, the 16-bit kernel's)
@@ -539,7 +533,8 @@ def max_rows(d: int, dtype) -> int:
     query tile (and the fp32 accumulator beside it) stays at 8K elements for 16-bit inputs and
     at 16 rows for fp32 (whose ieee-precision dot holds its operands in registers): nothing
     spills on sm_80, sm_90 or gfx942 (the offline compile checks it). The same over an fp8
-    cache (its tiles are dequantized before the 16-bit dots)."""
+    cache (its tiles are dequantized before the 16-bit dots). Every call takes the slice's tile,
+    a decode step's G rows included (issue 49: :func:`plan_split`)."""
     budget = 1024 if dtype == torch.float32 else 8192
     return max(16, min(MAX_ROWS, budget // max(16, triton.next_power_of_2(d))))
 
@@ -548,8 +543,8 @@ def max_rows(d: int, dtype) -> int:
 class SplitPlan:
     """Launch parameters of the split kernel for one call (and of its reduce)."""
 
-    splits: int
-    split_len: int  # keys per split at the full length N (the kernel cuts the live length)
+    splits: int  # programs per (batch, KV head): the grid, enough for any row's splits
+    split_len: int  # keys per split: fixed, or 0: each row's own (its length over split_cap, at least split_min)
     block_m: int
     block_n: int
     block_d: int
@@ -557,6 +552,8 @@ class SplitPlan:
     num_stages: int
     upcast: bool
     block_g: int = 0  # fp8 K/V: scale groups per row, padded to a power of two (0: no scales)
+    split_min: int = 0  # keys of a split at the least (a fixed split's length)
+    split_cap: int = 0  # the most splits of one row's keys
 
     @property
     def depth(self) -> int:
@@ -566,45 +563,60 @@ class SplitPlan:
 
 def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target: Target, *,
                num_splits=None, block_n=None, num_warps=None, num_stages=None, kv_dtype=None,
-               scale_groups: int = 0) -> SplitPlan:
+               scale_groups: int = 0, fixed_splits: bool = False) -> SplitPlan:
     """The launch parameters the runtime uses for ``q [B, H_kv·G, Q, d]`` against ``N`` keys on
     ``target`` (``Q`` at most one slice of :func:`max_rows`). ``kv_dtype``: K/V's dtype when it
     is not q's (fp8), with ``scale_groups`` scales per row. The offline compile checks exactly
-    these."""
+    these.
+
+    Nothing here depends on ``B`` or ``Q`` (issue 49): one tile for every call (the slice height
+    of :func:`max_rows`, a decode step's G rows included), and splits fixed by key index, of at
+    least the kernel's tiles in flight (``depth`` tiles: a split shorter leaves its pipeline part
+    empty): ``fixed_splits`` (a tail that grows: a verify's later drafts must not move a row's
+    splits) cuts every row's keys in runs of that length; else each row's own length in at most
+    two waves' worth of runs (``2 × n_sms``: a shard of one KV head still fills the machine, as
+    the batch-sized plan did; a document's keys, read by rows of any batch). ``num_splits``
+    (tests, tuning) cuts each row's length in that many runs of at least one tile. The grid covers
+    the longest row ``N`` allows."""
     upcast = target.backend == "interpreter" or dtype == torch.float32
     block_g = triton.next_power_of_2(scale_groups) if scale_groups else 0
-    # decode: the group's G rows; query blocks: the slice height, the same for a ragged tail
-    # slice, so one compiled kernel serves every slice
-    rows = G if Q == 1 else G * max(1, max_rows(d, dtype) // G)
+    # every call the slice height: a decode step's G rows, a verify's G·(K + 1) and a question's
+    # slice of prefill meet their keys in the same tile, so a row's dots are the same instructions
+    rows = G * max(1, max_rows(d, dtype) // G)
     block_m = max(16, triton.next_power_of_2(rows))
     block_d = max(16, triton.next_power_of_2(d))
     gpu_fp32 = upcast and target.backend != "interpreter"
     # Tile rules checked by the offline compile (no spills, shared memory / LDS within the
     # target's limit, tiles in flight and residency): see kv_tile; heavy tiles spread over 8
     # warps on CUDA; on ROCm a wavefront is 64 lanes, so 4 of them already hold the tile.
-    bn, stages = kv_tile(target, block_m, block_d, (kv_dtype or dtype).itemsize, upcast, p_size=dtype.itemsize,
-                         decode=Q == 1)
+    bn, stages = kv_tile(target, block_m, block_d, (kv_dtype or dtype).itemsize, upcast, p_size=dtype.itemsize)
     block_n = block_n or bn
     num_stages = num_stages or stages
     # (fp8: a decode tile at d = 256 stays on 4 warps, 2 CTAs per SM, where 8 warps fit one)
     heavy = block_m * block_d * (2 if gpu_fp32 else 1) >= (8192 if block_g else 4096)
     num_warps = num_warps or (8 if heavy and not target.is_hip else 4)
-    blocks = triton.cdiv(max(N, 1), block_n)
-    splits = min(num_splits or choose_splits(B, H_kv, N, target.n_sms, block_n, depth=max(1, num_stages - 1)),
-                 blocks)
-    split_len = triton.cdiv(blocks, splits) * block_n
-    return SplitPlan(splits, split_len, block_m, block_n, block_d, num_warps, num_stages, upcast, block_g)
+    n = max(N, 1)
+    least = block_n * (1 if num_splits else max(1, num_stages - 1))
+    if fixed_splits and not num_splits:
+        return SplitPlan(triton.cdiv(n, least), least, block_m, block_n, block_d, num_warps, num_stages, upcast,
+                         block_g, split_min=least, split_cap=triton.cdiv(n, least))
+    cap = num_splits or 2 * target.n_sms
+    return SplitPlan(min(cap, triton.cdiv(n, least)), 0, block_m, block_n, block_d, num_warps, num_stages, upcast,
+                     block_g, split_min=least, split_cap=cap)
 
 
 def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
                              window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
                              out=None, lse_out=None, num_splits=None, block_n=None, num_warps=None,
-                             num_stages=None, k_pos_sorted=False, block_lse=None, lse_block: int = 1, lse_rows=None):
+                             num_stages=None, k_pos_sorted=False, block_lse=None, lse_block: int = 1, lse_rows=None,
+                             fixed_splits: bool = False):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
     The kernel is built for decode (a group's ``G·Q`` query rows in one tile); more rows than
     :func:`max_rows` are processed in query slices. ``num_splits``, ``block_n``, ``num_warps``
     and ``num_stages`` override the automatic choice of :func:`plan_split` (tests, tuning).
+    ``fixed_splits``: every row's keys in runs of one length whatever its length (keys that grow
+    at the end, a tail: :func:`plan_split`).
 
     ``k_scale, v_scale [B, H_kv, N, S]``: ``k`` and ``v`` are an fp8 cache (e4m3fn, or e4m3fnuz
     on ROCm), channel ``c`` of a row scaled by ``scale[..., c // (d / S)]``
@@ -644,7 +656,8 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     o, lse, done = _outputs(q, N, out, lse_out, sink)
     if done:  # no rows, or no keys: block_lse has no entry
         return o, lse
-    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                  fixed_splits=fixed_splits)
     return _attend(q, k, v, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len,
                    window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
                    k_pos_sorted=k_pos_sorted, tuning=tuning, blocks=_blocks(block_lse, lse_block, lse_rows))
@@ -744,7 +757,7 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
         N, H_kv, G, Q, plan.splits, scale * LOG2E,
         int(window) if window is not None else 0,
         float(softcap) if softcap is not None else 0.0, int(kv_len is not None), int(bool(k_pos_sorted)),
-        bl, lr, *b_strides, int(has_rows),
+        bl, lr, *b_strides, int(has_rows), plan.split_len, plan.split_min, plan.split_cap,
         HEAD_D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         HAS_POS=has_pos, UPCAST=plan.upcast, FANOUT=SEARCH_FANOUT, SCALE_G=groups, BLOCK_G=max(1, plan.block_g),
         PAGE=page, LSE_BLOCK=lse_block, SOFTCAP=softcap_mode(softcap), num_warps=plan.num_warps,
@@ -760,7 +773,8 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
 def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None,
                                    pos_pool=None, window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
                                    out=None, lse_out=None, num_splits=None, block_n=None, num_warps=None,
-                                   num_stages=None, block_lse=None, lse_block: int = 1, lse_rows=None):
+                                   num_stages=None, block_lse=None, lse_block: int = 1, lse_rows=None,
+                                   fixed_splits: bool = False):
     """Triton version of :func:`paged_ref.partial_attention_paged_ref` (same arguments and
     outputs; tuning as :func:`partial_attention_triton`): the split kernel reads each row's keys
     through its block table, one block id per tile (the page a multiple of the tile), so rows of
@@ -801,13 +815,14 @@ def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, s
             return partial_attention_triton(q, k, v, scale=scale, q_pos=q_pos, kv_len=kv_len, window=window,
                                             softcap=softcap, sink=sink, out=out, lse_out=lse_out,
                                             k_pos=None if pos_pool is None else gather_pages(pos_pool, block_tables),
-                                            **lse_kw)
+                                            fixed_splits=fixed_splits, **lse_kw)
     dev = q.device
     o, lse, done = _outputs(q, N, out, lse_out, sink)
     if done:  # no rows, or no blocks: block_lse has no entry
         return o, lse
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                  fixed_splits=fixed_splits)
     return _attend(q, k_pool, v_pool, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=pos_pool,
                    kv_len=kv_len, window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
                    k_pos_sorted=False, tuning=tuning, table=block_tables.to(device=dev).contiguous(), page=page,

@@ -80,20 +80,23 @@ def test_eager_decode_does_not_recompile_as_the_shard_grows(compiled, target):
 
 
 def test_plan_rules():
-    """The tile rules the compiled kernels were checked with (decode at Llama-3.1-8B's shape:
-    33 splits x 8 KV heads ~ 2 waves of 132 SMs, two 64-key K/V tiles in flight on H100, 32-key
-    tiles on A100 and MI300X; fp32 on gfx942 single-buffered)."""
+    """The tile rules the compiled kernels were checked with (Llama-3.1-8B's shape: every call
+    the slice's tile, 64 rows of bf16 at d = 128 on 8 warps, two 64-key K/V tiles in flight on
+    H100, 32-key tiles on A100 and MI300X; fp32 on gfx942 single-buffered), and the splits fixed
+    by key index (issue 49): at least a pipeline's tiles each, at most two waves of them."""
     import torch
 
     import treeattn_kernels.partial_triton as pt
     from treeattn_kernels.targets import TARGETS as T
 
     plan = pt.plan_split(1, 8, 4, 1, 1 << 20, 128, torch.bfloat16, T["sm_90"])
-    assert (plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, plan.depth) == (16, 64, 4, 3, 2)
-    assert plan.splits == pt.choose_splits(1, 8, 1 << 20, 132, 64) == 33
+    assert (plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, plan.depth) == (64, 64, 8, 3, 2)
+    assert (plan.splits, plan.split_len, plan.split_min, plan.split_cap) == (264, 0, 128, 264)
+    tail = pt.plan_split(32, 8, 4, 1, 4096, 128, torch.bfloat16, T["sm_90"], fixed_splits=True)
+    assert (tail.splits, tail.split_len) == (32, 128)
     assert pt.plan_split(1, 8, 4, 1, 1 << 17, 128, torch.bfloat16, T["sm_80"]).block_n == 32
     amd = pt.plan_split(1, 8, 4, 1, 1 << 17, 128, torch.bfloat16, T["gfx942"])
-    assert (amd.block_n, amd.num_stages) == (32, 3)
+    assert (amd.block_n, amd.num_stages) == (32, 2)
     hip = pt.plan_split(1, 8, 4, 1, 4096, 256, torch.float32, T["gfx942"])
     assert hip.num_stages == 1 and hip.block_n == 32
     assert pt.max_rows(128, torch.float32) == 16 and pt.max_rows(128, torch.bfloat16) == 64
@@ -101,9 +104,9 @@ def test_plan_rules():
 
 def test_split_counts_fill_the_machine():
     """H4 on the plan alone (no compiler): for every decode shape of the report and every
-    target, a full wave of CTAs, or (a shard too short for one: 8K keys at tp 8) runs no
+    target, a full wave of CTAs, or (a shard too short for one: 8K keys at tp 8) splits no
     longer than the kernel's pipeline, so the whole shard is requested at once; from 32K keys
-    per rank on, always a full wave."""
+    per rank on, always a full wave. A row's splits are its own length's (issue 49)."""
     import torch
 
     import treeattn_kernels.partial_triton as pt
@@ -113,9 +116,11 @@ def test_split_counts_fill_the_machine():
     for t in T.values():
         for model, tp, N, H, H_kv, d in decode_shapes():
             plan = pt.plan_split(1, H_kv, H // H_kv, 1, N, d, torch.bfloat16, t)
-            ctas, blocks = H_kv * plan.splits, -(-N // plan.block_n)
-            per_split = -(-blocks // plan.splits)
-            assert ctas >= t.n_sms or per_split <= plan.depth, (t.name, model, tp, N, plan)
+            split = max(plan.split_min, -(-(-(-N // plan.split_cap)) // plan.block_n) * plan.block_n)  # the kernel's
+            splits = -(-N // split)
+            assert splits <= plan.splits, (t.name, model, tp, N, plan)
+            ctas = H_kv * splits
+            assert ctas >= t.n_sms or split // plan.block_n <= plan.depth, (t.name, model, tp, N, plan)
             if N >= 32768:
                 assert ctas >= t.n_sms, (t.name, model, tp, N, plan)
 

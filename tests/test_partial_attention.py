@@ -200,13 +200,23 @@ def test_bad_shapes_raise_clearly(bad):
         partial_attention_ref(q, k, v, **kw)
 
 
-def test_choose_splits_fills_the_machine():
+def test_the_plan_does_not_depend_on_the_batch_or_the_rows():
+    """Issue 49: the split kernel's tile and splits are the same for any batch and any number of
+    query rows (a decode step, a verify of drafts, a question's slice), on every target: only
+    the grid grows with the keys it must cover."""
     pytest.importorskip("triton")
-    from treeattn_kernels.partial_triton import choose_splits
+    import treeattn_kernels.partial_triton as pt
+    from treeattn_kernels.targets import TARGETS
 
-    assert choose_splits(1, 8, 1 << 20, 132, 64) == 33  # 8 heads x 33 splits ~ 2 waves of 132 SMs
-    assert choose_splits(1, 8, 100, 132, 64) == 1  # too short to split
-    assert choose_splits(64, 8, 1 << 20, 132, 64) == 1  # batch already fills the machine
+    for t in TARGETS.values():
+        for dtype in (torch.bfloat16, torch.float32):
+            for fixed in (False, True):
+                plans = {pt.plan_split(B, 8, 4, Q, N, 128, dtype, t, fixed_splits=fixed)
+                         for B in (1, 3, 32, 200) for Q in (1, 2, 9, 16) for N in (1 << 20,)}
+                assert len(plans) == 1, (t.name, dtype, fixed, plans)
+                p = plans.pop()
+                assert p.split_min == p.block_n * p.depth  # a split keeps the kernel's pipeline full
+                assert p.split_len == (p.split_min if fixed else 0)
 
 
 # A wider sample of the grid through the interpreted kernel: every N/d/G, dtypes rotating.
@@ -366,9 +376,9 @@ def test_reference_bounds_its_memory_by_rows_and_keys(monkeypatch):
 
 @pytest.mark.parametrize("num_splits", [3, 5])
 def test_triton_splits_follow_the_live_length(monkeypatch, num_splits):
-    """Splits are planned on the capacity (a CUDA graph's shapes) but cut from the live length
-    on the device: with 1000 keys of capacity and 300 live, every split gets work (the split
-    length used to be the capacity's: half the splits exited at once)."""
+    """Splits are planned on the capacity (a CUDA graph's shapes) but cut from each row's own
+    live length on the device: with 1000 keys of capacity and 300 live, every split of that row
+    gets work (the split length used to be the capacity's: half the splits exited at once)."""
     pytest.importorskip("triton")
     import treeattn_kernels.partial_triton as pt
 
@@ -387,7 +397,7 @@ def test_triton_splits_follow_the_live_length(monkeypatch, num_splits):
     o, lse = pt.partial_attention_triton(q, k, v, kv_len=kv_len, num_splits=num_splits)
     lp = seen["lp"]
     assert lp.shape[-1] == num_splits
-    assert torch.isfinite(lp).all(), lp[:, 0, 0]  # 300 keys = 5 blocks >= splits: none empty
+    assert torch.isfinite(lp[0]).all(), lp[0, 0, 0]  # 300 keys = 5 blocks >= splits: none empty
     o_ref, lse_ref = partial_attention_ref(q, k, v, kv_len=kv_len)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeattn_kernels import add_sink, dequantize, gather_pages, gpu_path, partial_attention, partial_attention_paged
+from treeattn_kernels import (add_sink, dequantize, gather_pages, gpu_path, partial_attention, partial_attention_paged,
+                              triton_available)
 
 from .cache import ShardedKVCache
 from ..parallel.comm import Comm
@@ -231,7 +232,7 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
             want = torch.tensor([i in asking for i in members], device=q.device).repeat_interleave(T)[None]
             blocks = _blocks(rows, dk.shape[2], want)
         o, lse = _stored(doc, layer)(rows, dk, dv, scale=scale, kv_len=dlen, softcap=softcap,
-                                     out_dtype=torch.float32, **kw, **blocks)
+                                     out_dtype=torch.float32, impl=shared_impl(q), **kw, **blocks)
         for j, i in enumerate(members):
             if i in asking:
                 cited.append((cites[i], i, blocks["block_lse"][0, :, j * T:(j + 1) * T], doc, lambda dpos=dpos: dpos[0]))
@@ -277,7 +278,27 @@ def _tail_dense(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
     kw = dict(q_pos=pos, k_pos=tpos, window=window) if (T > 1 or window is not None) else {}
     every = ctx.step or ctx.ext is not None  # every row of the tail (else the extension's rows)
     return _stored(tail, layer, None if every else ctx.rows)(q, tk, tv, scale=scale, kv_len=tlen, softcap=softcap,
-                                                               out_dtype=torch.float32, **kw)
+                                                               out_dtype=torch.float32, **_tail_kernel(q), **kw)
+
+
+def shared_impl(q) -> str:
+    """The kernel of a cascade's document partials, whose query rows are several requests'
+    (issue 49: a row's bits must not depend on its neighbours): on the GPU's path the Triton
+    split kernel, whatever the rows (ATen's, which takes long query blocks elsewhere, would
+    change with their number; its splits and tile are fixed); on a CPU ATen's fused kernel in
+    fp32 (row-invariant under MKL's strict mode: its matmuls are, measured) and the reference in
+    bf16 and fp16 (the fused kernel packs its tiles by the problem's size there)."""
+    if gpu_path(q):
+        return "triton" if triton_available() else "torch"
+    return "auto" if q.dtype == torch.float32 else "torch"
+
+
+def _tail_kernel(q) -> dict:
+    """The kernel of a cascade's tail partials: keys that grow at the end (a verify's later
+    drafts, the next steps' tokens) in splits of one fixed length, so a row's bits do not depend
+    on the tail's width either: the Triton kernel's ``fixed_splits`` on the GPU's path, the
+    reference (always so) elsewhere."""
+    return dict(impl=shared_impl(q) if gpu_path(q) else "torch", fixed_splits=True)
 
 
 def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap):
@@ -297,7 +318,7 @@ def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
         tail.extend(layer, k_new, v_new)
         tables, kv_len = tail.rows_tables(ctx.rows, extended=True)
     kw = dict(q_pos=pos, pos_pool=pool.pos, window=window) if (q.shape[2] > 1 or window is not None) else {}
-    return _pooled(pool, layer, q, tables, kv_len, scale=scale, softcap=softcap, **kw)
+    return _pooled(pool, layer, q, tables, kv_len, scale=scale, softcap=softcap, **_tail_kernel(q), **kw)
 
 
 def _pooled(pool, layer: int, q, tables, kv_len, **kw):
@@ -351,7 +372,7 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
                 if i in asking[g]:
                     want[g, j * T:(j + 1) * T] = True
         kw.update(_blocks(qq, tables.shape[1] * pool.page, want.to(q.device)))
-    o, lse = _pooled(pool, layer, qq, tables, kv_len, scale=scale, softcap=softcap, **kw)
+    o, lse = _pooled(pool, layer, qq, tables, kv_len, scale=scale, softcap=softcap, impl=shared_impl(q), **kw)
     o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
     l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
     for g, idx in enumerate(idxs):

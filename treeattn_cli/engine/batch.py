@@ -27,14 +27,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from treeattn_kernels import gpu_path, gpu_route
+from treeattn_kernels import gpu_path
 
 from .cache import ShardedKVCache
 from .paged_tail import PagedTail, most_here
 from . import host
 from .graphs import StepGraphs
 from .host import Staging
-from .sampling import STOP_CODES, STOP_IDS, Sampling
+from .sampling import STOP_CODES, STOP_IDS, Sampling, digests
 
 _IDLE = -1  # a slot with nothing to report this round
 _ALL_STOPPED = -2  # the launcher interrupted the batch
@@ -59,6 +59,7 @@ class Question:
     cite: dict | None = None  # the request's citation spec (engine.Engine.citation): the answer carries ``cite``
     keep: bool | str = False  # the question and its answer become part of its document (chat --conversation);
     # "question": the question alone (generate --load-kv --save-kv)
+    digest: bool = False  # report a digest of the logits each token was chosen from (rank 0; sampling.digests)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class _Slot:
     drafter: object = None  # rank 0: its n-gram drafter over the document, the question and the answer
     cancelled: bool = False
     logprobs: list = field(default_factory=list)  # rank 0: sampling.token_logprobs of each token, when asked
+    digests: list = field(default_factory=list)  # rank 0: sampling.digests of each token's logits, when asked
     doc: object = None  # the question's documents.Document
     doc_tokens: int = 0  # its tokens: the question's first position
     started: bool = True  # took a slot (False: cancelled before it began)
@@ -209,6 +211,8 @@ class BatchDecoder:
                 out[s.question]["cite"] = c.gather(dec.world)
             if lead and on_answer is not None:
                 lp = {"logprobs": s.logprobs} if questions[s.question].logprobs is not None else {}
+                if questions[s.question].digest:
+                    lp["digests"] = s.digests
                 on_answer(s.question, {**out[s.question], "token_ids": list(s.tokens), **lp})
 
         while True:
@@ -336,6 +340,8 @@ class BatchDecoder:
                             break
                     if q.logprobs is not None:
                         s.logprobs += lps[:len(final)]
+                    if q.digest:  # the bits each token was chosen from (the oracle of issue 49)
+                        s.digests += digests(rows[b], len(final))
                     nxt = []
                     if reason is None and s.drafter is not None:
                         s.drafter.extend(final)
@@ -592,11 +598,8 @@ class BatchDecoder:
                 if c is not None:
                     c.begin(ids.shape[1])
         graphs = self.graphs if step else self.verify_graphs if ext is not None else None
-        # a launch of more query rows than the split kernel's tile goes to ATen, which reads
-        # lengths on the host: such a step runs eagerly (the graphs of the others stay)
-        rows_per_launch = max(len(i) for _, i in specs) * ids.shape[1]
-        fits = gpu_route(dec.q_heads // dec.cache.kv_heads, rows_per_launch) == "triton"
-        if graphs is not None and graphs.on and not cited and fits:
+        if graphs is not None and graphs.on and not cited:  # (the cascade's launches are all the split kernel's:
+            # its query slices read lengths on the device, whatever the rows: attention.shared_impl)
             # replayed: everything the host decided is in the key, the rest reads the graph's
             # copies of ``inputs``. Documents read through their block tables (the GPU's path)
             # are data: only how many rows each has counts (a graph serves any documents of the
