@@ -107,7 +107,10 @@ def test_alpha_beta_formulas_by_hand():
     assert msg == {"lse": 32, "packed": 2080}
     p = 4
     ring = lambda m: 2 * (p - 1) * 2e-6 + 2 * (p - 1) / p * m * 1e-9  # noqa: E731
-    assert L.scheme_cost_s("allreduce", p, msg, link) == pytest.approx(ring(32) + ring(2080))
+    # over 3+ ranks the allreduce scheme's sum is gathered and added in rank order (issue 49)
+    assert L.scheme_cost_s("allreduce", p, msg, link) == pytest.approx(ring(32) + 3 * (2e-6 + 2080e-9))
+    two = lambda m: 2 * 2e-6 + m * 1e-9  # noqa: E731  (two ranks: a SUM all-reduce)
+    assert L.scheme_cost_s("allreduce", 2, msg, link) == pytest.approx(two(32) + two(2080))
     assert L.scheme_cost_s("tree", p, msg, link) == pytest.approx(2 * 2 * (2e-6 + 2080e-9))
     assert L.scheme_cost_s("allgather", p, msg, link) == pytest.approx(3 * (2e-6 + 2080e-9))
     assert L.scheme_cost_s("tree", 5, msg, link) == pytest.approx(2 * 3 * (2e-6 + 2080e-9))  # ceil(log2 5)

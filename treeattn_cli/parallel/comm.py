@@ -3,13 +3,15 @@
 * process-group set-up with a timeout, failure reporting through the rendezvous store, and a
   :class:`RankFailure` that names the lost rank instead of a bare gloo/NCCL error;
 * :class:`Comm`: the merge schemes over a group — ``allreduce`` (MAX, then one SUM of the
-  packed ``[o·w, w]``), ``allgather`` (one all_gather, local merge), ``tree`` (explicit binary
+  packed ``[o·w, w]``, over 3+ ranks gathered and added in rank order: :meth:`Comm.sum_in_rank_order`),
+  ``allgather`` (one all_gather, local merge), ``tree`` (explicit binary
   tree of point-to-point sends, then back down) and ``hierarchical`` (a scheme inside each group,
   one across group leaders, a broadcast back inside groups) — plus the point-to-point shift that
   the ring paths (``ring.py``) use, and token/object broadcasts;
 * :class:`Stats`: collectives, bytes handed to them and peak extra memory, per step.
 
-Every scheme returns the bit-identical merged ``(o, lse)`` (fp32) on every rank of the group.
+Every scheme returns the bit-identical merged ``(o, lse)`` (fp32) on every rank of the group, and a
+row's bits never depend on the other rows of the merge (its batch).
 """
 
 from __future__ import annotations
@@ -375,7 +377,7 @@ class Comm:
                 every = self.all_gather(torch.cat([o.float(), lse.float()[..., None]], dim=-1))  # [p, ..., d + 1]
                 return merge_gathered_fused(every, out=out, dtype=dtype)
             m = self.all_reduce(lse.float().clone(), "max")
-            packed = self.all_reduce(weigh_fused(o, lse, m), "sum")  # [..., d + 1]
+            packed = self.sum_in_rank_order(weigh_fused(o, lse, m))  # [..., d + 1]
             return unweigh_fused(packed, m, out=out, dtype=dtype)
         if self.world == 1:
             o, lse = o.float(), lse.float()
@@ -397,8 +399,22 @@ class Comm:
 
     def _merge_allreduce(self, o, lse):
         m = self.all_reduce(lse.float().clone(), "max")  # [...]
-        packed = self.all_reduce(weigh(o, lse, m), "sum")  # [..., d + 1] = [Σ o·w, Σ w]
+        packed = self.sum_in_rank_order(weigh(o, lse, m))  # [..., d + 1] = [Σ o·w, Σ w]
         return unweigh(packed, m)
+
+    def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the group, each element's bits independent of the tensor's size and
+        of the element's place in it (issue 49: a row's merge must not depend on its batch). Two
+        ranks: one SUM all-reduce (a + b either way). More: a SUM all-reduce adds in an order its
+        algorithm sets by the message's size and the element's segment of it (a ring's chunks),
+        so the parts are gathered and added in rank order instead (the bytes of an all-gather)."""
+        if self.world <= 2:
+            return self.all_reduce(t, "sum")
+        every = self.all_gather(t)  # [world, ...]
+        acc = every[0].clone()
+        for r in range(1, self.world):
+            acc += every[r]
+        return acc
 
     def _merge_allgather(self, o, lse):
         packed = torch.cat([o.float(), lse.float()[..., None]], dim=-1)  # [..., d + 1]

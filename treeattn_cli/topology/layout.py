@@ -143,8 +143,9 @@ def scheme_cost_s(scheme: str, p: int, msg: dict, link: Link, to_all: bool = Tru
     if p <= 1:
         return 0.0
     m = msg["packed"]
-    if scheme == "allreduce":
-        return ring_allreduce_s(p, msg["lse"], link) + ring_allreduce_s(p, m, link)
+    if scheme == "allreduce":  # over 3+ ranks its SUM is gathered, added in rank order (comm.sum_in_rank_order)
+        return ring_allreduce_s(p, msg["lse"], link) + (ring_allreduce_s(p, m, link) if p <= 2 else
+                                                        (p - 1) * (link.alpha_s + m * link.beta_s))
     if scheme == "allgather":
         return (p - 1) * (link.alpha_s + m * link.beta_s)
     if scheme == "tree":
