@@ -43,7 +43,6 @@ from .cache import ShardedKVCache
 from .decode import segments
 from .paged_shard import PagedShard
 from .pool import BlockPool, block_keys
-from ..parallel.ring import chunk_bounds
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
 # pause a new document puts between the tokens of answers under way is one segment (on the
@@ -428,8 +427,7 @@ class Documents:
 
         saved, manifest = doc.load
         eng = self.engine
-        bounds = chunk_bounds(int(manifest["tokens"]["count"]), eng.mesh.cp)
-        if not self._room(doc, bounds[eng.mesh.cp_index + 1] - bounds[eng.mesh.cp_index], evict=evict):
+        if not self._room(doc, kvstore.shard_counts(manifest, eng.mesh.cp)[eng.mesh.cp_index], evict=evict):
             return False
         kvstore.load_into(saved, manifest, doc.cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index, head0=eng.head0)
         doc.load = None

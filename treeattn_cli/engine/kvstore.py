@@ -305,9 +305,29 @@ def load_ids(d: Path) -> list[int]:
 
 # ---------------------------------------------------------------- loading (on the ranks)
 
+def as_saved(manifest: dict, cp: int) -> bool:
+    """Whether a saved cache goes back onto ``cp`` sequence shards as it was cut: saved from
+    as many, each rank then takes its own shard whole, in its order (a document that left memory
+    comes back bit for bit what it was: the same keys on the same ranks, so every answer over it
+    is the one it gave before, issue 49); else the positions are cut again (:func:`shard_counts`)."""
+    return sorted({s["cp_index"] for s in manifest["shards"]}) == list(range(cp)) \
+        and manifest.get("mesh", {}).get("cp") == cp
+
+
+def shard_counts(manifest: dict, cp: int) -> list[int]:
+    """Every rank's tokens once a saved cache is loaded onto ``cp`` sequence shards: each saved
+    shard's (:func:`as_saved`), or contiguous balanced chunks of the positions."""
+    if as_saved(manifest, cp):
+        n = {s["cp_index"]: s["tokens"] for s in manifest["shards"]}
+        return [n[c] for c in range(cp)]
+    b = chunk_bounds(manifest["tokens"]["count"], cp)
+    return [b[i + 1] - b[i] for i in range(cp)]
+
+
 def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: int) -> list[int]:
-    """Fill ``cache`` with this rank's part of a saved cache under the current mesh: positions
-    ``chunk_bounds(n, cp)[cp_index]`` (contiguous, balanced) and KV heads ``head0 ..
+    """Fill ``cache`` with this rank's part of a saved cache under the current mesh: its own
+    saved shard where the cache was saved on as many sequence shards (:func:`as_saved`), else
+    positions ``chunk_bounds(n, cp)[cp_index]`` (contiguous, balanced); KV heads ``head0 ..
     head0 + cache.kv_heads``, taken from whichever saved shards hold them, one layer at a time
     (the host holds one layer of this rank's part, never the part whole). Returns every rank's
     token count (the same on all ranks)."""
@@ -317,6 +337,7 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
     n = manifest["tokens"]["count"]
     b = chunk_bounds(n, cp)
     lo, hi = b[cp_index], b[cp_index + 1]
+    own = as_saved(manifest, cp)
     h0, h1 = head0, head0 + cache.kv_heads
     saved = kv_dtype_of(manifest)
     quant = cache.quant
@@ -332,21 +353,24 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
     sources = []  # per saved sequence shard: (its files holding my heads, contiguous read [a, z), picks)
     pos_parts = []
     for c in sorted(by_cp):
+        if own and c != cp_index:
+            continue
         entries = sorted((s for s in by_cp[c] if s["kv_heads"][0] < h1 and s["kv_heads"][1] > h0),
                          key=lambda s: s["kv_heads"][0])
         with safe_open(str(d / entries[0]["file"]), "pt") as f:
             pos = f.get_tensor("pos")
-        idx = ((pos >= lo) & (pos < hi)).nonzero().flatten()
+        idx = torch.arange(pos.numel()) if own else ((pos >= lo) & (pos < hi)).nonzero().flatten()
         if idx.numel() == 0:
             continue
         a, z = int(idx[0]), int(idx[-1]) + 1
         sources.append((entries, a, z, idx - a))  # the selected positions inside the read [a, z)
         pos_parts.append(pos[idx])
     pos = torch.cat(pos_parts) if pos_parts else torch.zeros(0, dtype=torch.int64)
-    order = torch.argsort(pos)  # keys in position order (the kernels skip whole blocks by position)
+    # keys in position order (the kernels skip whole blocks by position; a shard as saved is in it already)
+    order = torch.arange(pos.numel()) if own else torch.argsort(pos)
     slot = torch.empty_like(order)
     slot[order] = torch.arange(order.numel())  # where each selected position goes in the shard
-    counts = [b[i + 1] - b[i] for i in range(cp)]
+    counts = shard_counts(manifest, cp)
     cache.begin_fill(pos[order], counts)
     first = 0
     with contextlib.ExitStack() as stack:
