@@ -38,17 +38,10 @@ from pathlib import Path
 FAMILIES = {"llama": 3, "gemma2": 4, "gpt_oss": 5}  # plain GQA; window + soft-capping; sinks + windows
 ORDER = [(3, 1), (1, 1), (2, 1), (2, 2)]  # (cp, tp) rank sets, in the order they run (saves come first)
 LOGPROBS = 3  # alternatives compared per token
-GAP = 1e-4  # logprobs of the same token may differ by fp32 round-off (seen: ~1e-6), not more
-# An fp8 cache rounds every key and value to 3 mantissa bits: two computations that differ in
-# the last fp32 bit (a batch's step of several rows instead of one, another partition of the
-# keys) now and then round an element to the neighbouring fp8 value, and from then on the answer
-# differs by more than round-off: on these 2-layer models up to 3e-3 in logprob (seed 116: one
-# decode token's stored row; the question's rows were the same codes on both paths); on the
-# 30-layer demo model such flips cascade and move the first logits of a question by 0.7 between
-# a batch and alone, as much as between 1 and 2 ranks alone. So fp8 answers are compared with
-# fp8 alone over the same document cache, to this tolerance, and may part only at a near-tie
-# it explains; the unrounded cache (most configurations) is held to GAP.
-GAP_FP8 = 1e-2
+# An answer is compared with the same request alone bit for bit (issue 49): the digest of the logits
+# each token was chosen from, its logprobs, its tokens. Citation masses, a measurement beside the
+# answer (their per-key scores come from another pass over the keys), to fp32 round-off.
+GAP_CITE = 1e-4
 
 
 @dataclass
@@ -351,9 +344,11 @@ class Oracle:
 
 # ---------------------------------------------------------------- on the ranks
 
-def requests_of(c: Config, fx: dict, save_root: str) -> list:
-    """The engine requests of the configuration under test (after the document is in place)."""
-    q_common = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
+def requests_of(c: Config, fx: dict, save_root: str, alone: bool = False) -> list:
+    """The engine requests of the configuration under test (after the document is in place);
+    ``alone``: each question by itself on the same path (see :func:`alone_requests`)."""
+    q_common = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS,
+                "digest": True}
     if c.route in ("batch", "sequential", "conversation"):  # as chat asks: the document in the ranks'
         doc = fx[c.family]["doc"][:c.doc_len]  # pool, named by every question (--batch S at a time)
         spec = {"key": f"chat-{c.seed}", "ids": doc, "piece": c.chunk or -(-len(doc) // c.cp)}
@@ -362,26 +357,28 @@ def requests_of(c: Config, fx: dict, save_root: str) -> list:
             spec.update(load_from=str(d), manifest=json.loads((d / "manifest.json").read_text()))
         qs = [{"ids": q["ids"], "max_new_tokens": new_of(c, i), "cite": q.get("cite"), "doc": spec}
               for i, q in enumerate(c.questions)]
-        common = {"speculate": c.speculate, **q_common, "pool_for": len(doc),
+        common = {"speculate": alone_speculate(c, {}) if alone else c.speculate, **q_common, "pool_for": len(doc),
                   **({"piece": c.qchunk} if c.qchunk else {})}
         if c.route == "conversation":  # --conversation: each question and its answer join the document
             return [{"op": "batch", "questions": [{**q, "keep": True}], "slots": 1, **common, "grow": True}
                     for q in qs]
-        if c.route == "sequential":  # one request per question (chat --batch 1, typed questions)
+        if c.route == "sequential" or alone:  # one request per question (chat --batch 1, typed questions)
             return [{"op": "batch", "questions": [q], "slots": 1, **common} for q in qs]
         return [{"op": "batch", "questions": qs, "slots": c.slots, **common}]
+    if c.route in ("serve", "mixed") and alone:  # each request alone, as the server would have it
+        spec, the_doc = serve_spec(c, fx, save_root)
+        return [{"op": "batch", "slots": 1, **spec,
+                 "questions": [{**serve_question(c, fx, spec, the_doc, i),
+                                "speculate": alone_speculate(c, c.questions[i])}]}
+                for i in range(len(c.questions))]
     raise ValueError(f"no requests for route {c.route}")
 
 
-def _document_requests(c: Config, fx: dict, save_root: str, *, alone: bool = False) -> list:
-    """The document's requests; ``alone``: prefilled plainly on these ranks, except with fp8,
-    whose alone reference continues the same document cache (see :data:`GAP_FP8`)."""
-    doc = fx[c.family]["doc"][:c.doc_len]
-    alone = alone and c.kv != "fp8"
-    if c.reload_cp and not alone:
-        d = Path(save_root) / c.save_key()
-        return [{"op": "load", "dir": str(d), "manifest": json.loads((d / "manifest.json").read_text())}]
-    return [{"op": "append", "ids": doc, "piece": None if alone else c.chunk}]
+def alone_speculate(c: Config, q: dict) -> str:
+    """How a question alone speculates: not at all when greedy (drafts verified in one forward
+    must leave every row's bits as one token at a time would); sampled, as in the configuration
+    (speculative sampling draws other random numbers than plain sampling)."""
+    return "off" if c.greedy else q.get("speculate", c.speculate)
 
 
 def _job(c: Config, fx: dict, graphs: bool = False):
@@ -403,20 +400,15 @@ def _save(ctx, key: str, c: Config, fx: dict, save_root: str) -> None:
                                      "identity": model_identity(fx[c.family]["model"]), "composition": {}}])
 
 
-def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, events: dict) -> None:
-    """The server's path: every question names the document (from disk when saved: the cache
-    directory), one open batch that late questions join (posted as tokens stream, like the
-    scheduler does) and whose answers may be cancelled, questions that joined too late answered
-    by a next batch, and, with ``again``, the same questions once more after another document
-    was served (the first document then comes from the ranks' pools)."""
-    from treeattn_cli.parallel import comm as C
-
+def serve_spec(c: Config, fx: dict, save_root: str) -> tuple[dict, dict]:
+    """What the server's requests of the configuration share: ``(spec, the document)``."""
     doc = fx[c.family]["doc"][:c.doc_len]
     key = c.save_key() if c.reload_cp else f"doc-{c.seed}"
     the_doc = {"key": key, "ids": doc, "piece": c.chunk}
     if c.reload_cp:
         the_doc.update(dir=save_root, manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()))
-    spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS}
+    spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS,
+            "digest": True}
     if c.qchunk:  # a long question goes in chunks of this many tokens, a round each
         spec["piece"] = c.qchunk
     if c.route == "mixed":  # each question names its document; the batch makes them resident
@@ -437,13 +429,31 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
             spill = Path(save_root) / f"spill-{c.seed}"
             spec.update(budget=c.budget, dir=str(spill),
                         save_meta={"identity": model_identity(fx[c.family]["model"]), "composition": {}})
+    return spec, the_doc
+
+
+def serve_question(c: Config, fx: dict, spec: dict, the_doc: dict, i: int) -> dict:
+    """Question ``i`` as the server's engine request has it."""
+    q = {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec,
+         "max_new_tokens": new_of(c, i), "cite": c.questions[i].get("cite")}
+    q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)} \
+        if c.route == "mixed" else the_doc
+    return q
+
+
+def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, events: dict) -> None:
+    """The server's path: every question names the document (from disk when saved: the cache
+    directory), one open batch that late questions join (posted as tokens stream, like the
+    scheduler does) and whose answers may be cancelled, questions that joined too late answered
+    by a next batch, and, with ``again``, the same questions once more after another document
+    was served (the first document then comes from the ranks' pools)."""
+    from treeattn_cli.parallel import comm as C
+
+    doc = fx[c.family]["doc"][:c.doc_len]
+    spec, the_doc = serve_spec(c, fx, save_root)
 
     def question(i):
-        q = {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec,
-             "max_new_tokens": new_of(c, i), "cite": c.questions[i].get("cite")}
-        q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)} \
-            if c.route == "mixed" else the_doc
-        return q
+        return serve_question(c, fx, spec, the_doc, i)
 
     def run_batch(seq: int, order: list, into: dict, posts: bool) -> list:
         """One open batch of questions ``order`` (batch index -> question index); returns (on
@@ -547,37 +557,22 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
         events["single_replays"] = eng.dec.replays
         events["verify_replays"] = eng.dec.verify_graphs.replays
     took = time.perf_counter() - t0
-    # the same requests alone: a fresh engine, the document prefilled plainly, one question at a time
+    # the same requests alone: a fresh engine, the same document on the same path (the pool, its
+    # segments, its saved cache), one question at a time, no drafts: every bit of every answer
     ref = Engine(ctx, _job(c, fx))
-    k = [0]
 
     def emit_alone(kind, p):
-        if kind == "answer":
-            alone[k[0]] = p
-            k[0] += 1
+        if kind == "banswer":
+            alone[len(alone)] = p[1]
 
     real, ctx.emit = ctx.emit, emit_alone
-    spec = "off" if c.greedy else c.speculate
     try:
-        reqs = _document_requests(c, fx, save_root, alone=True) + [{"op": "mark", "name": "doc"}] \
-            if c.route != "mixed" else [{"op": "mark", "name": "empty"}]
-        for i, q in enumerate(c.questions):
-            qspec = "off" if c.greedy else q.get("speculate", spec)
-            if c.route == "mixed":  # its own document, alone (fp8: prefilled in the same segments as the pool's)
-                from treeattn_cli.engine.documents import PIECE
-
-                reqs += [{"op": "rollback", "name": "empty"},
-                         {"op": "append", "ids": doc_of(c, fx, i), "piece": (c.chunk or PIECE["cpu"]) if c.kv == "fp8"
-                          else None}, {"op": "mark", "name": "doc"}]
-            reqs += [{"op": "append", "ids": q["ids"]},
-                     {"op": "decode", "seq": i, "max_new_tokens": new_of(c, i), "sampling": c.sampling, "stop": [],
-                      "eos_ids": [], "logprobs": LOGPROBS, "speculate": qspec, "keep": c.route == "conversation",
-                      "cite": q.get("cite")}]
-            if c.route != "conversation":
-                reqs.append({"op": "rollback", "name": "doc"})
-        ref.serve(reqs)
+        if c.graphs:  # the configuration's kernels (the GPU's, interpreted), eagerly
+            os.environ["TREEATTN_KERNEL"] = "triton"
+        ref.serve(requests_of(c, fx, save_root, alone=True))
     finally:
         ctx.emit = real
+        os.environ.pop("TREEATTN_KERNEL", None)
     return {"answers": answers, "alone": alone, "events": events, "seconds": took}
 
 
@@ -599,35 +594,19 @@ def run_set(ctx, configs: list, fx: dict, save_root: str, saves: list) -> list |
 
 # ---------------------------------------------------------------- checking (parent process)
 
-def _gap(a: list, b: list, n: int) -> float:
-    """Largest difference of logprobs of the same tokens over the first ``n`` positions."""
-    worst = 0.0
-    for x, y in list(zip(a, b))[:n]:
-        worst = max(worst, abs(x["logprob"] - y["logprob"]))
-        ya = dict((t, v) for t, v in y["top"])
-        for t, v in x["top"]:
-            if t in ya:
-                worst = max(worst, abs(v - ya[t]))
-    return worst
-
-
-def _near_tie(rec: dict, at: int, tol: float, greedy: bool) -> bool:
-    """Whether greedy answers may part at token ``at``: the reference's two likeliest tokens
-    there are within ``2 tol`` (the logprob gap allowed before it can swap them)."""
-    lps = rec.get("logprobs") or []
-    if not greedy or at >= len(lps) or len(lps[at]["top"]) < 2:
-        return False
-    top = lps[at]["top"]
-    return top[0][1] - top[1][1] <= 2 * tol
+def _first_difference(a: list, b: list) -> int | None:
+    """The first index at which ``a`` and ``b`` differ over their common length, or None."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def check(c: Config, r: dict, fx: dict, oracle: Oracle, notes: list | None = None) -> list[str]:
-    """What is wrong with a configuration's result (empty: nothing); ``notes`` collects the
-    answers that parted from alone at a near-tie (allowed, counted)."""
+    """What is wrong with a configuration's result (empty: nothing): each answer against the
+    same request alone, bit for bit (the digest of each token's logits, its logprobs, its tokens
+    and stop; a cancelled answer a prefix of alone's), and, greedy with an unrounded cache,
+    alone's tokens against transformers' greedy decode. ``notes``: unused (kept for callers)."""
     if "error" in r:
         return [r["error"].strip()]
     bad = []
-    tol = GAP_FP8 if c.kv == "fp8" else GAP
     answers = {int(k): v for k, v in r["answers"].items()}
     alone = {int(k): v for k, v in r["alone"].items()}
     cancelled = set(r["events"].get("cancel_posted", []))
@@ -638,43 +617,50 @@ def check(c: Config, r: dict, fx: dict, oracle: Oracle, notes: list | None = Non
         if got is None or want is None:
             bad.append(f"question {i}: no answer ({'config' if got is None else 'alone'})")
             continue
-        g, w = got["token_ids"], want["token_ids"]
-        if i in cancelled and got["stop_reason"] == "cancelled":
-            n = len(g)
-            if g != w[:n]:
-                bad.append(f"question {i} (cancelled): {g} is not a prefix of {w}")
-        else:
-            n = len(w)
-            if g != w:
-                at = next((j for j, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
-                n = at
-                if not _near_tie(want, at, tol, c.greedy):
-                    bad.append(f"question {i}: tokens {g} != alone {w} (first difference at {at})")
-                elif notes is not None:
-                    notes.append(f"seed {c.seed} question {i}: parted from alone at a near-tie (token {at})")
-            elif got["stop_reason"] != want["stop_reason"]:
-                bad.append(f"question {i}: stop {got['stop_reason']} != alone {want['stop_reason']}")
-        gap = _gap(got.get("logprobs", []), want.get("logprobs", []), n)
-        if gap > tol:
-            bad.append(f"question {i}: logprobs differ from alone by {gap:.2e} (> {tol:g})")
+        bad += _differs(f"question {i}", got, want, prefix=i in cancelled and got["stop_reason"] == "cancelled")
         if q.get("cite"):  # each kept row's attention over the spans, as alone (rows of the same tokens)
-            bad += _cite_differs(i, got.get("cite"), want.get("cite"), max(0, n - 1), len(g), tol)
+            n = len(got["token_ids"])
+            bad += _cite_differs(i, got.get("cite"), want.get("cite"), max(0, n - 1), n, GAP_CITE)
         if c.greedy and c.kv == "auto":  # transformers' greedy decode of the same tokens
             prompt = (context if c.route == "conversation" else list(doc)) + list(q["ids"])
             hf = oracle.greedy(c.family, prompt, new_of(c, i))
-            if w != hf:
-                bad.append(f"question {i}: alone {w} != transformers {hf}")
+            if want["token_ids"] != hf:
+                bad.append(f"question {i}: alone {want['token_ids']} != transformers {hf}")
         if c.route == "conversation":
-            context += list(q["ids"]) + list(w)
+            context += list(q["ids"]) + list(want["token_ids"])
     again = r["events"].get("again")
     if again is not None:
         for i in range(len(c.questions)):
             a, w = again.get(i) or again.get(str(i)), alone.get(i)
-            if a is None or w is None or a["token_ids"] != w["token_ids"] or \
-                    _gap(a["logprobs"], w["logprobs"], len(w["token_ids"])) > tol:
-                bad.append(f"question {i}, document asked again: {a and a['token_ids']} != alone "
-                           f"{w and w['token_ids']}")
+            if a is None or w is None:
+                bad.append(f"question {i}, document asked again: no answer")
+            else:
+                bad += _differs(f"question {i}, document asked again", a, w)
     return bad
+
+
+def _differs(what: str, got: dict, want: dict, prefix: bool = False) -> list[str]:
+    """How answer ``got`` differs from ``want`` in its bits (``prefix``: a cancelled answer,
+    whose tokens so far must be alone's first ones)."""
+    g, w = got["token_ids"], want["token_ids"]
+    gd, wd = got.get("digests"), want.get("digests")
+    if gd is None or wd is None or len(gd) != len(g) or len(wd) != len(w):
+        return [f"{what}: no digest of each token's logits"]
+    out = []
+    if prefix:
+        if g != w[:len(g)]:
+            out.append(f"{what} (cancelled): {g} is not a prefix of {w}")
+    elif g != w:
+        out.append(f"{what}: tokens {g} != alone {w} (first difference at {_first_difference(g, w)})")
+    elif got["stop_reason"] != want["stop_reason"]:
+        out.append(f"{what}: stop {got['stop_reason']} != alone {want['stop_reason']}")
+    at = _first_difference(gd, wd)
+    if at is not None:
+        out.append(f"{what}: the logits of token {at} differ from alone's in their bits (digest {gd[at]} != {wd[at]})")
+    lp = _first_difference(got.get("logprobs") or [], want.get("logprobs") or [])
+    if lp is not None and at is None:
+        out.append(f"{what}: the logprobs of token {lp} differ from alone's")
+    return out
 
 
 def _cite_differs(i: int, got, want, rows: int, emitted: int, tol: float) -> list[str]:

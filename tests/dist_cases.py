@@ -1043,3 +1043,56 @@ def documents_all_pooled(ctx, job, short_docs, short_qs, saved, big, q, new, roo
     finally:
         ctx.emit = real
     return out if ctx.rank == 0 else {"kinds": out.get("kinds"), "saved_kind": out.get("saved_kind")}
+
+
+def rank_order_sums(ctx, seed):
+    """Issue 49: each rank's rows summed over the group (``Comm.sum_in_rank_order``) alone, and as
+    one row of batches of 3 and 40 at several places; returns whether every copy of the row got
+    the same bits, and whether a plain SUM all-reduce would have (over 3+ ranks it need not)."""
+    from treeattn_cli.parallel.comm import make_comm
+
+    comm = make_comm("allreduce")
+    g = torch.Generator().manual_seed(seed + 7 * comm.rank)
+    row = torch.randn(1, 9, 65, generator=g) * 1e3  # [1, H, d + 1]: a merge's packed row
+    alone = comm.sum_in_rank_order(row.clone())[0]
+    plain_alone = comm.all_reduce(row.clone(), "sum")[0]
+    same = plain_same = True
+    for n in (3, 40):
+        for at in (0, n // 2, n - 1):
+            batch = torch.randn(n, 9, 65, generator=torch.Generator().manual_seed(seed + n + at + 101 * comm.rank))
+            batch[at] = row[0]
+            same &= bool(torch.equal(comm.sum_in_rank_order(batch.clone())[at], alone))
+            plain_same &= bool(torch.equal(comm.all_reduce(batch.clone(), "sum")[at], plain_alone))
+    return same, plain_same
+
+
+def invariance_runs(ctx, job, doc, questions, new):
+    """The same questions over one document (the pool, 2 ranks): each alone (a batch of one, no
+    drafts), then as ``chat --batch 3``, ``--batch 1 --speculate ngram:4`` and both; rank 0
+    returns each run's answers (digests of each token's logits, tokens, speculation) and its
+    batch records."""
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    spec = {"key": "doc", "ids": doc}
+    common = {"max_new_tokens": new, "sampling": {}, "stop": [], "eos_ids": [], "digest": True,
+              "pool_for": len(doc)}
+    runs = {"alone": [[i] for i in range(len(questions))], "batch3": [list(range(len(questions)))],
+            "ngram": [[i] for i in range(len(questions))], "batch3+ngram": [list(range(len(questions)))]}
+    out = {}
+    for name, groups in runs.items():
+        answers, batches = {}, []
+
+        def emit(kind, p):
+            if kind == "banswer":
+                answers[order[p[0]]] = p[1]
+            elif kind == "batch_done":
+                batches.append(p)
+
+        ctx.emit = emit
+        for order in groups:
+            eng.serve([{"op": "batch", "questions": [{"ids": questions[i], "doc": spec} for i in order],
+                        "slots": min(3, len(order)), "speculate": "ngram:4" if "ngram" in name else "off",
+                        **common}])
+        out[name] = {"answers": answers, "batches": batches}
+    return out if ctx.rank == 0 else None

@@ -290,10 +290,14 @@ def chat(
     chat_template: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Wrap document and question in the chat template (default: if the tokenizer has one)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON record per answer (generate's fields and the question)."),
     output: Optional[str] = typer.Option(None, help="Also write the answers to this file, each followed by a newline, in the order shown (rewritten atomically after each answer)."),
-    batch: int = typer.Option(8, help="Questions from --questions or a pipe that decode together over the shared document (typed ones and --conversation: one at a time)."),
+    batch: int = typer.Option(8, help="Questions from --questions or a pipe that decode together over the shared document (typed ones and --conversation: one at a time); each answer is bit for bit the one it gets alone."),
     **flags,
 ):
-    """Prefill a long document once, then answer many questions about it."""
+    """Prefill a long document once, then answer many questions about it.
+
+    Every answer is bit for bit the one its question gets alone (in any --batch, with any
+    --speculate, for a given model, --dtype, --kv-dtype and number of ranks); greedy in float32
+    its tokens are transformers' greedy generate's. --digest shows the bits."""
     from .cli.options import ChatOptions
 
     opts = _check_first(ChatOptions(prompt_file=prompt_file, questions=questions, conversation=conversation,

@@ -289,7 +289,7 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spa
     kept = {"keep": True, "drop_pending": drop_pending} if o.conversation else {}
     seq = client.post(op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra,
                       max_new_tokens=o.max_new_tokens, stop=list(o.stop), eos_ids=list(eos_ids), sampling=sampling,
-                      interruptible=True, speculate=o.speculate, logprobs=o.logprobs,
+                      interruptible=True, speculate=o.speculate, logprobs=o.logprobs, digest=o.digest,
                       cite=spans.spec() if spans else None, questions=[{"ids": ids, "doc": doc, **kept}])
     got: dict = {}
 
@@ -382,7 +382,7 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans,
     seq = client.post(op="batch", seq=client.seq, slots=o.batch, max_new_tokens=o.max_new_tokens, **extra,
                       questions=[{"ids": ids, "doc": doc} for ids in ids_list],
                       stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True, speculate=o.speculate,
-                      logprobs=o.logprobs, piece=o.prefill_chunk, cite=spans.spec() if spans else None,
+                      logprobs=o.logprobs, digest=o.digest, piece=o.prefill_chunk, cite=spans.spec() if spans else None,
                       sampling={"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed})
     try:
         while True:

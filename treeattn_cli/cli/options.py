@@ -44,6 +44,9 @@ ANSWER_FLAGS = (
     Flag("stop", List[str], [], "Stop an answer when this text appears (repeatable)."),
     Flag("logprobs", Optional[int], None, "With --json: each token's log-probability under the model and its N "
          "most likely alternatives (0: the token's own only; at most 20)."),
+    Flag("digest", bool, False, "With --json: 'digests', one per token, 16 hex digits of the logits it was "
+         "chosen from. An answer's are the same alone, in a batch, with drafts (same model, dtype, --kv-dtype "
+         "and ranks): compare runs bit for bit."),
 )
 CITE_FLAGS = (
     Flag("cite", bool, False, "Say where in the document the answer comes from: the sentences its tokens gave the "
@@ -52,7 +55,8 @@ CITE_FLAGS = (
 )
 SPECULATE_FLAGS = (
     Flag("speculate", str, "auto", "Draft tokens from the document and the answer (n-gram lookup) and verify "
-         "them in one step: off | auto (adapts; off when sampling) | ngram:K. Output is unchanged."),
+         "them in one step: off | auto (adapts; off when sampling) | ngram:K. Greedy output is unchanged, "
+         "bit for bit."),
 )
 SERVE_FLAGS = (
     Flag("host", str, "127.0.0.1", "Address to listen on (loopback only unless you say otherwise)."),
@@ -139,6 +143,7 @@ class GenerateOptions:
     prefill_sharding: str = "balanced"  # or "contiguous": how prefill segments are cut (engine/prefill.py)
     speculate: str = "auto"  # off | auto | ngram:K (engine/speculate.py)
     logprobs: int | None = None  # --json records carry each token's logprob and this many alternatives
+    digest: bool = False  # --json records carry a digest of each token's logits (sampling.digests)
     cite: bool = False  # answers carry citations: the document's sentences their rows read most (cli/citations.py)
 
 

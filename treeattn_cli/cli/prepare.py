@@ -110,7 +110,8 @@ class Run:
                            allow_pickle=o.allow_pickle, reference=self.reference, tp=o.tp,
                            auto_layout=o.scheme == "auto", layout_profile=o.layout,
                            prefill_sharding=o.prefill_sharding, speculate=o.speculate, tp_plan=self.tp_plan,
-                           tp_heads_split=self.tp_heads_split, logprobs=getattr(o, "logprobs", None), **kw)
+                           tp_heads_split=self.tp_heads_split, logprobs=getattr(o, "logprobs", None),
+                           digest=getattr(o, "digest", False), **kw)
 
     def kv_bytes_per_token(self, tp: int) -> int:
         """Bytes of KV one token takes on all ranks together (tp peers that attend with every

