@@ -8,6 +8,7 @@ and the issue's case on the embedded model with an fp8 cache."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -22,16 +23,20 @@ from treeattn_kernels import partial_attention_ref
 
 def test_the_check_catches_a_matmul_that_sees_its_batch():
     """``rows_invariant`` passes the library's matmul (MKL's strict mode, set before torch computes
-    anything) and fails one whose rows see how many share the call, or whose strided rows take
-    another route than contiguous ones."""
+    anything) and fails one whose rows see how many share the call; fixed chunks make such a
+    matmul invariant, and every layer gets its rows contiguous."""
     w = torch.randn(192, 64)
     with invariance.shared_rows():
         # (the library's on contiguous rows: fixed_linear hands every layer its rows so)
         assert invariance.rows_invariant(lambda x: F.linear(x.contiguous(), w), 64, "cpu", torch.float32)
         seen = lambda x: F.linear(x.contiguous(), w) * (1 + 2 ** -20 * (x.reshape(-1, 64).shape[0] > 1))  # noqa: E731
         assert not invariance.rows_invariant(seen, 64, "cpu", torch.float32)
+        # every layer gets its rows contiguous (a tensor-parallel LM head took another route for
+        # the strided last positions): a layer that tells them apart sees no difference
         strided = lambda x: F.linear(x.contiguous(), w) + (0 if x.is_contiguous() else 2 ** -20)  # noqa: E731
-        assert not invariance.rows_invariant(strided, 64, "cpu", torch.float32)
+        last = torch.randn(3, 5, 64)[:, -1:]  # the LM head's input: the last positions, strided
+        assert not torch.equal(strided(last), strided(last.contiguous()))
+        assert torch.equal(invariance.fixed_linear(strided, None)(last), strided(last.contiguous()))
         # a variant matmul in fixed chunks of 8 rows (the GPU's way) is invariant again
         fixed = invariance.fixed_linear(seen, 8)
         assert invariance.rows_invariant(fixed, 64, "cpu", torch.float32)
@@ -46,6 +51,8 @@ def test_a_cpu_model_in_fp32_keeps_its_rows_through_the_library(tiny):
     path = tiny("llama", seed=3)
     model = load_model(path, torch.float32, torch.device("cpu"))
     assert model.treeattn_rows == invariance.RowPolicy("library", None, True), model.treeattn_rows
+    where = invariance._verdict_file(model, [m for _, m in invariance._linears(model)])
+    assert json.loads(where.read_text()) == {"how": "library", "chunk": None, "checked": True}  # remembered
     bf16 = load_model(path, torch.bfloat16, torch.device("cpu"))
     assert bf16.treeattn_rows.checked, bf16.treeattn_rows  # (library or fixed chunks: checked either way)
 

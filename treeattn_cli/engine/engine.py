@@ -565,6 +565,7 @@ class Engine:
             "static_step": bool(self.generated["static_step"] if self.generated else self.cache.static),
             **({"kv_pool": self.generated["kv_pool"]} if self.generated else {}),  # every rank's [used, total] blocks
             "kernels": "reference (the fast kernels failed their self-check)" if self.job.reference else "fast",
+            "rows": self.model.treeattn_rows.describe(),  # how a row's matmuls stay its own (issue 49)
             "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
             "prefill_segments": [{**{k: seg[k] for k in ("tokens", "cached", "method", "sharding")},
                                   "flops_per_rank": [int(x) for x in every[:, nm + 2 * i].tolist()],

@@ -34,14 +34,18 @@ alone, run at their natural size.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-MKL_MODE = "AUTO,STRICT"  # (also in treeattn_cli/__init__.py, which sets it before torch is imported)
+from .. import __version__
+
 CHUNK = {"cpu": 8, "cuda": 64}  # rows per call where the library is not invariant by itself
-PROBE_ROWS = (1, 2, 3, 5, 17, 64, 200)  # how many rows a checked row is computed among
+PROBE_ROWS = (1, 2, 3, 17, 64, 200)  # how many rows a checked row is computed among
 _SHARED = {"on": 0}  # > 0: the forward under way mixes requests' rows (shared_rows)
 
 
@@ -55,9 +59,10 @@ class RowPolicy:
     checked: bool
 
     def describe(self) -> str:
-        what = ("the matmul library's strict mode (MKL_CBWR=" + os.environ.get("MKL_CBWR", "") + ")"
-                if self.how == "library" else f"every call {self.chunk} rows (padded)")
-        return f"{what}: {'checked' if self.checked else 'NOT row-invariant here'}"
+        """One line for ``generate --json``'s record (``rows``)."""
+        what = (f"the matmul library's own (MKL_CBWR={os.environ.get('MKL_CBWR', '')})" if self.how == "library"
+                else f"every linear layer's call on {self.chunk} rows (padded)")
+        return f"{what}, checked" if self.checked else f"{what}: NOT row-invariant on this machine"
 
 
 @contextlib.contextmanager
@@ -102,18 +107,18 @@ def fixed_linear(forward, chunk: int | None):
 
 def rows_invariant(f, width: int, device, dtype, seed: int = 0) -> bool:
     """Whether ``f(x)`` (a linear layer, ``x [..., width]``) gives a row the same bits alone and
-    among 2..200 other rows (:data:`PROBE_ROWS`) at its first, middle and last place, its rows
-    contiguous (``[M, width]``) or each the last position of a longer row (``[M, 1, width]``
-    sliced from ``[M, 3, width]``: the LM head's input)."""
+    among 2..200 other rows (:data:`PROBE_ROWS`) at its first and last place, the rows as a
+    batch of positions (``[M, 1, width]``: a decode step's) and as one sequence's (``[1, M,
+    width]``: a prefill's)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(width, generator=g).to(device, dtype)
-    alone = f(x[None])[0]
+    alone = f(x[None, None])[0, 0]
     for m in PROBE_ROWS[1:]:
-        others = torch.randn(m, 3, width, generator=g).to(device, dtype)
-        for at in sorted({0, m // 2, m - 1}):
+        others = torch.randn(m, width, generator=g).to(device, dtype)
+        for at in (0, m - 1):
             rows = others.clone()
-            rows[at, -1] = x
-            if not (torch.equal(f(rows[:, -1].contiguous())[at], alone) and torch.equal(f(rows[:, -1:])[at, -1], alone)):
+            rows[at] = x
+            if not (torch.equal(f(rows[:, None])[at, 0], alone) and torch.equal(f(rows[None])[0, at], alone)):
                 return False
     return True
 
@@ -149,22 +154,64 @@ def _width(m, w) -> int:
         return m.in_features
 
 
+def _verdict_file(model, linears) -> Path | None:
+    """Where the policy of a model of this shape is remembered on this machine (the check costs
+    seconds on a CPU: the LM head among 200 rows), or None for a tensor-parallel model, whose
+    check runs collectives that every rank must run alike (a rank that found the verdict would
+    skip them)."""
+    from ..paths import cache_root
+
+    if any(hasattr(m.weight, "to_local") for m in linears):
+        return None
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []
+    cpu = [next((ln for ln in info if ln.startswith(k)), "") for k in ("model name", "flags")]
+    w = linears[0].weight if linears else None
+    key = {"torch": torch.__version__, "treeattn": __version__, "mkl": os.environ.get("MKL_CBWR"), "cpu": cpu,
+           "device": str(w.device) if w is not None else "", "cuda": torch.cuda.get_device_name(w.device)
+           if w is not None and w.device.type == "cuda" else None,
+           "layers": sorted({(n.rsplit(".", 1)[-1], tuple(m.weight.shape), str(m.weight.dtype)) for n, m in
+                             _linears(model)})}
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return cache_root() / "rows" / f"{digest}.json"
+
+
 def prepare(model) -> RowPolicy:
     """Make ``model``'s linear layers row-invariant and say how (``model.treeattn_rows``): the
     library's own matmul where it is invariant on the model's layers (MKL's strict mode on a
     CPU), else fixed chunks of rows (:data:`CHUNK`), checked the same way. Where neither passes
-    (an unknown BLAS), fixed chunks stay and the policy says it is not checked."""
+    (an unknown BLAS), fixed chunks stay and the policy says it is not checked. The verdict is
+    remembered per machine, library and model shape (not for a tensor-parallel model)."""
+    from ..paths import write_atomic
+
     linears = [m for _, m in _linears(model)]
     device = _local(linears[0].weight).device if linears else torch.device("cpu")
     real = [m.forward for m in linears]
+    where = _verdict_file(model, linears)
+    try:
+        policy = RowPolicy(**json.loads(where.read_text())) if where is not None else None
+    except (OSError, ValueError, TypeError):
+        policy = None
     with torch.inference_mode(), shared_rows():
-        for m, f in zip(linears, real):
-            m.forward = fixed_linear(f, None)
-        policy = RowPolicy("library", None, True)
-        if device.type != "cpu" or not _check(model):
-            chunk = CHUNK.get(device.type, CHUNK["cuda"])
+        if policy is None:
             for m, f in zip(linears, real):
-                m.forward = fixed_linear(f, chunk)
-            policy = RowPolicy("fixed", chunk, _check(model))
+                m.forward = fixed_linear(f, None)
+            policy = RowPolicy("library", None, True)
+            if device.type != "cpu" or not _check(model):
+                chunk = CHUNK.get(device.type, CHUNK["cuda"])
+                for m, f in zip(linears, real):
+                    m.forward = fixed_linear(f, chunk)
+                policy = RowPolicy("fixed", chunk, _check(model))
+            if where is not None:
+                try:
+                    where.parent.mkdir(parents=True, exist_ok=True)
+                    write_atomic(where, json.dumps(vars(policy)))
+                except OSError:  # a read-only cache: checked again next time
+                    pass
+        else:
+            for m, f in zip(linears, real):
+                m.forward = fixed_linear(f, policy.chunk)
     model.treeattn_rows = policy
     return policy
