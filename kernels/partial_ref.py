@@ -255,32 +255,31 @@ def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq, scores: bool = Fals
         qr = torch.cat([qr, qr.new_zeros(B, H_kv, Rp - R, d)], 2)
     BH = B * H_kv
     q3 = qr.reshape(BH, 1, Rp, d).expand(BH, ns, Rp, d).reshape(BH * ns, Rp, d)  # (BH·ns, Rp, d)
-    k3 = kf.reshape(BH * ns, SPLIT, d)  # (BH·ns, SPLIT, d)
-    s = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)  # (BH·ns, Rp, SPLIT)
+    s = torch.bmm(q3, kf.reshape(BH * ns, SPLIT, d).transpose(1, 2)).mul_(scale)  # (BH·ns, Rp, SPLIT)
     if softcap is not None:
         s = torch.tanh(s / softcap).mul_(softcap)
-    s = s.view(BH, ns, Rp, SPLIT)[:, :, :R]  # (BH, ns, R, SPLIT)
-    if mask is not None or pad:
-        m = torch.ones(B, nq, n, dtype=torch.bool, device=k.device) if mask is None else mask  # (B, q, n)
-        m = torch.nn.functional.pad(m, (0, pad), value=False).view(B, 1, 1, nq, ns, SPLIT)
+    s = s.view(BH, ns, Rp, SPLIT)
+    if mask is not None:
+        m = torch.nn.functional.pad(mask, (0, pad), value=False).view(B, 1, 1, nq, ns, SPLIT)  # (B, q, n) by split
         m = m.expand(B, H_kv, G, nq, ns, SPLIT).permute(0, 1, 4, 2, 3, 5).reshape(BH, ns, R, SPLIT)
-        s = s.masked_fill(~m, -math.inf)
-    mx = s.amax(dim=-1)  # (BH, ns, R): each split's largest score
-    safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-    p = torch.exp(s - safe[..., None])  # masked keys: 0
-    den = p.sum(dim=-1)  # (BH, ns, R)
-    pv = torch.zeros(BH * ns, Rp, SPLIT, device=k.device)
-    pv[:, :R] = p.reshape(BH * ns, R, SPLIT)
-    o = torch.bmm(pv, vf.reshape(BH * ns, SPLIT, d))[:, :R].view(BH, ns, R, d)  # each split's sum of p·v
-    top = mx.amax(dim=1, keepdim=True)  # (BH, 1, R)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w = torch.exp(mx - top)  # (BH, ns, R); an empty split weighs 0
-    num = torch.cumsum(o * w[..., None], dim=1)[:, -1]  # (BH, R, d): the splits in order
-    tot = torch.cumsum(den * w, dim=1)[:, -1]  # (BH, R)
-    o = num / torch.where(tot > 0, tot, torch.ones_like(tot))[..., None]
-    lse = (top[:, 0] + torch.log(tot)).view(B, H_kv, G, nq)  # -inf where no key
+        s[:, :, :R].masked_fill_(~m, -math.inf)
+    elif pad:
+        s[:, -1, :, SPLIT - pad:] = -math.inf  # the last split's padding
+    lowest = torch.finfo(torch.float32).min  # (a split that sees no key: its -inf maximum made finite)
+    mx = s.amax(dim=-1)  # (BH, ns, Rp): each split's largest score
+    p = torch.exp(s - mx.clamp(min=lowest)[..., None])  # masked keys: 0
+    den = p.sum(dim=-1)  # (BH, ns, Rp)
+    if Rp != R:
+        p[:, :, R:] = 0  # (the zero rows: finite, out of every sum that is kept)
+    o = torch.bmm(p.view(BH * ns, Rp, SPLIT), vf.reshape(BH * ns, SPLIT, d)).view(BH, ns, Rp, d)  # p·v per split
+    top = mx.amax(dim=1, keepdim=True).clamp(min=lowest)  # (BH, 1, Rp)
+    w = torch.exp(mx - top)  # (BH, ns, Rp); an empty split weighs 0
+    num = torch.cumsum(o * w[..., None], dim=1)[:, -1, :R]  # (BH, R, d): the splits in order
+    tot = torch.cumsum(den * w, dim=1)[:, -1, :R]  # (BH, R)
+    o = num / tot.clamp(min=1.0)[..., None]  # (a row that sees a key has tot >= 1; one that sees none: 0 / 1)
+    lse = (top[:, 0, :R] + torch.log(tot)).view(B, H_kv, G, nq)  # -inf where no key
     if scores:  # (B, H_kv, G, q, n), as _scores gives them
-        s = s.reshape(B, H_kv, ns, G, nq, SPLIT).permute(0, 1, 3, 4, 2, 5).reshape(B, H_kv, G, nq, ns * SPLIT)[..., :n]
+        s = s[:, :, :R].reshape(B, H_kv, ns, G, nq, SPLIT).permute(0, 1, 3, 4, 2, 5).reshape(B, H_kv, G, nq, ns * SPLIT)[..., :n]
     return o.view(B, H_kv, R, d), lse, s if scores else None
 
 
