@@ -391,7 +391,7 @@ def step_report(target: Target) -> list[dict]:
             before = len(compiled)
             partial_attention_triton(**_step_launch(H, H_kv, d, Q, causal, kv_dtype))
             splits = [ck for name, ck, _ in compiled[before:] if name == "_split_kernel"]
-            ck = splits[0]  # every slice of a step is the same kernel (its height: max_rows)
+            ck = splits[0]  # every slice of a step is the same kernel (its height: tile_rows)
             res = resources(ck, target)
             per_key = loop_bytes_per_key(ck)
             step = len(splits) * H_kv * STEP_KEYS * per_key

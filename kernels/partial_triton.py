@@ -7,7 +7,8 @@ Two launches:
      runs of keys fixed by their index (issue 49): split s of a row covers keys ``[s·L, (s+1)·L)``,
      ``L`` a fixed length (a tail that grows) or a function of the row's own length (a
      document), never of the batch, the grid or the other rows; the tile (``BLOCK_M`` query rows,
-     ``BLOCK_N`` keys) is the same for every call. A row's numbers are then the same alone, in a
+     ``BLOCK_N`` keys) is the decode step's for every call (``tile_rows``: taller calls
+     in slices of it). A row's numbers are then the same alone, in a
      batch, as a draft of a verify or as the decode step after it. The grid is planned on the host
      from the capacity (CUDA graphs keep their shapes); each program skips the tiles past the
      live length and, with positions sorted, outside the window (a search over the positions, not
@@ -345,11 +346,6 @@ def _split_kernel(
     # splits of it, in whole tiles). Tiles are aligned to BLOCK_N from key 0: the same tiles, in
     # the same order, whatever else the launch holds; a tile the window or the causal end hides
     # from every row of the program is skipped (below: it would add exact zeros)
-    split = SPLIT_LEN + n_end * 0
-    if SPLIT_LEN == 0:  # (one division: tiles of BLOCK_N keys, SPLIT_CAP splits)
-        split = tl.maximum(SPLIT_MIN, tl.cdiv(n_end, SPLIT_CAP * BLOCK_N) * BLOCK_N)
-    s_lo = pid_s * split
-    s_hi = tl.minimum(s_lo + split, n_end)
     lo = n_end * 0
     hi = n_end
     k_base = K + b * skb + hk * skh  # this (batch, KV head)'s keys; 64-bit offsets
@@ -365,8 +361,12 @@ def _split_kernel(
             lo, hi = _live_range(KPOS, b * skpb, skpn, n_end, q_lo - window + 1, q_hi, window > 0, FANOUT)
     lo = lo // BLOCK_N * BLOCK_N
     nblk = tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0).to(tl.int64)
-    start = tl.maximum(lo, s_lo)
-    stop = tl.minimum(hi, s_hi)
+    sb = (SPLIT_LEN // BLOCK_N + n_end * 0).to(tl.int64)  # tiles a split: fixed, or this row's
+    if SPLIT_LEN == 0:  # (one division: SPLIT_CAP splits of whole tiles, at least SPLIT_MIN keys)
+        sb = tl.maximum(SPLIT_MIN // BLOCK_N, tl.cdiv(n_end, SPLIT_CAP * BLOCK_N)).to(tl.int64)
+    first = pid_s * sb - lo // BLOCK_N  # the split's first tile, counted from lo's
+    start = lo + tl.minimum(tl.maximum(first, 0), nblk).to(tl.int32) * BLOCK_N
+    stop = tl.minimum(lo + tl.minimum(tl.maximum(first + sb, 0), nblk).to(tl.int32) * BLOCK_N, hi)
     if LSE_BLOCK > 0:
         bl_row = BL + b * sbb + head * sbh + qi.to(tl.int64) * sbq  # (BLOCK_M,) each row's runs
         ask = row_ok  # the rows whose runs are stored
@@ -436,6 +436,7 @@ def _split_kernel(
             _store_block_lse(bl_row, sbj, ask, s, n0, tl.cdiv(N, LSE_BLOCK), BLOCK_N, LSE_BLOCK)
 
     if LSE_BLOCK > 0:  # the programs' tiles cover the runs of [lo, lo + nblk * BLOCK_N): the rest
+        nblk = tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0).to(tl.int64)
         _fill_block_lse(bl_row, sbj, ask, lo, lo + nblk * BLOCK_N, tl.cdiv(N, LSE_BLOCK), pid_s, NSPLIT, BLOCK_N,
                         LSE_BLOCK)
 
@@ -507,13 +508,12 @@ def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool
     gfx942's 304 CUs at tp 8 over 32K keys hold one workgroup each, whose two tiles alone fall
     short of Little's law), two of 32 keys for taller tiles (as many workgroups per CU as the
     16-bit kernel's one tile of 32 keys: at half the bytes a tile, as many bytes in flight).
-    Every call of a model takes the same tile (issue 49: ``plan_split``), decode steps the slice
-    height. The probability tile is staged in the compute dtype (``p_size`` bytes, default
+    Every call of a model takes the decode step's tile (issue 49: :func:`tile_rows`). The probability tile is staged in the compute dtype (``p_size`` bytes, default
     ``esize``)."""
     if target.backend == "interpreter":
         return 64, 2
-    if upcast:  # (d = 256 on CUDA: 16 keys, or ptxas spills the window variant on sm_80)
-        return (16 if block_d >= 256 and not target.is_hip else 32), (1 if target.is_hip else 3)
+    if upcast:  # (d = 256 on sm_80's 164 KB: 16 keys on 4 warps, or ptxas spills)
+        return (16 if _cramped(target, block_d, upcast) else 32), (1 if target.is_hip else 3)
     budget = target.sm_shared // 2 if target.is_hip else target.sm_shared // 3 - 8192
     stages = 2 if target.is_hip and block_m > 16 else 3
     if esize == 1 and target.is_hip:
@@ -528,15 +528,24 @@ def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool
     return 16, 2
 
 
-def max_rows(d: int, dtype) -> int:
-    """Query rows (``G * Q``) one program tile holds; longer query blocks run in slices. The
-    query tile (and the fp32 accumulator beside it) stays at 8K elements for 16-bit inputs and
-    at 16 rows for fp32 (whose ieee-precision dot holds its operands in registers): nothing
-    spills on sm_80, sm_90 or gfx942 (the offline compile checks it). The same over an fp8
-    cache (its tiles are dequantized before the 16-bit dots). Every call takes the slice's tile,
-    a decode step's G rows included (issue 49: :func:`plan_split`)."""
-    budget = 1024 if dtype == torch.float32 else 8192
-    return max(16, min(MAX_ROWS, budget // max(16, triton.next_power_of_2(d))))
+def _cramped(target: Target, block_d: int, gpu_fp32: bool) -> bool:
+    """fp32 at d = 256 on a CUDA target under 200 KB of shared memory per SM (sm_80): 16-key
+    tiles on 4 warps (measured: 32 keys on 8 warps spill the position variant at 128 registers,
+    16 keys on 8 warps the other)."""
+    return gpu_fp32 and block_d >= 256 and not target.is_hip and target.sm_shared < 200 * 1024
+
+
+def tile_rows(G: int) -> int:
+    """Query rows of every program tile of a model with ``G`` query heads a KV head: a decode
+    step's G rows, padded to the MMA's 16 (issue 49). A verify's ``G·(K + 1)`` rows and a
+    question's slice run in slices of ``tile_rows(G) // G`` positions in this same tile, so a
+    row meets its keys in the same instructions alone, in a batch, as a draft or beside a
+    joined request's prefill: a tile's height decides the MMA's layout and each row's sum over
+    keys (warps along rows or along keys), so it is never chosen by the call. It is the tile the
+    decode step was tuned for (the offline compile checks its registers, spills, residency and
+    tiles in flight); taller calls re-read their keys once a slice (at G = 4: four positions a
+    slice, a verify of 4 drafts in two)."""
+    return max(16, triton.next_power_of_2(G))
 
 
 @dataclass(frozen=True)
@@ -565,12 +574,12 @@ def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target:
                num_splits=None, block_n=None, num_warps=None, num_stages=None, kv_dtype=None,
                scale_groups: int = 0, fixed_splits: bool = False) -> SplitPlan:
     """The launch parameters the runtime uses for ``q [B, H_kv·G, Q, d]`` against ``N`` keys on
-    ``target`` (``Q`` at most one slice of :func:`max_rows`). ``kv_dtype``: K/V's dtype when it
+    ``target`` (``Q`` at most one slice of :func:`tile_rows`). ``kv_dtype``: K/V's dtype when it
     is not q's (fp8), with ``scale_groups`` scales per row. The offline compile checks exactly
     these.
 
-    Nothing here depends on ``B`` or ``Q`` (issue 49): one tile for every call (the slice height
-    of :func:`max_rows`, a decode step's G rows included), and splits fixed by key index, of at
+    Nothing here depends on ``B`` or ``Q`` (issue 49): one tile for every call (:func:`tile_rows`:
+    a decode step's, verifies and slices in slices of it), and splits fixed by key index, of at
     least the kernel's tiles in flight (``depth`` tiles: a split shorter leaves its pipeline part
     empty): ``fixed_splits`` (a tail that grows: a verify's later drafts must not move a row's
     splits) cuts every row's keys in runs of that length; else each row's own length in at most
@@ -580,10 +589,10 @@ def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target:
     the longest row ``N`` allows."""
     upcast = target.backend == "interpreter" or dtype == torch.float32
     block_g = triton.next_power_of_2(scale_groups) if scale_groups else 0
-    # every call the slice height: a decode step's G rows, a verify's G·(K + 1) and a question's
-    # slice of prefill meet their keys in the same tile, so a row's dots are the same instructions
-    rows = G * max(1, max_rows(d, dtype) // G)
-    block_m = max(16, triton.next_power_of_2(rows))
+    # every call the decode step's tile: a verify's G·(K + 1) rows, a batch's rows of one document
+    # and a question's slice meet their keys in slices of it, so a row's dots are the same
+    # instructions whatever the call (tile_rows)
+    block_m = tile_rows(G)
     block_d = max(16, triton.next_power_of_2(d))
     gpu_fp32 = upcast and target.backend != "interpreter"
     # Tile rules checked by the offline compile (no spills, shared memory / LDS within the
@@ -594,7 +603,7 @@ def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target:
     num_stages = num_stages or stages
     # (fp8: a decode tile at d = 256 stays on 4 warps, 2 CTAs per SM, where 8 warps fit one)
     heavy = block_m * block_d * (2 if gpu_fp32 else 1) >= (8192 if block_g else 4096)
-    num_warps = num_warps or (8 if heavy and not target.is_hip else 4)
+    num_warps = num_warps or (8 if heavy and not target.is_hip and not _cramped(target, block_d, gpu_fp32) else 4)
     n = max(N, 1)
     least = block_n * (1 if num_splits else max(1, num_stages - 1))
     if fixed_splits and not num_splits:
@@ -613,7 +622,7 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
     The kernel is built for decode (a group's ``G·Q`` query rows in one tile); more rows than
-    :func:`max_rows` are processed in query slices. ``num_splits``, ``block_n``, ``num_warps``
+    :func:`tile_rows` are processed in query slices. ``num_splits``, ``block_n``, ``num_warps``
     and ``num_stages`` override the automatic choice of :func:`plan_split` (tests, tuning).
     ``fixed_splits``: every row's keys in runs of one length whatever its length (keys that grow
     at the end, a tail: :func:`plan_split`).
@@ -697,12 +706,12 @@ def _outputs(q, N, out, lse_out, sink):
 def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, window, softcap, sink, k_scale,
             v_scale, k_pos_sorted, tuning, table=None, page=0, blocks=None):
     """The launches of a validated call (``table``, ``page``: a paged shard; ``blocks``:
-    ``(block_lse, lse_block, lse_rows)`` or None), query rows in slices the tile can hold."""
+    ``(block_lse, lse_block, lse_rows)`` or None), query rows in slices the tile holds."""
     B, H, Q, d = q.shape
     G = H // H_kv
     dev = q.device
-    step = max(1, max_rows(d, q.dtype) // G)
-    if Q > step:  # long query blocks (prefill): slices of rows the tile can hold
+    step = max(1, tile_rows(G) // G)  # query positions the decode step's tile holds
+    if Q > step:  # longer query blocks (a verify, a batch's rows of one document): slices of them
         for a in range(0, Q, step):
             b = min(Q, a + step)
             part = None if blocks is None else \

@@ -267,7 +267,8 @@ def d_graphs(rng, c, fx):
     """Steps replayed from CUDA graphs as on a GPU (issue 38): a batch's plain steps and verifies
     captured and replayed by ``graph_standin`` (each replay checked to issue
     what its capture recorded), over a fixed-shape cache and the GPU's kernels (Triton,
-    interpreted); the same requests alone run eagerly on the CPU's. Drawn last, so the
+    interpreted); the same requests alone run eagerly over the same kernels (issue 49: the
+    bits are the kernels'). Drawn last, so the
     configurations drawn before it stay what they were."""
     c.graphs = rng.random() < 0.08  # (slow: interpreted kernels; CI draws four, and a coverage seed)
 

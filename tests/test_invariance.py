@@ -57,7 +57,7 @@ def test_a_cpu_model_in_fp32_keeps_its_rows_through_the_library(tiny):
     assert bf16.treeattn_rows.checked, bf16.treeattn_rows  # (library or fixed chunks: checked either way)
 
 
-@pytest.mark.parametrize("H,H_kv,d", [(9, 3, 64), (4, 1, 16)])
+@pytest.mark.parametrize("H,H_kv,d", [(9, 3, 64), (4, 1, 16), (4, 4, 64)])  # GQA 3, MQA, MHA (a lone row)
 def test_reference_rows_keep_their_bits_beside_other_rows_and_later_keys(H, H_kv, d):
     """The reference (the CPU's tail, and every bf16 row): a row over its keys gives the same bits
     alone, among other rows and sequences of other lengths, with keys it does not see after its

@@ -81,25 +81,27 @@ def test_eager_decode_does_not_recompile_as_the_shard_grows(compiled, target):
 
 def test_plan_rules():
     """The tile rules the compiled kernels were checked with (Llama-3.1-8B's shape: every call
-    the slice's tile, 64 rows of bf16 at d = 128 on 8 warps, two 64-key K/V tiles in flight on
-    H100, 32-key tiles on A100 and MI300X; fp32 on gfx942 single-buffered), and the splits fixed
-    by key index (issue 49): at least a pipeline's tiles each, at most two waves of them."""
+    the decode step's tile, 16 rows on 4 warps, two 64-key K/V tiles in flight on H100, 32-key
+    tiles on A100 and MI300X; fp32 on gfx942 single-buffered), and the splits fixed by key index
+    (issue 49): at least a pipeline's tiles each, at most two waves of them."""
     import torch
 
     import treeattn_kernels.partial_triton as pt
     from treeattn_kernels.targets import TARGETS as T
 
     plan = pt.plan_split(1, 8, 4, 1, 1 << 20, 128, torch.bfloat16, T["sm_90"])
-    assert (plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, plan.depth) == (64, 64, 8, 3, 2)
+    assert (plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, plan.depth) == (16, 64, 4, 3, 2)
     assert (plan.splits, plan.split_len, plan.split_min, plan.split_cap) == (264, 0, 128, 264)
     tail = pt.plan_split(32, 8, 4, 1, 4096, 128, torch.bfloat16, T["sm_90"], fixed_splits=True)
     assert (tail.splits, tail.split_len) == (32, 128)
     assert pt.plan_split(1, 8, 4, 1, 1 << 17, 128, torch.bfloat16, T["sm_80"]).block_n == 32
     amd = pt.plan_split(1, 8, 4, 1, 1 << 17, 128, torch.bfloat16, T["gfx942"])
-    assert (amd.block_n, amd.num_stages) == (32, 2)
+    assert (amd.block_n, amd.num_stages) == (32, 3)
     hip = pt.plan_split(1, 8, 4, 1, 4096, 256, torch.float32, T["gfx942"])
     assert hip.num_stages == 1 and hip.block_n == 32
-    assert pt.max_rows(128, torch.float32) == 16 and pt.max_rows(128, torch.bfloat16) == 64
+    assert [pt.tile_rows(G) for G in (1, 3, 4, 16, 32)] == [16, 16, 16, 16, 32]
+    verify = pt.plan_split(1, 8, 4, 4, 1 << 20, 128, torch.bfloat16, T["sm_90"])
+    assert verify == plan  # four positions of four heads: the decode step's tile
 
 
 def test_split_counts_fill_the_machine():
@@ -220,8 +222,8 @@ def test_fp8_decode_keeps_the_rules_and_halves_the_bytes(compiled, target):
 def test_fp8_steps_of_many_rows_read_about_half_of_bf16s_bytes(compiled, target):
     """Issue 38: over an fp8 cache, one sequence's decode, 8 sequences' rows over one document
     and a verify of 17 rows (Llama-3.1-8B's and -70B's heads: d = 128, GQA groups of 4 and 8)
-    make as many launches as over bf16 (one for 8 sequences; a verify cut into the 16-bit
-    kernel's slices), and each launch's compiled key loop reads K and V once, with their scales:
+    make as many launches as over bf16 (slices of the decode step's tile, issue 49), and each
+    launch's compiled key loop reads K and V once, with their scales:
     a step reads at most 0.55x bf16's bytes (expanding each row per scale group used to cut 8
     sequences into 2-4 launches and a verify into 5-9: 1.06-2.1x). No spills, and at least two
     K/V tiles in flight."""
@@ -234,7 +236,9 @@ def test_fp8_steps_of_many_rows_read_about_half_of_bf16s_bytes(compiled, target)
         {(m, k) for m in ("llama-3.1-8b", "llama-3.1-70b") for k, _, _ in STEP_KINDS}
     for r in fp8:
         b = bf16[(r["model"], r["kind"])]
-        assert r["launches"] == b["launches"] and (r["kind"] == "verify 17" or r["launches"] == 1), (r, b)
+        Q = {k: q for k, q, _ in STEP_KINDS}[r["kind"]]
+        per_slice = r["block_m"] // (r["rows"] // Q)  # positions a tile holds (16 rows: 4 at G = 4, 2 at G = 8)
+        assert r["launches"] == b["launches"] == -(-Q // per_slice) and r["block_m"] == b["block_m"] == 16, (r, b)
         assert r["bytes_per_step"] <= STEP_BYTES_BOUND * b["bytes_per_step"] and r["vs_bf16"] <= 0.55, (r, b)
         assert r["bytes_per_key"] == 2 * (128 + 2 * 4) + (8 if r["kind"] == "verify 17" else 0), r  # + positions
         assert all(r["checks"].values()) and r["spill_bytes"] == 0, r
@@ -252,8 +256,10 @@ def test_the_paged_split_kernel_compiles(compiled, target):
     assert {k["constexprs"]["PAGE"] for k in paged} == {64}
     assert {k["constexprs"]["HEAD_D"] for k in paged} >= {64, 128}
     assert any(k["constexprs"].get("SCALE_G") for k in paged) == (target != "sm_80")
-    # a pooled tail's fixed-shape verify: 8 tokens of a row (x 4 query heads a KV head), causal by position
-    assert any(k["constexprs"].get("HAS_POS") and k["constexprs"]["BLOCK_M"] >= 32 for k in paged), paged
+    # a pooled tail's fixed-shape verify: 8 tokens of a row (x 4 query heads a KV head), causal by
+    # position, in slices of the decode step's tile (issue 49)
+    assert any(k["constexprs"].get("HAS_POS") and k["first_config"].startswith("paged-verify") for k in paged), paged
+    assert {k["constexprs"]["BLOCK_M"] for k in paged} == {16}
     dense = [k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel" and not k["constexprs"].get("PAGE")]
     assert dense  # the dense kernel is compiled apart (PAGE = 0 compiles the table out)
 
