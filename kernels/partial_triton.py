@@ -360,6 +360,8 @@ def _split_kernel(
         if sorted_pos:  # ... narrowed to the window and the causal end by their positions
             lo, hi = _live_range(KPOS, b * skpb, skpn, n_end, q_lo - window + 1, q_hi, window > 0, FANOUT)
     lo = lo // BLOCK_N * BLOCK_N
+    # the split, in tiles counted from lo's (int64; measured: the same bounds as a max/min of key
+    # offsets leave ptxas at 128 registers and spilling in window, paged and fp8 variants)
     nblk = tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0).to(tl.int64)
     sb = (SPLIT_LEN // BLOCK_N + n_end * 0).to(tl.int64)  # tiles a split: fixed, or this row's
     if SPLIT_LEN == 0:  # (one division: SPLIT_CAP splits of whole tiles, at least SPLIT_MIN keys)
