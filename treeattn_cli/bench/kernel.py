@@ -208,14 +208,15 @@ def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat
     dt = DTYPES[dtype]
     copy_bw = copy_bw or copy_bandwidth(device)
     target = target_of(device)
-    sms = target.n_sms
     out = []
     for N in seq_lens:
         q, k, v, kv_bytes = decode_inputs(batch, heads, kv_heads, head_dim, N, dt, device)
         auto = pt.plan_split(batch, kv_heads, heads // kv_heads, 1, N, head_dim, dt, target)
         recs = []
         for bn, warps, stages, mult in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (0.5, 1, 2)):
-            splits = max(1, int(pt.choose_splits(batch, kv_heads, N, sms, bn, depth=max(1, stages - 1)) * mult))
+            base = pt.plan_split(batch, kv_heads, heads // kv_heads, 1, N, head_dim, dt, target, block_n=bn,
+                                 num_stages=stages).splits  # the runtime's grid for this tile (issue 49)
+            splits = max(1, int(base * mult))
             fn = lambda: pt.partial_attention_triton(q, k, v, num_splits=splits, block_n=bn,  # noqa: E731
                                                      num_warps=warps, num_stages=stages)
             try:
