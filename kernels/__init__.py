@@ -9,6 +9,7 @@ otherwise (neither imports triton).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -17,11 +18,12 @@ from .paged_ref import gather_pages, partial_attention_paged_ref
 from .partial_ref import add_sink, dequantize, partial_attention_ref
 
 __all__ = ["partial_attention", "partial_attention_paged", "partial_attention_ref", "partial_attention_paged_ref",
-           "gather_pages", "gpu_path",
+           "gather_pages", "gpu_path", "gpu_branches",
            "add_sink", "dequantize", "triton_available", "gpu_route",
            "triton_problem", "use_reference", "reference_only", "TRITON_FLOOR"]
 
 _REFERENCE = {"on": False}
+_GPU_BRANCHES = {"on": False}
 
 
 def use_reference(on: bool = True) -> None:
@@ -33,6 +35,20 @@ def use_reference(on: bool = True) -> None:
 
 def reference_only() -> bool:
     return _REFERENCE["on"]
+
+
+@contextlib.contextmanager
+def gpu_branches():
+    """Within: the engine takes the GPU's branches on CPU tensors (documents and tails read
+    through their block tables, :func:`gpu_path` true), with the torch reference under every
+    call (:func:`use_reference`). What the first-use probe runs to vet a model family on the
+    branches a GPU takes, where no GPU is (``verify/family.py``)."""
+    before = (_GPU_BRANCHES["on"], _REFERENCE["on"])
+    _GPU_BRANCHES["on"] = _REFERENCE["on"] = True
+    try:
+        yield
+    finally:
+        _GPU_BRANCHES["on"], _REFERENCE["on"] = before
 
 
 # The oldest Triton with every feature the kernels use (tests/test_partial_attention.py checks
@@ -94,8 +110,9 @@ def gpu_route(G: int, Q: int) -> str:
 
 def gpu_path(q) -> bool:
     """Whether ``auto`` takes the GPU's kernels for ``q``: on CUDA, or with ``TREEATTN_KERNEL=triton``
-    (Triton's interpreter on a CPU, for tests of that path end to end)."""
-    return q.is_cuda or os.environ.get("TREEATTN_KERNEL") == "triton"
+    (Triton's interpreter on a CPU, for tests of that path end to end), or within
+    :func:`gpu_branches`."""
+    return q.is_cuda or _GPU_BRANCHES["on"] or os.environ.get("TREEATTN_KERNEL") == "triton"
 
 
 def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None, pos_pool=None,

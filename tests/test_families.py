@@ -47,17 +47,44 @@ def test_every_family_equals_transformers(models, world, tp):
 
 def test_probe_passes_every_family_and_refuses_a_dropped_sink(models, monkeypatch):
     """The first-use probe (our attention against transformers' eager one on a cut-down copy of
-    the config) agrees on every family; with the sinks ignored, as before issue 21, it refuses
-    gpt-oss instead of letting it answer wrong."""
+    the config) agrees on every family, on the path commands run (issue 50): the engine on one
+    rank, the document in the block pool in two segments, a batch of two questions (one with no
+    tokens, as generate asks), verifies that keep all, one and none of their drafts, on the CPU's
+    branches and the GPU's. With the sinks ignored, as before issue 21, it refuses gpt-oss
+    instead of letting it answer wrong."""
     from treeattn_cli.engine import attention
     from treeattn_cli.engine.model import load_config
-    from treeattn_cli.verify.family import TOL, run_probe
+    from treeattn_cli.verify.family import NEW, TOL, run_probe
 
     paths, _ = models
     for k in FAMILIES:
-        assert run_probe(load_config(paths[k])) <= TOL, k
+        r = run_probe(load_config(paths[k]))
+        assert r["max_err"] <= TOL, (k, r)
+        # both branches answered both questions in full, drafts kept and rejected
+        assert r["answers"] == 4 and r["tokens"] == 4 * NEW and 0 < r["accepted"] < r["drafted"], (k, r)
     monkeypatch.setattr(attention, "_sinks", lambda module, s_aux, heads: None)
-    assert run_probe(load_config(paths["gpt_oss"])) > 10 * TOL  # measured: 0.06
+    assert run_probe(load_config(paths["gpt_oss"]))["max_err"] > 10 * TOL  # measured: 0.24
+
+
+def test_the_probe_runs_the_branches_a_gpu_takes(models, monkeypatch):
+    """The probe's second run takes the GPU's branches on the CPU (documents and tails read
+    through their block tables, every call on the reference kernels): each is called."""
+    from treeattn_cli.engine import attention
+    from treeattn_cli.engine.model import load_config
+    from treeattn_cli.verify.family import run_probe
+
+    paths, _ = models
+    seen = {"_documents_paged": 0, "_tail_paged": 0, "_tail_dense": 0}
+    for name in seen:
+        real = getattr(attention, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            seen[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(attention, name, counted)
+    run_probe(load_config(paths["gemma2"]))
+    assert all(seen.values()), seen
 
 
 def test_an_unknown_attention_argument_refuses_the_model_before_any_rank(models, tmp_path, monkeypatch):

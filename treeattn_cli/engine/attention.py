@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treeattn_kernels import (add_sink, dequantize, gather_pages, gpu_path, partial_attention, partial_attention_paged,
-                              triton_available)
+                              reference_only, triton_available)
 
 from .cache import ShardedKVCache
 from ..parallel.comm import Comm
@@ -288,8 +288,8 @@ def shared_impl(q) -> str:
     change with their number; its splits and tile are fixed); on a CPU ATen's fused kernel in
     fp32 (row-invariant under MKL's strict mode: its matmuls are, measured) and the reference in
     bf16 and fp16 (the fused kernel packs its tiles by the problem's size there)."""
-    if gpu_path(q):
-        return "triton" if triton_available() else "torch"
+    if gpu_path(q):  # (the reference where the fast kernels failed their self-check: use_reference)
+        return "triton" if triton_available() and not reference_only() else "torch"
     return "auto" if q.dtype == torch.float32 else "torch"
 
 

@@ -118,7 +118,9 @@ def _stop_check(tokenizer, stop: list, eos: set):
 class Engine:
     """This rank's model, mesh, communicators, cache and decoder, and the requests it serves."""
 
-    def __init__(self, ctx, job):
+    def __init__(self, ctx, job, model=None):
+        """``model``: already built (the first-use probe's, ``verify/family.py``), else loaded
+        from ``job.model_dir``."""
         self.ctx, self.job = ctx, job
         self.device = device = torch.device(ctx.device)
         self.dtype = dtype = pick_dtype(job.dtype, device)
@@ -129,8 +131,9 @@ class Engine:
         if mesh.tp > 1:
             check_tp_within_nodes(mesh, self.nodes)
             tp_mesh, cp_group = C.grid_mesh(device.type, mesh.cp, mesh.tp)
-        self.model = load_model(job.model_dir, dtype, device, trust_remote_code=job.trust_remote_code,
-                                allow_pickle=job.allow_pickle, tp_mesh=tp_mesh, tp_plan=job.tp_plan)
+        self.model = model if model is not None else load_model(
+            job.model_dir, dtype, device, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle,
+            tp_mesh=tp_mesh, tp_plan=job.tp_plan)
         self.shapes = sh = shapes(self.model.config)
         plan = (job.scheme, job.groups, job.inner, job.outer)
         if len(set(self.nodes)) > 1 and job.auto_layout:  # planned in the launcher as if on one node
