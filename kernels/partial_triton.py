@@ -51,6 +51,7 @@ _LN2_C = tl.constexpr(LN2)
 
 MAX_ROWS = 128  # query rows (G * Q) per program tile
 REDUCE_BLOCK_S = 16  # splits merged per iteration of the reduce kernel
+ONE_SPLIT_COPY = {"on": True}  # the interpreter's copy for a reduce of one split (_attend; tests turn it off)
 LAST_LAUNCH: dict = {}  # the last compiled split kernel (its resource report, for tuning)
 
 # The CPU interpreter returns garbage from tl.dot on bf16 (an open upstream bug): upcast there.
@@ -774,6 +775,15 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
         PAGE=page, LSE_BLOCK=lse_block, SOFTCAP=softcap_mode(softcap), num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
+    if (plan.splits == 1 and sink is None and o.dtype == torch.float32 and ONE_SPLIT_COPY["on"]
+            and target_of(dev).backend == "interpreter"):
+        # one split: the reduce is the identity (a weight of exp(0) = 1, a sum of one term, + 0.0
+        # as its sum starts; fp32 out: the interpreter rounds to 16 bits its own way). Triton's
+        # interpreter (the tests' CPU) runs a Python program per row for it, most of an
+        # interpreted step's time: there, the same numbers by a copy
+        o.copy_(op[:, :, :, 0] + 0.0)
+        lse.copy_(lp[:, :, :, 0])
+        return o, lse
     sk = sink.to(device=dev, dtype=torch.float32).contiguous() if sink is not None else lp  # placeholder: unused
     launch(_reduce_kernel, (B * H * Q,),
            op, lp, o, lse, sk, *o.stride(), *lse.stride(), H, Q, plan.splits, HEAD_D=d,

@@ -372,6 +372,38 @@ def test_reference_bounds_its_memory_by_rows_and_keys(monkeypatch):
     assert 0 < biggest[0] <= 4096 // (G * H_kv), biggest[0]  # a slice of rows x one key block, never Q x N
 
 
+def test_one_split_copy_is_the_reduce_bit_for_bit(monkeypatch):
+    """Under Triton's interpreter a call of one split with fp32 partials out (every call of the
+    engine's) copies its partial instead of running the reduce kernel (a Python program per row
+    there): the same bits as the kernel, an empty row (no key) and zeros included, in the
+    output's strides; and it is taken (a 16-bit output still runs the reduce)."""
+    pytest.importorskip("triton")
+    import treeattn_kernels.partial_triton as pt
+
+    B, G, H_kv, Q, N, d = 2, 2, 2, 3, 40, 32
+    q, k, v = make(B, G * H_kv, H_kv, Q, N, d, torch.float32)
+    v[0, 0, :, 5] = 0.0  # a column of zeros: o's element is 0 (the reduce makes any -0.0 a +0.0)
+    v[0, 1, :, 6] = -0.0
+    kv_len = torch.tensor([N, 0])  # the second row sees no key
+    names = []
+    real = pt.launch
+    monkeypatch.setattr(pt, "launch", lambda kernel, grid, *a, **kw: names.append(kernel.fn.__name__)
+                        or real(kernel, grid, *a, **kw))
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setitem(pt.ONE_SPLIT_COPY, "on", on)
+        out = torch.empty(B, Q, G * H_kv, d).transpose(1, 2)  # the layer's layout: strided
+        o, lse = pt.partial_attention_triton(q, k, v, kv_len=kv_len, out=out)
+        runs[on] = (o.clone(), lse.clone())
+    assert names == ["_split_kernel", "_split_kernel", "_reduce_kernel"], names
+    assert torch.equal(runs[True][0].view(torch.int32), runs[False][0].view(torch.int32))
+    assert torch.equal(runs[True][1].view(torch.int32), runs[False][1].view(torch.int32))
+    assert torch.isinf(runs[True][1][1]).all()
+    names.clear()
+    pt.partial_attention_triton(q.bfloat16(), k.bfloat16(), v.bfloat16(), kv_len=kv_len)
+    assert names == ["_split_kernel", "_reduce_kernel"], names
+
+
 # ---- issue 23: split lengths follow the live length; window layers read the window --------
 
 @pytest.mark.parametrize("num_splits", [3, 5])
