@@ -586,10 +586,12 @@ def run_set(ctx, configs: list, fx: dict, save_root: str, saves: list) -> list |
     out = []
     for cfg in configs:
         c = Config(**cfg)
+        t0 = time.perf_counter()
         try:
             out.append({"seed": c.seed, **run_one(ctx, c, fx, save_root)})
         except Exception as e:  # noqa: BLE001 - reported as this configuration's failure
             out.append({"seed": c.seed, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        out[-1]["seconds"] = time.perf_counter() - t0  # (its alone answers included: what CI pays for it)
     return out if ctx.rank == 0 else None
 
 
@@ -798,7 +800,7 @@ def main(argv=None) -> int:
     ap.add_argument("--first", type=int, default=0, help="the first seed of --seeds")
     ap.add_argument("--root", default=None, help="where models, documents and saved caches go (default: a temp dir)")
     ap.add_argument("--show", action="store_true", help="print the configurations and exit")
-    ap.add_argument("--by-feature", action="store_true", help="also list the seeds that covered each feature")
+    ap.add_argument("--by-feature", action="store_true", help="also list the seeds that covered each feature, and the slowest configurations")
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the ranks load a model per configuration
@@ -823,6 +825,8 @@ def main(argv=None) -> int:
     if a.by_feature:
         for f, ss in sorted(by.items()):
             print(f"seeds of {f}: {' '.join(map(str, ss))}")
+        slow = sorted(((r.get("seconds", 0.0), s) for s, r in results.items()), reverse=True)
+        print("slowest: " + ", ".join(f"{s} {t:.0f} s" for t, s in slow[:12]))
     for line in notes:
         print(f"note: {line}")
     if problems:
