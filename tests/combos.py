@@ -800,7 +800,8 @@ def main(argv=None) -> int:
     ap.add_argument("--first", type=int, default=0, help="the first seed of --seeds")
     ap.add_argument("--root", default=None, help="where models, documents and saved caches go (default: a temp dir)")
     ap.add_argument("--show", action="store_true", help="print the configurations and exit")
-    ap.add_argument("--by-feature", action="store_true", help="also list the seeds that covered each feature, and the slowest configurations")
+    ap.add_argument("--by-feature", action="store_true",
+                    help="also list the seeds that covered each feature, and the slowest configurations")
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the ranks load a model per configuration

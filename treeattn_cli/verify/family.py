@@ -104,21 +104,22 @@ def _err(a, b) -> float:
 
 
 def _greedy(model, ids: list[int], n: int) -> list[int]:
-    """``n`` tokens of ``model``'s greedy continuation of ``ids`` (no cache: a few short forwards)."""
-    out = list(ids)
+    """``n`` tokens of ``model``'s greedy continuation of ``ids`` (transformers' own decode)."""
     with torch.inference_mode():
-        for _ in range(n):
-            out.append(int(model(input_ids=torch.tensor([out]), use_cache=False).logits[0, -1].argmax()))
-    return out[len(ids):]
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1, pad_token_id=0)
+    return out[0, len(ids):].tolist()
 
 
 class _Drafts:
     """The probe's drafter: eager's greedy continuation of the sequence so far, given whole, with
     its second draft wrong, or its first, in turn; so verifies keep every draft, keep one, and keep
-    none (the rows after a rejected draft are cut from the tail), whatever the random model says."""
+    none (the rows after a rejected draft are cut from the tail), whatever the random model says.
+    ``oracle``: eager's greedy continuations, computed once (a sequence that left them, at a near
+    tie, is continued afresh)."""
 
-    def __init__(self, eager, tokens: list[int], vocab: int):
-        self.eager, self.tokens, self.vocab, self.calls = eager, list(tokens), vocab, 0
+    def __init__(self, eager, tokens: list[int], vocab: int, oracle: list[list[int]]):
+        self.eager, self.tokens, self.vocab, self.oracle, self.calls = eager, list(tokens), vocab, oracle, 0
 
     def extend(self, tokens) -> None:
         self.tokens += [int(t) for t in tokens]
@@ -126,7 +127,10 @@ class _Drafts:
     def draft(self, k: int) -> list[int]:
         if k <= 0:
             return []
-        out = _greedy(self.eager, self.tokens, k)
+        n = len(self.tokens)
+        out = next((o[n:n + k] for o in self.oracle if len(o) >= n + k and o[:n] == self.tokens), None)
+        if out is None:
+            out = _greedy(self.eager, self.tokens, k)
         wrong = (None, 1, 0)[self.calls % 3]
         self.calls += 1
         if wrong is not None and wrong < k:
@@ -134,7 +138,8 @@ class _Drafts:
         return out
 
 
-def _answers(ours, eager, vocab: int, document: list[int], question: list[int], gpu: bool) -> list[dict]:
+def _answers(ours, eager, vocab: int, document: list[int], question: list[int], gpu: bool,
+             oracle: list[list[int]]) -> list[dict]:
     """The probe's two questions over ``document`` through the engine on one rank, as ``chat
     --batch`` and ``generate`` run them (``gpu``: on the GPU's branches, the reference kernels
     under them); each answer's record (``token_ids``, ``logprobs`` of the whole vocabulary,
@@ -150,7 +155,7 @@ def _answers(ours, eager, vocab: int, document: list[int], question: list[int], 
 
     class Probe(Engine):
         def _drafter(self, own=(), doc=None):
-            return _Drafts(eager, list(doc.ids if doc is not None else self.ids) + list(own), vocab)
+            return _Drafts(eager, list(doc.ids if doc is not None else self.ids) + list(own), vocab, oracle)
 
     got: dict = {}
     ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
@@ -201,7 +206,8 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
 
     transformers.AttentionInterface.register(A.ATTN_NAME, counted)
     try:
-        runs = [_answers(ours, eager, vocab, document, question, gpu) for gpu in (False, True)]
+        oracle = [document + q + _greedy(eager, document + q, NEW + DRAFTS) for q in ([], question)]
+        runs = [_answers(ours, eager, vocab, document, question, gpu, oracle) for gpu in (False, True)]
     except A.UnsupportedAttention as e:
         raise ProbeFailed(str(e)) from None
     finally:
