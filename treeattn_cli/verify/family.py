@@ -181,6 +181,8 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from treeattn_kernels import reference_only, use_reference
+
     from ..engine import attention as A
     from ..engine import invariance
 
@@ -204,6 +206,7 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
         calls[0] += 1
         return real(*a, **kw)
 
+    reference = reference_only()  # (the engine sets this process's kernels: put back after)
     transformers.AttentionInterface.register(A.ATTN_NAME, counted)
     try:
         oracle = [document + q + _greedy(eager, document + q, NEW + DRAFTS) for q in ([], question)]
@@ -212,6 +215,7 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
         raise ProbeFailed(str(e)) from None
     finally:
         transformers.AttentionInterface.register(A.ATTN_NAME, real)
+        use_reference(reference)
     if not calls[0]:
         raise ProbeFailed(f"model type '{mtype}': its layers never call transformers' attention interface, "
                           "so treeattn cannot shard its attention")
