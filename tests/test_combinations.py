@@ -2,7 +2,8 @@
 a step is computed (tests/combos.py draws and runs them), each answer against the same request
 alone, and against transformers' greedy decode where that applies.
 
-CI runs the first 40 seeds, the regression seeds and the coverage seeds (ranks start once per rank set).
+CI runs the first 40 seeds (but LONG_RUN_ONLY), the regression seeds and the coverage seeds (ranks start
+once per rank set).
 The long run:  TREEATTN_COMBOS=500 pytest tests/test_combinations.py   (or python tests/combos.py --seeds 500)
 One case:      TREEATTN_COMBO_SEEDS=39 pytest tests/test_combinations.py   (or python tests/combos.py --seed 39)
 """
@@ -42,6 +43,17 @@ COVERAGE = {
 }
 
 
+# Seeds of the first 40 that CI leaves to the long run (seed: why). Each replays its steps from
+# stand-in CUDA graphs, whose Triton kernels run interpreted and twice a replay: measured together
+# (python tests/combos.py --by-feature, the CI set), these three took 195 of the set's 427 s. 231
+# and 31 keep batched steps and verifies replayed from graphs in CI; the coverage test says so.
+LONG_RUN_ONLY = {
+    28: "a conversation citing with sampled drafts, its verifies replayed: 85 s",
+    25: "gpt-oss on 3 ranks, a batch of four replayed: 63 s",
+    38: "gpt-oss sampling and citing, a batch of one replayed: 47 s",
+}
+
+
 def _seeds() -> tuple[list[int], bool]:
     """The seeds to run and whether they are CI's default set (whose coverage is checked)."""
     explicit = os.environ.get("TREEATTN_COMBO_SEEDS")
@@ -49,7 +61,8 @@ def _seeds() -> tuple[list[int], bool]:
         return [int(x) for x in explicit.replace(",", " ").split()], False
     n = int(os.environ.get("TREEATTN_COMBOS", "40"))
     first = int(os.environ.get("TREEATTN_COMBO_FIRST", "0"))
-    return sorted(set(range(first, first + n)) | set(REGRESSIONS) | set(COVERAGE)), n >= 40
+    skip = set(LONG_RUN_ONLY) if n == 40 and first == 0 else set()
+    return sorted(set(range(first, first + n)) - skip | set(REGRESSIONS) | set(COVERAGE)), n >= 40
 
 
 @pytest.fixture(scope="module")
