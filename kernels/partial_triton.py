@@ -500,7 +500,8 @@ def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool
     anyway: 3 CTAs per SM on CUDA (a 4-warp decode tile needs ~140 registers; sm_90: 64 keys;
     sm_80, 164 KB per SM: 32) and 2 workgroups per CU on ROCm (gfx942: 32 KiB of LDS each,
     counting the 16 x 64 probability tile a 64-key block stages through LDS; d = 128: 32 keys).
-    On ROCm, query slices (more than 16 rows: prefill) keep ``num_stages=2``: the stream
+    On ROCm, tiles taller than 16 rows (more than 16 query heads a KV head: :func:`tile_rows`) keep
+    ``num_stages=2``: the stream
     pipeliner already loads the next tile into registers while this one computes, and a third
     stage doubles their compile time for little. fp32's ieee-precision dot keeps its operands
     in registers: 32 keys, and on gfx942 (64 KiB of LDS) not multi-buffered.
