@@ -21,6 +21,7 @@ The verdict is cached per (config, transformers, torch, treeattn), like the kern
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -30,6 +31,7 @@ import time
 import torch
 
 from .. import __version__
+from .tiny import greedy
 
 DOCUMENT, SEGMENT, QUESTION, NEW = 23, 12, 4, 10  # the document's tokens, a prefill segment's, a question's, an answer's
 DRAFTS, PAGE = 2, 8  # drafts a verify carries; tokens per block of the probe's pool (a document spans blocks)
@@ -103,14 +105,6 @@ def _err(a, b) -> float:
     return ((a - b).abs().max() / max(1.0, b.abs().max().item())).item()
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    """``n`` tokens of ``model``'s greedy continuation of ``ids`` (transformers' own decode)."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 class _Drafts:
     """The probe's drafter: eager's greedy continuation of the sequence so far, given whole, with
     its second draft wrong, or its first, in turn; so verifies keep every draft, keep one, and keep
@@ -130,7 +124,7 @@ class _Drafts:
         n = len(self.tokens)
         out = next((o[n:n + k] for o in self.oracle if len(o) >= n + k and o[:n] == self.tokens), None)
         if out is None:
-            out = _greedy(self.eager, self.tokens, k)
+            out = greedy(self.eager, self.tokens, k)
         wrong = (None, 1, 0)[self.calls % 3]
         self.calls += 1
         if wrong is not None and wrong < k:
@@ -144,8 +138,6 @@ def _answers(ours, eager, vocab: int, document: list[int], question: list[int], 
     --batch`` and ``generate`` run them (``gpu``: on the GPU's branches, the reference kernels
     under them); each answer's record (``token_ids``, ``logprobs`` of the whole vocabulary,
     ``speculation``)."""
-    import contextlib
-
     from treeattn_kernels import gpu_branches
 
     from ..engine.engine import Engine
@@ -209,7 +201,7 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
     reference = reference_only()  # (the engine sets this process's kernels: put back after)
     transformers.AttentionInterface.register(A.ATTN_NAME, counted)
     try:
-        oracle = [document + q + _greedy(eager, document + q, NEW + DRAFTS) for q in ([], question)]
+        oracle = [document + q + greedy(eager, document + q, NEW + DRAFTS) for q in ([], question)]
         runs = [_answers(ours, eager, vocab, document, question, gpu, oracle) for gpu in (False, True)]
     except A.UnsupportedAttention as e:
         raise ProbeFailed(str(e)) from None

@@ -94,13 +94,17 @@ def greedy_decoder(model_dir: Path, kv_round=None):
     attn = rounded_attention(kv_round) if kv_round is not None else "eager"
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
 
-    def decode(prompt_ids, max_new_tokens: int) -> list:
-        ids = torch.tensor([prompt_ids])
-        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist()
+    return lambda prompt_ids, max_new_tokens: greedy(m, prompt_ids, max_new_tokens)
 
-    return decode
+
+def greedy(model, prompt_ids, max_new_tokens: int) -> list:
+    """``max_new_tokens`` token ids of ``model``'s own greedy generate after ``prompt_ids`` (no
+    early end)."""
+    ids = torch.tensor([list(prompt_ids)])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
 
 
 def hf_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, kv_round=None):
