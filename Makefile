@@ -33,7 +33,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest -q tests
 
-# A folder of wheels for a machine without network (treeattn_cli/bench/wheelhouse.py; README "GPU
+# A folder of wheels for a machine without network (treeattn_cli/bench/wheelhouse.py; docs/gpus.md "GPU
 # machines without network"): this project's wheel and everything treeattn[test,serve] needs but
 # torch, Triton and nvidia-*. For another machine: make wheelhouse PYTHON_VERSION=3.12
 # PLATFORM=manylinux_2_28_x86_64 (binary wheels only); WHEELHOUSE_SKIP=a,b leaves out what it holds.

@@ -165,7 +165,7 @@ def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_le
 def _fp8_blocks(q, k8, v8, k_scale, v_scale, kw, fallback):
     """The fused path over fp8 rows ``k8, v8 [B, H_kv, N, d]``: each block of
     ``partial_ref._KEY_BLOCK`` keys (the reference's: 16K) dequantized to q's dtype and attended
-    on its own (fp32 partials), the partials merged by LSE (DESIGN.md §2), the sink folded in
+    on its own (fp32 partials), the partials merged by LSE (docs/architecture.md §2), the sink folded in
     once. Only one block's rows are ever dequantized (~0.1 GiB at 8 KV heads, d = 128, with
     dequantize's fp32 transient), where the whole shard's were ~1.5 GiB at 128K keys."""
     B, H, Q, d = q.shape

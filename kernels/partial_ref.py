@@ -302,7 +302,7 @@ def _write_blocks(block_lse, lse_rows, s, q0, q1, n0, cb, B, H):
 
 
 def _merge(o_a, l_a, o_b, l_b):
-    """Two partials of one slice over disjoint key blocks, merged (DESIGN.md §2; the kernel's
+    """Two partials of one slice over disjoint key blocks, merged (docs/architecture.md §2; the kernel's
     own accumulation, like the Triton kernel's online softmax)."""
     m = torch.maximum(l_a, l_b)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)

@@ -14,7 +14,7 @@ Two launches:
      live length and, with positions sorted, outside the window (a search over the positions, not
      a walk): a skipped tile is one no row sees, which would add exact zeros. The K/V loads are
      software-pipelined (``num_stages=3``: two tiles in flight per CTA). An fp8 cache
-     (``k_scale``/``v_scale``, DESIGN.md §11) is read as stored: the program loads the fp8 K/V
+     (``k_scale``/``v_scale``, docs/architecture.md §11) is read as stored: the program loads the fp8 K/V
      tiles and their per-row scales (bf16, ``SCALE_G`` per row, one per ``d / SCALE_G``
      channels) and dequantizes each tile in registers (one rounding to the compute dtype)
      before the 16-bit kernel's dots, for as many query rows as that kernel holds; scores,
@@ -23,7 +23,7 @@ Two launches:
      issue 37), it also writes each row's log-sum-exp per run of ``lse_block`` keys from the
      score tiles as they pass (``LSE_BLOCK``; 0: compiled out, the kernel as without it).
   2. ``_reduce_kernel``: one program per (batch, head, query row) merges the splits with the
-     LSE math of DESIGN.md §2 and writes ``o`` in q's dtype and ``lse`` (natural log, fp32).
+     LSE math of docs/architecture.md §2 and writes ``o`` in q's dtype and ``lse`` (natural log, fp32).
 
 The torch reference with the same signature is ``partial_ref.partial_attention_ref``.
 """
@@ -377,7 +377,7 @@ def _split_kernel(
             ask = row_ok & (tl.load(LR + b * srb + qi * srq, mask=row_ok, other=0) != 0)
 
     if SCALE_G > 0:
-        # fp8 K/V (DESIGN.md §11): each row's SCALE_G groups of channels carry their own scale.
+        # fp8 K/V (docs/architecture.md §11): each row's SCALE_G groups of channels carry their own scale.
         # Each tile is dequantized in registers (fp8 -> fp32, times its key's group scale, rounded
         # once to the compute dtype: the reference's dequantize, tile by tile) and goes through
         # the 16-bit kernel's two dots, so all BLOCK_M query rows meet it once: a launch reads

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-# Named tolerances (DESIGN.md §7): relative to the output scale.
+# Named tolerances (docs/architecture.md §7): relative to the output scale.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float64: 1e-12}
 
 

@@ -16,7 +16,7 @@ from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.engine.job import GenerateJob
 
-# every family README lists: GQA (4 query heads over 2 KV heads), so tp 2 splits them all
+# every family docs/usage.md lists: GQA (4 query heads over 2 KV heads), so tp 2 splits them all
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "phi3", "phi", "olmo2",
             "granite", "cohere", "mixtral", "qwen3_moe", "starcoder2")
 NEW = 6

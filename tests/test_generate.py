@@ -196,7 +196,7 @@ def test_stop_string_and_output_file(models, tmp_path):
     assert rec["stop_reason"] == "stop" and stop in rec["text"] and rec["token_ids"] == full["token_ids"][:n]
     assert out.read_bytes() == rec["text"].encode()  # bytes: text mode would turn a generated "\r" into "\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".treeattn-")]
-    # the command line's rule (README): the stop string is kept in stdout as in --output and the record
+    # the command line's rule (docs/usage.md, --stop): the stop string is kept in stdout as in --output and the record
     r = CliRunner().invoke(app, ["generate", "--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
                                  "--max-new-tokens", "12", "--nproc", "2", "--stop", stop, "--no-chat"],
                            catch_exceptions=False)

@@ -1,4 +1,4 @@
-"""Packaging: kernels/ installs as treeattn_kernels, never as a top-level `kernels` (DESIGN.md §5);
+"""Packaging: kernels/ installs as treeattn_kernels, never as a top-level `kernels` (docs/architecture.md §5);
 the wheel folder installs treeattn with no index (issue 34)."""
 
 from __future__ import annotations

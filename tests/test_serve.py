@@ -327,7 +327,7 @@ def test_bad_requests_get_an_error_object_and_the_server_keeps_serving(server, b
 def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model, tmp_path):
     """A server of its own: SIGTERM during a request (its document being prefilled, or its answer
     streaming): the stream ends with its [DONE] within
-    seconds (the README's promise; bound here at a generous 30 s for a loaded 2-core machine) and
+    seconds (docs/serving.md's promise; bound here at a generous 30 s for a loaded 2-core machine) and
     the process tree is gone. A new server on the same --cache-dir continues the saved document
     on its first request. A rank killed outright: /health and requests turn 503 with the reason."""
     m, _ = model

@@ -477,7 +477,7 @@ def preflight(out_dir=None) -> tuple[int, str]:
             state = "ready"
         lines.append(f"  {st.name:12} {state}")
     if needed:
-        lines += ["", f"preflight: missing {', '.join(sorted(needed))}: install them (README: GPU machines "
+        lines += ["", f"preflight: missing {', '.join(sorted(needed))}: install them (docs/gpus.md: GPU machines "
                       "without network), then run this again"]
         return 1, "\n".join(lines)
     lines += ["", "preflight: every step can run" + ("" if n_gpus else "; no GPU here, so there is nothing to "

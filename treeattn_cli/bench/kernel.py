@@ -5,7 +5,7 @@ the median time, the achieved GB/s (K and V bytes read once), and its fraction o
 device-to-device copy bandwidth (read + write bytes / time) on the same device.
 
 With ``--kv-dtype fp8`` the kernel also reads the cache as the engine stores it (e4m3 rows
-and a bf16 scale per 32 channels, DESIGN.md §11): record ``treeattn-fp8``, whose bytes are the
+and a bf16 scale per 32 channels, docs/architecture.md §11): record ``treeattn-fp8``, whose bytes are the
 fp8 rows plus their scales (0.53x bf16's at d = 128), beside ``treeattn`` on the 16-bit rows.
 
 Run: ``python -m treeattn_cli.bench.kernel --seq-len 4096,32768,1048576 [--kv-dtype fp8]``.

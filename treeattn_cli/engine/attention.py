@@ -202,7 +202,7 @@ def _sinks(module, s_aux, heads: int):
 
 
 def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
-    """Cascade attention (DESIGN.md §11): ``q [R, H, T, d]`` of R sequences, each continuing a
+    """Cascade attention (docs/architecture.md §11): ``q [R, H, T, d]`` of R sequences, each continuing a
     document (``ctx.groups``: each document's cache and its rows; none: ``ctx.cache`` for all).
     A document's rows go against this rank's shard of it in one call — the query rows of a KV
     head meet each K/V tile once, so the shard is read once for all of them — and each

@@ -1,5 +1,5 @@
 """Many questions about one document at once: continuous batching over the shared, sharded
-document (DESIGN.md §11; cascade attention).
+document (docs/architecture.md §11; cascade attention).
 
 The document stays in its cache, one shard per rank, and is never copied per question. Each
 question lives in a slot of a second cache, the *tail* (batch = slots): its own tokens, spread

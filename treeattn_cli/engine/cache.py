@@ -1,4 +1,4 @@
-"""The sharded KV cache: what this rank holds, and where each new token goes (DESIGN.md §4).
+"""The sharded KV cache: what this rank holds, and where each new token goes (docs/architecture.md §4).
 
 Per layer this rank keeps ``k, v [B, H_kv, capacity + 1, d]`` (the extra slot is a write-off
 target for sequences whose token goes elsewhere, so every step writes the same shapes); per

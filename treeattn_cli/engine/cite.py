@@ -1,4 +1,4 @@
-"""Citations from the merge (issue 37; DESIGN.md §12): where in the document an answer read.
+"""Citations from the merge (issue 37; docs/architecture.md §12): where in the document an answer read.
 
 Every decode step already has, per query row and head, the merged log-sum-exp ``lse`` of its
 scores over every rank's keys. The split kernels can also write each row's log-sum-exp per block

@@ -1,5 +1,5 @@
 """The documents this rank holds: one sharded cache each, made resident from memory, disk or a
-prefill that runs a segment at a time (DESIGN.md §12).
+prefill that runs a segment at a time (docs/architecture.md §12).
 
 A batch's documents live in the rank's block pool (``pool.BlockPool``, sized once, the same on
 every rank: ``pool`` bytes or a ``pool_fraction`` of the free memory, else :data:`POOL_BYTES` for

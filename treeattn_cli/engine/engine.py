@@ -1,4 +1,4 @@
-"""One engine, many requests (DESIGN.md §10): ranks started once, the model loaded once.
+"""One engine, many requests (docs/architecture.md §10): ranks started once, the model loaded once.
 
 Each rank builds an :class:`Engine` (its share of the model on the (cp × tp) mesh, communicators,
 sharded cache, decoder) and serves a sequence of requests, the same on every rank, in order:

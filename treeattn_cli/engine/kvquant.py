@@ -1,4 +1,4 @@
-"""fp8 KV cache (DESIGN.md §11, issue 27): keys and values stored as 8-bit floats in a rotated
+"""fp8 KV cache (docs/architecture.md §11, issue 27): keys and values stored as 8-bit floats in a rotated
 basis, with a bfloat16 scale per 32 channels of each token's row.
 
 Scales matter more than the format. A rotation ``R`` of the head dimension (a normalised

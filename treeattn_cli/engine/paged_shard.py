@@ -1,4 +1,4 @@
-"""A document's shard on this rank, kept in the rank's block pool (DESIGN.md §12; issue 35).
+"""A document's shard on this rank, kept in the rank's block pool (docs/architecture.md §12; issue 35).
 
 :class:`PagedShard` is the face of one sequence's shard that prefill, the cascade and
 ``kvstore`` use (the methods of a batch-1 ``cache.ShardedKVCache`` they call), its tokens in

@@ -1,4 +1,4 @@
-"""A batch's tail in the rank's block pool (DESIGN.md §12; issue 35 item 1).
+"""A batch's tail in the rank's block pool (docs/architecture.md §12; issue 35 item 1).
 
 :class:`PagedTail` is the tail of ``batch.BatchDecoder`` — one sequence per slot, its question's
 and its answer's tokens (and drafts under verification), spread over the ranks and counted as

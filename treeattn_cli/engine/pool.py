@@ -1,5 +1,5 @@
 """One rank's KV memory as a pool of fixed-size blocks, and the block tables of the sequences
-that live in it (DESIGN.md §12; issue 35: the documents of a batch live here, ``paged_shard.PagedShard``).
+that live in it (docs/architecture.md §12; issue 35: the documents of a batch live here, ``paged_shard.PagedShard``).
 
 A block holds ``page`` tokens of every layer: ``k[layer][block] [H_kv, page, d]`` (the storage
 dtype; fp8 with ``ks``/``vs`` scales per row, per block), and each token's global position in

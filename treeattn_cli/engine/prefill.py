@@ -1,4 +1,4 @@
-"""Prefill across ranks (DESIGN.md §4): how a segment is cut, and causal attention across the cut.
+"""Prefill across ranks (docs/architecture.md §4): how a segment is cut, and causal attention across the cut.
 
 **Sharding.** A segment of ``n`` tokens at global positions ``start .. start + n`` is cut into
 ``2p`` chunks and rank ``r`` holds chunks ``r`` and ``2p - 1 - r`` (*balanced*): under a causal

@@ -1,4 +1,4 @@
-"""Room in the ranks' block pools, counted from outside them (DESIGN.md §12; issue 35).
+"""Room in the ranks' block pools, counted from outside them (docs/architecture.md §12; issue 35).
 
 A server answers "can this request ever be held?" before any rank sees it, from tokens alone:
 the ranks' pools (``pool.BlockPool``, one per rank, the same size on every rank) count in blocks

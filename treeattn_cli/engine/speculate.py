@@ -1,4 +1,4 @@
-"""Speculative decoding from the document (DESIGN.md §11): drafts by n-gram lookup in the prompt
+"""Speculative decoding from the document (docs/architecture.md §11): drafts by n-gram lookup in the prompt
 and the output, verified through the tree merge, exact.
 
 Answers about a long document quote it. :class:`Drafter` finds the latest earlier occurrence of

@@ -1,4 +1,4 @@
-"""Every torch.distributed call of treeattn lives here (DESIGN.md §3).
+"""Every torch.distributed call of treeattn lives here (docs/architecture.md §3).
 
 * process-group set-up with a timeout, failure reporting through the rendezvous store, and a
   :class:`RankFailure` that names the lost rank instead of a bare gloo/NCCL error;

@@ -1,4 +1,4 @@
-"""The LSE merge of partial attention results, in fp32 (DESIGN.md §2). Written once here.
+"""The LSE merge of partial attention results, in fp32 (docs/architecture.md §2). Written once here.
 
 A partial is ``(o, lse)``: ``o [..., d]`` normalised within its shard and ``lse [...]`` the
 natural-log sum of exp of its scores. Partials of disjoint key sets merge exactly:

@@ -1,4 +1,4 @@
-"""The (cp × tp) grid of ranks (DESIGN.md §10): who shares a sequence shard, who shares weights.
+"""The (cp × tp) grid of ranks (docs/architecture.md §10): who shares a sequence shard, who shares weights.
 
 ``--nproc N --tp T``: ranks form ``cp = N / T`` sequence shards × ``T`` tensor-parallel ranks.
 Rank ``r`` has tensor-parallel index ``r % T`` and sequence-shard index ``r // T``:

@@ -1,4 +1,4 @@
-"""The ring decode baseline (DESIGN.md §3): KV blocks rotate p - 1 steps (the paper's baseline,
+"""The ring decode baseline (docs/architecture.md §3): KV blocks rotate p - 1 steps (the paper's baseline,
 GQA-native), and the balanced contiguous cut of tokens over ranks. Prefill's ring lives in
 ``engine/prefill.py``.
 

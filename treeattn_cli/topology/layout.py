@@ -3,7 +3,7 @@
 Groups are GPUs joined by the fastest uniform link class (an NVSwitch domain, an XGMI hive, a
 PCIe switch pair, a NUMA node). A uniform fabric is one flat level; a mixed one reduces inside
 groups, then across group leaders, then back inside groups (``hierarchical``). The α–β model
-(DESIGN.md §3) prices each candidate with link figures from a profile (``profiles/*.yaml``);
+(docs/architecture.md §3) prices each candidate with link figures from a profile (``profiles/*.yaml``);
 pairs without P2P are priced as staged through host memory.
 """
 

@@ -65,7 +65,7 @@ def skipped(path, why):
 
 def _kernel_cases(full: bool):
     """(kind, B, G, H_kv, Q, N, d, dtype, extra) of the partial-attention checks: every launch
-    the runtime makes (DESIGN.md §11), at the shapes it makes them.
+    the runtime makes (docs/architecture.md §11), at the shapes it makes them.
 
     ``extra``: ``ragged`` (B = 3 sequences of N, N/3 and 0 keys), ``causal`` (the last Q of N
     positions), ``window``/``softcap``, ``sorted`` (per-sequence ascending positions, a cache's,
