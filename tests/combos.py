@@ -416,7 +416,7 @@ def serve_spec(c: Config, fx: dict, save_root: str) -> tuple[dict, dict]:
         spec["piece"] = c.chunk
         if c.tight:  # blocks for the largest document's shard on one rank, no more, and the tail of
             # one question and answer (the longest) at a time: the others wait for its blocks
-            from treeattn_cli.engine.documents import PAGE, tail_blocks
+            from treeattn_cli.engine.room import PAGE, tail_blocks
 
             page = c.page or PAGE
             longest = max(n for _, n in c.docs)
@@ -555,8 +555,7 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
         os.environ.pop("TREEATTN_KERNEL", None)  # (the stand-in's: the GPU's kernels) alone runs the CPU's
     if stand_in is not None:
         events["graph_replays_checked"] = stand_in.checked
-        events["single_replays"] = eng.dec.replays
-        events["verify_replays"] = eng.dec.verify_graphs.replays
+        events["verify_replays"] = eng.graph_totals["verify_graph_replays"]
     took = time.perf_counter() - t0
     # the same requests alone: a fresh engine, the same document on the same path (the pool, its
     # segments, its saved cache), one question at a time, no drafts: every bit of every answer

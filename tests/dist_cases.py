@@ -170,35 +170,6 @@ def gather_values(ctx):
     return make_comm("allreduce").all_gather_values([ctx.rank, 0.5 * ctx.rank, 7]).tolist()
 
 
-def capacity_trace(ctx, model_dir, n_prompt, new_tokens):
-    """Static-cache decode from a tiny initial capacity over uneven shards: this rank's cache
-    capacity after prefill and after every decode step (a static step's CUDA graph is
-    recaptured when it changes, so every rank must change it on the same step)."""
-    from treeattn_cli.engine.attention import AttentionContext
-    from treeattn_cli.engine.cache import ShardedKVCache
-    from treeattn_cli.engine.decode import Decoder
-    from treeattn_cli.engine.sampling import Sampling
-    from treeattn_cli.engine.model import load_model, shapes
-
-    model = load_model(model_dir, torch.float32, torch.device("cpu"))
-    sh = shapes(model.config)
-    cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"], sh["head_dim"], rank=ctx.rank,
-                           world=ctx.world, capacity=1, static=True)
-    dec = Decoder(model, AttentionContext(make_comm("allreduce"), cache), vocab_size=model.config.vocab_size)
-    trace = []
-    real = cache.plan_step  # the step's host part decides the capacity
-
-    def plan(*a, **kw):
-        store = real(*a, **kw)
-        trace.append(cache.capacity)
-        return store
-
-    cache.plan_step = plan
-    ids = torch.arange(n_prompt)[None] % 200 + 20
-    toks = [t for t, _ in dec.generate(ids, max_new_tokens=new_tokens, sampling=Sampling(), piece=5)]
-    return trace, toks
-
-
 def agree(ctx, veto_rank):
     """``Comm.all_true``: one rank's False decides for every rank."""
     c = make_comm("allreduce")
@@ -236,36 +207,29 @@ def mesh_generate(ctx, jobs, single=()):
 
 def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
     """Under (cp x tp): every linear layer holds 1/tp of its weight on this rank (the dimension
-    the model's plan shards), and the collectives of one decode step, counted by kind."""
+    the model's plan shards), and the collectives of one decode step of ``generate`` (the batch
+    loop's step and the broadcast of the step's tokens after it), counted by kind."""
     import torch.distributed as dist
 
-    from treeattn_cli.parallel import comm as C
-    from treeattn_cli.engine.attention import AttentionContext
-    from treeattn_cli.engine.cache import ShardedKVCache
-    from treeattn_cli.engine.decode import Decoder
-    from treeattn_cli.engine.sampling import Sampling
-    from treeattn_cli.parallel.mesh import Mesh
-    from treeattn_cli.engine.model import load_model, shapes
+    from treeattn_cli.engine.batch import BatchDecoder
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.model import load_model
 
-    mesh = Mesh(ctx.world, tp, ctx.rank)
     full = load_model(model_dir, torch.float32, torch.device("cpu"))
-    tp_mesh, cp_group = C.grid_mesh("cpu", mesh.cp, tp)
-    model = load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh)
+    job = GenerateJob(model_dir, (torch.arange(20) + 30).tolist(), max_new_tokens=new_tokens, dtype="float32",
+                      tp=tp, speculate="off")
+    eng = Engine(ctx, job)
     shards = {}
-    for name, p in model.named_parameters():
+    for name, p in eng.model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         ref = dict(full.named_parameters())[name]
         shards[name] = (tuple(local.shape), tuple(ref.shape))
-    sh = shapes(model.config)
-    comm = C.make_comm("allreduce", parts=mesh.cp_parts(), group=cp_group)
-    world = C.make_comm("allreduce")
-    cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"] // tp, sh["head_dim"], rank=comm.rank,
-                           world=mesh.cp, capacity=64)
-    dec = Decoder(model, AttentionContext(comm, cache), vocab_size=sh_vocab(model), world=world)
-    counts = {}
+    counts, steps = {}, []
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "send", "recv",
-             "batch_isend_irecv", "reduce_scatter_tensor")
+             "batch_isend_irecv", "reduce_scatter_tensor", "broadcast_object_list")
     real = {n: getattr(dist, n) for n in names}
+    real_step = BatchDecoder._step
 
     def counting(n):
         def f(*a, **k):
@@ -273,17 +237,24 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
             return real[n](*a, **k)
         return f
 
-    ids = torch.arange(20)[None] + 30
-    gen = dec.generate(ids, max_new_tokens=new_tokens, sampling=Sampling())
-    next(gen)  # prefill and the first token
-    for n in names:
-        setattr(dist, n, counting(n))
+    def step(self, *a, **kw):  # from the first step to the second: exactly one step and its broadcast
+        steps.append(1)
+        if len(steps) == 1:
+            for n in names:
+                setattr(dist, n, counting(n))
+        elif len(steps) == 2:
+            for n in names:
+                setattr(dist, n, real[n])
+        return real_step(self, *a, **kw)
+
+    BatchDecoder._step = step
     try:
-        next(gen)  # exactly one decode step (and its token broadcast)
+        eng.serve([{"op": "generate"}, {"op": "stop"}])
     finally:
+        BatchDecoder._step = real_step
         for n in names:
             setattr(dist, n, real[n])
-    return shards, counts, sh["num_layers"]
+    return shards, counts, full.config.num_hidden_layers
 
 
 def sh_vocab(model):
@@ -394,22 +365,17 @@ def graph_agreement(ctx, job, fail):
     finally:
         ctx.emit = real
     os.environ.pop("TREEATTN_KERNEL", None)
-    state = eng.world.all_gather_values([dec.graph is not None, dec.use_graph])
-    return (answers[0], state.tolist(), dec.graph_note) if ctx.rank == 0 else None
+    graphs = eng._bd.graphs  # (the batch loop's: a single answer is a batch of one)
+    state = eng.world.all_gather_values([graphs.held > 0, graphs.on])
+    return (answers[0], state.tolist(), graphs.note) if ctx.rank == 0 else None
 
 
-def graph_speculate(ctx, job, doc, question, new, speculate, max_rows=None):
+def graph_speculate(ctx, job, doc, question, new, speculate):
     """One answer with drafts under (stand-in) CUDA graphs (:func:`fake_cuda_graphs`): its plain
     steps and its verifies replayed. Rank 0 returns the tokens, the answer's speculation record,
-    and how many plain steps and verifies were replayed and graphs captured (step, verify).
-    ``max_rows``: the split kernel's rows per launch (more go to ATen's path) set this low."""
+    and how many plain steps and verifies were replayed and graphs captured (step, verify)."""
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.sampling import Sampling
-
-    if max_rows is not None:
-        import treeattn_kernels.partial_triton as pt
-
-        pt.MAX_ROWS = max_rows
 
     eng = Engine(ctx, job)
     dec = eng.dec
@@ -426,9 +392,9 @@ def graph_speculate(ctx, job, doc, question, new, speculate, max_rows=None):
         os.environ.pop("TREEATTN_KERNEL", None)
     if ctx.rank != 0:
         return None
-    a = answers[0]
-    return (a["token_ids"], a.get("speculation"), dec.replays, dec.verify_graphs.replays,
-            (dec.captures, dec.verify_graphs.captures), dec.graph_note)
+    a, bd = answers[0], eng._bd  # (the batch loop's graphs: a single answer is a batch of one)
+    return (a["token_ids"], a.get("speculation"), bd.graphs.replays, bd.verify_graphs.replays,
+            (bd.graphs.captures, bd.verify_graphs.captures), bd.graphs.note or bd.verify_graphs.note)
 
 
 def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=None, graphs=False, repeat=1):
@@ -567,9 +533,8 @@ def document_by_segments(ctx, job, doc, piece):
     d = eng.documents.get({"key": "k", "ids": doc, "piece": piece})
     segs = len(d.todo)
     eng.documents.complete(d)
-    other = eng.new_cache(len(doc))
-    eng._activate(other, [])
-    eng.dec.prefill(torch.tensor([doc]), piece)
+    other = eng.documents.new_shard()
+    eng.dec.prefill(other, torch.tensor([doc]), piece)
     same = d.cache.max_len == other.max_len and torch.equal(d.cache.counts, other.counts) and all(
         torch.equal(x, y) for layer in range(other.num_layers)
         for x, y in zip(d.cache.view(layer), other.view(layer)))  # k, v, length, positions
@@ -661,9 +626,8 @@ def document_prefix_reuse(ctx, job, doc_a, extra, piece):
     D = eng.documents
 
     def plain(ids, pc):
-        other = eng.new_cache(len(ids))
-        eng._activate(other, [])
-        eng.dec.prefill(torch.tensor([ids]), pc)
+        other = eng.documents.new_shard()
+        eng.dec.prefill(other, torch.tensor([ids]), pc)
         return other
 
     def same(doc, ids, pc=piece):
@@ -723,13 +687,13 @@ def pool_agreement(ctx, spec, free_by_rank):
     from types import SimpleNamespace
 
     from treeattn_cli.engine import documents as D
-    from treeattn_cli.engine.cache import ShardedKVCache
+    from treeattn_cli.engine.pool import KVFormat
     from treeattn_cli.parallel import comm as C
 
     world = C.Comm()
-    cache = ShardedKVCache(2, 1, 2, 16, rank=ctx.rank, world=ctx.world)
+    kv = KVFormat(2, 2, 16, torch.float32, None, torch.device("cpu"))
     D.free_memory = lambda device, ranks=1: free_by_rank[ctx.rank]
-    docs = D.Documents(SimpleNamespace(cache=cache, world=world))
+    docs = D.Documents(SimpleNamespace(kv=kv, world=world))
     made = docs.make_pool(spec)
     assert docs.pool.num_blocks == made["blocks"] and docs.make_pool({"pool": 1}) == made  # made once
     return made
@@ -968,7 +932,7 @@ def pooled_conversation(ctx, job, doc, questions, new, pool_blocks=None, page=No
         again = ask(questions[0])
     finally:
         ctx.emit = real
-    own = int(eng.cache.counts.sum())
+    own = len(eng.ids)
     del torch
     return {"start": start, "turns": turns, "reset": reset, "again": again, "own_cache_tokens": own,
             "pool_blocks": eng.documents.pool.num_blocks} if eng.lead else None

@@ -182,6 +182,27 @@ def test_gpu_decode_floor_counts_the_bytes_a_step_reads(tied):
     assert floor_ms(m, 100, 1e9) == pytest.approx((step_weight_bytes(m) + kv) / 1e9 * 1e3)
 
 
+def test_gpu_decode_times_the_pooled_step_commands_run(monkeypatch):
+    """``bench.gpu_decode`` times the decode step every command runs: one slot of the batch loop
+    over a document in the block pool (here on a CPU, eagerly): each timed step is a cascade over
+    the document's blocks and the slot's tail, every layer, and writes its token into the tail."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treeattn_cli.bench import gpu_decode
+    from treeattn_cli.engine import attention
+
+    attention.register()
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="treeattn")
+    m = LlamaForCausalLM(cfg).eval()
+    calls = []
+    real = attention._cascade
+    monkeypatch.setattr(attention, "_cascade", lambda ctx, *a: calls.append(ctx.tail.counts[0].tolist()) or real(ctx, *a))
+    ms, replayed, note = gpu_decode.ours(m, 100, 5, device="cpu")
+    assert ms > 0 and not replayed and note is None
+    assert len(calls) == 5 * 2 and calls[0] == [1] and calls[-1] == [5]  # the tail grew a token a step
+
+
 def test_model_bench_on_a_random_model_prints_records_as_measured(capsys):
     """bench.model's GPU options on the CPU: a random-weight model of a named shape (a GPU machine
     holds no weights), a row per cache storage, JSON lines printed as measured; fp32 on the CPU

@@ -12,7 +12,8 @@ import torch
 
 from treeattn_cli import paths, report
 from treeattn_cli.engine import kvstore
-from treeattn_cli.engine.cache import ShardedKVCache
+from treeattn_cli.engine.paged_shard import PagedShard
+from treeattn_cli.engine.pool import BlockPool
 
 
 @pytest.fixture(params=[0o022, 0o077, 0o002])
@@ -48,7 +49,7 @@ def test_atomic_writes_follow_the_umask(tmp_path, umask):
 
 def test_a_saved_cache_is_readable_as_a_whole(tmp_path, umask):
     """The shards and the token ids and the manifest: one mode for all (safetensors writes 0600)."""
-    c = ShardedKVCache(2, 1, 2, 8, capacity=16)
+    c = PagedShard(BlockPool(2, 2, 8, page=8, num_blocks=2), rank=0, world=1)
     for layer in range(2):
         c.append_chunk(layer, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.arange(5))
     tmp, target = tmp_path / "saving", tmp_path / "saved"

@@ -25,9 +25,9 @@ POOLED = [{"ids": QS[1], "doc": {"key": "a", "ids": DOC[::-1]}}, {"ids": QS[2], 
 # host tensors on purpose (every rank's token counts and lengths, where each token goes). A read
 # anywhere else is a new wait for the device: make it go through engine.host or keep the value on
 # the host, and add a site here only for a host tensor.
-HOST_BOOKKEEPING = {"cache.py:plan_step", "cache.py:max_len", "cache.py:begin_extend", "cache.py:fewest_first",
-                    "cache.py:view_rows",
-                    "cache.py:reset_rows", "documents.py:tokens", "decode.py:total", "decode.py:prefill",
+HOST_BOOKKEEPING = {"paged_tail.py:plan_step", "paged_tail.py:max_len", "paged_tail.py:begin_extend",
+                    "paged_tail.py:fewest_first", "paged_tail.py:reset_rows", "documents.py:tokens",
+                    "decode.py:_prefill", "decode.py:_prefill_replicated",
                     "pool.py:chain_key", "engine.py:_finish", "engine.py:<listcomp>",
                     "paged_tail.py:view_rows", "paged_tail.py:rows_tables", "paged_tail.py:most_here",  # (the tail in
                     # the pool: the same host lengths, gathered or as tables, and a question's admission reading

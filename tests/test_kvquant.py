@@ -12,7 +12,7 @@ import torch
 
 import dist_cases
 from helpers import assert_usage_error, attention_f64, cli, copying_question
-from treeattn_cli.engine.cache import ShardedKVCache
+from treeattn_cli.engine.pool import BlockPool
 from treeattn_cli.engine.job import GenerateJob
 from treeattn_cli.engine.kvdtypes import token_bytes
 from treeattn_cli.engine.kvquant import KVQuant, rotation
@@ -95,8 +95,8 @@ def test_partial_attention_on_fp8_rows_is_attention_on_their_values(impl):
 @pytest.mark.parametrize("d", [64, 128])
 def test_fp8_kv_takes_at_most_055_of_bf16_scales_included(d):
     """The issue's bound, for the cache as allocated and for the projections' formula alike."""
-    fp8 = ShardedKVCache(4, 1, 2, d, quant=KVQuant(d, "cpu"), capacity=100)
-    bf16 = ShardedKVCache(4, 1, 2, d, dtype=torch.bfloat16, capacity=100)
+    fp8 = BlockPool(4, 2, d, page=64, num_blocks=2, quant=KVQuant(d, "cpu"))
+    bf16 = BlockPool(4, 2, d, page=64, num_blocks=2, dtype=torch.bfloat16)
     assert fp8.bytes_per_token() <= 0.55 * bf16.bytes_per_token()
     assert fp8.bytes_per_token() == token_bytes("fp8", 4, 2, d) and bf16.bytes_per_token() == token_bytes("bfloat16", 4, 2, d)
     assert fp8.nbytes() <= 0.55 * bf16.nbytes()
@@ -116,28 +116,38 @@ def _hf_logits(model_dir, ids, kv_round=None):
 @pytest.mark.parametrize("kind,kv", [("llama", "fp8"), ("gemma2", "fp8"), ("llama", "bfloat16")])
 def test_one_rank_logits_are_transformers_on_rounded_kv(models, kind, kv):
     """A prefill in two segments (the second meets the stored cache) and decode steps on one
-    rank equal transformers' eager attention fed keys and values rounded as stored, and differ
-    from it fed full-precision ones by far more: the cache really stores, and reads, rounded rows."""
-    from treeattn_cli.engine.attention import AttentionContext
-    from treeattn_cli.engine.decode import Decoder
+    rank, through the engine as commands run them (the document in the block pool, the answer a
+    batch of one), equal transformers' eager attention fed keys and values rounded as stored, and
+    differ from it fed full-precision ones by far more: the pool really stores, and reads, rounded
+    rows. Every step's whole distribution is compared (``logprobs`` of the whole vocabulary)."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.job import GenerateJob
     from treeattn_cli.engine.kvquant import storage
     from treeattn_cli.engine.model import load_model, shapes
-    from treeattn_cli.parallel.comm import Comm
+    from treeattn_cli.engine.sampling import Sampling
+    from treeattn_cli.parallel.launch import RankContext
 
     model_dir = models[kind]
-    model = load_model(model_dir, torch.float32, torch.device("cpu"))
-    sh = shapes(model.config)
-    dt, quant, _ = storage(kv, torch.float32, "cpu", sh["head_dim"])
-    cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"], sh["head_dim"], dtype=dt, quant=quant, capacity=64)
-    dec = Decoder(model, AttentionContext(Comm.single(), cache), vocab_size=tiny_models.VOCAB)
-    ids = DOC[:30]
-    got = [dec.prefill(torch.tensor([ids[:24]]), 12)[0]]
-    for i in range(24, 30):
-        got.append(dec.step(torch.tensor([ids[i]]), i)[0])
-    got = torch.stack(got)  # logits after positions 23 .. 29
+    sh = shapes(load_model(model_dir, torch.float32, torch.device("cpu")).config)
+    _, quant, _ = storage(kv, torch.float32, "cpu", sh["head_dim"])
+    got = {}
+    ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
+                      emit=lambda kind, p: got.__setitem__("rec", p) if kind == "answer" else None)
+    job = GenerateJob(str(model_dir), [], dtype="float32", kv_dtype=kv, speculate="off")
+    ids = DOC[:24]
+    Engine(ctx, job).serve([{"op": "append", "ids": ids, "piece": 12},
+                            {"op": "decode", "max_new_tokens": 6, "sampling": vars(Sampling()), "logprobs": tiny_models.VOCAB},
+                            {"op": "stop"}])
+    rec = got["rec"]
+    ids = ids + rec["token_ids"][:5]
+    out = torch.full((6, tiny_models.VOCAB), float("-inf"))
+    for i, lp in enumerate(rec["logprobs"]):
+        top = torch.tensor(lp["top"], dtype=torch.float64)  # [V, 2]: (id, logprob)
+        out[i, top[:, 0].long()] = top[:, 1].float()
+    got = out  # log-probabilities after positions 23 .. 28
     rnd = quant.roundtrip if quant is not None else (lambda x: x.to(torch.bfloat16).float())
-    want = _hf_logits(model_dir, ids, rnd)[23:30]
-    plain = _hf_logits(model_dir, ids)[23:30]
+    want = torch.log_softmax(_hf_logits(model_dir, ids, rnd)[23:29], -1)
+    plain = torch.log_softmax(_hf_logits(model_dir, ids)[23:29], -1)
     scale = want.abs().max()
     assert (got - want).abs().max() <= 2e-4 * scale, (got - want).abs().max() / scale
     assert (plain - want).abs().max() >= 20 * max((got - want).abs().max(), 1e-6 * scale)

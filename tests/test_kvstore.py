@@ -10,16 +10,19 @@ import torch
 
 from helpers import peak_anon_growth
 from treeattn_cli.engine import kvstore
-from treeattn_cli.engine.cache import ShardedKVCache
+from treeattn_cli.engine.paged_shard import PagedShard
+from treeattn_cli.engine.pool import BlockPool
 
 LAYERS, KV_HEADS, N, D = 16, 4, 4096, 64  # one layer's K + V: 8 MiB; the shard: 128 MiB
 
 
 def _cache(n=N, fill=True):
-    c = ShardedKVCache(LAYERS, 1, KV_HEADS, D, capacity=n + 8)
+    """A document's shard in a pool of its own (as the engine keeps them), ``n`` random tokens."""
+    c = PagedShard(BlockPool(LAYERS, KV_HEADS, D, page=64, num_blocks=-(-n // 64) + 1), rank=0, world=1)
     if fill:
         for layer in range(LAYERS):
             c.append_chunk(layer, torch.randn(1, KV_HEADS, n, D), torch.randn(1, KV_HEADS, n, D), torch.arange(n))
+        c.set_counts([n])
     return c
 
 
@@ -40,16 +43,15 @@ def test_save_and_load_stream_one_layer_at_a_time(tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / kvstore.shard_name(0, 0)), "pt") as f:  # a valid safetensors file
-        assert torch.equal(f.get_tensor("k.3"), src.k[3][:, :, :N]) and torch.equal(f.get_tensor("pos"), torch.arange(N))
-    dst = _cache(fill=False)
-    dst.reserve(N + 8)  # the cache itself is not what a load adds
+        assert torch.equal(f.get_tensor("k.3"), src.view(3)[0]) and torch.equal(f.get_tensor("pos"), torch.arange(N))
+    dst = _cache(fill=False)  # (its pool is allocated: not what a load adds)
     _, grown = peak_anon_growth(lambda: kvstore.load_into(tmp_path, _manifest(tmp_path), dst, cp=1, cp_index=0,
                                                           head0=0),
                                 probes=[(dst, "fill_layer")])  # read as each layer's K/V arrive
     assert grown <= 2 * layer_bytes + (8 << 20), (grown, layer_bytes)
     for layer in (0, LAYERS - 1):
-        assert torch.equal(dst.k[layer][:, :, :N], src.k[layer][:, :, :N])
-        assert torch.equal(dst.v[layer][:, :, :N], src.v[layer][:, :, :N])
+        assert torch.equal(dst.view(layer)[0], src.view(layer)[0])
+        assert torch.equal(dst.view(layer)[1], src.view(layer)[1])
     assert dst.host_length.tolist() == [N] and torch.equal(dst.pos[0, :N], torch.arange(N))
 
 

@@ -1,5 +1,5 @@
 """A batch's tail in the rank's block pool (issue 35 item 1): ``paged_tail.PagedTail`` holds
-the numbers a dense ``cache.ShardedKVCache`` tail holds through every operation a batch makes
+the numbers the dense reference (``dense_tail.DenseTail``) holds through every operation a batch makes
 (questions entering slots, decode steps, drafts verified and cut back, the fixed-shape verify's
 writes), each slot's blocks taken when it is admitted and given back when it ends."""
 
@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from treeattn_cli.engine.cache import ShardedKVCache, fewest_first
+from dense_tail import DenseTail
 from treeattn_cli.engine.kvquant import KVQuant
-from treeattn_cli.engine.paged_tail import PagedTail, most_here
+from treeattn_cli.engine.paged_tail import PagedTail, fewest_first, most_here
 from treeattn_cli.engine.pool import BlockPool, PoolFull
 from treeattn_kernels import gather_pages
 
@@ -55,7 +55,7 @@ def test_a_pooled_tail_holds_what_a_dense_tail_holds(seed, fp8, static):
     S, world, rank = 3, 3, 1
     quant = KVQuant(D, "cpu") if fp8 else None
     pool = BlockPool(L_, H, D, page=PAGE, num_blocks=48, quant=quant)
-    dense = ShardedKVCache(L_, S, H, D, rank=rank, world=world, capacity=4, static=static, quant=quant)
+    dense = DenseTail(L_, S, H, D, rank=rank, world=world, capacity=4, static=static, quant=quant)
     paged = PagedTail(pool, S, rank=rank, world=world, capacity=4, static=static)
     caches = (dense, paged)
     assert pool.used == 0

@@ -10,7 +10,7 @@ import pytest
 
 import dist_cases
 from treeattn_cli.engine.decode import segments
-from treeattn_cli.engine.documents import PAGE
+from treeattn_cli.engine.room import PAGE
 from treeattn_cli.engine.prefill import shard, size
 from treeattn_cli.engine.job import GenerateJob
 from treeattn_cli.parallel.launch import run_local

@@ -419,7 +419,7 @@ def test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_d
     even share in blocks, its question and answer as the batch's tail takes them, beside the
     pinned documents; the block count is the ranks' own once reported, else what the bytes hold
     (as ``Documents.make_pool`` sizes it)."""
-    from treeattn_cli.engine.documents import PAGE, blocks_in
+    from treeattn_cli.engine.room import PAGE, blocks_in
     from treeattn_cli.engine.room import PoolRoom
 
     per_token = 2 * 30 * 3 * 64 * 4  # the embedded model in fp32, 2 ranks: both ranks' bytes

@@ -1,6 +1,8 @@
-"""One-GPU decode at Llama-3.1-8B's shape (random weights, bf16): treeattn's static, graph-captured
-decode step against the memory-bandwidth floor, transformers' eager decode step (DynamicCache,
-SDPA), and a ``torch.compile``d static-cache decode step; plus time to first token of a prompt.
+"""One-GPU decode at Llama-3.1-8B's shape (random weights, bf16): treeattn's decode step as every
+command runs it (a batch of one over a document in the block pool, its tail in the pool, static
+shapes replayed from a CUDA graph: ``batch.BatchDecoder``) against the memory-bandwidth floor,
+transformers' eager decode step (DynamicCache, SDPA), and a ``torch.compile``d static-cache decode
+step; plus time to first token of a prompt.
 
 Decode timing needs no real prompt: each cache is filled with N random keys/values (the step's
 cost does not depend on their values). Run on an H100/H200:
@@ -63,41 +65,65 @@ def _guarded(fn, need):
 
 
 def _time(fn, n):
-    torch.cuda.synchronize()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
     ts = []
     for _ in range(n):
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts[2:] if len(ts) > 4 else ts)
 
 
-def ours(model, N, steps):
+PAGE = 64  # tokens per block of the bench's pool (the engine's default: room.PAGE)
+
+
+def pooled(model, N: int, device="cuda", dtype=torch.bfloat16, extra: int = 0):
+    """A one-rank decoder and a document of ``N`` random tokens in a block pool with room for
+    ``extra`` more (the engine's layout: ``paged_shard.PagedShard``): ``(dec, shard)``."""
     from ..engine.attention import AttentionContext
-    from ..engine.cache import ShardedKVCache
-    from ..parallel.comm import Comm
     from ..engine.decode import Decoder
+    from ..engine.paged_shard import PagedShard
+    from ..engine.pool import BlockPool
+    from ..parallel.comm import Comm
 
     c = model.config
-    cache = ShardedKVCache(c.num_hidden_layers, 1, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
-                           dtype=torch.bfloat16, device="cuda", capacity=N + steps + 8, static=True)
-    for layer in range(c.num_hidden_layers):  # N random tokens, as if prefilled
-        cache.k[layer][:, :, :N].normal_()
-        cache.v[layer][:, :, :N].normal_()
-    cache.length.fill_(N)
-    cache.host_length.fill_(N)
-    cache.set_counts([N])
-    dec = Decoder(model, AttentionContext(Comm.single(), cache), vocab_size=c.vocab_size, cuda_graph=True)
-    tok = torch.tensor([1])
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, hd, page=PAGE,
+                     num_blocks=-(-(N + extra) // PAGE) + 4, dtype=dtype, device=device)
+    shard = PagedShard(pool, rank=0, world=1)
+    dec = Decoder(model, AttentionContext(Comm.single()), vocab_size=c.vocab_size, device=device,
+                  kv_heads=c.num_key_value_heads, static=torch.device(device).type == "cuda", cuda_graph=True)
+    return dec, shard
+
+
+def ours(model, N, steps, device="cuda"):
+    """Milliseconds of treeattn's decode step at ``N`` cached tokens (median), whether it replayed
+    from a CUDA graph, and the graph's note: one slot of the batch loop over a document of ``N``
+    random tokens in the pool (``BatchDecoder._step``, the forward every command's steps run)."""
+    from ..engine.batch import BatchDecoder, _Slot
+    from ..engine.documents import Document
+
+    dec, shard = pooled(model, N, device, next(model.parameters()).dtype, extra=steps + 8)
+    shard.begin_fill(torch.arange(N), [N])  # N tokens, as if prefilled: random keys and values
+    for store in shard.pool.k + shard.pool.v:
+        store.normal_()
+    bd = BatchDecoder(dec, slots=1, capacity=steps + 8, pool=shard.pool)
+    slot = _Slot(0, 0, None, 0.0, 0.0, doc=Document("bench", [0] * N, shard), doc_tokens=N, row=0)
+    bd.tail.reset_rows([0], [shard.counts[0]])
+    bd.tail.admit(0, steps + 8)
     pos = [N]
 
     def one():
-        dec.step(tok, pos[0])
+        bd._step([1], [pos[0]], [True], [slot])
         pos[0] += 1
 
     ms = _time(one, steps) * 1e3
-    return ms, dec.graph is not None, dec.graph_note
+    replayed = bd.graphs is not None and bd.graphs.replays > 0
+    return ms, replayed, bd.graphs.note if bd.graphs is not None else dec.graph_note
 
 
 def hf_step(model, N, steps, compiled):
@@ -174,19 +200,12 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
     if a.ttft:
-        from ..engine.attention import AttentionContext
-        from ..engine.cache import ShardedKVCache
-        from ..parallel.comm import Comm
-        from ..engine.decode import Decoder
-
         c = model.config
-        cache = ShardedKVCache(c.num_hidden_layers, 1, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
-                               dtype=torch.bfloat16, device="cuda", capacity=a.ttft + 8, static=True)
-        dec = Decoder(model, AttentionContext(Comm.single(), cache), vocab_size=c.vocab_size)
+        dec, shard = pooled(model, 0, extra=a.ttft + 8)
         ids = torch.randint(0, c.vocab_size, (1, a.ttft))
         torch.cuda.synchronize()
         t = time.perf_counter()
-        dec.prefill(ids, piece=8192)
+        dec.prefill(shard, ids, piece=8192)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
         print(json.dumps({"ttft_prompt": a.ttft, "prefill_s": dt, "prefill_tokens_per_s": a.ttft / dt,

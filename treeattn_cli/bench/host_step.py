@@ -13,10 +13,11 @@ the engine plans as ``--scheme auto`` does (``auto_layout``: steps that no graph
 with one all-gather). Also: the reads of the device (``engine.host.read``) and host-to-device
 copies (``host.Staging``) each rank makes a step, and the graphs the batch replayed.
 
-``--cache pool`` (the default: what ``chat --batch`` and ``serve`` run) puts the document in the
-rank's block pool and the batch's tail there too (``paged_tail``; on a GPU both are read through
-block tables); ``--cache own`` keeps the document in the engine's own cache and the tail dense
-beside it (the path before the pool, kept as the oracle); ``own,pool`` times both.
+``--cache pool`` (the default: what ``chat --batch`` and ``serve`` run) names the document in
+every question: it is made resident in the rank's block pool, the batch's tail there too
+(``paged_tail``; on a GPU both are read through block tables); ``--cache own`` appends it as the
+engine's own tokens and the questions continue them (since issue 50 a document of the same pool,
+``Engine.prefix``); ``own,pool`` times both.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def rank_batches(ctx, job, doc, questions, new, repeats, pool=False):
     """Every rank: the document, a warm-up batch, then ``repeats`` pairs of timed batches
     (``new`` tokens each, then ``SHORT``); each rank returns the seconds of each pair, its reads
     and copies per step (over the long batches), and rank 0 the long batches' graph replays.
-    ``pool``: the document (and the tail) in the block pool, sized for it and the batch, as
-    ``chat --batch`` sizes it; else the engine's own cache."""
+    ``pool``: the document named by every question, its pool sized for it and the batch, as
+    ``chat --batch`` sizes it; else appended as the engine's own tokens (pooled too)."""
     import torch
 
     from ..engine.engine import Engine
@@ -124,8 +125,8 @@ def main(argv=None):
     ap.add_argument("--random", default=None, help="a random model of this shape (bench.random_model.SHAPES)")
     ap.add_argument("--doc-tokens", type=int, default=100)
     ap.add_argument("--graphs", default="off", help="off | on | off,on: the batch's steps replayed from CUDA graphs")
-    ap.add_argument("--cache", default="pool", help="pool | own | own,pool: the document (and the batch's tail) in "
-                                                    "the block pool, or in the engine's own cache")
+    ap.add_argument("--cache", default="pool", help="pool | own | own,pool: the document named by every question, "
+                                                    "or appended as the engine's own tokens (both in the pool)")
     a = ap.parse_args(argv)
     caches = [c.strip() for c in a.cache.split(",")]
     if not caches or any(c not in ("own", "pool") for c in caches):

@@ -39,7 +39,7 @@ from .prepare import prepare_run
 # Tokens of a question the KV pool is sized to hold beside the document and the answer, for each
 # of --batch at a time (a question alone may take the room of them all: the pool's blocks are
 # shared). The pool also holds at least what the model's whole context takes (up to the device's
-# default pool, documents.POOL_BYTES), so one question as long as the context allows fits alone;
+# default pool, room.POOL_BYTES), so one question as long as the context allows fits alone;
 # one that still cannot fit is not answered, and says so.
 QUESTION_ROOM = 256
 HELP = "/exit (or Ctrl-D) leaves · /reset returns to the document · /save DIR saves the cache · Ctrl-C stops an answer"

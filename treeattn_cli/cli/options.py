@@ -197,7 +197,7 @@ class ServeOptions(GenerateOptions):
     api_key: str | None = None
     cache_dir: str | None = None
     kv_memory: str | None = None  # --kv-memory as given: parsed into cache_bytes or kv_fraction
-    cache_bytes: int | None = None  # per rank (None: engine.documents.POOL_BYTES of the device); once
+    cache_bytes: int | None = None  # per rank (None: engine.room.POOL_BYTES of the device); once
     # the ranks made the pool, its bytes
     kv_fraction: float | None = None  # --kv-memory as a fraction of each rank's free memory
     batch: int = 8

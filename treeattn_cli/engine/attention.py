@@ -16,7 +16,6 @@ import torch
 from treeattn_kernels import (add_sink, dequantize, gather_pages, gpu_path, partial_attention, partial_attention_paged,
                               reference_only, triton_available)
 
-from .cache import ShardedKVCache
 from ..parallel.comm import Comm
 from ..parallel.merge import merge_pair
 from .prefill import flops, ring_pass_q, ring_prefill
@@ -39,7 +38,7 @@ class AttentionContext:
     """
 
     comm: Comm
-    cache: ShardedKVCache
+    cache: object = None  # prefill: the shard the tokens join (paged_shard.PagedShard)
     phase: str = "decode"
     pieces: list = field(default_factory=list)  # prefill: every rank's position ranges (prefill.shard)
     positions: object = None  # prefill: this rank's positions [n_r]
@@ -47,7 +46,7 @@ class AttentionContext:
     method: str = "pass-kv"  # prefill with a cache: "pass-kv" (the cache travels) or "pass-q" (queries do)
     on_layer: object = None  # prefill progress callback(layer_index)
     decode_method: str = "tree"  # "ring": the KV-rotating baseline (bench)
-    tail: ShardedKVCache | None = None  # cascade: every sequence's own tokens, batch = slots
+    tail: object = None  # cascade: every sequence's own tokens, batch = slots
     rows: list = field(default_factory=list)  # cascade: the tail rows (sequences) of this forward
     step: bool = True  # cascade: one token per sequence (tail.begin_step) or an extension (begin_extend)
     groups: list = field(default_factory=list)  # cascade: (document cache, its rows [R_g] or None: all, the same
@@ -120,58 +119,20 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
             ctx.on_layer(layer)
     elif ctx.phase == "cascade":
         return _cascade(ctx, layer, query, key, value, scaling, window, softcap, sink), None
-    elif ctx.phase == "verify":
-        return _verify_static(ctx, layer, query, key, value, scaling, window, softcap, sink), None
     elif ctx.phase == "replicated":
-        cite = ctx.cite if ctx.cite is not None and ctx.cite.wants(layer) else None
-        o, lse, blocks = _replicated(ctx, layer, query, key, value, scaling, window, softcap, sink, cite is not None)
+        o, lse = _replicated(ctx, layer, query, key, value, scaling, window, softcap, sink)
         B, H, T, d = query.shape
         out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
-        _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=True)  # a verify or a short append: never captured
-        if cite is not None:  # the shard before this forward (its own new tokens are the answer's)
-            bl = blocks["block_lse"][0]
-            cite.add(layer, bl, lse[0], cite.bins_of(cache, bl.shape[-1], lambda: cache.pos[0]))
+        comm.merge(o, lse, out=out.transpose(1, 2), eager=True)  # a short segment: never captured
         if ctx.on_layer is not None:
             ctx.on_layer(layer)
         return out, None
     else:
-        k, v, kv_len = cache.update(layer, key, value)
-        if ctx.decode_method == "ring":
-            if window is not None:
-                raise ValueError("the ring decode baseline does not support sliding-window layers")
-            lens = cache.shard_lens()  # every rank's block length, known without a collective
-            n = lens[comm.rank]
-            q, k, v = query, k[:, :, :n], v[:, :, :n]
-            if cache.quant is not None:  # the baseline rotates plain blocks: dequantized, in the rotated basis
-                ks, vs = cache.scales(layer, n)
-                q, k, v = cache.quant.rotate(q), dequantize(k, ks, q.dtype), dequantize(v, vs, q.dtype)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # another storage dtype: read in the model's
-            o, lse = ring_decode(comm, q, k, v, kv_len, shard_lens=lens, scale=scaling, softcap=softcap)
-            if cache.quant is not None:
-                o = cache.quant.unrotate(o)
-            if sink is not None:  # every rank merged all p partials itself
-                o, _ = add_sink(o, lse, sink)
-            return o.to(query.dtype).transpose(1, 2).contiguous(), None
-        q_pos = k_pos = None
-        if window is not None:
-            q_pos, k_pos = cache.step_positions[:, None], cache.pos[:, : k.shape[2]]
-        cite = ctx.cite if ctx.cite is not None and ctx.cite.wants(layer) else None
-        blocks = _blocks(query, k.shape[2]) if cite is not None else {}
-        # the same query on every rank: its sink goes into one rank's partial before the merge
-        o, lse = _stored(cache, layer)(query, k, v, scale=scaling, kv_len=kv_len, window=window, softcap=softcap,
-                                       sink=sink if comm.rank == 0 else None, q_pos=q_pos, k_pos=k_pos,
-                                       k_pos_sorted=True, out_dtype=torch.float32, **blocks)  # positions ascend
-        B, H, T, d = query.shape
-        out = torch.empty(B, T, H, d, dtype=query.dtype, device=query.device)  # the layer's layout
-        _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)
-        if cite is not None:
-            N = k.shape[2]
-            cite.add(layer, blocks["block_lse"][0], lse[0], cite.bins_of(cache, N, lambda: cache.pos[0]))
-        return out, None
+        raise RuntimeError(f"treeattn attention: unknown phase {ctx.phase!r}")
     return o.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def _stored(cache: ShardedKVCache, layer: int, rows=None, extension: bool = False):
+def _stored(cache, layer: int, rows=None, extension: bool = False):
     """``partial_attention`` over ``cache``'s own views as stored (``extension``: over the
     extension this rank keeps, ``cache.extension_view``). An fp8 cache: the queries turn into
     its rotated basis, its per-token scales come along, and the output turns back. A cache in
@@ -210,6 +171,8 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     rows through their block tables in one more launch, :func:`_tail_paged`); the two partials merge by LSE,
     then across ranks in one merge for the whole batch, whatever documents its rows read.
     Returns ``[R, T, H, d]``."""
+    if ctx.decode_method == "ring":
+        return _ring(ctx, layer, q, k_new, v_new, scale, window, softcap, sink)
     R, H, T, d = q.shape
     tail, comm = ctx.tail, ctx.comm
     pos = ctx.positions  # [R, T] global positions of the queries (-1: padding)
@@ -257,6 +220,39 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     for cite, i, bl, doc, positions in cited:  # each row's share of its merged attention, per key
         cite.add(layer, bl, lse[i], cite.bins_of(doc, bl.shape[-1], positions))
     return out
+
+
+def _ring(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
+    """The ring baseline of ``treeattn bench`` (``decode_method="ring"``): one sequence's step
+    (``q [1, H, 1, d]``), this rank's shard of its document and its own tokens in the tail one
+    block of KV that rotates over the ranks (``parallel.ring.ring_decode``: p - 1 passes), every
+    rank merging all p partials itself. Returns ``[1, 1, H, d]``."""
+    if window is not None:
+        raise ValueError("the ring decode baseline does not support sliding-window layers")
+    if len(ctx.groups) != 1 or q.shape[0] != 1 or q.shape[2] != 1 or not ctx.step:
+        raise ValueError("the ring decode baseline decodes one sequence a token at a time (no batch, no drafts)")
+    (doc, _, _), = ctx.groups
+    tail, comm = ctx.tail, ctx.comm
+    lens = (tail.counts[0] + tail.beside[0]).tolist()  # every rank's block: its document shard and tail tokens
+    n_t = int(tail.counts[0, comm.rank])  # (host bookkeeping: no collective)
+    dk, dv, _, _ = doc.view(layer)  # [1, H_kv, N, d]
+    tk, tv, _ = tail.update(layer, k_new, v_new)  # the step's token written; [1, H_kv, L, d]
+    parts = [(dk, dv, doc.scales(layer, dk.shape[2])), (tk[:, :, :n_t], tv[:, :, :n_t], tail.scales(layer, n_t))]
+    quant = tail.quant
+    if quant is not None:  # the baseline rotates plain blocks: dequantized, in the rotated basis
+        q = quant.rotate(q)
+        k = torch.cat([dequantize(k, ks, q.dtype) for k, _, (ks, _) in parts], dim=2)
+        v = torch.cat([dequantize(v, vs, q.dtype) for _, v, (_, vs) in parts], dim=2)
+    else:  # another storage dtype: read in the model's
+        k = torch.cat([k.to(q.dtype) for k, _, _ in parts], dim=2)
+        v = torch.cat([v.to(q.dtype) for _, v, _ in parts], dim=2)
+    kv_len = torch.tensor([k.shape[2]], dtype=torch.int64, device=q.device)
+    o, lse = ring_decode(comm, q, k, v, kv_len, shard_lens=lens, scale=scale, softcap=softcap)
+    if quant is not None:
+        o = quant.unrotate(o)
+    if sink is not None:  # every rank merged all p partials itself
+        o, _ = add_sink(o, lse, sink)
+    return o.to(q.dtype).transpose(1, 2).contiguous()
 
 
 def _tail_dense(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap):
@@ -387,17 +383,15 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
     return o_d, l_d
 
 
-def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink, cite: bool):
+def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
     """This rank's partial for a segment every rank computes (``q [1, H, n, d]``): its cached
     shard, and the segment's tokens this rank keeps (causal; written now). Rank 0 carries the
-    sink (the same queries on every rank: it joins the merge once). ``cite``: the shard's
-    per-key log-sum-exp too (``blocks["block_lse"]``, :func:`_blocks`)."""
+    sink (the same queries on every rank: it joins the merge once)."""
     cache, pos = ctx.cache, ctx.positions
     k, v, kv_len, k_pos = cache.view(layer)  # the shard before this segment
     kw = dict(q_pos=pos, k_pos=k_pos, window=window, k_pos_sorted=True) if window is not None else {}
-    blocks = _blocks(q, k.shape[2]) if cite else {}
     o, lse = _stored(cache, layer)(q, k, v, scale=scale, kv_len=kv_len, softcap=softcap, out_dtype=torch.float32,
-                                   sink=sink if ctx.comm.rank == 0 else None, **kw, **blocks)
+                                   sink=sink if ctx.comm.rank == 0 else None, **kw)
     stats = ctx.comm.stats
     B, H, n, d = q.shape
     if stats.enabled:
@@ -410,28 +404,7 @@ def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
         o, lse = merge_pair(o, lse, po, pl)
         if stats.enabled:
             stats.add_flops(flops(B, H, d, n, nk.shape[2], "full"))
-    return o, lse, blocks
-
-
-def _verify_static(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
-    """A speculative step (``q [1, H, T, d]``: the last token and its drafts, every rank computing
-    all of them) over a fixed-shape cache, the form a CUDA graph captures: every new token is
-    written, to its slot on the rank that keeps it and to the write-off slot elsewhere
-    (``ctx.ext``'s slots), then one call attends the queries to the capacity-long view, the keys
-    this rank keeps (``ctx.ext``'s length, on the device) and causal among the new ones by
-    position. Returns ``[1, T, H, d]``."""
-    cache, comm = ctx.cache, ctx.comm
-    slots, kv_len = ctx.ext
-    cache.put_rows(layer, slots, k_new, v_new)
-    L = cache.capacity
-    k, v, k_pos = cache.k[layer][:, :, :L], cache.v[layer][:, :, :L], cache.pos[:, :L]
-    o, lse = _stored(cache, layer)(q, k, v, scale=scale, kv_len=kv_len, q_pos=ctx.positions[None], k_pos=k_pos,
-                                   window=window, k_pos_sorted=True, softcap=softcap,
-                                   sink=sink if comm.rank == 0 else None, out_dtype=torch.float32)
-    B, H, T, d = q.shape
-    out = torch.empty(B, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
-    comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)
-    return out
+    return o, lse
 
 
 def _blocks(q, N: int, rows=None) -> dict:

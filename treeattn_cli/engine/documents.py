@@ -39,49 +39,16 @@ from pathlib import Path
 
 import torch
 
-from .cache import ShardedKVCache
 from .decode import segments
 from .paged_shard import PagedShard
 from .pool import BlockPool, block_keys
+from .room import PAGE, POOL_BYTES, blocks_per_rank, tail_blocks
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
 # pause a new document puts between the tokens of answers under way is one segment (on the
 # project's 2-core CPU box, a segment of 2 x 256 tokens of the embedded model took 1.3-1.6 s;
 # 2 x 128 about half that).
 PIECE = {"cpu": 128, "cuda": 4096}
-PAGE = 64  # tokens per block of the documents' pool (a power of two, a multiple of the split kernel's tile)
-# Bytes of the documents' pool per rank when the request names none: it is allocated (and zeroed) at
-# once; a GPU takes this much of its free memory at most.
-POOL_BYTES = {"cpu": 512 << 20, "cuda": 8 << 30}
-
-
-def blocks_held(tokens: int, cp: int, page: int = PAGE) -> int:
-    """Blocks of ``page`` tokens the even share of a document of ``tokens`` tokens over ``cp``
-    sequence shards fills (``serve``'s count of what pinned documents hold)."""
-    return -(-(-(-tokens // cp)) // page)
-
-
-def blocks_per_rank(tokens: int, cp: int, page: int = PAGE) -> int:
-    """Blocks a pool must have for a document of ``tokens`` tokens alone, on the largest of its
-    ``cp`` shards: the even share and one token (segments cut unevenly), and one block more (a
-    shard's tokens need not start at a block)."""
-    return blocks_held(tokens + cp, cp, page) + 1
-
-
-def tail_blocks(tokens: int, cp: int, page: int = PAGE) -> int:
-    """Blocks a batch slot's question and answer of ``tokens`` tokens may take on its busiest rank
-    (``paged_tail.PagedTail.admit``): the even share, and room for the document beside it
-    holding up to a block's worth of tokens more on some ranks (placement fills the ranks that
-    hold fewest first)."""
-    return blocks_held(tokens, cp, page) + 1
-
-
-def blocks_in(pool_bytes: int, kv_bytes_per_token: int, page: int = PAGE) -> int:
-    """Blocks a pool of ``pool_bytes`` holds, ``kv_bytes_per_token`` per token on the rank (every
-    layer's K and V, fp8 scales included), and each token's position."""
-    return pool_bytes // (page * kv_bytes_per_token + 8 * page)
-
-
 def free_memory(device: torch.device, ranks: int = 1) -> int:
     """Bytes free for this rank's KV now: a GPU's free memory, or a CPU's available memory
     (``MemAvailable``) over the ``ranks`` that share it."""
@@ -103,7 +70,7 @@ class Document:
 
     key: str | None  # None: the engine's current prefix (chat's prompt), not a cache entry
     ids: list
-    cache: ShardedKVCache | PagedShard
+    cache: PagedShard
     todo: list = field(default_factory=list)  # prefill segments (start, end) of ids still to run
     segs: list = field(default_factory=list)  # all of them
     source: str = "memory"  # how it became resident: memory, pool (its blocks were cached), disk, prefill
@@ -123,8 +90,10 @@ class Document:
     logits: object = None  # rank 0, when asked (``last_logits``): its last token's ``[1, V]`` from its prefill
     want_logits: bool = False
     has_logits: bool = False  # (every rank) its prefill here kept them
+    made: dict | None = None  # with them: that prefill's {tokens, seconds, methods, start} (an answer from them counts it)
     t_start: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # to make it resident
+    methods: set = field(default_factory=set)  # how its prefill segments met the cache (prefill.plan)
 
     @property
     def ready(self) -> bool:
@@ -139,7 +108,7 @@ class Document:
     @property
     def tokens(self) -> int:
         """Tokens held over all ranks (host bookkeeping, the same on every rank)."""
-        return int(self.cache.counts[0].sum())
+        return int(self.cache.counts[0].sum()) if self.cache is not None else 0
 
 
 class Documents:
@@ -171,7 +140,7 @@ class Documents:
         :data:`POOL_BYTES` of the device; a GPU gives at most 0.9 of its free memory), or
         ``pool_fraction`` of the memory free now (a GPU's free memory; on a CPU the available
         memory, shared by the ranks). Returns ``{blocks, page, bytes, free}`` (free: this rank's)."""
-        c, world = self.engine.cache, self.engine.world
+        c, world = self.engine.kv, self.engine.world
         page = self.pool.page if self.pool is not None else int(spec.get("page") or PAGE)  # tests: small blocks
         per = BlockPool.bytes_per_block(c.num_layers, c.kv_heads, c.head_dim, page, c.dtype,
                                         c.quant.groups if c.quant else 0)
@@ -207,8 +176,12 @@ class Documents:
                 "free": self.pool_free}
 
     def _new(self, spec: dict) -> PagedShard:
+        return self.new_shard(spec)
+
+    def new_shard(self, spec: dict | None = None) -> PagedShard:
+        """An empty shard in this rank's pool (made now, from ``spec``, if there is none yet)."""
         eng = self.engine
-        return PagedShard(self._pool(spec), rank=eng.cache.rank, world=eng.cache.world)
+        return PagedShard(self._pool(spec or {}), rank=eng.comm.rank, world=eng.mesh.cp)
 
     def _mine(self, doc: Document, s0: int, s1: int) -> int:
         """Tokens of segment ``[s0, s1)`` of ``doc`` this rank will keep: its piece of the
@@ -221,7 +194,7 @@ class Documents:
             return len(doc.cache.placement([True] * (s1 - s0))[0])
         return size(shard(s0, s1 - s0, eng.mesh.cp, balanced=eng.dec.sharding == "balanced")[eng.mesh.cp_index])
 
-    def _room(self, doc: Document, add: int, evict: bool = True) -> bool:
+    def room(self, doc: Document, add: int, evict: bool = True) -> bool:
         """Whether every rank's pool has the blocks for ``add`` more tokens of ``doc`` on that
         rank (``evict``: making room first by evicting documents no question answers over); the
         same answer on every rank."""
@@ -399,25 +372,25 @@ class Documents:
                 self._ready(doc)
                 return doc.reused
         s0, s1 = doc.todo[0]
-        if not self._room(doc, self._mine(doc, s0, s1)):
+        if not self.room(doc, self._mine(doc, s0, s1)):
             self.waits += 1
             return 0
         eng = self.engine
-        dec = eng.dec
-        was = dec.cache
-        dec.cache = dec.actx.cache = doc.cache
         progress = None
         if doc.progress and eng.lead:  # (chat: the bar while its document is prefilled)
             progress = lambda done, _n, s0=s0, n=len(doc.ids): eng.ctx.send("prefill", (s0 + done, n))  # noqa: E731
-        try:
-            logits = dec.prefill(torch.tensor([doc.ids[s0:s1]], dtype=torch.int64), on_progress=progress)  # s1 - s0 <= p·piece
-        finally:
-            dec.cache = dec.actx.cache = was
+        first = len(eng.dec.segments)
+        logits = eng.dec.prefill(doc.cache, torch.tensor([doc.ids[s0:s1]], dtype=torch.int64),
+                                 on_progress=progress)  # s1 - s0 <= p·piece
+        doc.methods |= {seg["method"] for seg in eng.dec.segments[first:]}
         doc.todo.pop(0)
         if doc.want_logits and not doc.todo:  # a question with no tokens of its own starts from them
             doc.logits, doc.has_logits = (logits[-1:] if logits is not None else None), True
         self._publish(doc)
         self._ready(doc)
+        if doc.has_logits and not doc.todo:
+            doc.made = {"tokens": len(doc.ids), "seconds": doc.seconds, "methods": sorted(doc.methods),
+                        "start": doc.t_start}
         return s1 - s0
 
     def _load(self, doc: Document, evict: bool = True) -> bool:
@@ -427,7 +400,7 @@ class Documents:
 
         saved, manifest = doc.load
         eng = self.engine
-        if not self._room(doc, kvstore.shard_counts(manifest, eng.mesh.cp)[eng.mesh.cp_index], evict=evict):
+        if not self.room(doc, kvstore.shard_counts(manifest, eng.mesh.cp)[eng.mesh.cp_index], evict=evict):
             return False
         kvstore.load_into(saved, manifest, doc.cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index, head0=eng.head0)
         doc.load = None
@@ -473,7 +446,7 @@ class Documents:
             m = int((tail.pos[row, :m] < doc.tokens + upto).sum())
             counts = self.engine.comm.all_gather_values([m])[:, 0].to(torch.int64)  # [cp]
             n = upto
-        if not self._room(doc, m):
+        if not self.room(doc, m):
             return False
         sh = doc.cache
         layers = ([t[:, :, :m] for t in tail.row_stored(layer, row)] for layer in range(sh.num_layers))

@@ -1,15 +1,18 @@
 """One engine, many requests (docs/architecture.md §10): ranks started once, the model loaded once.
 
 Each rank builds an :class:`Engine` (its share of the model on the (cp × tp) mesh, communicators,
-sharded cache, decoder) and serves a sequence of requests, the same on every rank, in order:
+its block pool, decoder) and serves a sequence of requests, the same on every rank, in order.
+Every token's KV lives in the rank's block pool, and every answer is decoded by one loop
+(``batch.BatchDecoder.run``): a single answer is a batch of one. The engine's own tokens (what
+``append`` adds) are a document of the pool like any other (``Engine.prefix``, key None):
 
-* ``{"op": "append", "ids": [...], "piece": n}``: prefill the tokens after what the cache holds
+* ``{"op": "append", "ids": [...], "piece": n}``: prefill the tokens after the engine's own
   (the document, a question, the next turn of a conversation);
 * ``{"op": "decode", "seq": i, "max_new_tokens": n, "sampling": {...}, "stop": [...],
-  "eos_ids": [...], "keep": bool}``: sample an answer, streaming ``token`` events from rank 0
-  and ending with an ``answer`` event (its stats); rank 0 also stops when the launcher posts an
-  interrupt for request ``i``. ``keep``: the answer stays in the cache (its last token is fed
-  with the next append), else the caller rolls back. ``"logprobs": k`` (here and per question
+  "eos_ids": [...], "keep": bool}``: sample an answer from the last append's logits, streaming
+  ``token`` events from rank 0 and ending with an ``answer`` event (its stats); rank 0 also stops
+  when the launcher posts an interrupt for request ``i``. ``keep``: the answer joins the engine's
+  tokens (its last token is fed with the next append). ``"logprobs": k`` (here and per question
   of a batch): the answer carries each token's logprob and its ``k`` most likely alternatives;
   ``"cite": {"spans": [[start, end], ...], "layers": [...], "detail": "sum"}`` (here and per
   question): the answer carries ``cite``, its rows' attention over those spans of global
@@ -24,11 +27,11 @@ sharded cache, decoder) and serves a sequence of requests, the same on every ran
   the answer's last token is fed with the next kept question over it (``"drop_pending": True``:
   not, the turn having ended with EOS); its answer says ``kept`` (False: the pool could not hold
   them, the document is as it was);
-* ``{"op": "mark", "name": s}`` / ``{"op": "rollback", "name": s}``: remember the cache's
-  lengths / return to them (nothing copied); with ``"doc": key``, those of that resident
-  document (a conversation's turns leave, their blocks go back to the pool);
+* ``{"op": "mark", "name": s}`` / ``{"op": "rollback", "name": s}``: remember the engine's
+  tokens / return to them (the blocks past the mark go back to the pool); with ``"doc": key``,
+  those of that resident document (a conversation's turns leave);
 * ``{"op": "save", "dir": d, "nonce": s, ...}`` / ``{"op": "load", "dir": d, "manifest": {...}}``:
-  the sharded cache to and from disk (``kvstore.py``);
+  the engine's tokens (or with ``doc``, a resident document's) to and from disk (``kvstore.py``);
 * ``{"op": "generate"}``: the job's prompt over the block pool, as a batch of one whose
   document is the prompt (``_op_generate``; ``token`` events, then ``answer``);
 * ``{"op": "pool", "pool": bytes | "pool_fraction": f, "page": n}``: allocate the documents' block
@@ -42,7 +45,6 @@ the launcher one by one (``comm.next_request``).
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -52,12 +54,11 @@ from treeattn_kernels import use_reference
 
 from ..parallel import comm as C
 from .attention import AttentionContext
-from .cache import ShardedKVCache
-from .decode import Decoder, Timings
+from .decode import Decoder, segments
 from .documents import PIECE, Document, Documents
 from .kvquant import storage
+from .pool import KVFormat
 from .sampling import Sampling
-from .speculate import Speculation
 from ..parallel.mesh import Mesh, check_tp_within_nodes
 from ..topology.layout import cp_layout
 from .model import load_model, load_tokenizer, pick_dtype, shapes, weight_bytes
@@ -66,16 +67,16 @@ from .model import load_model, load_tokenizer, pick_dtype, shapes, weight_bytes
 def generate_requests(job) -> list[dict]:
     """``generate`` as requests: the prompt a document in the ranks' block pool, the answer a
     question over it (``Engine._op_generate``); the ring baseline (``decode_method="ring"``,
-    ``bench``) on the engine's own cache (:func:`single_requests`)."""
+    ``bench``) as appends and a decode of the engine's own tokens (:func:`single_requests`)."""
     if job.decode_method != "ring":
         return [{"op": "generate"}, {"op": "stop"}]
     return single_requests(job)
 
 
 def single_requests(job) -> list[dict]:
-    """``generate`` on the engine's own cache (the ring baseline, and the single answer the
-    pooled one is checked against): load a saved cache (``--load-kv``), append the prompt,
-    decode, and with ``--save-kv`` save the cache of the prompt (rolled back past the answer)."""
+    """``generate`` as operations on the engine's own tokens (the ring baseline, and tests): load
+    a saved cache (``--load-kv``), append the prompt, decode, and with ``--save-kv`` save the
+    cache of the prompt."""
     reqs = []
     if job.load_kv:
         reqs.append({"op": "load", "dir": job.load_kv, "manifest": job.load_manifest})
@@ -84,7 +85,9 @@ def single_requests(job) -> list[dict]:
         reqs.append({"op": "mark", "name": "prompt"})
     reqs.append({"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "stop": list(job.stop),
                  "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False,
-                 "speculate": job.speculate, "logprobs": job.logprobs, "cite": job.cite})
+                 # the ring baseline decodes a token at a time: its blocks rotate for one query row
+                 "speculate": job.speculate if job.decode_method != "ring" else "off",
+                 "logprobs": job.logprobs, "cite": job.cite})
     if job.save_kv:
         reqs += [{"op": "rollback", "name": "prompt"},
                  {"op": "save", "dir": job.save_kv, **job.save_meta}]
@@ -116,7 +119,8 @@ def _stop_check(tokenizer, stop: list, eos: set):
 
 
 class Engine:
-    """This rank's model, mesh, communicators, cache and decoder, and the requests it serves."""
+    """This rank's model, mesh, communicators, documents (in its block pool) and decoder, and the
+    requests it serves."""
 
     def __init__(self, ctx, job, model=None):
         """``model``: already built (the first-use probe's, ``verify/family.py``), else loaded
@@ -147,8 +151,6 @@ class Engine:
             # collective: the layout's scheme is priced for captured steps, where launches are free
             self.comm.eager_scheme = "allgather"
         self.world = C.make_comm("allreduce") if mesh.tp > 1 else self.comm  # tokens go to every rank
-        cp = mesh.cp
-        cap = math.ceil(job.reserve_tokens / cp) + 2
         static = job.static if job.static is not None else device.type == "cuda"
         # KV heads this rank attends with: 1/T of them, unless the plan gives every tp rank all
         # of them (Phi-3's fused qkv_proj is gathered again); then tp peers hold the same heads
@@ -156,29 +158,38 @@ class Engine:
         self.kv_heads = sh["kv_heads"] // (mesh.tp if self.heads_split else 1)
         self.head0 = mesh.tp_index * self.kv_heads if self.heads_split else 0
         kv_dtype, quant, self.kv_name = storage(job.kv_dtype, dtype, device, sh["head_dim"])
-        self.cache = ShardedKVCache(sh["num_layers"], 1, self.kv_heads, sh["head_dim"], dtype=kv_dtype,
-                                    device=device, rank=self.comm.rank, world=cp, capacity=cap, static=static,
-                                    quant=quant)
-        self.dec = Decoder(self.model, AttentionContext(self.comm, self.cache, decode_method=job.decode_method),
-                           vocab_size=self.model.get_output_embeddings().weight.shape[0], world=self.world,
+        # how every shard of this rank stores KV (the pool is sized by it: documents.Documents.make_pool)
+        self.kv = KVFormat(sh["num_layers"], self.kv_heads, sh["head_dim"], quant.dtype if quant is not None
+                           else kv_dtype, quant, device)
+        self.dec = Decoder(self.model, AttentionContext(self.comm, decode_method=job.decode_method),
+                           vocab_size=self.model.get_output_embeddings().weight.shape[0], device=device,
+                           kv_heads=self.kv_heads, static=static, world=self.world,
                            cuda_graph=job.cuda_graph and ctx.backend == "nccl" and job.decode_method == "tree",
                            sharding=job.prefill_sharding)
         self.lead = ctx.rank == 0
-        self.ids: list[int] = []  # the tokens the cache holds, in order (every rank)
-        self.pending: int | None = None  # an answer's last token, sampled but not yet in the cache
-        self.logits = None  # rank 0: of the last token in the cache
+        self.documents = Documents(self)  # the documents in the pool (documents.py)
+        self.prefix: Document | None = None  # the engine's own tokens (append, decode, mark, save, load), pooled
         self.ready = False  # tokens appended since the last answer: a decode may follow
         self.marks: dict = {}
-        self.appended = (0, 0.0, 0.0)  # tokens, seconds, start time of the last append
         self.summary: dict | None = None
-        self.methods: list[str] = []  # how the last append's segments met the cache (prefill.plan)
-        self._doc_drafter = None  # rank 0: speculation's n-gram index of the cached tokens
-        self.documents = Documents(self)  # serve, mixed batches: the resident documents (documents.py)
         self._drafters: dict = {}  # rank 0: speculation's n-gram index of each document, by key
         self._tok = None
         self._bd = None  # the batch decoder (batch.py), kept across batches: _batch_decoder
-        self.batch_graphs: dict = {}  # the last batch's CUDA graph counts (batch.BatchDecoder.graph_counts)
-        self.generated: dict | None = None  # generate over the pool: its shards and step (_op_generate)
+        # the steps' CUDA graphs over every batch so far (batch.BatchDecoder.graph_counts)
+        self.graph_totals = {"graph_captures": 0, "graph_replays": 0, "verify_graph_replays": 0, "graph_note": None}
+
+    @property
+    def ids(self) -> list:
+        """The engine's own tokens, in order (every rank)."""
+        return self.prefix.ids if self.prefix is not None else []
+
+    def _prefix(self) -> Document:
+        """The engine's own tokens as a document in the pool (made, with the pool, at first use:
+        sized for ``job.reserve_tokens`` and at least the default)."""
+        if self.prefix is None:
+            self.prefix = Document(None, [], self.documents.new_shard({"pool_for": self.job.reserve_tokens,
+                                                                       "grow": True}))
+        return self.prefix
 
     # -- requests ----------------------------------------------------------------------
     def serve(self, requests):
@@ -191,24 +202,35 @@ class Engine:
         return self._finish()
 
     def _op_append(self, req):
+        """Prefill ``ids`` after the engine's own tokens (a document, a question, the next turn of
+        a conversation), into its shard of the pool; the last token's logits wait for a decode."""
+        doc = self._prefix()
         if req.get("drop_pending"):  # the answer ended with EOS: the chat template closes the turn
-            self.pending = None
-        ids = ([self.pending] if self.pending is not None else []) + list(req["ids"])
-        self.pending = None
+            doc.pending = None
+        ids = ([doc.pending] if doc.pending is not None else []) + list(req["ids"])
+        doc.pending = None
         if not ids:
             return
         t0 = time.perf_counter()
+        cp = self.mesh.cp
+        most = -(-len(ids) // cp) + len(segments(len(ids), cp, req.get("piece"))) + 1  # this rank's share, at most
+        if not self.documents.room(doc, most):  # the same answer on every rank: they all refuse together
+            pool = self.documents.pool
+            raise RuntimeError(f"the KV pool ({pool.num_blocks} blocks of {pool.page} tokens per rank) cannot "
+                               f"hold {len(ids)} more tokens after {len(doc.ids)}")
         progress = (lambda done, total: self.ctx.send("prefill", (done, total))) if self.lead else None
         first = len(self.dec.segments)
-        logits = self.dec.prefill(torch.tensor([ids], dtype=torch.int64), req.get("piece"), progress)
-        self.methods = sorted({seg["method"] for seg in self.dec.segments[first:]})  # as prefill_segments say
+        logits = self.dec.prefill(doc.cache, torch.tensor([ids], dtype=torch.int64), req.get("piece"), progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.logits, self.ready = logits, True
-        self.ids += ids
-        self.appended = (len(ids), time.perf_counter() - t0, t0)
+        seconds = time.perf_counter() - t0
+        doc.ids = list(doc.ids) + ids
+        doc.logits, doc.has_logits = logits, True  # (rank 0's; a decode answers from them)
+        doc.made = {"tokens": len(ids), "seconds": seconds, "start": t0,
+                    "methods": sorted({seg["method"] for seg in self.dec.segments[first:]})}
+        self.ready = True
         if self.lead:
-            self.ctx.send("appended", {"tokens": len(ids), "seconds": self.appended[1], "cached": len(self.ids)})
+            self.ctx.send("appended", {"tokens": len(ids), "seconds": seconds, "cached": len(doc.ids)})
 
     def _op_pool(self, req):
         info = self.documents.make_pool(req)
@@ -216,50 +238,18 @@ class Engine:
             self.ctx.send("pool", info)
 
     def _op_decode(self, req):
+        """An answer after the engine's own tokens: a question with no tokens of its own over them,
+        answered from the last append's logits on the batch loop (a batch of one); ``keep``: the
+        answer joins the tokens (its last one is fed with the next append)."""
         if not self.ready:  # known on every rank: they all refuse together
             raise RuntimeError("decode needs tokens appended first")
-        stop_check = None
-        if self.lead:
-            if self._tok is None and req.get("stop"):
-                self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
-            stop_check = _stop_check(self._tok, req.get("stop") or [], set(req.get("eos_ids") or []))
-        seq = req.get("seq", 0)
-        n_prompt, prefill_s, t0 = self.appended
-        context = len(self.ids)
-        timings = Timings(start=t0)
-        timings.prefill_s = prefill_s
-        toks, reason = [], None
-        sampling = Sampling(**req["sampling"])
-        spec = Speculation.for_answer(req.get("speculate", "off"), sampling)
-        logprobs, want_lp = [], req.get("logprobs")
-        on_logprobs = logprobs.extend if self.lead and want_lp is not None else None
-        cite = self.citation(req.get("cite"))
-        for tok, reason in self.dec.decode(self.logits, max_new_tokens=req["max_new_tokens"],
-                                           sampling=sampling, stop_check=stop_check,
-                                           interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
-                                           timings=timings, speculation=spec, logprobs=want_lp,
-                                           on_logprobs=on_logprobs, cite=cite,
-                                           context=self._drafter() if self.lead and spec.mode != "off" else None):
-            toks.append(tok)
-            if self.lead:
-                self.ctx.send("token", tok)
-        cited = cite.gather(self.world) if cite is not None else None  # every rank, at the answer's end
-        self.logits, self.ready = None, False
-        # the last token was sampled, not fed: it enters the cache with the next append (kept)
-        self.ids += toks[:-1]
-        self.pending = toks[-1] if req.get("keep") and toks else None
-        count = len(toks)
-        self.summary = {
-            "prompt_tokens": n_prompt, "context_tokens": context, "new_tokens": count, "ttft_s": timings.ttft_s, "prefill_s": prefill_s,
-            "prefill_tokens_per_s": n_prompt / prefill_s if prefill_s else None,
-            "decode_tokens_per_s": (count - 1) / timings.decode_s if count > 1 and timings.decode_s else None,
-            "stop_reason": reason, "prefill_method": "+".join(self.methods) or None,
-            "speculation": spec.record(),
-            **({"logprobs": logprobs} if want_lp is not None else {}),
-            **({"cite": cited} if cited is not None else {}),
-        }
-        if self.lead:
-            self.ctx.send("answer", {**self.summary, "token_ids": toks})
+        q = {k: req[k] for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs", "digest",
+                                 "cite", "keep") if k in req}
+        self._op_batch({"questions": [{**q, "ids": []}], "slots": 1, "seq": req.get("seq", 0),
+                        "interruptible": req.get("interruptible"), "max_new_tokens": req["max_new_tokens"]},
+                       single=True)
+        doc = self.prefix
+        doc.logits, doc.has_logits, doc.made, self.ready = None, False, None, False
 
     def citation(self, spec: dict | None):
         """A ``cite.Citation`` for an answer that asks (``spec``: its request's ``cite``), or None."""
@@ -273,34 +263,29 @@ class Engine:
                         counts=self.heads_split or self.mesh.tp_index == 0)  # tp peers with the same heads: one
 
     def _drafter(self, own=(), doc: Document | None = None):
-        """Rank 0: a drafter over the tokens of ``doc`` (default: those in the engine's cache),
-        then ``own``. The index of a long document is built once and shared: later answers and
-        every slot of a batch index only what follows it."""
+        """Rank 0: a drafter over the tokens of ``doc`` (default: the engine's own), then ``own``.
+        The index of a long document is built once and shared: later answers and every slot of a
+        batch index only what follows it."""
         from .speculate import Drafter
 
-        if doc is not None and doc.key is not None:
-            base = self._drafters.get(doc.key)
-            if base is None or len(base.tokens) > len(doc.ids) or base.tokens != doc.ids[:len(base.tokens)]:
-                for k in [k for k in self._drafters if k not in self.documents.resident]:
-                    del self._drafters[k]  # their documents left memory
-                base = self._drafters[doc.key] = Drafter(doc.ids)
-            return Drafter(doc.ids[len(base.tokens):] + list(own), base=base)  # (a conversation's kept turns)
-        base = self._doc_drafter
-        if base is None or len(base.tokens) > len(self.ids) or base.tokens != self.ids[:len(base.tokens)]:
-            base = self._doc_drafter = Drafter(self.ids)
-        return Drafter(self.ids[len(base.tokens):] + list(own), base=base)
+        doc = doc if doc is not None else self._prefix()
+        base = self._drafters.get(doc.key)
+        if base is None or len(base.tokens) > len(doc.ids) or base.tokens != doc.ids[:len(base.tokens)]:
+            for k in [k for k in self._drafters if k is not None and k not in self.documents.resident]:
+                del self._drafters[k]  # their documents left memory
+            base = self._drafters[doc.key] = Drafter(doc.ids)
+        return Drafter(doc.ids[len(base.tokens):] + list(own), base=base)  # (a conversation's kept turns)
 
     def _op_generate(self, req):
-        """``generate`` over the block pool: the prompt is a document, prefilled into the ranks'
-        pools in the segments one prefill of it cuts (``--prefill-chunk``; its progress
+        """``generate`` as one request on the batch loop: the prompt is a document, prefilled into
+        the ranks' pools in the segments one prefill of it cuts (``--prefill-chunk``; its progress
         reported, saved once complete with ``--save-kv``), and the answer a question with no
-        tokens of its own over it (``documents.Document.logits``); with ``--load-kv`` the loaded
-        cache is the document and the prompt the question (with ``--save-kv`` too, the prompt is
-        kept into the document, then saved: the cache of both, as a later ``--load-kv``
-        continues it). Rank 0 streams ``token`` events and ends with ``answer``, as a ``decode``
-        does; the summary counts the prompt's prefill, whichever way it went."""
+        tokens of its own over it (from its last logits: ``documents.Document.logits``); with
+        ``--load-kv`` the loaded cache is the document and the prompt the question (with
+        ``--save-kv`` too, the prompt is kept into the document, then saved: the cache of both, as
+        a later ``--load-kv`` continues it). Rank 0 streams ``token`` events and ends with
+        ``answer``, whose record counts the prompt's prefill, whichever way it went."""
         job = self.job
-        first = len(self.dec.segments)
         prompt = list(job.prompt_ids)
         if job.load_kv:
             from .kvstore import load_ids
@@ -320,22 +305,8 @@ class Engine:
                         "pool_for": len(doc_ids) + (len(question) if keep else 0),
                         "tails": len(question) + job.max_new_tokens},  # (the question and its answer: the tail's)
                        single=True)
-        d = self.documents.resident["generate"]
         if keep:
             self._op_save({"dir": job.save_kv, "doc": "generate", **job.save_meta})
-        s = dict(self.summary)
-        prefill_s = s["prefill_s"] + (0.0 if job.load_kv else d.seconds)
-        methods = sorted({seg["method"] for seg in self.dec.segments[first:]} | ({"batched"} if question else set()))
-        s.update(prompt_tokens=len(prompt), prefill_s=prefill_s, prefill_method="+".join(methods) or None,
-                 prefill_tokens_per_s=len(prompt) / prefill_s if prefill_s else None)
-        tail = self._bd.tail
-        self.generated = {"shard_tokens": (tail.counts[0] + tail.beside[0]).tolist(),  # the prompt's and the answer's
-                          "static_step": bool(tail.static), "kv_pool": self.documents.pools()}  # [[used, total]] per rank
-        if self.lead:
-            rec = self._single
-            s.update({k: rec[k] for k in ("logprobs", "digests") if k in rec})
-            self.ctx.send("answer", {**s, "token_ids": rec["token_ids"]})
-        self.summary = s
 
     def _op_batch(self, req, single: bool = False):
         """Many questions, ``req["slots"]`` decoding together (``batch.py``); rank 0 streams
@@ -359,7 +330,6 @@ class Engine:
                                             "digest", "cite")}
         doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks",
                                             "pool_for", "tails", "tail_slots", "grow", "page") if req.get(k) is not None}
-        here = Document(None, self.ids, self.cache)  # the engine's cached tokens: questions without a doc
         kept_docs: set = set()  # documents a question of this batch keeps into
 
         def question(q) -> Question:
@@ -370,22 +340,24 @@ class Engine:
                 if self._tok is None and spec.get("stop"):
                     self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
                 stop_check = _stop_check(self._tok, spec.get("stop") or [], set(spec.get("eos_ids") or []))
-            doc, source, doc_spec = here, "memory", None
+            source, doc_spec = "memory", None
             if spec.get("doc") and spec["doc"].get("action"):  # the documents API: evict, drop (now)
                 source = self.documents.act({**doc_defaults, **spec["doc"]})
-                doc = Document(None, [], self.cache)  # nothing to answer over
+                doc = Document(None, [], None)  # nothing to answer over
             elif spec.get("doc"):
                 doc_spec = {**doc_defaults, **spec["doc"]}
                 doc = self.documents.get(doc_spec)
                 source = doc.source
+            else:  # it continues the engine's own tokens
+                doc = self._prefix()
             self.documents.use(doc)
-            keep = (spec.get("keep") or False) if doc_spec is not None else False
+            keep = spec.get("keep") or False
             if keep:
                 # a kept turn continues the document as the previous turn left it: a second one in
                 # the same batch would be answered without the first and fed its pending token too
-                if doc_spec["key"] in kept_docs:
-                    raise ValueError(f"a batch keeps at most one question per document; two keep {doc_spec['key']!r}")
-                kept_docs.add(doc_spec["key"])
+                if doc.key in kept_docs:
+                    raise ValueError(f"a batch keeps at most one question per document; two keep {doc.key!r}")
+                kept_docs.add(doc.key)
             if keep is True and doc.pending is not None and not spec.get("drop_pending"):
                 ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
             return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
@@ -408,6 +380,12 @@ class Engine:
             self.ctx.send("bdoc", (qi, {"source": q.source, "tokens": q.doc.tokens, "seconds": q.doc.seconds,
                                          "reused": q.doc.reused, "pools": q.pools}))
 
+        last: dict = {}
+
+        def answered(qi, rec):  # (rank 0) a single answer's record is the request's
+            last["rec"] = rec
+            self.ctx.send("answer", rec) if single else self.ctx.send("banswer", (qi, rec))
+
         answers = bd.run(qs, drafter=(lambda doc, own: self._drafter(own, doc)) if self.lead else None,
                          citation=self.citation,
                          make_question=question, documents=self.documents, on_doc=on_doc if self.lead else None,
@@ -416,18 +394,22 @@ class Engine:
                          news_flag=C.news if self.lead and (feed or req.get("interruptible")) else None,
                          on_token=(lambda qi, tok: self.ctx.send("token", tok)) if single else
                          (lambda qi, tok: self.ctx.send("btoken", (qi, tok))),
-                         on_answer=(lambda qi, rec: setattr(self, "_single", rec)) if single else
-                         (lambda qi, rec: self.ctx.send("banswer", (qi, rec))),
+                         on_answer=answered,
                          budget=req.get("piece") or PIECE.get(self.device.type, PIECE["cuda"]))
         done = [a for a in answers if a is not None]
         if done:
             self.summary = done[-1]
+        if single and last:  # (rank 0) with its logprobs and digests
+            self.summary = {k: v for k, v in last["rec"].items() if k != "token_ids"}
         self.documents.evict(req.get("budget"))  # its questions released their documents
         changes = self.documents.take_changes()
         if self.lead and any(changes.values()):
             self.ctx.send("docs", changes)
         pools = self.documents.pools()  # every rank's (the pool is made on every rank at the same document)
-        self.batch_graphs = bd.graph_counts()  # (generate's record reads them too)
+        graphs = bd.graph_counts()
+        for k in ("graph_captures", "graph_replays", "verify_graph_replays"):
+            self.graph_totals[k] += graphs[k]
+        self.graph_totals["graph_note"] = self.graph_totals["graph_note"] or graphs["graph_note"]
         if self.lead:
             self.ctx.send("batch_done", {"pools": pools, "answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
                                          "seconds": time.perf_counter() - t0, "slots": bd.slots,
@@ -440,18 +422,19 @@ class Engine:
                                          "pool": self.documents.pool.stats() if self.documents.pool else None,
                                          "joins": feed.taken if feed else 0, "batch_runs": bd.runs,
                                          # its steps' CUDA graphs (graphs.StepGraphs): captured, replayed
-                                         **self.batch_graphs})
+                                         **graphs})
 
     def _batch_decoder(self, slots: int, capacity: int):
         """The engine's batch decoder, kept from one batch to the next while the slots stay (a
         server's batches end whenever it is idle): its tail and its captured steps are reused,
         not allocated and captured again for every burst of requests."""
         from .batch import BatchDecoder
-        from .paged_tail import PagedTail
 
-        bd, pool = self._bd, self.documents.pool  # (the tail takes its blocks there, once there is one)
+        if self.documents.pool is None:  # (a batch of no question yet: the default pool)
+            self.documents.make_pool({})
+        bd, pool = self._bd, self.documents.pool
         if bd is None or bd.slots != slots:
-            if bd is not None and isinstance(bd.tail, PagedTail):
+            if bd is not None:
                 bd.tail.release_all()
             bd = self._bd = BatchDecoder(self.dec, slots=slots, capacity=capacity, pool=pool)
         else:
@@ -459,25 +442,13 @@ class Engine:
         bd.runs += 1
         return bd
 
-    def new_cache(self, tokens: int) -> ShardedKVCache:
-        """An empty cache for a document of ``tokens`` tokens (stored like the engine's)."""
-        c = self.cache
-        return ShardedKVCache(c.num_layers, 1, c.kv_heads, c.head_dim, dtype=c.dtype, device=c.device, rank=c.rank,
-                              world=c.world, capacity=math.ceil(tokens / self.mesh.cp) + 2, static=c.static,
-                              quant=c.quant)
-
-    def _activate(self, cache, ids) -> None:
-        """Continue ``cache`` (holding ``ids``) from now on."""
-        self.cache = self.dec.cache = self.dec.actx.cache = cache
-        self.ids = list(ids)
-        self.pending, self.logits, self.ready = None, None, False
-
     def _op_mark(self, req):
-        """Remember the engine's cache as it is now, or with ``doc`` (a key) that resident document."""
+        """Remember the engine's own tokens as they are now, or with ``doc`` (a key) that resident document."""
         if req.get("doc") is not None:
             self.marks[req["name"]] = self.documents.mark(self._resident_doc(req["doc"], "mark"))
             return
-        self.marks[req["name"]] = (self.cache.mark(), len(self.ids), self.logits, self.ready, self.pending)
+        doc = self._prefix()
+        self.marks[req["name"]] = (self.documents.mark(doc), doc.logits, doc.has_logits, doc.made, self.ready)
 
     def _resident_doc(self, key: str, what: str) -> Document:
         doc = self.documents.resident.get(key)
@@ -489,15 +460,15 @@ class Engine:
         if req.get("doc") is not None:
             self.documents.rollback(self._resident_doc(req["doc"], "rollback"), self.marks[req["name"]])
             return
-        mark, n, logits, ready, pending = self.marks[req["name"]]
-        self.cache.rollback(mark)
-        del self.ids[n:]
-        self.logits, self.ready, self.pending = logits, ready, pending
+        mark, logits, has_logits, made, ready = self.marks[req["name"]]
+        doc = self._prefix()
+        self.documents.rollback(doc, mark)
+        doc.logits, doc.has_logits, doc.made, self.ready = logits, has_logits, made, ready
 
     def _op_save(self, req):
         """Save the engine's cached tokens, or with ``doc`` (a key) that resident document."""
         t0 = time.perf_counter()
-        cache, ids = self.cache, self.ids
+        cache, ids = self._prefix().cache, self.ids
         if req.get("doc") is not None:
             doc = self._resident_doc(req["doc"], "save")
             cache, ids = doc.cache, doc.ids
@@ -534,15 +505,22 @@ class Engine:
         self.world.barrier()  # the cache is in place before anyone goes on
 
     def _op_load(self, req):
+        """The engine's own tokens from a saved cache (``kvstore.py``; re-sharded to these ranks)."""
         from . import kvstore
 
         t0 = time.perf_counter()
-        kvstore.load_into(req["dir"], req["manifest"], self.cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index,
+        doc = self._prefix()
+        doc.cache.free()
+        doc.ids, doc.pending, doc.logits, doc.has_logits, doc.made = [], None, None, False, None
+        self.ready = False  # a load is followed by an append
+        need = kvstore.shard_counts(req["manifest"], self.mesh.cp)[self.mesh.cp_index]
+        if not self.documents.room(doc, need):
+            raise RuntimeError(f"the KV pool cannot hold the saved cache's {need} tokens on this rank")
+        kvstore.load_into(req["dir"], req["manifest"], doc.cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index,
                           head0=self.head0)
-        self.ids = kvstore.load_ids(Path(req["dir"]))
-        self.pending, self.logits, self.ready = None, None, False  # a load is followed by an append
+        doc.ids = kvstore.load_ids(Path(req["dir"]))
         if self.lead:
-            self.ctx.send("loaded", {"dir": req["dir"], "tokens": len(self.ids),
+            self.ctx.send("loaded", {"dir": req["dir"], "tokens": len(doc.ids),
                                      "seconds": time.perf_counter() - t0})
 
     def _finish(self):
@@ -551,22 +529,28 @@ class Engine:
         nm = len(mem)
         every = self.world.all_gather_values(mem + [x for seg in segs for x in (seg["flops"], seg["bytes"])])
         mem = every[:, :nm]  # [ranks, 1 or 2]: every rank's peaks, for the record
+        pools = self.documents.pools()  # (a collective: every rank) every rank's [used, total] blocks
         if not self.lead:
             return None
+        graphs = self.graph_totals
+        shards = self._bd.last_shards if self._bd is not None else None  # the last answer's: document and tail
+        if shards is None:
+            shards = self.prefix.cache.counts[0] if self.prefix is not None else [0] * self.mesh.cp
+        shards = [int(x) for x in shards]
         out = dict(self.summary or {})
         out.update({
             "nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp, "nodes": len(set(self.nodes)),
             "weight_bytes": weight_bytes(self.model),
-            "shard_tokens": (self.generated or {}).get("shard_tokens") or self.cache.counts[0].tolist(),
+            "shard_tokens": shards,
             "scheme": self.scheme, "eager_scheme": self.comm.eager_scheme or self.scheme, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "kv_dtype": self.kv_name,  # bytes of KV one token takes on all ranks together, scales included
-            "kv_bytes_per_token": self.cache.bytes_per_token() * self.mesh.tp,
-            # steps replayed from CUDA graphs: a single answer's (decode op), or generate's batch of one
-            "cuda_graph": self.dec.graph is not None or bool(self.batch_graphs.get("graph_captures")),
-            "cuda_graph_replays": self.dec.replays + self.batch_graphs.get("graph_replays", 0),
-            "verify_graph_replays": self.dec.verify_graphs.replays + self.batch_graphs.get("verify_graph_replays", 0),
-            "static_step": bool(self.generated["static_step"] if self.generated else self.cache.static),
-            **({"kv_pool": self.generated["kv_pool"]} if self.generated else {}),  # every rank's [used, total] blocks
+            "kv_bytes_per_token": self.kv.bytes_per_token() * self.mesh.tp,
+            # the steps replayed from CUDA graphs, over every batch
+            "cuda_graph": bool(graphs["graph_captures"]),
+            "cuda_graph_replays": graphs["graph_replays"],
+            "verify_graph_replays": graphs["verify_graph_replays"],
+            "static_step": self.dec.static,
+            **({"kv_pool": pools} if pools is not None else {}),
             "kernels": "reference (the fast kernels failed their self-check)" if self.job.reference else "fast",
             "rows": self.model.treeattn_rows.describe(),  # how a row's matmuls stay its own (issue 49)
             "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
@@ -577,8 +561,8 @@ class Engine:
         })
         if self.device.type == "cuda":
             out["peak_device_bytes"] = [int(x) for x in mem[:, 1].tolist()]
-        if self.dec.graph_note or self.batch_graphs.get("graph_note"):
-            out["note"] = self.dec.graph_note or self.batch_graphs["graph_note"]
+        if self.dec.graph_note or graphs["graph_note"]:
+            out["note"] = self.dec.graph_note or graphs["graph_note"]
         return out
 
 
@@ -590,17 +574,9 @@ def _peak_rss() -> int:
 
 
 def rank_generate(ctx, job, single: bool = False):
-    """Entry point of every rank for ``generate`` (``launch.run_local`` / ``run_torchrun``): its
-    KV lives in the ranks' block pools, the engine's own cache reserves nothing (but for the
-    ring baseline; ``single``: on the engine's own cache, :func:`single_requests`)."""
-    import dataclasses
-
-    if single:
-        summary = Engine(ctx, job).serve(single_requests(job))
-    else:
-        if job.decode_method != "ring":
-            job = dataclasses.replace(job, reserve=0)
-        summary = Engine(ctx, job).serve(generate_requests(job))
+    """Entry point of every rank for ``generate`` (``launch.run_local`` / ``run_torchrun``):
+    :func:`generate_requests` (``single``: :func:`single_requests`, the engine's own tokens)."""
+    summary = Engine(ctx, job).serve(single_requests(job) if single else generate_requests(job))
     if summary is not None:
         ctx.send("done", summary)
     return summary

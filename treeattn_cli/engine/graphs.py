@@ -25,9 +25,13 @@ that runs the step and checks each replay would issue what the capture recorded
 
 from __future__ import annotations
 
+import itertools
+
 from collections import OrderedDict
 
 import torch
+
+SERIALS = itertools.count(1)  # each KV holder's own number (a CUDA graph's key: ids are reused)
 
 
 class CudaBackend:

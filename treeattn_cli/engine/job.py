@@ -42,7 +42,8 @@ class GenerateJob:
     load_manifest: dict | None = None
     save_kv: str | None = None  # save the prompt's cache here after the answer
     save_meta: dict = field(default_factory=dict)  # identity, composition, nonce of the save
-    reserve: int | None = None  # tokens to make room for up front (default: prompt + answer)
+    reserve: int | None = None  # tokens the engine's own (append/decode) make room for: its pool's size at least
+    # (default: prompt + answer; documents named by requests size the pool themselves)
     prefill_sharding: str = "balanced"  # or "contiguous" (prefill.py): how segments are cut
     speculate: str = "auto"  # off | auto | ngram:K: drafts from the context, verified (speculate.py)
     logprobs: int | None = None  # the answer carries each token's logprob and this many alternatives

@@ -1,7 +1,7 @@
 """A document's shard on this rank, kept in the rank's block pool (docs/architecture.md §12; issue 35).
 
 :class:`PagedShard` is the face of one sequence's shard that prefill, the cascade and
-``kvstore`` use (the methods of a batch-1 ``cache.ShardedKVCache`` they call), its tokens in
+``kvstore`` use, its tokens in
 blocks of a :class:`pool.BlockPool` named by a :class:`pool.BlockTable`: nothing is reserved
 beyond the blocks its tokens fill, growth allocates blocks (nothing copied, nothing doubles), and
 freeing the document returns its blocks to the pool. Reads gather the table's blocks into a dense
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import SERIALS, ShardedKVCache, fewest_first
+from .graphs import SERIALS
+from .paged_tail import fewest_first
 from .pool import BlockPool, BlockTable
 
 
@@ -37,7 +38,7 @@ class PagedShard:
         self._pending: torch.Tensor | None = None  # slots of the piece being appended (every layer)
         self._ext: tuple | None = None  # an extension under way: (its tokens this rank keeps, their slots, counts)
 
-    # -- what a ShardedKVCache answers ----------------------------------------------------
+    # -- its shape and size ---------------------------------------------------------------
     @property
     def k(self) -> list:
         return self.pool.k
@@ -55,9 +56,11 @@ class PagedShard:
         (the pool's buffers never move; the table's entries travel as a step's input)."""
         return (self.serial, self.n, len(self.table.blocks))
 
-    # the same rules as a plain cache (they read only the shapes, the dtype and the fp8 codec)
-    bytes_per_token = ShardedKVCache.bytes_per_token
-    as_stored = ShardedKVCache.as_stored
+    def bytes_per_token(self) -> int:
+        return self.pool.bytes_per_token()
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool.as_stored(x)
 
     def reserve(self, capacity: int) -> None:
         """Nothing: blocks are taken as tokens arrive."""
@@ -134,7 +137,7 @@ class PagedShard:
 
     def append_stored(self, positions, counts, layers) -> None:
         """Append tokens already in the pool's storage form (a batch tail's
-        ``cache.ShardedKVCache.row_stored``, copied as they are: fp8 rows keep their scales):
+        ``PagedTail.row_stored``, copied as they are: fp8 rows keep their scales):
         ``positions [m]`` (global), ``counts [world]`` (every rank's new tokens), ``layers``:
         each layer's ``[k, v, (ks, vs)]`` ``[1, H_kv, m, X]``. Blocks are taken as for a
         prefill piece (a shared partial last block is copied first): raises ``pool.PoolFull``
@@ -155,8 +158,8 @@ class PagedShard:
     def begin_extend(self, rows, positions) -> None:
         """Start appending tokens every rank computes, ``positions [1, T]`` (host, global; -1 a
         padding token, kept nowhere) of this one sequence (``rows`` = ``[0]``): each goes to the
-        rank holding the fewest tokens at that point (ties: the lowest), as a plain cache places
-        them (``cache.ShardedKVCache.begin_extend``). This rank takes the blocks for its own now
+        rank holding the fewest tokens at that point (ties: the lowest), as the tail places
+        them (``paged_tail.PagedTail.begin_extend``). This rank takes the blocks for its own now
         (all or nothing: ``pool.PoolFull``), writes them with :meth:`extend` (once per layer),
         and they count at :meth:`end_extend`; until then :meth:`view` is the shard before them."""
         if [int(b) for b in rows] != [0]:

@@ -1,19 +1,26 @@
-"""A batch's tail in the rank's block pool (docs/architecture.md §12; issue 35 item 1).
+"""A batch's tail in the rank's block pool (docs/architecture.md §11, §12; issue 35 item 1).
 
-:class:`PagedTail` is the tail of ``batch.BatchDecoder`` — one sequence per slot, its question's
-and its answer's tokens (and drafts under verification), spread over the ranks and counted as
-``cache.ShardedKVCache`` places them: the host bookkeeping, the positions and the lengths are
-that class's — whose keys and values live in blocks of the rank's ``pool.BlockPool`` instead of
-a dense ``[slots, H_kv, capacity + 1, d]`` store. The pool is then the rank's one budget for KV:
-a slot takes its blocks when its question is admitted (:meth:`admit`: the most tokens its
-question and answer can ever place on this rank, known before anything runs, so a step never
-finds the pool full) and gives them back when its answer ends (:meth:`release`), and a finished
-answer's memory serves the next document or question at once. Rejected drafts change lengths
-only, as in the dense tail.
+:class:`PagedTail` is the tail of ``batch.BatchDecoder``: one sequence per slot, its question's
+and its answer's tokens (and drafts under verification), spread over the ranks, whose keys and
+values live in blocks of the rank's ``pool.BlockPool``. The pool is the rank's one budget for KV:
+a slot takes its blocks when its question is admitted (:meth:`PagedTail.admit`: the most tokens
+its question and answer can ever place on this rank, :func:`most_here`, known before anything
+runs, so a step never finds the pool full) and gives them back when its answer ends
+(:meth:`PagedTail.release`), and a finished answer's memory serves the next document or question
+at once. Rejected drafts change lengths only.
+
+**Placement** is deterministic and needs no communication: every rank keeps the token counts of
+all ranks, ``counts [slots, world]`` (host), and each new token of a slot goes to the rank
+holding the fewest tokens of it, counting its document's (``beside``; ties: the lowest rank,
+:func:`fewest_first`), so document and answer together stay balanced. Nothing in a step reads a
+device value back to the host. The views are a function of every rank's counts, never of this
+rank's alone, so all ranks grow them on the same step (a static step's CUDA graph is captured
+again together).
 
 ``_flat [slots, capacity + 1]`` (device) names each slot's token slots in the pool (flat slots,
 ``block * page + offset``); the last column, and every index past a slot's blocks, name the
-pool's write-off block. Writes go through it (the tokens' positions too, into the pool's
+pool's write-off block, where a fixed-shape step writes what no slot keeps here (tokens other
+ranks keep, idle slots). Writes go through it (the tokens' positions too, into the pool's
 ``pos``). Two ways to read:
 
 * through block tables (the GPU's path, ``attention._cascade``): ``_table [slots,
@@ -22,8 +29,9 @@ pool's write-off block. Writes go through it (the tokens' positions too, into th
   :meth:`PagedTail.rows_tables` give the tables and lengths the paged kernel takes, so a step
   reads each slot's tail where it lies, once, in the same launch for every row;
 * gathered (elsewhere): the rows a step attends to copied into the dense ``[R, H_kv, L, X]``
-  views the kernels take, the same numbers the dense tail gives bit for bit (a row's keys past
-  its length are masked by its length; every value in the pool is finite).
+  views the kernels take (a row's keys past its length are masked by its length; every value
+  in the pool is finite). ``tests/dense_tail.py`` holds the same numbers in dense storage: the
+  reference this class is tested against.
 
 A captured step reads ``_flat`` and ``_table`` in place, so admitting or releasing a slot
 changes no graph.
@@ -33,14 +41,27 @@ from __future__ import annotations
 
 import torch
 
-from .cache import _MIN_CAPACITY, ShardedKVCache
+from .graphs import SERIALS
 from .pool import BlockPool
+
+_MIN_CAPACITY = 64  # tokens per slot the views start with
+
+
+def fewest_first(counts: torch.Tensor, n: int) -> list[int]:
+    """The rank each of ``n`` new tokens of a sequence goes to, each to the rank holding the
+    fewest (ties: the lowest) of ``counts [world]`` (host; updated in place as they are placed)."""
+    out = []
+    for _ in range(n):
+        owner = int(torch.argmin(counts))
+        counts[owner] += 1
+        out.append(owner)
+    return out
 
 
 def most_here(beside, n: int, rank: int) -> int:
     """Tokens rank ``rank`` holds once ``n`` tokens of a sequence are placed, each on the rank
     holding the fewest (ties: the lowest) counting ``beside [world]`` (the document it continues,
-    on every rank), as ``cache.ShardedKVCache`` places them: the most a slot's question and
+    on every rank), as :func:`fewest_first` places them: the most a slot's question and
     answer can ever place here (drafts cut back leave an earlier point of the same order)."""
     base = torch.as_tensor(beside).tolist()  # (host counts)
     lo, hi = min(base), min(base) + n  # the water level: every rank below it is filled up to it
@@ -59,19 +80,51 @@ def most_here(beside, n: int, rank: int) -> int:
     return got[rank]
 
 
-class PagedTail(ShardedKVCache):
-    """A batch's tail whose keys and values live in ``pool``'s blocks (see the module)."""
+class PagedTail:
+    """A batch's tail whose keys and values live in ``pool``'s blocks (see the module).
+
+    Life of a step: :meth:`begin_step` (or :meth:`plan_step` then :meth:`start_step`: where each
+    slot's new token goes), then per layer :meth:`update` / :meth:`step_tables` (writes this
+    rank's new K/V, returns what the step attends to), then :meth:`end_step` (lengths advance).
+    Several tokens per slot (a question, verified drafts): :meth:`begin_extend`, :meth:`extend`
+    per layer, :meth:`end_extend`. With ``static=True`` the views are capacity-long (fixed shapes,
+    for CUDA graphs); the valid lengths come with them."""
 
     def __init__(self, pool: BlockPool, slots: int, *, rank: int, world: int, capacity: int = 0,
                  static: bool = False):
         self.pool = pool
+        self.num_layers, self.batch, self.kv_heads, self.head_dim = pool.num_layers, slots, pool.kv_heads, pool.head_dim
+        self.device, self.quant = pool.device, pool.quant
+        self.rank, self.world, self.static = rank, world, static
+        self.serial = next(SERIALS)
         self.blocks: list[list[int]] = [[] for _ in range(slots)]  # each slot's blocks, in order
         self._flat = torch.zeros(slots, 1, dtype=torch.int64, device=pool.device)
         self._table = torch.zeros(slots, 0, dtype=torch.int32, device=pool.device)
         self.capacity = 0
-        super().__init__(pool.num_layers, slots, pool.kv_heads, pool.head_dim,
-                         dtype=pool.dtype if pool.quant is None else torch.float32, device=pool.device,
-                         rank=rank, world=world, capacity=capacity, static=static, quant=pool.quant)
+        self.pos = torch.full((slots, 1), -1, dtype=torch.int64, device=self.device)
+        self.length = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.host_length = torch.zeros(slots, dtype=torch.int64)  # the same, on the host
+        self.counts = torch.zeros(slots, world, dtype=torch.int64)  # host: tokens per (slot, rank)
+        # host: tokens each rank holds of the document a slot continues: placement counts them too
+        self.beside = torch.zeros(slots, world, dtype=torch.int64)
+        self._rows = torch.arange(slots, device=self.device)
+        # per-step buffers, written in place so a captured step reads the same storage
+        self.step_positions = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self._store = torch.zeros(slots, dtype=torch.int64, device=self.device)  # 1: kept here
+        self._slot = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self._kv_len = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self._view_len = 0
+        self._ext_added = torch.zeros(slots, dtype=torch.int64)  # tokens of the extension under way
+        # Per slot: the owner rank of each token of its latest extension, in order, while those
+        # tokens are still its newest (None once anything else touched the slot: a decode token,
+        # a reset). Strictly per row: extending one slot never touches another's, so a slot can
+        # be cut back after others were extended.
+        self._ext_owners: list[list[int] | None] = [None] * slots
+        self.reserve(capacity)
+
+    @property
+    def max_len(self) -> int:
+        return int(self.host_length.max()) if self.batch else 0
 
     # -- blocks ---------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -120,9 +173,9 @@ class PagedTail(ShardedKVCache):
         self._flat[b].copy_(self._row(b, self._flat.shape[1]), non_blocking=True)
         self._table[b].copy_(self._table_row(b, self._table.shape[1]), non_blocking=True)
 
-    # -- storage: the pool's, through _flat ---------------------------------------------------
+    # -- views: capacity ------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
-        """Views ``capacity`` tokens wide per slot (geometric, as the dense tail's): the positions
+        """Views ``capacity`` tokens wide per slot (growing geometrically): the positions
         grow, ``_flat`` is made again (a captured step keyed by the capacity is captured again);
         blocks come only with :meth:`admit`."""
         if capacity <= self.capacity:
@@ -139,17 +192,172 @@ class PagedTail(ShardedKVCache):
         self._table = torch.stack([self._table_row(b, nb) for b in range(self.batch)]).to(self.device) \
             if self.batch else torch.zeros(0, nb, dtype=torch.int32, device=self.device)
 
-    # -- positions: the host bookkeeping's, and the pool's for reads through tables ------------
+    # -- placement: decode steps ------------------------------------------------------------
+    def place(self, active=None) -> torch.Tensor:
+        """Owner rank of the next token of each sequence: ``[B]`` (fewest tokens, lowest rank
+        on ties); updates every rank's view of the counts. ``active [B]`` (host bool): only
+        those sequences get a token (the others' counts stay)."""
+        owner = torch.argmin(self.counts + self.beside, dim=1)  # first minimum = lowest rank
+        add = torch.ones(self.batch, dtype=torch.int64) if active is None else torch.as_tensor(active).to(torch.int64)
+        self.counts[torch.arange(self.batch), owner] += add
+        return owner
+
+    def begin_step(self, positions, active=None, staged=None) -> torch.Tensor:
+        """Start a decode step whose new tokens have global ``positions [B]``; returns
+        ``store [B] bool`` (host), whether this rank keeps each sequence's new token.
+        ``active [B]`` (host bool, default all): a sequence that is not active this step (a
+        free slot of a batch) keeps its token nowhere (every rank writes it off). ``staged``:
+        the step's ``(store, positions)`` already on the device, as :meth:`plan_step` returned
+        and ``host.Staging`` sent them (the step's one copy); else they are copied here."""
+        store = self.plan_step(active)
+        if staged is None:
+            staged = (store.to(torch.int64).to(self.device, non_blocking=True),
+                      torch.as_tensor(positions, dtype=torch.int64).expand(self.batch).to(self.device, non_blocking=True))
+        self.start_step(store, *staged)
+        return store
+
+    def plan_step(self, active=None) -> torch.Tensor:
+        """The host's part of :meth:`begin_step`: place each sequence's new token (counts, the
+        capacity, what the step views); ``store [B] bool`` (host): this rank keeps it."""
+        store = self.place(active) == self.rank  # host
+        if active is not None:
+            store &= torch.as_tensor(active, dtype=torch.bool)
+        for b in range(self.batch):  # a new newest token: the latest extension can no longer be cut back
+            if self._ext_owners[b] is not None and (active is None or bool(active[b])):
+                self._ext_owners[b] = None
+        # Grow by the largest shard of any rank (every rank holds the same counts): capacities
+        # then change on the same step everywhere, so a static decode step's CUDA graph is
+        # recaptured together (a capture runs the step's collectives) and shapes stay equal.
+        self.reserve(int(self.counts.max()))
+        self._view_len = self.max_len + int(store.any())
+        return store
+
     def start_step(self, store, store_dev, positions_dev) -> None:
-        super().start_step(store, store_dev, positions_dev)
+        """The device's part of :meth:`begin_step`: ``store`` (host, :meth:`plan_step`'s),
+        ``store_dev [B]`` int64 and ``positions_dev [B]`` the same and the step's positions, on
+        the device (device work only: nothing waits for it)."""
+        self._store.copy_(store_dev, non_blocking=True)
+        self.step_positions.copy_(positions_dev, non_blocking=True)
+        # where each sequence's K/V goes: its next slot here, or the write-off slot
+        torch.where(self._store.bool(), self.length, torch.full_like(self.length, self.capacity),
+                    out=self._slot)
+        torch.add(self.length, self._store, out=self._kv_len)
+        self.pos[self._rows, self._slot] = self.step_positions  # masks of this step need them
+        self._store_host = store
         self._place(self._rows, self._slot)
 
-    def begin_extend(self, rows, positions) -> None:
-        super().begin_extend(rows, positions)
-        b, _, _, slot = self._ext
-        if b.numel():
-            self._place(b, slot)
+    def end_step(self) -> None:
+        """Advance lengths after the last layer of the step."""
+        self.length += self._store
+        self.host_length += self._store_host.to(torch.int64)
 
+    # -- several tokens per slot (a question, verified drafts) ----------------------------------
+    def begin_extend(self, rows, positions) -> None:
+        """Start appending several tokens to some sequences, every rank computing all of them:
+        ``rows`` (sequence indices), ``positions [len(rows), T]`` (host, global; -1 marks a
+        padding token, kept nowhere). Each token goes to the rank holding the fewest tokens of
+        its sequence at that point (ties: the lowest), like decode tokens, so a sequence's
+        tokens spread evenly over the ranks; this rank writes its own with :meth:`extend` (one
+        call per layer) and :meth:`view_rows` returns what the step attends to."""
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        rows = [int(b) for b in rows]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"begin_extend: a sequence appears twice in rows {rows}")
+        if bool(self._ext_added.any()):
+            raise RuntimeError("begin_extend: the previous extension was not ended (end_extend)")
+        b_idx, i_idx, t_idx, slot_idx = [], [], [], []
+        for i, b in enumerate(rows):
+            held = int(self.host_length[b])
+            real = (positions[i] >= 0).nonzero().flatten().tolist()  # (padding: kept nowhere)
+            total = self.counts[b] + self.beside[b]
+            owners = self._ext_owners[b] = fewest_first(total, len(real))  # this sequence's new tokens' owners
+            self.counts[b] = total - self.beside[b]
+            for t, owner in zip(real, owners):
+                if owner == self.rank:
+                    b_idx.append(b)
+                    i_idx.append(i)
+                    t_idx.append(t)
+                    slot_idx.append(held)
+                    held += 1
+        self.reserve(int(self.counts.max()))  # by the largest shard of any rank: the same everywhere
+        dev = self.device
+        self._ext = [torch.tensor(x, dtype=torch.int64, device=dev) for x in (b_idx, i_idx, t_idx, slot_idx)]
+        self._ext_host = (b_idx, i_idx, t_idx, slot_idx)
+        self._ext_rows = list(rows)
+        if b_idx:
+            self.pos[self._ext[0], self._ext[3]] = positions.to(dev)[self._ext[1], self._ext[2]]
+        if b_idx:
+            self._place(self._ext[0], self._ext[3])
+        self._ext_added = torch.bincount(torch.tensor(b_idx, dtype=torch.int64), minlength=self.batch) \
+            if b_idx else torch.zeros(self.batch, dtype=torch.int64)
+
+    def extend(self, layer: int, k_new, v_new) -> None:
+        """This rank's share of the extension's K/V, ``k_new, v_new [len(rows), H_kv, T, d]``
+        (the lengths advance at :meth:`end_extend`)."""
+        b, i, t, slot = self._ext
+        if b.numel():
+            self._put(layer, (b, slice(None), slot), k_new[i, :, t], v_new[i, :, t])
+
+    def extended_lengths(self) -> list[int]:
+        """Each sequence's tokens here with the ones the extension under way gives it (host)."""
+        return (self.host_length + self._ext_added).tolist()
+
+    def extension_slots(self, i: int, T: int) -> list[int]:
+        """Where each of the latest extension's ``T`` tokens of its ``i``-th row goes on this
+        rank: its slot where this rank keeps it, else the write-off slot (``capacity``): every
+        token written, a fixed shape (:meth:`put_rows`, a captured verify)."""
+        out = [self.capacity] * T
+        for ii, t, slot in zip(*self._ext_host[1:]):
+            if ii == i:
+                out[t] = slot
+        return out
+
+    def put_rows(self, layer: int, slots, k, v) -> None:
+        """Write every row's tokens ``k, v [B, H_kv, T, d]`` at ``slots [B·T]`` (device, row after
+        row; the write-off slot for tokens kept elsewhere, and for padding)."""
+        B, H, T, d = k.shape
+        rows = self._rows.repeat_interleave(T)
+        self._put(layer, (rows, slice(None), slots), k.transpose(1, 2).reshape(B * T, H, d),
+                  v.transpose(1, 2).reshape(B * T, H, d))
+
+    def end_extend(self) -> None:
+        """After the last layer: the extension's tokens count."""
+        self.length += self._ext_added.to(self.device)
+        self.host_length += self._ext_added
+        self._ext_added = torch.zeros(self.batch, dtype=torch.int64)
+
+    def truncate_extension(self, b: int, keep: int) -> None:
+        """Keep only the first ``keep`` tokens the latest extension gave sequence ``b`` (rejected
+        drafts go): each rank forgets its own share of the rest, the newest it holds. Only that
+        sequence changes. Raises if anything else was added to ``b`` since (its newest tokens
+        are no longer the extension's: cutting lengths back would drop the wrong ones)."""
+        owners = self._ext_owners[b]
+        if owners is None or bool(self._ext_added[b]):
+            raise RuntimeError(f"truncate_extension: sequence {b} has no ended extension to cut back "
+                               "(a decode token, a reset or a rollback came after it)")
+        if not 0 <= keep <= len(owners):
+            raise ValueError(f"truncate_extension: keep={keep} of an extension of {len(owners)} tokens")
+        for owner in owners[keep:]:
+            self.counts[b, owner] -= 1
+            if owner == self.rank:
+                self.length[b] -= 1
+                self.host_length[b] -= 1
+        self._ext_owners[b] = owners[:keep]
+
+    def reset_rows(self, rows, beside=None) -> None:
+        """Empty sequences ``rows`` (a batch slot that takes the next question); the others
+        keep everything, their extensions' owners included. ``beside``: each row's ``[world]``
+        tokens of its document on every rank (placement then balances the two together)."""
+        for i, b in enumerate(rows):
+            if bool(self._ext_added[b]):
+                raise RuntimeError(f"reset_rows: sequence {b} has an extension under way")
+            self.beside[b] = 0 if beside is None else torch.as_tensor(beside[i], dtype=torch.int64)
+            self.length[b] = 0
+            self.host_length[b] = 0
+            self.counts[b] = 0
+            self._ext_owners[b] = None
+
+    # -- writes: the pool's, through _flat -----------------------------------------------------
     def _place(self, rows, slots) -> None:
         """The positions of tokens ``(rows, slots)`` (set in ``pos``) at their pool slots too."""
         self.pool.pos.view(-1)[self._flat[rows, slots]] = self.pos[rows, slots]
@@ -158,6 +366,7 @@ class PagedTail(ShardedKVCache):
         rows, _, slots = index  # (the tail's writes: row and slot indices, every KV head)
         self.pool.write(layer, self._flat[rows, slots], k, v)
 
+    # -- reads through block tables (the paged kernel's) ---------------------------------------
     def _pick(self, t: torch.Tensor, rows, width: int) -> torch.Tensor:
         """The first ``width`` columns of slot-major ``t`` (``_flat``, ``_table``, ``pos``) for
         slots ``rows`` (None: all; a view then)."""
@@ -172,7 +381,6 @@ class PagedTail(ShardedKVCache):
     def _stores(self):
         return (self.pool.k, self.pool.v) + ((self.pool.ks, self.pool.vs) if self.quant is not None else ())
 
-    # -- reads through block tables (the paged kernel's) ---------------------------------------
     def _tables(self, tokens: int, rows=None) -> torch.Tensor:
         """``[R, ceil(tokens / page)]`` int32: the blocks of slots ``rows`` (None: all) wide enough
         for ``tokens`` tokens (a view of ``_table`` when all rows)."""
@@ -195,7 +403,7 @@ class PagedTail(ShardedKVCache):
         lens = self._lens(rows, extended)
         return self._tables(int(lens.max()) if len(rows) else 0, rows), lens.to(self.device)
 
-    # -- the reads of cache.ShardedKVCache, gathered ----------------------------------------
+    # -- reads gathered into dense views ----------------------------------------------------
     def write_step(self, layer: int, k_new, v_new) -> None:
         """A step's K/V ``[B, H_kv, 1, d]`` at each slot's next token here, or the write-off slot."""
         self._put(layer, (self._rows, slice(None), self._slot), k_new[:, :, 0], v_new[:, :, 0])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +48,30 @@ def chain_key(parent: bytes | None, ids, positions, salt: str = "", scope: bytes
     h.update(torch.as_tensor(list(ids), dtype=torch.int64).numpy().tobytes())
     h.update(torch.as_tensor(list(positions), dtype=torch.int64).numpy().tobytes())
     return h.digest()
+
+
+def token_bytes(num_layers: int, kv_heads: int, head_dim: int, dtype, quant=None) -> int:
+    """Bytes one token's KV takes on a rank, every layer (fp8: its bf16 scales included)."""
+    per = head_dim * torch.empty(0, dtype=dtype).element_size()
+    if quant is not None:
+        per += 2 * quant.groups
+    return num_layers * 2 * kv_heads * per
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How this rank stores KV: the shapes and storage every shard and pool of the engine share
+    (``dtype``: the stored one, fp8's with ``quant``)."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    quant: object
+    device: torch.device
+
+    def bytes_per_token(self) -> int:
+        return token_bytes(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.quant)
 
 
 class BlockPool:
@@ -100,6 +125,20 @@ class BlockPool:
         if n < 1:
             raise ValueError(f"--kv-memory {int(kv_bytes)} bytes holds no block of {page} tokens ({per} bytes each)")
         return cls(num_layers, kv_heads, head_dim, page=page, num_blocks=n, dtype=dtype, device=device, quant=quant)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this pool, every layer (fp8: its scales included)."""
+        return token_bytes(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.quant)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Fresh keys or values ``x`` as this pool will hold them, in ``x``'s dtype: a prefill
+        segment attends its own tokens as stored, so every attention of a run sees the same
+        numbers whichever route it takes."""
+        if self.quant is not None:
+            return self.quant.roundtrip(x)
+        if self.dtype != x.dtype:
+            return x.to(self.dtype).to(x.dtype)
+        return x
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v + self.ks + self.vs) + \

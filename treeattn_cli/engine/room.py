@@ -2,9 +2,10 @@
 
 A server answers "can this request ever be held?" before any rank sees it, from tokens alone:
 the ranks' pools (``pool.BlockPool``, one per rank, the same size on every rank) count in blocks
-of :data:`documents.PAGE` tokens, and how many blocks a document or a question takes is the
-engine's arithmetic (``documents.blocks_held``, ``documents.tail_blocks``), kept here beside it
-so that the command line speaks in tokens and bytes and gets back a verdict with its numbers.
+of :data:`PAGE` tokens, and how many blocks a document or a question takes is the engine's
+arithmetic (:func:`blocks_held`, :func:`tail_blocks`; ``documents.Documents.make_pool`` sizes
+the pools by it), kept here so that the command line speaks in tokens and bytes and gets back a
+verdict with its numbers. No torch here.
 
 :class:`PoolRoom` is that view: the sequence shards, the bytes a token of KV takes, the pool's
 bytes per rank, and (once the ranks reported it) the pool's real block count. Its verdicts are
@@ -20,7 +21,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .documents import PAGE, blocks_held, blocks_in, tail_blocks
+PAGE = 64  # tokens per block of the documents' pool (a power of two, a multiple of the split kernel's tile)
+# Bytes of the documents' pool per rank when the request names none: it is allocated (and zeroed) at
+# once; a GPU takes this much of its free memory at most.
+POOL_BYTES = {"cpu": 512 << 20, "cuda": 8 << 30}
+
+
+def blocks_held(tokens: int, cp: int, page: int = PAGE) -> int:
+    """Blocks of ``page`` tokens the even share of a document of ``tokens`` tokens over ``cp``
+    sequence shards fills (``serve``'s count of what pinned documents hold)."""
+    return -(-(-(-tokens // cp)) // page)
+
+
+def blocks_per_rank(tokens: int, cp: int, page: int = PAGE) -> int:
+    """Blocks a pool must have for a document of ``tokens`` tokens alone, on the largest of its
+    ``cp`` shards: the even share and one token (segments cut unevenly), and one block more (a
+    shard's tokens need not start at a block)."""
+    return blocks_held(tokens + cp, cp, page) + 1
+
+
+def tail_blocks(tokens: int, cp: int, page: int = PAGE) -> int:
+    """Blocks a batch slot's question and answer of ``tokens`` tokens may take on its busiest rank
+    (``paged_tail.PagedTail.admit``): the even share, and room for the document beside it
+    holding up to a block's worth of tokens more on some ranks (placement fills the ranks that
+    hold fewest first)."""
+    return blocks_held(tokens, cp, page) + 1
+
+
+def blocks_in(pool_bytes: int, kv_bytes_per_token: int, page: int = PAGE) -> int:
+    """Blocks a pool of ``pool_bytes`` holds, ``kv_bytes_per_token`` per token on the rank (every
+    layer's K and V, fp8 scales included), and each token's position."""
+    return pool_bytes // (page * kv_bytes_per_token + 8 * page)
+
 
 
 @dataclass(frozen=True)

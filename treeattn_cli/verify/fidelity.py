@@ -2,14 +2,15 @@
 document (issue 27): measured, never assumed.
 
 One device, one rank. The model is loaded once; the document is prefilled chunk by chunk into
-two caches side by side, one in the model's own dtype (the reference) and one stored as the run
-would store it, through treeattn's own attention, so what is measured is what ``generate``
-computes. At every position of the document the two next-token distributions are compared:
+two shards side by side, each in a block pool as the engine keeps them, one in the model's own
+dtype (the reference) and one stored as the run would store it, through treeattn's own
+attention, so what is measured is what ``generate`` computes. At every position of the document the two next-token distributions are compared:
 
 * ``top1_agreement``: the share of positions whose most likely next token agrees;
 * ``kl_mean``: the mean over positions of KL(reference ‖ lossy), in nats;
 
-then both caches decode ``new_tokens`` greedily from the document's end: ``greedy_agreement``
+then both continue ``new_tokens`` greedily from the document's end (each token appended and
+attended as stored): ``greedy_agreement``
 (the share of positions with the same token) and ``greedy_prefix`` (tokens equal before the
 first difference, after which the two continuations see different text).
 
@@ -60,11 +61,11 @@ def measure(model_dir, ids: list[int], *, kv_dtype: str = "fp8", dtype: torch.dt
             allow_pickle: bool = False, on_progress=None) -> dict:
     """The fidelity record of storing ``ids``' KV as ``kv_dtype`` against the model's ``dtype``."""
     from ..engine.attention import AttentionContext
-    from ..engine.cache import ShardedKVCache
     from ..engine.decode import Decoder
     from ..engine.kvquant import storage
     from ..engine.model import load_model, shapes
-    from ..engine.sampling import Sampling
+    from ..engine.paged_shard import PagedShard
+    from ..engine.pool import BlockPool
     from ..parallel.comm import Comm
 
     t0 = time.perf_counter()
@@ -73,17 +74,19 @@ def measure(model_dir, ids: list[int], *, kv_dtype: str = "fp8", dtype: torch.dt
     sh = shapes(model.config)
     vocab = model.get_output_embeddings().weight.shape[0]
     n = len(ids)
-    decoders = {}
+    dec = Decoder(model, AttentionContext(Comm.single()), vocab_size=vocab, device=device, kv_heads=sh["kv_heads"])
+    shards = {}
+    page = 64
     for which, kv in (("reference", "auto"), ("test", kv_dtype)):
         kv_store, quant, name = storage(kv, dtype, device, sh["head_dim"])
-        cache = ShardedKVCache(sh["num_layers"], 1, sh["kv_heads"], sh["head_dim"], dtype=kv_store, device=device,
-                               capacity=n + new_tokens + 2, quant=quant)
-        decoders[which] = (Decoder(model, AttentionContext(Comm.single(), cache), vocab_size=vocab), name)
+        pool = BlockPool(sh["num_layers"], sh["kv_heads"], sh["head_dim"], page=page,
+                         num_blocks=-(-(n + new_tokens) // page) + 2, dtype=kv_store, device=device, quant=quant)
+        shards[which] = (PagedShard(pool, rank=0, world=1), name)
     agree, kl, last = 0, 0.0, {}
     x = torch.tensor([ids], dtype=torch.int64)
     for s0 in range(0, n, chunk):
         s1 = min(n, s0 + chunk)
-        got = {w: dec.prefill(x[:, s0:s1], s1 - s0, rows=s1 - s0) for w, (dec, _) in decoders.items()}
+        got = {w: dec.prefill(shard, x[:, s0:s1], s1 - s0, rows=s1 - s0) for w, (shard, _) in shards.items()}
         rows = {w: (lg if lg.dim() == 3 else lg[:, None])[0] for w, lg in got.items()}  # [c, V]
         a, k = _compare(rows["reference"], rows["test"])
         agree, kl = agree + a, kl + k
@@ -91,16 +94,21 @@ def measure(model_dir, ids: list[int], *, kv_dtype: str = "fp8", dtype: torch.dt
         if on_progress is not None:
             on_progress(s1, n)
     answers = {}
-    for w, (dec, _) in decoders.items():
-        answers[w] = [tok for tok, _ in dec.decode(last[w], max_new_tokens=new_tokens, sampling=Sampling())]
+    for w, (shard, _) in shards.items():  # greedy: each token appended after the shard, its logits the next's
+        logits, out = last[w], []
+        for _ in range(new_tokens):
+            out.append(int(logits.argmax(-1)))
+            if len(out) < new_tokens:
+                logits = dec.prefill(shard, torch.tensor([[out[-1]]]))
+        answers[w] = out
     same = [a == b for a, b in zip(answers["reference"], answers["test"])]
     prefix = next((i for i, s in enumerate(same) if not s), len(same))
     rec = {
-        "check": "kv-fidelity", "kv_dtype": decoders["test"][1], "reference": decoders["reference"][1],
+        "check": "kv-fidelity", "kv_dtype": shards["test"][1], "reference": shards["reference"][1],
         "tokens": n, "device": str(device),
         "top1_agreement": agree / n, "kl_mean": kl / n,
         "greedy_tokens": len(same), "greedy_agreement": sum(same) / max(1, len(same)), "greedy_prefix": prefix,
-        "kv_bytes_per_token": {w: dec.cache.bytes_per_token() for w, (dec, _) in decoders.items()},
+        "kv_bytes_per_token": {w: shard.bytes_per_token() for w, (shard, _) in shards.items()},
         "thresholds": THRESHOLDS, "seconds": time.perf_counter() - t0,
     }
     rec["ok"] = rec["top1_agreement"] >= THRESHOLDS["top1_agreement"] and rec["kl_mean"] <= THRESHOLDS["kl_mean"]

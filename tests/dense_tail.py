@@ -1,20 +1,13 @@
-"""The sharded KV cache: what this rank holds, and where each new token goes (docs/architecture.md §4).
+"""The reference of a batch's tail (``paged_tail.PagedTail``): the same placement and the same
+numbers, in dense storage ``[slots, H_kv, capacity + 1, d]`` per layer instead of the block pool
+(``tests/test_paged_tail.py`` compares the two through every operation a batch makes). Once the
+engine's own cache (issue 50 moved every token's KV into the pool); kept here as the oracle.
 
-Per layer this rank keeps ``k, v [B, H_kv, capacity + 1, d]`` (the extra slot is a write-off
-target for sequences whose token goes elsewhere, so every step writes the same shapes); per
-sequence the global positions of its tokens ``pos [B, capacity + 1]`` and their number
-``length [B]`` on the device, mirrored on the host. Positions and lengths are shared by all
-layers. Capacity grows geometrically (an append is O(1) amortised) and can be reserved up front
-so a decode step never reallocates.
-
-Capacity is a function of every rank's token counts (known to all ranks), never of this rank's
-alone, so all ranks grow on the same step.
-
-Placement of decode tokens is deterministic and needs no communication: every rank keeps the
-token counts of all ranks, ``counts [B, world]`` (host), and a new token of sequence b goes to
-the rank holding the fewest tokens of b (ties: the lowest rank), so shard sizes never differ by
-more than one token once decoding has started from balanced prefill chunks. Nothing in a decode
-step reads a device value back to the host.
+Per layer: ``k, v [B, H_kv, capacity + 1, d]`` (the extra slot is a write-off target for
+sequences whose token goes elsewhere, so every step writes the same shapes); per sequence the
+global positions of its tokens ``pos [B, capacity + 1]`` and their number ``length [B]`` on the
+device, mirrored on the host. Placement: a new token of sequence b goes to the rank holding the
+fewest tokens of b (its document's counted too: ``beside``; ties: the lowest rank).
 """
 
 from __future__ import annotations
@@ -43,7 +36,7 @@ def fewest_first(counts: torch.Tensor, n: int) -> list[int]:
     return out
 
 
-class ShardedKVCache:
+class DenseTail:
     """This rank's slice of the KV cache of every layer.
 
     Life of a decode step: :meth:`begin_step` (placement of the new token of each sequence),

@@ -1,85 +1,81 @@
-"""ShardedKVCache: placement, geometric growth, and exact decode over p simulated ranks."""
+"""A batch's tail (``paged_tail.PagedTail``) over p simulated ranks: placement, growth of its
+views, extensions cut back, and exact decode."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import assert_close
-from treeattn_cli.engine.cache import ShardedKVCache
+from treeattn_cli.engine.paged_tail import PagedTail
+from treeattn_cli.engine.pool import BlockPool
 from treeattn_cli.parallel.merge import merge_partials
 from treeattn_cli.parallel.ring import chunk_bounds
 from treeattn_kernels import partial_attention, partial_attention_ref
 
 
+def Tail(layers, slots, kv_heads, d, *, rank=0, world=1, static=False, capacity=0, tokens=512):
+    """A tail of ``slots`` slots in a pool of its own, every slot admitted for ``tokens`` tokens."""
+    pool = BlockPool(layers, kv_heads, d, page=8, num_blocks=slots * -(-tokens // 8))
+    t = PagedTail(pool, slots, rank=rank, world=world, capacity=capacity, static=static)
+    for b in range(slots):
+        t.admit(b, tokens)
+    return t
+
+
 def test_placement_balances_within_one_token():
+    """Each slot's tokens go where its document and tail together hold the fewest (``beside``:
+    the document's shard on every rank), the same on every rank, within one token."""
     p = 3
-    caches = [ShardedKVCache(1, 2, 1, 8, rank=r, world=p) for r in range(p)]
+    caches = [Tail(1, 2, 1, 8, rank=r, world=p) for r in range(p)]
     b = chunk_bounds(14, p)  # 5, 5, 4
+    doc = [b[i + 1] - b[i] for i in range(p)]
     for c in caches:
-        c.set_counts([b[i + 1] - b[i] for i in range(p)])
+        c.reset_rows([0, 1], [doc, doc])
     for step in range(100):
         owners = [c.place() for c in caches]
         assert all(torch.equal(owners[0], o) for o in owners), "ranks disagree on placement"
-        counts = caches[0].counts
+        counts = caches[0].counts + caches[0].beside
         assert (counts.max(1).values - counts.min(1).values).max() <= 1, (step, counts)
-    assert caches[0].counts.sum(1).tolist() == [114, 114]
+    assert (caches[0].counts + caches[0].beside).sum(1).tolist() == [114, 114]
     # ties go to the lowest rank: from [5, 5, 4] the next owners are 2, 0, 1, 2, 0, 1 ...
-    c = ShardedKVCache(1, 1, 1, 8, rank=0, world=3)
-    c.set_counts([5, 5, 4])
+    c = Tail(1, 1, 1, 8, rank=0, world=3)
+    c.reset_rows([0], [[5, 5, 4]])
     assert [c.place().item() for _ in range(6)] == [2, 0, 1, 2, 0, 1]
 
 
-def test_capacity_grows_geometrically_and_keeps_data():
-    c = ShardedKVCache(2, 1, 1, 4, rank=0, world=1)
+def test_views_grow_geometrically_and_keep_data():
+    """One slot, 300 decode steps: its views widen by doubling (a static step's graph is captured
+    again only O(log n) times), and every token is read back where it was written."""
+    c = Tail(2, 1, 1, 4, rank=0, world=1, tokens=304)
     caps = set()
-    ref = []
     for t in range(300):
         c.begin_step(torch.tensor([t]))
         kv = torch.full((1, 1, 1, 4), float(t))
         for layer in range(2):
             c.update(layer, kv, -kv)
         c.end_step()
-        ref.append(t)
         caps.add(c.capacity)
-    assert caps == {64, 128, 256, 512}  # doublings only: O(log n) copies, not one per token
-    k, v, kv_len, pos = c.view(1)
-    assert kv_len.tolist() == [300] and pos[0].tolist() == ref
+    assert caps == {64, 128, 256, 512}  # doublings only
+    k, v, kv_len, pos = c.view_rows(1, [0])
+    assert kv_len.tolist() == [300] and pos[0].tolist() == list(range(300))
     assert torch.equal(k[0, 0, :, 0], torch.arange(300.0)) and torch.equal(v, -k)
-
-
-def test_a_large_cache_grows_by_a_quarter_not_double(monkeypatch):
-    """Review R13: past ``GROW_GENTLY_BYTES`` a cache grows by a quarter (a long document's static
-    cache no longer doubles at the first question), still geometrically, and keeps its data."""
-    import treeattn_cli.engine.cache as cache_mod
-
-    c = ShardedKVCache(2, 1, 1, 4, rank=0, world=1, capacity=1000)
-    monkeypatch.setattr(cache_mod, "GROW_GENTLY_BYTES", c.nbytes())  # this cache counts as large
-    c.k[0][0, 0, :1000, 0] = torch.arange(1000.0)
-    c.reserve(1001)
-    assert c.capacity == 1250
-    c.reserve(1300)
-    assert c.capacity == 1562  # 1250 + a quarter
-    assert torch.equal(c.k[0][0, 0, :1000, 0], torch.arange(1000.0))
-
-
-import pytest
 
 
 @pytest.mark.parametrize("static", [False, True])
 def test_decode_over_simulated_ranks_is_exact(static):
-    """p caches fed the same prompt chunks and decode tokens (batch 3): the
-    merge of their partials equals attention over the whole sequence, every step."""
+    """p tails fed the same questions (an extension of every slot) and decode tokens (3 slots):
+    the merge of their partials equals attention over the whole sequence, every step."""
     p, L, B, H_kv, G, d = 3, 2, 3, 2, 2, 16
     n_prompt = 10
-    caches = [ShardedKVCache(L, B, H_kv, d, rank=r, world=p, static=static, capacity=16) for r in range(p)]
+    caches = [Tail(L, B, H_kv, d, rank=r, world=p, static=static, tokens=32) for r in range(p)]
     keys = {layer: torch.randn(B, H_kv, n_prompt, d) for layer in range(L)}
     vals = {layer: torch.randn(B, H_kv, n_prompt, d) for layer in range(L)}
-    b = chunk_bounds(n_prompt, p)
-    for r, c in enumerate(caches):
+    for c in caches:
+        c.begin_extend(list(range(B)), torch.arange(n_prompt).expand(B, n_prompt))
         for layer in range(L):
-            c.append_chunk(layer, keys[layer][:, :, b[r]:b[r + 1]], vals[layer][:, :, b[r]:b[r + 1]],
-                            torch.arange(b[r], b[r + 1]))
-        c.set_counts([b[i + 1] - b[i] for i in range(p)])
+            c.extend(layer, keys[layer], vals[layer])
+        c.end_extend()
     for step in range(7):
         pos = torch.full((B,), n_prompt + step)
         stores = [c.begin_step(pos) for c in caches]
@@ -104,26 +100,8 @@ def test_decode_over_simulated_ranks_is_exact(static):
     sizes = [c.length.tolist() for c in caches]
     assert [sum(s[i] for s in sizes) for i in range(B)] == [n_prompt + 7] * B
     # positions recorded: the union over ranks is every position exactly once
-    allpos = sorted(x for c in caches for x in c.view(0)[3][0][: c.length[0]].tolist())
+    allpos = sorted(x for c in caches for x in c.view_rows(0, [0])[3][0][: c.length[0]].tolist())
     assert allpos == list(range(n_prompt + 7))
-
-
-def test_static_capacity_grows_on_the_same_step_on_every_rank(tmp_path):
-    """Uneven shards (a 100-token prompt on 3 ranks, in prefill segments) from a capacity of 1:
-    every rank's capacity changes on the same decode steps (the static step's CUDA graph is
-    recaptured then, with collectives in its warm-up: ranks recapturing on different steps
-    would hang). Growth is by the largest shard of any rank, known to all without a message."""
-    from treeattn_cli.verify import tiny as tiny_models
-    from treeattn_cli.parallel.launch import run_local
-
-    import dist_cases
-
-    d = tiny_models.make_model("llama", tmp_path / "m")
-    res = run_local(dist_cases.capacity_trace, 3, str(d), 100, 120, timeout_s=120)
-    traces = [t for t, _ in res]
-    assert traces[0] == traces[1] == traces[2], traces
-    assert len(set(traces[0])) >= 2  # it did grow while decoding
-    assert res[0][1] == tiny_models.hf_greedy(d, (torch.arange(100) % 200 + 20).tolist(), 120)
 
 
 def _extend(caches, rows, positions, d=4):
@@ -141,7 +119,7 @@ def test_extending_one_row_never_touches_another_rows_extension(world):
     Row 0 gets three tokens (a verify), then row 1 is extended (a question entering its slot),
     then row 0 keeps one: row 0 holds exactly one token on the ranks together, row 1 keeps its
     two, and every rank agrees on the counts."""
-    caches = [ShardedKVCache(1, 2, 1, 4, rank=r, world=world) for r in range(world)]
+    caches = [Tail(1, 2, 1, 4, rank=r, world=world) for r in range(world)]
     _extend(caches, [0], [[10, 11, 12]])
     _extend(caches, [1], [[5, 6]])
     for c in caches:
@@ -159,9 +137,9 @@ def test_extending_one_row_never_touches_another_rows_extension(world):
 
 
 def test_a_cut_back_after_newer_tokens_is_refused_not_silently_wrong():
-    """Cutting an extension back is only possible while its tokens are the sequence's newest:
-    after a decode token, a reset or a rollback it raises instead of dropping other tokens."""
-    c = ShardedKVCache(1, 2, 1, 4)
+    """Cutting an extension back is only possible while its tokens are the slot's newest: after a
+    decode token or a reset it raises instead of dropping other tokens."""
+    c = Tail(1, 2, 1, 4)
     _extend([c], [0, 1], [[1, 2], [3, 4]])
     c.begin_step(torch.tensor([3, 5]), active=[True, False])
     c.update(0, torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4))
