@@ -91,3 +91,23 @@ def test_generate_load_kv_and_chat_with_one_letter_questions(models, tmp_path):
     recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert [x["token_ids"] for x in recs] == [tiny_models.hf_greedy(m, doc_ids + tok(q)["input_ids"], NEW)
                                                for q in ("a", "bc")]
+
+
+def test_a_decode_keeps_no_answer_and_a_keep_is_refused(models):
+    """The engine's own tokens hold what was appended, never an answer (a conversation keeps its
+    turns in a named document): after a decode they are the appended ones, and a decode asking
+    ``keep`` is refused before anything runs."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.parallel.launch import RankContext
+
+    got = []
+    ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
+                      emit=lambda kind, p: got.append(p["token_ids"]) if kind == "answer" else None)
+    eng = Engine(ctx, GenerateJob(str(models["llama"]), [], dtype="float32", speculate="off"))
+    decode = {"op": "decode", "max_new_tokens": NEW, "sampling": vars(Sampling())}
+    eng.serve([{"op": "append", "ids": DOC[:20]}, decode])
+    assert len(got[0]) == NEW and eng.ids == DOC[:20] and int(eng.prefix.cache.counts.sum()) == 20
+    eng.serve([{"op": "append", "ids": DOC[20:24]}])
+    with pytest.raises(ValueError, match="keeps no answer"):
+        eng.serve([{**decode, "keep": True}])
+    assert eng.ids == DOC[:24] and int(eng.prefix.cache.counts.sum()) == 24

@@ -438,7 +438,7 @@ class _Run:
         q, documents, tail = self.questions[s.question], self.documents, self.bd.tail
         kept = None
         if q.keep and documents is not None:  # what the tail holds of it joins its document
-            kept = (s.fed > 0 or not q.ids) and documents.keep(q.doc, tail, s.row, list(q.ids) + list(s.tokens),
+            kept = s.fed > 0 and documents.keep(q.doc, tail, s.row, list(q.ids) + list(s.tokens),
                                                                upto=len(q.ids) if q.keep == "question" else None)
         if documents is not None:
             documents.release(q.doc, running=s.started)

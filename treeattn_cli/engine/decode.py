@@ -65,8 +65,7 @@ class Decoder:
         self.segments: list[dict] = []  # what each prefill segment did (Decoder.prefill)
         cfg = getattr(model.config, "text_config", None) or model.config
         group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        self.kv_heads = kv_heads  # KV heads this rank attends with
-        self.q_heads = kv_heads * group  # query heads this rank attends with
+        self.q_heads = kv_heads * group  # query heads this rank attends with (``kv_heads``: its KV heads)
         self.window = getattr(cfg, "sliding_window", None)
 
     def _forward(self, ids, positions, want_logits: bool, rows: int = 1):

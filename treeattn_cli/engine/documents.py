@@ -90,10 +90,18 @@ class Document:
     logits: object = None  # rank 0, when asked (``last_logits``): its last token's ``[1, V]`` from its prefill
     want_logits: bool = False
     has_logits: bool = False  # (every rank) its prefill here kept them
-    made: dict | None = None  # with them: that prefill's {tokens, seconds, methods, start} (an answer from them counts it)
+    made: dict | None = None  # with them: that prefill's {tokens, seconds, start, methods} (keep_logits)
     t_start: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0  # to make it resident
     methods: set = field(default_factory=set)  # how its prefill segments met the cache (prefill.plan)
+
+    def keep_logits(self, logits, tokens: int, seconds: float, start: float, methods) -> None:
+        """Keep its last token's ``logits`` (rank 0's ``[1, V]``; None elsewhere) from the prefill
+        that made them: ``tokens`` prefilled in ``seconds`` from ``start``, by ``methods``
+        (``prefill.plan``'s). A question with no tokens of its own answers from them, and its
+        record counts that prefill (``batch.BatchDecoder._summary``)."""
+        self.logits, self.has_logits = logits, True
+        self.made = {"tokens": tokens, "seconds": seconds, "start": start, "methods": sorted(methods)}
 
     @property
     def ready(self) -> bool:
@@ -174,9 +182,6 @@ class Documents:
             self.pool_free = free
         return {"blocks": self.pool.num_blocks, "page": self.pool.page, "bytes": self.pool.num_blocks * per,
                 "free": self.pool_free}
-
-    def _new(self, spec: dict) -> PagedShard:
-        return self.new_shard(spec)
 
     def new_shard(self, spec: dict | None = None) -> PagedShard:
         """An empty shard in this rank's pool (made now, from ``spec``, if there is none yet)."""
@@ -323,7 +328,7 @@ class Documents:
             return doc
         eng = self.engine
         t0 = time.perf_counter()
-        cache = self._new(spec)
+        cache = self.new_shard(spec)
         saved = Path(spec["load_from"]) if spec.get("load_from") else Path(spec["dir"]) / key if spec.get("dir") else None
         doc = Document(key, ids, cache, t_start=t0)
         if len(ids) >= eng.mesh.cp:  # (a shorter one fills no block worth sharing: every rank computes it)
@@ -384,13 +389,11 @@ class Documents:
                                  on_progress=progress)  # s1 - s0 <= p·piece
         doc.methods |= {seg["method"] for seg in eng.dec.segments[first:]}
         doc.todo.pop(0)
-        if doc.want_logits and not doc.todo:  # a question with no tokens of its own starts from them
-            doc.logits, doc.has_logits = (logits[-1:] if logits is not None else None), True
         self._publish(doc)
         self._ready(doc)
-        if doc.has_logits and not doc.todo:
-            doc.made = {"tokens": len(doc.ids), "seconds": doc.seconds, "methods": sorted(doc.methods),
-                        "start": doc.t_start}
+        if doc.want_logits and not doc.todo:  # a question with no tokens of its own starts from them
+            doc.keep_logits(logits[-1:] if logits is not None else None, len(doc.ids), doc.seconds, doc.t_start,
+                            doc.methods)
         return s1 - s0
 
     def _load(self, doc: Document, evict: bool = True) -> bool:

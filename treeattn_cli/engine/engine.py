@@ -7,12 +7,13 @@ Every token's KV lives in the rank's block pool, and every answer is decoded by 
 ``append`` adds) are a document of the pool like any other (``Engine.prefix``, key None):
 
 * ``{"op": "append", "ids": [...], "piece": n}``: prefill the tokens after the engine's own
-  (the document, a question, the next turn of a conversation);
+  (a document, a question after it);
 * ``{"op": "decode", "seq": i, "max_new_tokens": n, "sampling": {...}, "stop": [...],
   "eos_ids": [...], "keep": bool}``: sample an answer from the last append's logits, streaming
   ``token`` events from rank 0 and ending with an ``answer`` event (its stats); rank 0 also stops
-  when the launcher posts an interrupt for request ``i``. ``keep``: the answer joins the engine's
-  tokens (its last token is fed with the next append). ``"logprobs": k`` (here and per question
+  when the launcher posts an interrupt for request ``i``. The answer does not join the engine's
+  tokens (a conversation keeps its turns in a named document: ``batch`` with ``keep``); ``"keep":
+  True`` is refused. ``"logprobs": k`` (here and per question
   of a batch): the answer carries each token's logprob and its ``k`` most likely alternatives;
   ``"cite": {"spans": [[start, end], ...], "layers": [...], "detail": "sum"}`` (here and per
   question): the answer carries ``cite``, its rows' attention over those spans of global
@@ -202,13 +203,10 @@ class Engine:
         return self._finish()
 
     def _op_append(self, req):
-        """Prefill ``ids`` after the engine's own tokens (a document, a question, the next turn of
-        a conversation), into its shard of the pool; the last token's logits wait for a decode."""
+        """Prefill ``ids`` after the engine's own tokens (a document, a question after it), into
+        their shard of the pool; the last token's logits wait for a decode."""
         doc = self._prefix()
-        if req.get("drop_pending"):  # the answer ended with EOS: the chat template closes the turn
-            doc.pending = None
-        ids = ([doc.pending] if doc.pending is not None else []) + list(req["ids"])
-        doc.pending = None
+        ids = list(req["ids"])
         if not ids:
             return
         t0 = time.perf_counter()
@@ -225,9 +223,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         doc.ids = list(doc.ids) + ids
-        doc.logits, doc.has_logits = logits, True  # (rank 0's; a decode answers from them)
-        doc.made = {"tokens": len(ids), "seconds": seconds, "start": t0,
-                    "methods": sorted({seg["method"] for seg in self.dec.segments[first:]})}
+        doc.keep_logits(logits, len(ids), seconds, t0, {seg["method"] for seg in self.dec.segments[first:]})
         self.ready = True
         if self.lead:
             self.ctx.send("appended", {"tokens": len(ids), "seconds": seconds, "cached": len(doc.ids)})
@@ -239,12 +235,14 @@ class Engine:
 
     def _op_decode(self, req):
         """An answer after the engine's own tokens: a question with no tokens of its own over them,
-        answered from the last append's logits on the batch loop (a batch of one); ``keep``: the
-        answer joins the tokens (its last one is fed with the next append)."""
+        answered from the last append's logits on the batch loop (a batch of one)."""
         if not self.ready:  # known on every rank: they all refuse together
             raise RuntimeError("decode needs tokens appended first")
+        if req.get("keep"):
+            raise ValueError("decode keeps no answer: a conversation keeps its turns in a named document "
+                             "(a batch question with doc and keep)")
         q = {k: req[k] for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs", "digest",
-                                 "cite", "keep") if k in req}
+                                 "cite") if k in req}
         self._op_batch({"questions": [{**q, "ids": []}], "slots": 1, "seq": req.get("seq", 0),
                         "interruptible": req.get("interruptible"), "max_new_tokens": req["max_new_tokens"]},
                        single=True)
@@ -351,7 +349,7 @@ class Engine:
             else:  # it continues the engine's own tokens
                 doc = self._prefix()
             self.documents.use(doc)
-            keep = spec.get("keep") or False
+            keep = (spec.get("keep") or False) if doc_spec is not None else False  # (into a named document)
             if keep:
                 # a kept turn continues the document as the previous turn left it: a second one in
                 # the same batch would be answered without the first and fed its pending token too
