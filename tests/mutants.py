@@ -39,10 +39,10 @@ class Mutant:
 
 
 MUTANTS = [
-    Mutant("serve-cancel-ignored", "serve: Scheduler.cancel does nothing (a client that leaves keeps its slot)",
-           "treeattn_cli/cli/serve.py",
-           "    def cancel(self, job: Job) -> None:\n        job.cancelled.set()",
-           "    def cancel(self, job: Job) -> None:\n        return",
+    Mutant("serve-cancel-ignored", "serve: EngineFront.cancel does nothing (a client that leaves keeps its slot)",
+           "treeattn_cli/engine/front.py",
+           "    def cancel(self, t: Ticket) -> None:\n        t.cancelled.set()",
+           "    def cancel(self, t: Ticket) -> None:\n        return",
            ("tests/test_serve.py::test_a_client_that_leaves_cancels_its_request",)),
     Mutant("engine-cancel-ignored", "batch: a cancelled question runs on to its end",
            "treeattn_cli/engine/batch.py",
@@ -241,7 +241,8 @@ MUTANTS = [
            "treeattn_cli/engine/room.py",
            "        tail = tail_blocks(tail_tokens, self.cp, self.page) if tail_tokens else 0",
            "        tail = 0",
-           ("tests/test_serve.py::test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_documents",)),    Mutant("tail-positions-unplaced", "a pooled tail's question tokens keep no position in the pool (the paged read masks nothing among them)",
+           ("tests/test_serve.py::test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_documents",)),
+    Mutant("tail-positions-unplaced", "a pooled tail's question tokens keep no position in the pool (the paged read masks nothing among them)",
            "treeattn_cli/engine/paged_tail.py",
            "        if b_idx:\n            self._place(self._ext[0], self._ext[3])",
            "        pass",

@@ -382,12 +382,12 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model
 def test_saved_documents_of_another_kv_dtype_are_named_at_start(tmp_path):
     """A --cache-dir holding documents saved with another KV storage: the server says at start,
     in one line per storage, how many are converted as they load (no server needed)."""
-    from treeattn_cli.cli.serve import DocIndex
+    from treeattn_cli.engine.catalog import Catalog, Entry
 
-    index = DocIndex(tmp_path)
-    index.entries = {"a": {"manifest": {"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}},
-                     "b": {"manifest": {"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}},
-                     "c": {"manifest": {"dtype": "float32"}}}  # saved before fp8 KV: the model's dtype
+    index = Catalog(tmp_path)
+    index.entries = {"a": Entry([], on_disk=True, manifest={"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}),
+                     "b": Entry([], on_disk=True, manifest={"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}),
+                     "c": Entry([], on_disk=True, manifest={"dtype": "float32"})}  # saved before fp8 KV
     lines = index.conversions("float32")
     assert len(lines) == 1 and lines[0].startswith(f"2 saved document(s) in {tmp_path}: ")
     assert "fp8_e4m3fn" in lines[0] and "dequantized" in lines[0]
@@ -440,19 +440,18 @@ def test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_d
     assert refusal.startswith("pinning this document (1281 tokens: 11 blocks per rank, ") and \
         "needs 16 blocks per rank; pinned documents may hold 15 of the pool's 20 (75% of the KV pool's 64.0 MiB" \
         in refusal, refusal
-    # the server's admission asks it: a short document part is question, a resident one needs no room
-    from types import SimpleNamespace
+    # the server's admission asks it (the engine front's catalogue): a short document part is
+    # question, a resident one needs no room
+    from treeattn_cli.engine.catalog import MIN_DOCUMENT, Catalog, Entry
 
-    from treeattn_cli.cli.prompt import MIN_DOCUMENT
-    from treeattn_cli.cli.serve import Server
-
-    resident = {"k": {"resident": True}}
-    srv = SimpleNamespace(room=room, pinned=lambda: [1280],
-                          docs=SimpleNamespace(entries=resident, match=lambda ids, d: ("k", d if ids == "known" else 0)))
-    assert Server.too_large(srv, 1280, "new", tail_tokens=120) == line
-    assert Server.too_large(srv, 1280, "known", tail_tokens=120) is None  # resident: its tail alone
-    assert "its question and answer (1300 tokens) 12" in Server.too_large(srv, 1280, "known", tail_tokens=1300)
-    assert Server.too_large(srv, MIN_DOCUMENT - 1, "new", tail_tokens=120) is None
+    known = list(range(1280))
+    catalog = Catalog(None, room)
+    catalog.entries = {"k": Entry(known, resident=True), "p": Entry(list(range(5000, 6280)), pinned=True)}
+    new = list(range(7000, 8290))
+    assert catalog.too_large(1280, new, tail_tokens=120) == line
+    assert catalog.too_large(1280, known + [1, 2], tail_tokens=120) is None  # resident: its tail alone
+    assert "its question and answer (1300 tokens) 12" in catalog.too_large(1280, known + [1, 2], tail_tokens=1300)
+    assert catalog.too_large(MIN_DOCUMENT - 1, new, tail_tokens=120) is None
 
 
 @pytest.mark.parametrize("text,want", [("8GiB", (8 << 30, None)), ("512MiB", (512 << 20, None)),

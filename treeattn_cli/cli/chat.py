@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
+from ..engine.catalog import document_key
+from ..engine.requests import Ask, DocRef
+from ..engine.sampling import Sampling
 from ..parallel import launch
 from . import prompt as P
 from ..report import GenerateView, batch_line, stats_line, stdout_closed
@@ -160,11 +164,11 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
 
         doc_ids = load_ids(Path(o.load_kv))
     n = len(doc_ids)
-    doc = {"key": P.document_key(doc_ids), "ids": doc_ids, "piece": o.prefill_chunk or max(1, -(-n // cp))}
+    doc = DocRef(document_key(doc_ids), doc_ids, piece=o.prefill_chunk or max(1, -(-n // cp)))
     if manifest is not None:
-        doc.update(load_from=o.load_kv, manifest=manifest)
+        doc.load_from, doc.manifest = o.load_kv, manifest
     if save_meta is not None:
-        doc.update(save_to=o.save_kv, save_meta=save_meta)
+        doc.save_to, doc.save_meta = o.save_kv, save_meta
     tails = {"tails": o.max_new_tokens + QUESTION_ROOM, "tail_slots": max(1, o.batch or 1)}
     return doc, {"pool_for": n, **tails, "grow": True}  # (grow: turns, and a question the context allows)
 
@@ -180,7 +184,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
     progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
     _resident(o, client, pooled, cached, progress)  # prefilled, loaded; saved with --save-kv: before the first question
     if o.conversation:  # /reset comes back here: the turns kept since leave the document
-        client.post(op="mark", name="doc", doc=pooled[0]["key"])
+        client.post(op="mark", name="doc", doc=pooled[0].key)
     elif o.batch > 1 and _from_file_or_pipe(o):
         return _batch(o, run, client, composition, cached, job.eos_ids, info, spans, pooled)
     total, last_reason, asked = cached, None, 0
@@ -191,7 +195,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
             return
         if cmd == "/reset":
             if o.conversation:  # (else every question starts from the document anyway)
-                client.post(op="rollback", name="doc", doc=pooled[0]["key"])
+                client.post(op="rollback", name="doc", doc=pooled[0].key)
             total, turns, last_reason = cached, 0, None
             print("[back to the document]", file=sys.stderr)
             continue
@@ -205,7 +209,7 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
             except ValueError as e:
                 print(f"treeattn: error: {e}", file=sys.stderr)
                 continue
-            _save(client, path, meta, quiet, doc=pooled[0]["key"])
+            _save(client, path, meta, quiet, doc=pooled[0].key)
             continue
         try:
             ids = P.question_ids(tok, q, composition, next_turn=o.conversation and turns > 0)
@@ -249,8 +253,8 @@ def _resident(o, client, pooled, tokens: int, progress) -> None:
         elif kind == "docs" and payload.get("saved") and not o.quiet:
             print(f"[saved {tokens:,} cached tokens to {o.save_kv}]", file=sys.stderr)
 
-    client.post(op="batch", seq=client.seq, slots=1, max_new_tokens=0, sampling={}, **extra,
-                questions=[{"ids": [], "doc": {**doc, "progress": True}, "max_new_tokens": 0, "sampling": {}}])
+    client.post(op="batch", seq=client.seq, slots=1, **extra,
+                questions=[Ask([], 0, doc=replace(doc, progress=True)).wire()])
     client.wait("batch_done", on_event=on_event)
     progress.finish()
 
@@ -277,6 +281,13 @@ def _no_questions(o) -> None:
           + (f" and saved to {o.save_kv}" if o.save_kv else "") + ", nothing was asked", file=sys.stderr)
 
 
+def _ask(o, ids, doc: DocRef, eos_ids, spans) -> Ask:
+    """A question of ``ids`` over the document, answered as the flags say."""
+    return Ask(list(ids), o.max_new_tokens, Sampling(o.temperature, o.top_k, o.top_p, o.seed), list(o.stop),
+               list(eos_ids), o.speculate, doc=doc, logprobs=o.logprobs, digest=bool(o.digest),
+               cite=spans.spec() if spans else None)
+
+
 def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spans=None, pooled) -> dict:
     """One question over the pooled document (``pooled``: :func:`_document`'s), a ``batch``
     request of this one question (with ``--conversation`` kept: it and its answer join the
@@ -284,13 +295,11 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spa
     ``spans``, its citations). Ctrl-C stops the answer; SIGTERM keeps what was generated and
     goes on up."""
     view = GenerateView(tok, stream=not o.json, progress=False)
-    sampling = {"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed}
     doc, extra = pooled
-    kept = {"keep": True, "drop_pending": drop_pending} if o.conversation else {}
-    seq = client.post(op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra,
-                      max_new_tokens=o.max_new_tokens, stop=list(o.stop), eos_ids=list(eos_ids), sampling=sampling,
-                      interruptible=True, speculate=o.speculate, logprobs=o.logprobs, digest=o.digest,
-                      cite=spans.spec() if spans else None, questions=[{"ids": ids, "doc": doc, **kept}])
+    ask = _ask(o, ids, doc, eos_ids, spans)
+    ask.keep, ask.drop_pending = bool(o.conversation), bool(o.conversation and drop_pending)
+    seq = client.post(op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra, interruptible=True,
+                      questions=[ask.wire()])
     got: dict = {}
 
     def on_event(kind, payload):
@@ -379,11 +388,8 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans,
             advance()
 
     begin(0)
-    seq = client.post(op="batch", seq=client.seq, slots=o.batch, max_new_tokens=o.max_new_tokens, **extra,
-                      questions=[{"ids": ids, "doc": doc} for ids in ids_list],
-                      stop=list(o.stop), eos_ids=list(eos_ids), interruptible=True, speculate=o.speculate,
-                      logprobs=o.logprobs, digest=o.digest, piece=o.prefill_chunk, cite=spans.spec() if spans else None,
-                      sampling={"temperature": o.temperature, "top_k": o.top_k, "top_p": o.top_p, "seed": o.seed})
+    seq = client.post(op="batch", seq=client.seq, slots=o.batch, **extra, interruptible=True, piece=o.prefill_chunk,
+                      questions=[_ask(o, ids, doc, eos_ids, spans).wire() for ids in ids_list])
     try:
         while True:
             try:

@@ -13,7 +13,7 @@
   deleted; ``409`` while a request over it is in flight (it is not waited for: retry).
 
 A pinned document never leaves memory; the pinned documents together may hold at most
-:data:`PIN_SHARE` of each rank's pool (``--kv-memory``; the rest stays for other documents): a
+``catalog.PIN_SHARE`` of each rank's pool (``--kv-memory``; the rest stays for other documents): a
 pin past that is refused with ``409`` and the numbers (a new document is still cached,
 unpinned). A request whose document cannot fit next to the pinned ones gets ``400``
 (``document_too_large``). A document unused for its TTL leaves memory (a saved copy, or the pool's
@@ -25,15 +25,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import shutil
 
 from fastapi import FastAPI, Request
 
 from .api_errors import error as _error
-from .prompt import MIN_DOCUMENT, PromptError, split_chat
+from ..engine.catalog import MIN_DOCUMENT
+from .prompt import PromptError, split_chat
 
 _DOC = "document"
-PIN_SHARE = 0.75  # of each rank's pool pinned documents may hold: the rest stays for the others
 
 
 class _Bad(Exception):
@@ -57,16 +56,6 @@ def _fields(body: dict, allowed: set) -> tuple:
     return pin, ttl
 
 
-def view(srv, key: str) -> dict:
-    """A document as the API shows it."""
-    e = srv.docs.entries[key]
-    n = len(e["ids"])
-    return {"id": key, "object": _DOC, "tokens": n, "pinned": bool(e.get("pinned")),
-            "resident": bool(e.get("resident")), "on_disk": bool(e.get("disk")), "ttl_s": e.get("ttl_s"),
-            "created": int(e.get("created", 0)), "last_used": int(e.get("last_used", 0)),
-            "hits": int(e.get("hits", 0)), "bytes": srv.kv_bytes_per_rank(n)}
-
-
 def document_ids(srv, text: str) -> list[int]:
     """The tokens a chat request whose last user message begins with ``text`` and a blank line
     has as its document part (_Bad when there is none, or it cannot be held)."""
@@ -80,69 +69,44 @@ def document_ids(srv, text: str) -> list[int]:
     if srv.context and d >= srv.context:
         raise _Bad(400, f"this model's maximum context length is {srv.context} tokens; the document has {d}",
                    "text", "context_length_exceeded")
-    too_large = srv.too_large(d, ids)
+    too_large = srv.catalog.too_large(d, ids)
     if too_large:
         raise _Bad(400, too_large, "text", "document_too_large")
     return ids[:d]
 
 
-def pin_refusal(srv, key: str, tokens: int) -> str | None:
-    """Why pinning ``key`` (``tokens``) would take pinned documents past :data:`PIN_SHARE` of the
-    pool, or None (``room.PoolRoom.pin``: what the ranks' pools hold)."""
-    return srv.room.pin(tokens, srv.pinned(exclude=key), PIN_SHARE)
-
-
 def post_at_start(srv, path: str, pin: bool) -> dict:
     """``serve --document FILE [--pin]``: the document cached (pinned) before the server listens."""
-    import threading
     from pathlib import Path
 
+    catalog = srv.catalog
     try:
         text = Path(path).read_text(encoding="utf-8")
         ids = document_ids(srv, text)
-        key = srv.docs.key_of(ids)
-        refusal = pin_refusal(srv, key, len(ids)) if pin else None
+        key = catalog.key_of(ids)
+        refusal = catalog.pin_refusal(key, len(ids)) if pin else None
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--document {path}: cannot read it ({e})") from None
     except _Bad as e:
         raise ValueError(f"--document {path}: {e}") from None
     if refusal:
         raise ValueError(f"--document {path} --pin: {refusal}")
-    done, got = threading.Event(), {}
-
-    def deliver(kind, payload):
-        got.setdefault(kind, payload)
-        if kind in ("done", "error"):
-            done.set()
-
-    srv.document_job(key, ids, {"pin": True} if pin else {}, deliver)
-    done.wait()
-    if "error" in got or (got.get("done") or {}).get("stop_reason") not in (_DOC, None):
-        raise ValueError(f"--document {path}: {got.get('error') or got.get('done')}")
-    e = srv.docs.touch(key, ids, resident=True)
-    e["pinned"] = pin
-    return view(srv, key)
+    try:
+        srv.front.document(key, ids, {"pin": True} if pin else {})
+    except RuntimeError as e:
+        raise ValueError(f"--document {path}: {e}") from None
+    return catalog.view(key)
 
 
 def add_routes(app: FastAPI, srv) -> None:
-    docs = srv.docs
+    catalog = srv.catalog
 
-    async def run(key: str, ids, action: dict) -> dict:
-        """One document request through the scheduler; its outcome (the engine's ``source``)."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        srv.document_job(key, ids, action, lambda kind, p: loop.call_soon_threadsafe(queue.put_nowait, (kind, p)))
-        out = {}
-        while True:
-            kind, payload = await queue.get()
-            if kind == "document":
-                out.update(payload)
-            elif kind == "error":
-                raise _Bad(503, f"the server cannot take documents: {payload}")
-            elif kind == "done":
-                if payload.get("stop_reason") not in (_DOC, None):
-                    raise _Bad(503, f"the document request ended: {payload.get('stop_reason')}")
-                return out
+    async def ask(key: str, ids, action: dict) -> str:
+        """A document request to the engine (off the event loop); its outcome."""
+        try:
+            return await asyncio.to_thread(srv.front.document, key, ids, action)
+        except RuntimeError as e:
+            raise _Bad(503, str(e)) from None
 
     async def body_of(request: Request) -> dict:
         raw = await request.body()
@@ -174,26 +138,22 @@ def add_routes(app: FastAPI, srv) -> None:
         if not isinstance(text, str) or not text.strip():
             raise _Bad(400, "'text' must be a non-empty string", "text")
         ids = await asyncio.to_thread(document_ids, srv, text)
-        d = len(ids)
-        key = docs.key_of(ids)
-        refusal = pin_refusal(srv, key, d) if pin else None
+        key = catalog.key_of(ids)
+        refusal = catalog.pin_refusal(key, len(ids)) if pin else None
         keep = pin is None or refusal is not None  # no pin asked (or refused): it stays as it was
-        await run(key, ids, {} if keep else {"pin": pin})
-        e = docs.touch(key, ids)
-        if not keep:
-            e["pinned"] = pin
+        await ask(key, ids, {} if keep else {"pin": pin})
         if "ttl_s" in body:
-            e["ttl_s"] = ttl
+            catalog.entries[key].ttl_s = ttl
         if refusal:
             raise _Bad(409, refusal + "; the document is cached, unpinned", "pin", "pin_exceeds_pool")
-        return view(srv, key)
+        return catalog.view(key)
 
     @app.get("/v1/documents")
     async def list_documents():
-        return {"object": "list", "data": [view(srv, k) for k in list(docs.entries)]}
+        return {"object": "list", "data": [catalog.view(k) for k in list(catalog.entries)]}
 
-    def known(doc_id: str) -> dict:
-        e = docs.entries.get(doc_id)
+    def known(doc_id: str):
+        e = catalog.entries.get(doc_id)
         if e is None:
             raise _Bad(404, f"no document {doc_id!r} (GET /v1/documents lists them)", code="document_not_found")
         return e
@@ -202,7 +162,7 @@ def add_routes(app: FastAPI, srv) -> None:
     @guarded
     async def get_document(doc_id: str):
         known(doc_id)
-        return view(srv, doc_id)
+        return catalog.view(doc_id)
 
     @app.patch("/v1/documents/{doc_id}")
     @guarded
@@ -211,29 +171,25 @@ def add_routes(app: FastAPI, srv) -> None:
         body = await body_of(request)
         pin, ttl = _fields(body, {"pin", "ttl_s"})
         if pin:
-            refusal = pin_refusal(srv, doc_id, len(e["ids"]))
+            refusal = catalog.pin_refusal(doc_id, len(e.ids))
             if refusal:
                 raise _Bad(409, refusal, "pin", "pin_exceeds_pool")
-        if pin or (pin is False and e.get("resident")):
-            await run(doc_id, e["ids"], {"pin": pin})  # resident (loaded or prefilled again when pinned)
-            e = docs.touch(doc_id, e["ids"])
+        if pin or (pin is False and e.resident):
+            await ask(doc_id, e.ids, {"pin": pin})  # resident (loaded or prefilled again when pinned)
+        e = known(doc_id)
         if pin is not None:
-            e["pinned"] = pin
+            e.pinned = pin
         if "ttl_s" in body:
-            e["ttl_s"] = ttl
-        return view(srv, doc_id)
+            e.ttl_s = ttl
+        return catalog.view(doc_id)
 
     @app.delete("/v1/documents/{doc_id}")
     @guarded
     async def delete_document(doc_id: str):
         e = known(doc_id)
         busy = f"document {doc_id!r} is read by a request in flight; retry when it ends"
-        if srv.in_use(doc_id):
+        if srv.front.in_use(doc_id):
             raise _Bad(409, busy, code="document_in_use")
-        out = await run(doc_id, e["ids"], {"action": "drop"})
-        if out.get("source") == "busy":
+        if await ask(doc_id, e.ids, {"action": "drop"}) == "busy":
             raise _Bad(409, busy, code="document_in_use")
-        docs.entries.pop(doc_id, None)
-        if docs.dir is not None:
-            shutil.rmtree(docs.dir / doc_id, ignore_errors=True)
         return {"id": doc_id, "object": _DOC, "deleted": True}

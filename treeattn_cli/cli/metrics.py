@@ -81,11 +81,14 @@ class RequestLog:
         self._ended = False
         self._lock = threading.Lock()
 
-    def event(self, kind: str, payload) -> None:
+    def event(self, event) -> None:
+        """One event of the request's answer (``engine.requests``)."""
+        from ..engine.requests import Began, Done, Failed, Token
+
         now = time.perf_counter()
-        if kind == "document":
-            self.cached = int(payload.get("cached", 0))
-        elif kind == "token":
+        if isinstance(event, Began):
+            self.cached = int(event.cached)
+        elif isinstance(event, Token):
             if self.first is None:
                 self.first = now
                 self.metrics.ttft.observe(now - self.t0)
@@ -93,10 +96,10 @@ class RequestLog:
                 self.metrics.tpot.observe(now - self.last)
             self.last = now
             self.tokens += 1
-        elif kind == "done":
-            self.end(outcome(payload.get("stop_reason")), len(payload.get("token_ids", [])) or self.tokens)
-        elif kind == "error":
-            self.end("error", self.tokens, str(payload))
+        elif isinstance(event, Done):
+            self.end(outcome(event.stop_reason), len(event.record.get("token_ids", [])) or self.tokens)
+        elif isinstance(event, Failed):
+            self.end("error", self.tokens, event.reason)
 
     def end(self, status: str, generated: int, error: str | None = None) -> None:
         with self._lock:

@@ -24,7 +24,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api_errors import error as _error
 from .citations import CiteError, citations, for_request
-from .prompt import MIN_DOCUMENT, PromptError, split_chat, split_completion
+from ..engine.catalog import MIN_DOCUMENT
+from ..engine.requests import Began, Done, Failed, Token
+from ..engine.sampling import Sampling
+from .prompt import PromptError, split_chat, split_completion
 
 # parameters a client may send at their default (the official client and others often do);
 # any other value is refused: treeattn would not honour it
@@ -117,8 +120,8 @@ class _Reply:
     def __init__(self, loop):
         self.loop, self.queue = loop, asyncio.Queue()
 
-    def __call__(self, kind, payload):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+    def __call__(self, event):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
 class _Text:
@@ -166,7 +169,7 @@ def build_app(srv) -> FastAPI:
     async def health():
         if srv.failed:
             return JSONResponse({"status": "error", "reason": srv.failed}, status_code=503)
-        return {"status": "ok", "model": srv.name, "stats": srv.stats.snapshot()}
+        return {"status": "ok", "model": srv.name, "stats": srv.front.stats.snapshot() if srv.front else {}}
 
     @app.get("/metrics")
     async def metrics():
@@ -227,7 +230,7 @@ def build_app(srv) -> FastAPI:
                                  f"{len(ids)} prompt tokens and asks for {max_tokens} more", "max_tokens",
                                  code="context_length_exceeded")
             question = len(ids) - (doc if doc >= MIN_DOCUMENT else 0)  # (a shorter document part is question)
-            too_large = srv.too_large(doc, ids, tail_tokens=question + max_tokens)
+            too_large = srv.catalog.too_large(doc, ids, tail_tokens=question + max_tokens)
             if too_large:
                 raise BadRequest(too_large, "messages" if chat else "prompt", code="document_too_large")
             spans = None
@@ -253,7 +256,7 @@ def build_app(srv) -> FastAPI:
             raise
         reply = _Reply(asyncio.get_running_loop())
         job = srv.submit(ids, doc, max_tokens=max_tokens, stop=p["stop"], deliver=reply, rid=rid,
-                         sampling={"temperature": p["temperature"], "top_k": 0, "top_p": p["top_p"], "seed": p["seed"]},
+                         sampling=Sampling(p["temperature"], 0, p["top_p"], p["seed"]),
                          cite=spans.spec() if spans else None)
         text = _Text(srv.tokenizer, p["stop"])
         meta = {"cached": 0}
@@ -280,60 +283,61 @@ def build_app(srv) -> FastAPI:
             return citations(spans, record["cite"], srv.tokenizer, record.get("token_ids", []))
 
         async def events():
-            """The job's events; a client gone cancels the job."""
+            """The request's events; a client gone cancels the request."""
             try:
                 while True:
                     try:
-                        kind, payload = await asyncio.wait_for(reply.queue.get(), 0.5)
+                        event = await asyncio.wait_for(reply.queue.get(), 0.5)
                     except asyncio.TimeoutError:
                         if await request.is_disconnected():
-                            srv.scheduler.cancel(job)
+                            srv.cancel(job)
                             return
                         continue
-                    if kind == "document":
-                        meta["cached"] = payload["cached"]
+                    if isinstance(event, Began):
+                        meta["cached"] = event.cached
                         continue
-                    if kind == "done" and payload.get("stop_reason") == "no_room":
-                        kind, payload = "error", ("the KV pool has no room for this request's document and answer "
-                                                  "next to the pinned ones (unpin or delete some: /v1/documents)")
-                    yield kind, payload
-                    if kind in ("done", "error"):
+                    if isinstance(event, Done) and event.stop_reason == "no_room":
+                        event = Failed("the KV pool has no room for this request's document and answer "
+                                       "next to the pinned ones (unpin or delete some: /v1/documents)")
+                    yield event
+                    if isinstance(event, (Done, Failed)):
                         return
             except asyncio.CancelledError:  # the client went away mid-stream
-                srv.scheduler.cancel(job)
+                srv.cancel(job)
                 raise
 
         if p["stream"]:
             async def sse():
                 yield f"data: {json.dumps(chunk(None, first=True))}\n\n"
-                async for kind, payload in events():
-                    if kind == "token":
-                        piece = text.add(payload)
+                async for event in events():
+                    if isinstance(event, Token):
+                        piece = text.add(event.token)
                         if piece:
                             yield f"data: {json.dumps(chunk(piece))}\n\n"
-                    elif kind == "error":
-                        err = {"error": {"message": payload, "type": "server_error", "param": None, "code": None}}
+                    elif isinstance(event, Failed):
+                        err = {"error": {"message": event.reason, "type": "server_error", "param": None, "code": None}}
                         yield f"data: {json.dumps(err)}\n\n"
                         break
                     else:
+                        record = event.record
                         rest, _, stopped = text.finish()
-                        finish = "stop" if stopped else _FINISH.get(payload.get("stop_reason"), "stop")
-                        yield f"data: {json.dumps(chunk(rest or None, finish, cited=cited(payload)))}\n\n"
+                        finish = "stop" if stopped else _FINISH.get(record.get("stop_reason"), "stop")
+                        yield f"data: {json.dumps(chunk(rest or None, finish, cited=cited(record)))}\n\n"
                         if p["usage_in_stream"]:
                             last = chunk(None)
                             last["choices"] = []
-                            last["usage"] = usage(len(payload.get("token_ids", [])))
+                            last["usage"] = usage(len(record.get("token_ids", [])))
                             yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         record = None
-        async for kind, payload in events():
-            if kind == "error":
-                return _error(503, payload, kind="server_error")
-            if kind == "done":
-                record = payload
+        async for event in events():
+            if isinstance(event, Failed):
+                return _error(503, event.reason, kind="server_error")
+            if isinstance(event, Done):
+                record = event.record
         if record is None:  # the client went away
             return _error(499, "the client closed the request")
         for t in record.get("token_ids", []):

@@ -11,7 +11,6 @@ import sys
 # motor in 1962 and with what, it answered neither.
 DEMO_QUESTION = "According to the report above, what did Margit Solberg ask the board to pay for?"
 DEMO_SYSTEM = "You are a careful assistant. Answer from the document, briefly."
-MIN_DOCUMENT = 32  # tokens: a shorter document part of a request is not worth a cache entry (serve)
 
 
 class PromptError(ValueError):
@@ -192,14 +191,6 @@ def document_ids(tokenizer, document: str, *, chat: bool, system: str | None = N
         {"role": "user", "content": SENTINEL}]).split(SENTINEL_ANSWER, 1)[1], SENTINEL)
     return ids, {"kind": "chat-document", "suffix": suffix, "turn_between": turn_between,
                  "turn_after": turn_after}
-
-
-def document_key(ids) -> str:
-    """The name a document's tokens go by in the engine's resident documents and the cache
-    directory (``serve``'s documents, ``chat``'s pooled document): equal tokens, equal name."""
-    import hashlib
-
-    return hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()[:24]
 
 
 def question_ids(tokenizer, question: str, composition: dict, *, next_turn: bool = False) -> list[int]:

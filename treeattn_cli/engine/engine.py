@@ -59,7 +59,6 @@ from .decode import Decoder, segments
 from .documents import PIECE, Document, Documents
 from .kvquant import storage
 from .pool import KVFormat
-from .sampling import Sampling
 from ..parallel.mesh import Mesh, check_tp_within_nodes
 from ..topology.layout import cp_layout
 from .model import load_model, load_tokenizer, pick_dtype, shapes, weight_bytes
@@ -323,6 +322,7 @@ class Engine:
         (``comm.post_join``) and any may be cancelled (``comm.post_cancel``); the batch ends when
         every question it took is answered, and ``batch_done`` says how many joins it took."""
         from .batch import Question
+        from .requests import Ask
 
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs",
                                             "digest", "cite")}
@@ -331,36 +331,35 @@ class Engine:
         kept_docs: set = set()  # documents a question of this batch keeps into
 
         def question(q) -> Question:
-            spec = {**defaults, **({} if isinstance(q, list) else q)}
-            ids = list(q if isinstance(q, list) else q["ids"])
+            ask = Ask.read(q, defaults)
+            ids = ask.ids
             stop_check = None
             if self.lead:
-                if self._tok is None and spec.get("stop"):
+                if self._tok is None and ask.stop:
                     self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
-                stop_check = _stop_check(self._tok, spec.get("stop") or [], set(spec.get("eos_ids") or []))
+                stop_check = _stop_check(self._tok, ask.stop, set(ask.eos_ids))
             source, doc_spec = "memory", None
-            if spec.get("doc") and spec["doc"].get("action"):  # the documents API: evict, drop (now)
-                source = self.documents.act({**doc_defaults, **spec["doc"]})
+            if ask.doc is not None and ask.doc.action:  # the documents API: evict, drop (now)
+                source = self.documents.act({**doc_defaults, **ask.doc.wire()})
                 doc = Document(None, [], None)  # nothing to answer over
-            elif spec.get("doc"):
-                doc_spec = {**doc_defaults, **spec["doc"]}
+            elif ask.doc is not None:
+                doc_spec = {**doc_defaults, **ask.doc.wire()}
                 doc = self.documents.get(doc_spec)
                 source = doc.source
             else:  # it continues the engine's own tokens
                 doc = self._prefix()
             self.documents.use(doc)
-            keep = (spec.get("keep") or False) if doc_spec is not None else False  # (into a named document)
+            keep = ask.keep if doc_spec is not None else False  # (into a named document)
             if keep:
                 # a kept turn continues the document as the previous turn left it: a second one in
                 # the same batch would be answered without the first and fed its pending token too
                 if doc.key in kept_docs:
                     raise ValueError(f"a batch keeps at most one question per document; two keep {doc.key!r}")
                 kept_docs.add(doc.key)
-            if keep is True and doc.pending is not None and not spec.get("drop_pending"):
+            if keep is True and doc.pending is not None and not ask.drop_pending:
                 ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
-            return Question(ids, spec["max_new_tokens"], Sampling(**(spec.get("sampling") or {})),
-                            spec.get("speculate") or "off", stop_check, spec.get("logprobs"), doc=doc, source=source,
-                            doc_spec=doc_spec, cite=spec.get("cite"), keep=keep, digest=bool(spec.get("digest")))
+            return Question(ids, ask.max_new_tokens, ask.sampling, ask.speculate or "off", stop_check, ask.logprobs,
+                            doc=doc, source=source, doc_spec=doc_spec, cite=ask.cite, keep=keep, digest=ask.digest)
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
