@@ -407,7 +407,8 @@ def serve_spec(c: Config, fx: dict, save_root: str) -> tuple[dict, dict]:
     key = c.save_key() if c.reload_cp else f"doc-{c.seed}"
     the_doc = {"key": key, "ids": doc, "piece": c.chunk}
     if c.reload_cp:
-        the_doc.update(dir=save_root, manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()))
+        the_doc.update(load_from=str(Path(save_root) / key),
+                       manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()))
     spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS,
             "digest": True}
     if c.qchunk:  # a long question goes in chunks of this many tokens, a round each
@@ -434,8 +435,15 @@ def serve_spec(c: Config, fx: dict, save_root: str) -> tuple[dict, dict]:
 
 
 def serve_question(c: Config, fx: dict, spec: dict, the_doc: dict, i: int) -> dict:
-    """Question ``i`` as the server's engine request has it."""
-    q = {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate), **spec,
+    """Question ``i`` as the server's engine request has it (``engine.requests.Ask``: of ``spec``,
+    the fields a request has; the others are its batch's)."""
+    from dataclasses import fields
+
+    from treeattn_cli.engine.requests import Ask
+
+    own = {f.name for f in fields(Ask)}
+    q = {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate),
+         **{k: v for k, v in spec.items() if k in own},
          "max_new_tokens": new_of(c, i), "cite": c.questions[i].get("cite")}
     q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)} \
         if c.route == "mixed" else the_doc

@@ -111,13 +111,21 @@ def ring_prefill(comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None
     B, H, nq, d = q.shape
     mine = pieces[r]
     q_off = _offsets(mine)
-    o = torch.zeros(B, H, nq, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((B, H, nq), float("-inf"), dtype=torch.float32, device=q.device)
+    o = lse = None  # [B, H, nq, d], [B, H, nq] fp32: made at the first partial (or empty at the end)
+    fresh = [True] * len(mine)  # a query range no partial reached yet: its first is written, not merged
     stats = comm.stats
+
+    def made():
+        nonlocal o, lse
+        if o is None:
+            o = torch.zeros(B, H, nq, d, dtype=torch.float32, device=q.device)
+            lse = torch.full((B, H, nq), float("-inf"), dtype=torch.float32, device=q.device)
+        return o, lse
 
     def attend(kb, vb, kr, *, whole=False):
         """Merge this rank's attention to a block: ranges ``kr`` of keys (or, ``whole``, a
-        cached shard every query sees)."""
+        cached shard every query sees). A range's first partial is kept as it is: its merge with
+        the empty partial ``(0, -inf)`` would give it back bit for bit (weights 0 and exactly 1)."""
         nonlocal o, lse
         todo = [(i, None, "full") for i in range(len(mine))] if whole else pairs(mine, kr, window)
         k_off = None if whole else _offsets(kr)
@@ -135,8 +143,15 @@ def ring_prefill(comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None
                           k_pos=torch.arange(kr[j][0], kr[j][1], device=q.device), window=window)
             po, pl = partial_attention(q[:, :, qs:qs + qb - qa], kb[:, :, ks:ke], vb[:, :, ks:ke], scale=scale,
                                        softcap=softcap, out_dtype=torch.float32, **kw)
-            mo, ml = merge_pair(o[:, :, qs:qs + qb - qa], lse[:, :, qs:qs + qb - qa], po, pl)
-            o[:, :, qs:qs + qb - qa], lse[:, :, qs:qs + qb - qa] = mo, ml
+            if fresh[i] and o is None and qb - qa == nq:  # every query of this rank: no copy at all
+                o, lse = po, pl
+            elif fresh[i]:
+                made()
+                o[:, :, qs:qs + qb - qa], lse[:, :, qs:qs + qb - qa] = po, pl
+            else:
+                mo, ml = merge_pair(o[:, :, qs:qs + qb - qa], lse[:, :, qs:qs + qb - qa], po, pl)
+                o[:, :, qs:qs + qb - qa], lse[:, :, qs:qs + qb - qa] = mo, ml
+            fresh[i] = False
             if stats.enabled:
                 stats.add_flops(flops(B, H, d, qb - qa, ke - ks, kind))
 
@@ -145,7 +160,7 @@ def ring_prefill(comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None
     if with_cache and cache_lens[r]:
         attend(cache[0], cache[1], None, whole=True)
     if p == 1:
-        return o, lse
+        return made()
     need = _needs(pieces, window)
     if with_cache:  # every rank sees every cached shard
         need = [[need[s][x] or (cache_lens[s] > 0 and size(pieces[x]) > 0) for x in range(p)] for s in range(p)]
@@ -175,7 +190,7 @@ def ring_prefill(comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None
         pending.wait()
         if recv:
             cur = nxt
-    return o, lse
+    return made()
 
 
 def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scale=None, window=None,
