@@ -383,9 +383,9 @@ def alone_speculate(c: Config, q: dict) -> str:
 
 
 def _job(c: Config, fx: dict, graphs: bool = False):
-    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.job import EngineJob
 
-    return GenerateJob(fx[c.family]["model"], [], dtype="float32", kv_dtype=c.kv, tp=c.tp, scheme=c.scheme,
+    return EngineJob(fx[c.family]["model"], [], dtype="float32", kv_dtype=c.kv, tp=c.tp, scheme=c.scheme,
                        max_new_tokens=c.new, reserve=256, static=True if graphs else None)
 
 

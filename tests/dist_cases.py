@@ -213,11 +213,11 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
 
     from treeattn_cli.engine.batch import BatchDecoder
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.job import EngineJob
     from treeattn_cli.engine.model import load_model
 
     full = load_model(model_dir, torch.float32, torch.device("cpu"))
-    job = GenerateJob(model_dir, (torch.arange(20) + 30).tolist(), max_new_tokens=new_tokens, dtype="float32",
+    job = EngineJob(model_dir, (torch.arange(20) + 30).tolist(), max_new_tokens=new_tokens, dtype="float32",
                       tp=tp, speculate="off")
     eng = Engine(ctx, job)
     shards = {}
@@ -365,7 +365,7 @@ def graph_agreement(ctx, job, fail):
     finally:
         ctx.emit = real
     os.environ.pop("TREEATTN_KERNEL", None)
-    graphs = eng._bd.graphs  # (the batch loop's: a single answer is a batch of one)
+    graphs = eng.bd.graphs  # (the batch loop's: a single answer is a batch of one)
     state = eng.world.all_gather_values([graphs.held > 0, graphs.on])
     return (answers[0], state.tolist(), graphs.note) if ctx.rank == 0 else None
 
@@ -392,7 +392,7 @@ def graph_speculate(ctx, job, doc, question, new, speculate):
         os.environ.pop("TREEATTN_KERNEL", None)
     if ctx.rank != 0:
         return None
-    a, bd = answers[0], eng._bd  # (the batch loop's graphs: a single answer is a batch of one)
+    a, bd = answers[0], eng.bd  # (the batch loop's graphs: a single answer is a batch of one)
     return (a["token_ids"], a.get("speculation"), bd.graphs.replays, bd.verify_graphs.replays,
             (bd.graphs.captures, bd.verify_graphs.captures), bd.graphs.note or bd.verify_graphs.note)
 
@@ -687,12 +687,13 @@ def pool_agreement(ctx, spec, free_by_rank):
     from types import SimpleNamespace
 
     from treeattn_cli.engine import documents as D
+    from treeattn_cli.engine import pool_sizing
     from treeattn_cli.engine.pool import KVFormat
     from treeattn_cli.parallel import comm as C
 
     world = C.Comm()
     kv = KVFormat(2, 2, 16, torch.float32, None, torch.device("cpu"))
-    D.free_memory = lambda device, ranks=1: free_by_rank[ctx.rank]
+    pool_sizing.free_memory = lambda device, ranks=1: free_by_rank[ctx.rank]
     docs = D.Documents(SimpleNamespace(kv=kv, world=world))
     made = docs.make_pool(spec)
     assert docs.pool.num_blocks == made["blocks"] and docs.make_pool({"pool": 1}) == made  # made once
@@ -794,13 +795,13 @@ def host_reads_per_step(ctx, job, doc, questions, new):
     kernels), a batch of ``questions`` (token lists over ``doc``, or requests naming a document of
     the block pool: the paged kernel's path) and then one answer alone (the first question): every
     rank returns, per interval between two of the steps' message broadcasts, its device reads
-    (``engine.host.read``), copies (``host.Staging``) and forwards; the copies of host data to the
+    (``engine.transfers.read``), copies (``transfers.Staging``) and forwards; the copies of host data to the
     device the model's forward made on plain steps (``forward_copies``: none may), and every
     other read of a tensor the requests made, by site (``step_reads``, :class:`_Reads`)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from treeattn_cli.engine import host
+    from treeattn_cli.engine import transfers
     from treeattn_cli.engine.decode import Decoder
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.sampling import Sampling
@@ -815,7 +816,7 @@ def host_reads_per_step(ctx, job, doc, questions, new):
             return func(*args, **(kwargs or {}))
 
     real = {"tolist": torch.Tensor.tolist, "numpy": torch.Tensor.numpy, "forward": Decoder._forward,
-            "tensor": torch.tensor, "read": host.read, "send": host.Staging.send, "broadcast": Comm.broadcast}
+            "tensor": torch.tensor, "read": transfers.read, "send": transfers.Staging.send, "broadcast": Comm.broadcast}
 
     def tolist(t):
         step_reads.record()
@@ -857,7 +858,7 @@ def host_reads_per_step(ctx, job, doc, questions, new):
     common = {"max_new_tokens": new, "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"}
     os.environ["TREEATTN_KERNEL"] = "triton"
     torch.Tensor.tolist, torch.Tensor.numpy, torch.tensor, Decoder._forward = tolist, numpy, tensor, forward
-    host.read, host.Staging.send, Comm.broadcast = read, send, broadcast
+    transfers.read, transfers.Staging.send, Comm.broadcast = read, send, broadcast
     sent, ctx.emit = ctx.emit, (lambda kind, p: None)
     out = {}
     try:
@@ -887,7 +888,7 @@ def host_reads_per_step(ctx, job, doc, questions, new):
     finally:
         torch.Tensor.tolist, torch.Tensor.numpy, torch.tensor, Decoder._forward = (
             real["tolist"], real["numpy"], real["tensor"], real["forward"])
-        host.read, host.Staging.send, Comm.broadcast = real["read"], real["send"], real["broadcast"]
+        transfers.read, transfers.Staging.send, Comm.broadcast = real["read"], real["send"], real["broadcast"]
         os.environ.pop("TREEATTN_KERNEL", None)
         ctx.emit = sent
     return out

@@ -40,7 +40,7 @@ class Mutant:
 
 MUTANTS = [
     Mutant("serve-cancel-ignored", "serve: EngineFront.cancel does nothing (a client that leaves keeps its slot)",
-           "treeattn_cli/engine/front.py",
+           "treeattn_cli/serving/front.py",
            "    def cancel(self, t: Ticket) -> None:\n        t.cancelled.set()",
            "    def cancel(self, t: Ticket) -> None:\n        return",
            ("tests/test_serve.py::test_a_client_that_leaves_cancels_its_request",)),
@@ -51,7 +51,7 @@ MUTANTS = [
            ("tests/test_serve.py::test_a_client_that_leaves_cancels_its_request",)),
     Mutant("batch-drafts-nothing", "batch: slots never draft (speculation silently off in chat --batch and serve)",
            "treeattn_cli/engine/batch.py",
-           "nxt = s.drafter.draft(min(s.spec.want(len(ready_b)), q.max_new_tokens - len(s.tokens) - 1, KMAX))",
+           "nxt = s.drafter.draft(min(s.speculation.want(len(ready_b)), q.max_new_tokens - len(s.tokens) - 1, KMAX))",
            "nxt = []",
            ("tests/test_speculate.py::test_batched_slots_draft_and_accept_on_their_own",
             "tests/test_kvquant.py::test_fp8_cache_is_exact_to_its_rounding_on_every_route")),

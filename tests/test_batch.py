@@ -12,7 +12,7 @@ import pytest
 
 import dist_cases
 from helpers import cli, stop_string_in
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
 
@@ -35,7 +35,7 @@ def test_batched_answers_equal_each_question_alone(models, world, tp, slots):
     paths, want = models
     kinds = ("llama", "gemma2", "gpt_oss") if world == 3 else ("llama",)
     for kind in kinds:
-        job = GenerateJob(str(paths[kind]), [], dtype="float32", max_new_tokens=NEW, tp=tp)
+        job = EngineJob(str(paths[kind]), [], dtype="float32", max_new_tokens=NEW, tp=tp)
         if kind == "gpt_oss" and tp > 1:
             continue
         got, done, _ = run_local(dist_cases.engine_batch, world, job, DOC, QS, slots, NEW, timeout_s=120)[0]
@@ -50,7 +50,7 @@ def test_steps_no_graph_replays_merge_with_one_collective(models):
     transformers'; an explicit scheme is kept."""
     paths, want = models
     for auto, expect in ((True, "all_gather"), (False, "all_reduce")):
-        job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, auto_layout=auto)
+        job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, auto_layout=auto)
         got, counts = run_local(dist_cases.engine_batch_merges, 2, job, DOC, QS, 3, NEW, timeout_s=120)[0]
         assert got == want["llama"], auto
         other = "all_reduce" if expect == "all_gather" else "all_gather"
@@ -64,7 +64,7 @@ def test_long_questions_go_in_chunks_between_the_steps_of_other_answers(models, 
     are prefilled a chunk per round while the answers of the others decode, and every answer
     still equals transformers' on document + question alone."""
     paths, want = models
-    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
     got, done, _ = run_local(dist_cases.engine_batch, world, job, DOC, QS, 3, NEW, "off", {"piece": 4},
                              timeout_s=120)[0]
     assert got == want["llama"]
@@ -76,7 +76,7 @@ def test_ctrl_c_ends_the_batch_and_keeps_the_answers_so_far(models):
     """An interrupt after five streamed tokens: the answers under way end there (each a prefix of
     its full answer, stop reason interrupted), the questions not begun are not asked."""
     paths, want = models
-    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
     got, done = run_local(dist_cases.engine_batch_interrupted, 2, job, DOC, QS, 3, NEW, 5, timeout_s=60)[0]
     assert set(got) == {0, 1, 2} and done[0]["answers"] == 3
     for qi, (toks, reason) in got.items():
@@ -138,7 +138,7 @@ def test_idle_slots_step_at_a_live_position(models):
     the tile's earliest query, and a row at 0 would make it read the whole shard. Three
     questions in two slots leave one slot idle for the last answer; answers stay exact."""
     paths, want = models
-    job = GenerateJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
     qs = QS[:3]
     got, steps = run_local(dist_cases.engine_batch_step_positions, 2, job, DOC, qs, 2, NEW, timeout_s=60)[0]
     assert got == want["gemma2"][:3]
@@ -190,7 +190,7 @@ def test_questions_over_several_documents_share_steps_and_equal_transformers(mod
     paths, _ = models
     docs = [DOC, DOC[::-1][:41], [(7 * i + 3) % 200 + 30 for i in range(60)]]
     qs = [(0, QS[0]), (1, QS[1]), (2, QS[2]), (1, QS[3]), (0, QS[4])]
-    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
     got, done = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 3, NEW, timeout_s=120)[0]
     assert got == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in qs]
     assert done[0]["documents_per_step"] >= 2 and done[0]["segments_while_decoding"] >= 1, done
@@ -202,7 +202,7 @@ def test_a_document_prefilled_a_segment_at_a_time_holds_the_same_numbers(models,
     them) into the rank's block pool: what it holds equals, bit for bit, one prefill call with
     the same segments into a plain cache."""
     paths, _ = models
-    job = GenerateJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
     same, segs, kind = run_local(dist_cases.document_by_segments, world, job, DOC, 5, timeout_s=120)[0]
     assert same and segs > 1 and kind == "PagedShard"
 
@@ -215,7 +215,7 @@ def test_a_document_the_pool_can_never_hold_ends_its_questions_alone(models):
     big = [(11 * i + 7) % 230 + 20 for i in range(300)]
     docs = [DOC[:40], big]
     qs = [(0, QS[0]), (1, QS[1]), (0, QS[2])]
-    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
     got, done, reasons = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 2, NEW,
                                    {"pool_blocks": 4, "page": 16}, timeout_s=120)[0]
     assert reasons == ["length", "no_room", "length"] and got[1] == [], (reasons, got)
@@ -233,7 +233,7 @@ def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(mo
     batch asked again (a server's next burst) replays the first batch's graph, captures nothing,
     and answers the same."""
     paths, want = models
-    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, static=True)
+    job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, static=True)
     got, done, _ = run_local(dist_cases.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, True, 2,
                              timeout_s=300)[0]
     assert got == want["llama"][:4]
@@ -261,7 +261,7 @@ def test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait(mo
     short = [[17], DOC[:50], [40, 41]]
     sq = [(0, QS[0]), (1, QS[1]), (2, QS[2]), (0, QS[3])]
     saved, big = DOC[:60], [(7 * i + 3) % 200 + 30 for i in range(300)]  # 20 and 100 tokens a rank: 2 + 7 + a tail > 8 blocks
-    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
     outs = run_local(dist_cases.documents_all_pooled, 3, job, short, sq, saved, big, QS[4], NEW, tmp_path,
                      timeout_s=180)
     lead = outs[0]
@@ -283,7 +283,7 @@ def test_questions_wait_for_their_tails_blocks_and_give_them_back(models):
     paths, _ = models
     long_q = [(3 * i + 2) % 230 + 20 for i in range(60)]  # 33 tokens a rank with its answer: 3 blocks
     qs = [(0, QS[1]), (0, QS[2]), (0, long_q), (0, QS[4])]
-    job = GenerateJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
     got, done, reasons = run_local(dist_cases.engine_mixed, 2, job, [DOC], qs, 2, NEW,
                                    {"pool_blocks": 3, "page": 16}, timeout_s=120)[0]
     want = [tiny_models.hf_greedy(paths["llama"], DOC + q, NEW) for _, q in qs]

@@ -20,7 +20,7 @@ import dist_cases
 from helpers import assert_usage_error, cli
 from treeattn_cli.cli import citations as C
 from treeattn_cli.engine.cite import cite_layers
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
@@ -73,7 +73,7 @@ def test_citation_masses_are_transformers_attention(models, world, tp):
     that do, one of them drafting), all layers or the default ones; gemma2 and gpt_oss on 3 ranks."""
     llama, doc, start = models["llama"]
     sessions, expect = [], []
-    job = GenerateJob(str(llama), [], dtype="float32", max_new_tokens=NEW, tp=tp, reserve=256)
+    job = EngineJob(str(llama), [], dtype="float32", max_new_tokens=NEW, tp=tp, reserve=256)
     prompt = doc + start[:8]  # its answer copies the document, then parts from it: drafts kept and rejected
     sessions.append((job, [{"op": "append", "ids": prompt}, _decode(prompt, "ngram:4"), {"op": "stop"}]))
     expect.append([("llama", prompt, None, True)])
@@ -89,7 +89,7 @@ def test_citation_masses_are_transformers_attention(models, world, tp):
     if world == 3:
         for kind in ("gemma2", "gpt_oss"):
             m, _, _ = models[kind]
-            sessions.append((GenerateJob(str(m), [], dtype="float32", max_new_tokens=NEW, reserve=256),
+            sessions.append((EngineJob(str(m), [], dtype="float32", max_new_tokens=NEW, reserve=256),
                              [{"op": "append", "ids": prompt}, _decode(prompt, "ngram:4"), {"op": "stop"}]))
             expect.append([(kind, prompt, None, False)])
     got = run_local(dist_cases.cite_sessions, world, sessions, timeout_s=300)[0]
@@ -307,7 +307,7 @@ def test_the_gpu_path_cites_through_the_triton_kernels(tiny):
     cite = {"spans": spans}
     new = 4
     common = {"max_new_tokens": new, "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"}
-    job = GenerateJob(str(llama), [], dtype="float32", max_new_tokens=new, reserve=64)
+    job = EngineJob(str(llama), [], dtype="float32", max_new_tokens=new, reserve=64)
     dense = (job, [{"op": "append", "ids": doc}, {"op": "mark", "name": "doc"}, {"op": "append", "ids": q},
                    {"op": "decode", "seq": 0, "keep": False, "cite": cite, **common}, {"op": "rollback", "name": "doc"},
                    {"op": "batch", "slots": 2, "questions": [{"ids": q, "cite": cite}, {"ids": q[:2]}], **common},

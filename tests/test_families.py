@@ -14,7 +14,7 @@ from helpers import assert_usage_error, cli
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 
 # every family docs/usage.md lists: GQA (4 query heads over 2 KV heads), so tp 2 splits them all
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "phi3", "phi", "olmo2",
@@ -38,7 +38,7 @@ def test_every_family_equals_transformers(models, world, tp):
     jobs = []
     for k in FAMILIES:
         plan, split = _tp_plan(load_config(paths[k]), tp, False)
-        jobs.append(GenerateJob(str(paths[k]), IDS, max_new_tokens=NEW, dtype="float32", tp=tp, tp_plan=plan,
+        jobs.append(EngineJob(str(paths[k]), IDS, max_new_tokens=NEW, dtype="float32", tp=tp, tp_plan=plan,
                                 tp_heads_split=split, prefill_chunk=9, sampling=Sampling(), speculate="off"))
     got = run_local(dist_cases.mesh_generate, world, jobs, timeout_s=120)[0]
     wrong = {k: (toks, want[k]) for k, (toks, _) in zip(FAMILIES, got) if toks != want[k]}

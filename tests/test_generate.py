@@ -303,7 +303,7 @@ def test_static_decode_step_is_exact(models):
     from treeattn_cli.parallel.launch import run_local
     from treeattn_cli.engine.model import load_tokenizer
     from treeattn_cli.engine.engine import rank_generate
-    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.job import EngineJob
 
     prompt = text_of(29, seed=21)
     ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
@@ -312,7 +312,7 @@ def test_static_decode_step_is_exact(models):
         ref = tiny_models.hf_greedy(models[kind], ids, 9)
         for p in (1, 3):
             toks = []
-            res = run_local(rank_generate, p, GenerateJob(str(models[kind]), ids, max_new_tokens=9, dtype="float32",
+            res = run_local(rank_generate, p, EngineJob(str(models[kind]), ids, max_new_tokens=9, dtype="float32",
                                                           static=True, speculate="off"),
                             on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
             assert toks == ref, (kind, p)
@@ -388,13 +388,13 @@ def test_ring_decode_baseline_generates_the_same_tokens(models):
     from treeattn_cli.parallel.launch import run_local
     from treeattn_cli.engine.model import load_tokenizer
     from treeattn_cli.engine.engine import rank_generate
-    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.job import EngineJob
 
     ids = load_tokenizer(models["llama"])(text_of(23, seed=41))["input_ids"]
     ref = tiny_models.hf_greedy(models["llama"], ids, 8)
     for p in (2, 3):
         toks = []
-        run_local(rank_generate, p, GenerateJob(str(models["llama"]), ids, max_new_tokens=8, dtype="float32",
+        run_local(rank_generate, p, EngineJob(str(models["llama"]), ids, max_new_tokens=8, dtype="float32",
                                                 decode_method="ring"),
                   on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
         assert toks == ref, p

@@ -50,14 +50,14 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     from treeattn_cli.verify import tiny as tiny_models
     from treeattn_cli.parallel.launch import run_local
     from treeattn_cli.engine.engine import rank_generate
-    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.job import EngineJob
 
     d = tiny_models.make_model("llama", tmp_path / "m")
     ids = list(range(40, 90))
     runs = {}
     for graph in (False, True):
         toks = []
-        res = run_local(rank_generate, 1, GenerateJob(str(d), ids, max_new_tokens=12, dtype="float32",
+        res = run_local(rank_generate, 1, EngineJob(str(d), ids, max_new_tokens=12, dtype="float32",
                                                       cuda_graph=graph, speculate="off"),  # drafts skip the graph
                         backend="nccl", devices=["cuda:0"],
                         on_event=lambda r, k, v: toks.append(v) if k == "token" else None)

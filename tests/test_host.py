@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 import dist_cases  # noqa: E402
-from treeattn_cli.engine.job import GenerateJob  # noqa: E402
+from treeattn_cli.engine.job import EngineJob  # noqa: E402
 from treeattn_cli.parallel.launch import run_local  # noqa: E402
 
 NEW = 4
@@ -23,18 +23,18 @@ QS = [[(29 * i + 11 + j) % 230 + 20 for i in range(3)] for j in range(3)]
 POOLED = [{"ids": QS[1], "doc": {"key": "a", "ids": DOC[::-1]}}, {"ids": QS[2], "doc": {"key": "b", "ids": DOC[3:]}}]
 # The only other reads of tensors a step's requests may make: the host's own bookkeeping, kept in
 # host tensors on purpose (every rank's token counts and lengths, where each token goes). A read
-# anywhere else is a new wait for the device: make it go through engine.host or keep the value on
+# anywhere else is a new wait for the device: make it go through engine.transfers or keep the value on
 # the host, and add a site here only for a host tensor.
 HOST_BOOKKEEPING = {"paged_tail.py:plan_step", "paged_tail.py:max_len", "paged_tail.py:begin_extend",
                     "paged_tail.py:fewest_first", "paged_tail.py:reset_rows", "documents.py:tokens",
                     "decode.py:_prefill", "decode.py:_prefill_replicated",
-                    "pool.py:chain_key", "engine.py:_finish", "engine.py:<listcomp>",
+                    "pool.py:chain_key", "record.py:run_record", "record.py:<listcomp>",
                     "paged_tail.py:view_rows", "paged_tail.py:rows_tables", "paged_tail.py:most_here",  # (the tail in
                     # the pool: the same host lengths, gathered or as tables, and a question's admission reading
                     # its document's counts)
                     # rounds that make a document resident, not steps: the ranks agree on room and
                     # segments (one collective each, read), and report their pools as questions begin
-                    "comm.py:all_true", "comm.py:all_min", "documents.py:_plan", "documents.py:pools"}
+                    "comm.py:all_true", "comm.py:all_min", "block_reuse.py:plan", "documents.py:pools"}
 
 
 def test_a_step_reads_the_device_once_and_copies_to_it_once(tiny):
@@ -44,7 +44,7 @@ def test_a_step_reads_the_device_once_and_copies_to_it_once(tiny):
     of a plain step copies nothing more, and nothing else reads a tensor but the host's own
     bookkeeping."""
     model = tiny("llama", seed=3, head_dim=64, num_hidden_layers=1)
-    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=NEW, reserve=64, auto_layout=True)
+    job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW, reserve=64, auto_layout=True)
     ranks = run_local(dist_cases.host_reads_per_step, 2, job, DOC, QS + POOLED, NEW, timeout_s=600)
     for rank, got in enumerate(ranks):
         assert got["forward_copies"] == [], (rank, got["forward_copies"])  # a plain step's forward copies nothing

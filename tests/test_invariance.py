@@ -115,8 +115,7 @@ def test_sums_over_three_ranks_do_not_see_the_batch(seed):
 
 
 DOC_CHARS = 2600  # ~600 tokens of the shipped demo document
-QUESTIONS = ["What is this document about?", "Who wrote it?", "Summarize the first paragraph.",
-             "What does the text say about free software?"]
+QUESTIONS = ["What is this document about?", "Who wrote it?", "What does the text say about free software?"]
 
 
 def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
@@ -127,7 +126,7 @@ def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
     pytest.importorskip("gguf")
     from importlib.resources import files
 
-    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.job import EngineJob
     from treeattn_cli.engine.model import ModelError, load_tokenizer, resolve
 
     try:
@@ -138,7 +137,7 @@ def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
     text = files("treeattn_cli.data").joinpath("demo_document.txt").read_text()[:DOC_CHARS]
     doc = tok(text)["input_ids"]
     questions = [tok(q)["input_ids"] for q in QUESTIONS]
-    job = GenerateJob(str(model), [], dtype="float32", kv_dtype="fp8", max_new_tokens=10,
+    job = EngineJob(str(model), [], dtype="float32", kv_dtype="fp8", max_new_tokens=10,
                       reserve=len(doc) + 64, speculate="off")
     runs = run_local(dist_cases.invariance_runs, 2, job, doc, questions, 10, timeout_s=600)[0]
     alone = runs["alone"]["answers"]

@@ -13,7 +13,7 @@ import torch
 import dist_cases
 from helpers import assert_usage_error, attention_f64, cli, copying_question
 from treeattn_cli.engine.pool import BlockPool
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.engine.kvdtypes import token_bytes
 from treeattn_cli.engine.kvquant import KVQuant, rotation
 from treeattn_cli.engine.sampling import Sampling
@@ -121,7 +121,7 @@ def test_one_rank_logits_are_transformers_on_rounded_kv(models, kind, kv):
     differ from it fed full-precision ones by far more: the pool really stores, and reads, rounded
     rows. Every step's whole distribution is compared (``logprobs`` of the whole vocabulary)."""
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.job import GenerateJob
+    from treeattn_cli.engine.job import EngineJob
     from treeattn_cli.engine.kvquant import storage
     from treeattn_cli.engine.model import load_model, shapes
     from treeattn_cli.engine.sampling import Sampling
@@ -133,7 +133,7 @@ def test_one_rank_logits_are_transformers_on_rounded_kv(models, kind, kv):
     got = {}
     ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
                       emit=lambda kind, p: got.__setitem__("rec", p) if kind == "answer" else None)
-    job = GenerateJob(str(model_dir), [], dtype="float32", kv_dtype=kv, speculate="off")
+    job = EngineJob(str(model_dir), [], dtype="float32", kv_dtype=kv, speculate="off")
     ids = DOC[:24]
     Engine(ctx, job).serve([{"op": "append", "ids": ids, "piece": 12},
                             {"op": "decode", "max_new_tokens": 6, "sampling": vars(Sampling()), "logprobs": tiny_models.VOCAB},
@@ -170,7 +170,7 @@ def _session(model, kv: str, cp: int, route=None, speculate="off", batch=False, 
         qs = [_cont(3), _cont(9), _cont(1)] + ([copying] if copying else [])
         reqs.append({"op": "batch", "questions": qs, "slots": 2, "max_new_tokens": NEW,
                      "sampling": vars(Sampling()), "speculate": speculate})
-    job = GenerateJob(str(model), [], max_new_tokens=NEW, dtype="float32", kv_dtype=kv, reserve=len(DOC) + 64)
+    job = EngineJob(str(model), [], max_new_tokens=NEW, dtype="float32", kv_dtype=kv, reserve=len(DOC) + 64)
     return job, reqs + [{"op": "stop"}], route
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import dist_cases
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
 
@@ -34,7 +34,7 @@ def model(tiny):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_kept_turns_join_the_document_and_answer_as_transformers(model, world):
-    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
     got = run_local(dist_cases.pooled_conversation, world, job, DOC, QUESTIONS, NEW, None, 16, timeout_s=120)[0]
     answers = [t["tokens"] for t in got["turns"]]
     for prompt, a in zip(conversation(DOC, QUESTIONS, answers), answers):
@@ -62,7 +62,7 @@ def test_a_turn_the_pool_cannot_hold_leaves_the_conversation_as_it_was(model):
     second one does not (its answer is given, not kept: its tail holds the blocks the turn would
     need until it is folded in), the short third one does: it continues the conversation of the
     first alone."""
-    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=NEW)
+    job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
     qs = [QUESTIONS[0], [(5 * i + 1) % 230 + 20 for i in range(40)], QUESTIONS[1]]
     got = run_local(dist_cases.pooled_conversation, 1, job, DOC, qs, NEW, -(-len(DOC) // 16) + 1 + 3, 16,
                     timeout_s=120)[0]
@@ -79,7 +79,7 @@ def test_a_kept_question_goes_to_the_ranks_that_hold_the_fewest_of_the_document(
     the document is the question alone, placed token by token where the document and the
     question so far are shortest: 153 tokens on 2 ranks ([77, 76]) and 9 more stay balanced
     (placed as if the document held nothing, they would start on rank 0: [82, 80])."""
-    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=1)
+    job = EngineJob(str(model), [], dtype="float32", max_new_tokens=1)
     doc = DOC + [77, 78, 79]
     got = run_local(dist_cases.pooled_conversation, 2, job, doc, [QUESTIONS[0]], 1, None, 16, timeout_s=120)[0]
     (turn,) = got["turns"]
@@ -88,7 +88,7 @@ def test_a_kept_question_goes_to_the_ranks_that_hold_the_fewest_of_the_document(
 
 
 def test_a_batch_keeps_at_most_one_question_per_document(model):
-    job = GenerateJob(str(model), [], dtype="float32", max_new_tokens=3)
+    job = EngineJob(str(model), [], dtype="float32", max_new_tokens=3)
     got = run_local(dist_cases.two_kept_questions, 1, job, DOC, timeout_s=120)[0]
     assert got["error"] and "at most one question per document" in got["error"], got
     assert got["after"] == got["before"] == len(DOC), got

@@ -10,7 +10,7 @@ from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.engine.prefill import pairs, plan, shard, size
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 
 
 def test_balanced_shard_gives_each_rank_an_early_and_a_late_chunk():
@@ -60,7 +60,7 @@ def test_four_ranks_both_shardings_chunked_or_not_equal_transformers(llama):
     with and without --prefill-chunk, balanced and contiguous; both ways of meeting a cache
     (pass-KV and pass-Q) occur and are exact."""
     cases = [(n, c, s) for n in (3, 7, 37) for c in (None, 1) for s in ("balanced", "contiguous")]
-    jobs = [GenerateJob(str(llama), _ids(n), max_new_tokens=6, dtype="float32", prefill_chunk=c,
+    jobs = [EngineJob(str(llama), _ids(n), max_new_tokens=6, dtype="float32", prefill_chunk=c,
                         prefill_sharding=s, sampling=Sampling(), speculate="off") for n, c, s in cases]
     res = run_local(dist_cases.mesh_generate, 4, jobs, timeout_s=180)[0]
     want = {n: tiny_models.hf_greedy(llama, _ids(n), 6) for n in (3, 7, 37)}
@@ -75,7 +75,7 @@ def test_four_ranks_both_shardings_chunked_or_not_equal_transformers(llama):
 def test_balanced_prefill_spreads_attention_flops_evenly(llama):
     """A segment of 64·p tokens: the slowest rank's attention FLOPs within 5 % of the mean
     (contiguous: the last rank does 1.6x the mean, a pipeline)."""
-    jobs = [GenerateJob(str(llama), _ids(256), max_new_tokens=1, dtype="float32", prefill_sharding=s,
+    jobs = [EngineJob(str(llama), _ids(256), max_new_tokens=1, dtype="float32", prefill_sharding=s,
                         sampling=Sampling(), speculate="off") for s in ("balanced", "contiguous")]
     res = run_local(dist_cases.mesh_generate, 4, jobs, timeout_s=120)[0]
     ratio = {}

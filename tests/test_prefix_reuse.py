@@ -12,7 +12,7 @@ import dist_cases
 from treeattn_cli.engine.decode import segments
 from treeattn_cli.engine.room import PAGE
 from treeattn_cli.engine.prefill import shard, size
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.parallel.launch import run_local
 
 PIECE = 40  # tokens per rank per segment: ends fall inside 64-token blocks
@@ -33,7 +33,7 @@ def found_segments(common, world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_documents_take_the_cached_blocks_of_their_prefix_and_hold_the_same_numbers(tiny, world):
-    job = GenerateJob(str(tiny("gemma2", seed=4)), [], dtype="float32", max_new_tokens=2)
+    job = EngineJob(str(tiny("gemma2", seed=4)), [], dtype="float32", max_new_tokens=2)
     got = run_local(dist_cases.document_prefix_reuse, world, job, DOC, EXTRA, PIECE, timeout_s=60)[0]
     segs_a, segs_b = segments(len(DOC), world, PIECE), segments(len(DOC) + len(EXTRA), world, PIECE)
     assert got["a"] == {"source": "prefill", "reused": 0, "segments": len(segs_a)}, got

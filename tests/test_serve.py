@@ -382,7 +382,7 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model
 def test_saved_documents_of_another_kv_dtype_are_named_at_start(tmp_path):
     """A --cache-dir holding documents saved with another KV storage: the server says at start,
     in one line per storage, how many are converted as they load (no server needed)."""
-    from treeattn_cli.engine.catalog import Catalog, Entry
+    from treeattn_cli.serving.catalog import Catalog, Entry
 
     index = Catalog(tmp_path)
     index.entries = {"a": Entry([], on_disk=True, manifest={"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}),
@@ -442,7 +442,7 @@ def test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_d
         in refusal, refusal
     # the server's admission asks it (the engine front's catalogue): a short document part is
     # question, a resident one needs no room
-    from treeattn_cli.engine.catalog import MIN_DOCUMENT, Catalog, Entry
+    from treeattn_cli.serving.catalog import MIN_DOCUMENT, Catalog, Entry
 
     known = list(range(1280))
     catalog = Catalog(None, room)

@@ -16,7 +16,7 @@ from helpers import cli
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 
 NEW = 5
 DOC = [(13 * i + 5) % 230 + 20 for i in range(47)]  # 47 tokens: no mesh divides it evenly
@@ -37,7 +37,7 @@ def _session(model, cp: int, tp: int, route: str | None, lengths):
         reqs += [{"op": "append", "ids": _cont(k)},
                  {"op": "decode", "seq": 0, "max_new_tokens": NEW, "sampling": vars(Sampling()), "keep": False},
                  {"op": "rollback", "name": "doc"}]
-    job = GenerateJob(str(model), [], max_new_tokens=NEW, dtype="float32", tp=tp, reserve=len(DOC) + 64)
+    job = EngineJob(str(model), [], max_new_tokens=NEW, dtype="float32", tp=tp, reserve=len(DOC) + 64)
     return job, reqs + [{"op": "stop"}], route
 
 
@@ -103,7 +103,7 @@ def test_a_decode_keeps_no_answer_and_a_keep_is_refused(models):
     got = []
     ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
                       emit=lambda kind, p: got.append(p["token_ids"]) if kind == "answer" else None)
-    eng = Engine(ctx, GenerateJob(str(models["llama"]), [], dtype="float32", speculate="off"))
+    eng = Engine(ctx, EngineJob(str(models["llama"]), [], dtype="float32", speculate="off"))
     decode = {"op": "decode", "max_new_tokens": NEW, "sampling": vars(Sampling())}
     eng.serve([{"op": "append", "ids": DOC[:20]}, decode])
     assert len(got[0]) == NEW and eng.ids == DOC[:20] and int(eng.prefix.cache.counts.sum()) == 20

@@ -10,7 +10,7 @@ import torch
 
 import dist_cases
 from treeattn_cli.engine.sampling import Sampling
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.engine.speculate import AUTO_K, PAUSE, Drafter, Speculation, accept, parse
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
@@ -50,7 +50,7 @@ def test_speculation_equals_greedy(copy_heavy, world, tp):
     for kind in kinds:
         m, prompt, greedy = copy_heavy[kind]
         for spec, chunk in (("off", None), ("auto", None), ("ngram:6", 7)):
-            jobs.append(GenerateJob(str(m), prompt, max_new_tokens=NEW, dtype="float32", tp=tp, speculate=spec,
+            jobs.append(EngineJob(str(m), prompt, max_new_tokens=NEW, dtype="float32", tp=tp, speculate=spec,
                                     prefill_chunk=chunk, sampling=Sampling()))
             want.append((kind, spec, greedy))
     # the same jobs' drafts verified on the engine's own cache too (a single answer's path: the
@@ -76,7 +76,7 @@ def test_batched_slots_draft_and_accept_on_their_own(copy_heavy):
     m, prompt, _ = copy_heavy["llama"]
     doc, qs = prompt[:-17], [prompt[-17:], prompt[-17:-5], prompt[3:9], prompt[-4:]]
     want = [tiny_models.hf_greedy(m, doc + q, 12) for q in qs]
-    job = GenerateJob(str(m), [], dtype="float32", max_new_tokens=12)
+    job = EngineJob(str(m), [], dtype="float32", max_new_tokens=12)
     got, done, spec = run_local(dist_cases.engine_batch, 2, job, doc, qs, 3, 12, "ngram:4", timeout_s=60)[0]
     assert got == want
     # the slots drafted (from the document and their own answers) and kept some: the feature was on
@@ -222,7 +222,7 @@ def test_captured_verifies_replay_and_keep_the_greedy_tokens(copy_heavy):
     2 ranks (each new token kept by one of them, written off by the other)."""
     m, prompt, greedy = copy_heavy["llama"]
     for world in (2,):
-        job = GenerateJob(str(m), [], max_new_tokens=NEW, dtype="float32", static=True)
+        job = EngineJob(str(m), [], max_new_tokens=NEW, dtype="float32", static=True)
         toks, spec, steps, verifies, captures, note = run_local(dist_cases.graph_speculate, world, job, prompt, [],
                                                                 NEW, "ngram:4", timeout_s=300)[0]
         assert toks == greedy, world
@@ -238,7 +238,7 @@ def test_captured_batched_verifies_keep_each_questions_tokens(copy_heavy):
     m, prompt, _ = copy_heavy["llama"]
     doc, qs = prompt[:-17], [prompt[-17:], prompt[-17:-5], prompt[3:9]]
     want = [tiny_models.hf_greedy(m, doc + q, 12) for q in qs]
-    job = GenerateJob(str(m), [], dtype="float32", max_new_tokens=12, static=True)
+    job = EngineJob(str(m), [], dtype="float32", max_new_tokens=12, static=True)
     got, done, spec = run_local(dist_cases.engine_batch, 2, job, doc, qs, 2, 12, "ngram:4", None, True,
                                 timeout_s=300)[0]
     assert got == want

@@ -18,7 +18,7 @@ from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.engine.model import load_tokenizer
-from treeattn_cli.engine.job import GenerateJob
+from treeattn_cli.engine.job import EngineJob
 from helpers import assert_usage_error, cli
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
@@ -40,7 +40,7 @@ def _prompt_ids(model, n):
 
 
 def _jobs(models, tp, n, chunks):
-    return [GenerateJob(str(models[k]), _prompt_ids(models[k], n), max_new_tokens=NEW, dtype="float32",
+    return [EngineJob(str(models[k]), _prompt_ids(models[k], n), max_new_tokens=NEW, dtype="float32",
                         tp=tp, prefill_chunk=c, sampling=Sampling(), speculate="off")
             for k in FAMILIES for c in chunks]
 
@@ -218,7 +218,7 @@ def test_cuda_graph_capture_is_agreed_by_the_world_and_a_failed_warm_up_is_fatal
 
     ids = _prompt_ids(models["llama"], 19)
     want = tiny_models.hf_greedy(models["llama"], ids, NEW)
-    job = GenerateJob(str(models["llama"]), ids, max_new_tokens=NEW, dtype="float32", tp=2, static=True,
+    job = EngineJob(str(models["llama"]), ids, max_new_tokens=NEW, dtype="float32", tp=2, static=True,
                       sampling=Sampling())
     toks, state, note = run_local(dist_cases.graph_agreement, 2, job, "capture", timeout_s=60)[0]
     assert toks == want

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 import dist_cases  # noqa: E402
 from helpers import copying_question  # noqa: E402
-from treeattn_cli.engine.job import GenerateJob  # noqa: E402
+from treeattn_cli.engine.job import EngineJob  # noqa: E402
 from treeattn_cli.engine.kvquant import KVQuant  # noqa: E402
 from treeattn_cli.engine.sampling import Sampling  # noqa: E402
 from treeattn_cli.parallel.launch import run_local  # noqa: E402
@@ -35,7 +35,7 @@ def _session(model, kv, *, questions, speculate="off", batch=False):
     if batch:
         reqs.append({"op": "batch", "questions": questions, "slots": 2, "max_new_tokens": NEW,
                      "sampling": vars(Sampling()), "speculate": speculate})
-    job = GenerateJob(str(model), [], max_new_tokens=NEW, dtype="float32", kv_dtype=kv, reserve=len(DOC) + 64)
+    job = EngineJob(str(model), [], max_new_tokens=NEW, dtype="float32", kv_dtype=kv, reserve=len(DOC) + 64)
     return job, reqs + [{"op": "stop"}], None
 
 
@@ -75,7 +75,7 @@ def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny)
     qs = [(0, QS[0]), (1, QS[1]), (0, QS[1])]
     new = 10  # the first answer still runs for several steps once the second document is in
     for model, kv, kw in ((llama, "auto", {}), (llama, "fp8", {"kv_round": rnd}), (gemma2, "auto", {})):
-        job = GenerateJob(str(model), [], max_new_tokens=new, dtype="float32", kv_dtype=kv)
+        job = EngineJob(str(model), [], max_new_tokens=new, dtype="float32", kv_dtype=kv)
         per_rank = run_local(dist_cases.triton_mixed, 2, job, docs, qs, 3, new, timeout_s=600)
         (got, done), _, _ = per_rank[0]
         assert got == [tiny_models.hf_greedy(model, docs[d] + q, new, **kw) for d, q in qs], (kv, model)

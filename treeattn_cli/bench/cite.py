@@ -31,7 +31,7 @@ from ..cli import citations as C
 from ..cli.prompt import DEMO_SYSTEM, build_ids
 from ..engine import cite as E
 from ..engine import model as M
-from ..engine.job import GenerateJob
+from ..engine.job import EngineJob
 from ..engine.sampling import Sampling
 from ..parallel.launch import run_local
 from ..paths import demo_document
@@ -153,7 +153,7 @@ def answer_all(model_dir, tok, cs, *, nproc=1, tp=1, detail="sum", layers=None, 
         spans_of.append(spans)
         items.append((ids, spans.spec(layers=layers, detail=detail) if cite else None))
     eos = _eos_ids(model_dir, M.load_config(model_dir), tok)
-    job = GenerateJob(str(model_dir), [], max_new_tokens=NEW_TOKENS, dtype="float32", tp=tp, speculate=speculate,
+    job = EngineJob(str(model_dir), [], max_new_tokens=NEW_TOKENS, dtype="float32", tp=tp, speculate=speculate,
                       eos_ids=eos, reserve=max(len(i) for i, _ in items) + NEW_TOKENS + 8)
     recs = run_local(rank_answers, nproc, job, items, timeout_s=3600)[0]
     out = []
@@ -299,12 +299,12 @@ def cost(model_dir, tok, pairs: int = 8, nproc: int = 2, device: str = "cpu") ->
     gpu = device == "cuda"
     where = dict(backend="nccl" if gpu else "gloo", devices=[f"cuda:{r}" if gpu else "cpu" for r in range(nproc)])
     dtype = "bfloat16" if gpu else "float32"
-    job = GenerateJob(str(model_dir), [], max_new_tokens=48, dtype=dtype, speculate="off", reserve=len(ids) + 64)
+    job = EngineJob(str(model_dir), [], max_new_tokens=48, dtype=dtype, speculate="off", reserve=len(ids) + 64)
     ms = run_local(rank_alternate, nproc, job, ids, spans.spec(), pairs, timeout_s=3600, **where)[0]
     off, on = ms[0::2], ms[1::2]
     rss = {}
     for mode in ("off", "on"):
-        job = GenerateJob(str(model_dir), ids, max_new_tokens=48, dtype=dtype, speculate="off",
+        job = EngineJob(str(model_dir), ids, max_new_tokens=48, dtype=dtype, speculate="off",
                           cite=spans.spec() if mode == "on" else None)
         rec = run_local(rank_generate, nproc, job, timeout_s=1200, **where)[0]
         rss[mode] = max(rec.get("peak_device_bytes") or rec["peak_rss_bytes"])

@@ -10,7 +10,7 @@ a step's time is the host's: Python, the model's modules, the merges' collective
 one of 8, over the difference in steps (what a batch costs once, its questions' prefill and its
 graphs' capture, cancels), median of ``--repeats`` pairs after a warm-up. With ``--scheme auto``
 the engine plans as ``--scheme auto`` does (``auto_layout``: steps that no graph replays merge
-with one all-gather). Also: the reads of the device (``engine.host.read``) and host-to-device
+with one all-gather). Also: the reads of the device (``engine.transfers.read``) and host-to-device
 copies (``host.Staging``) each rank makes a step, and the graphs the batch replayed.
 
 ``--cache pool`` (the default: what ``chat --batch`` and ``serve`` run) names the document in
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..engine.job import GenerateJob
+from ..engine.job import EngineJob
 from ..engine.sampling import Sampling
 from ..parallel.launch import run_local
 
@@ -51,9 +51,12 @@ def rank_batches(ctx, job, doc, questions, new, repeats, pool=False):
     from ..engine.engine import Engine
 
     try:
-        from ..engine import host
-    except ImportError:  # a tree from before host.py (the "before" of BENCHMARKS.md)
-        host = None
+        from ..engine import transfers as host
+    except ImportError:  # an older tree (the "before" of BENCHMARKS.md): host.py, or before it
+        try:
+            from ..engine import host
+        except ImportError:
+            host = None
     eng = Engine(ctx, job)
     done = []
     real, ctx.emit = ctx.emit, (lambda kind, p: done.append(p) if kind == "batch_done" else None)
@@ -102,7 +105,7 @@ def measure(nproc: int, batch: int, new: int, repeats: int, scheme: str, *, devi
     model = model or make_model(random)
     qs = [[(29 * i + 11 + j) % 230 + 20 for i in range(5)] for j in range(batch)]
     cuda = device == "cuda"
-    job = GenerateJob(str(model), [], dtype="bfloat16" if cuda else "float32", max_new_tokens=new,
+    job = EngineJob(str(model), [], dtype="bfloat16" if cuda else "float32", max_new_tokens=new,
                       reserve=doc_tokens + 256, scheme="allreduce" if scheme == "auto" else scheme,
                       auto_layout=scheme == "auto", cuda_graph=graphs)
     got = run_local(rank_batches, nproc, job, _doc(doc_tokens), qs, new, repeats, pool, timeout_s=1200,

@@ -24,7 +24,7 @@ from ..engine.sampling import Sampling
 from ..parallel.launch import run_local
 from ..paths import demo_document
 from ..engine.engine import rank_generate
-from ..engine.job import GenerateJob
+from ..engine.job import EngineJob
 from .random_model import add_model_flags, model_from_flags
 
 
@@ -36,7 +36,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 def time_treeattn(model_dir, ids, new_tokens, nproc, dtype="float32", scheme="allreduce",
                   decode_method="tree", tp=1, speculate="off", kv_dtype="auto", device="cpu"):
-    job = GenerateJob(model_dir=str(model_dir), prompt_ids=ids, max_new_tokens=new_tokens,
+    job = EngineJob(model_dir=str(model_dir), prompt_ids=ids, max_new_tokens=new_tokens,
                       sampling=Sampling(), dtype=dtype, scheme=scheme, decode_method=decode_method, tp=tp,
                       speculate=speculate, kv_dtype=kv_dtype)
     toks = []

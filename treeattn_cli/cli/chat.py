@@ -30,13 +30,13 @@ import json
 import sys
 from dataclasses import replace
 
-from ..engine.catalog import document_key
+from ..serving.catalog import document_key
 from ..engine.requests import Ask, DocRef
 from ..engine.sampling import Sampling
 from ..parallel import launch
 from . import prompt as P
 from ..report import GenerateView, batch_line, stats_line, stdout_closed
-from .engine_client import ResidentEngine
+from ..serving.engine_client import ResidentEngine
 from .options import ChatOptions
 from .prepare import prepare_run
 

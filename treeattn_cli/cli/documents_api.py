@@ -29,7 +29,7 @@ import json
 from fastapi import FastAPI, Request
 
 from .api_errors import error as _error
-from ..engine.catalog import MIN_DOCUMENT
+from ..serving.catalog import MIN_DOCUMENT
 from .prompt import PromptError, split_chat
 
 _DOC = "document"

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api_errors import error as _error
 from .citations import CiteError, citations, for_request
-from ..engine.catalog import MIN_DOCUMENT
+from ..serving.catalog import MIN_DOCUMENT
 from ..engine.requests import Began, Done, Failed, Token
 from ..engine.sampling import Sampling
 from .prompt import PromptError, split_chat, split_completion

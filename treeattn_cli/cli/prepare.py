@@ -14,7 +14,7 @@ import torch
 
 from ..parallel.mesh import check_tp
 from ..engine.sampling import Sampling
-from ..engine.job import GenerateJob, plan_devices
+from ..engine.job import EngineJob, plan_devices
 from ..engine.model import shapes
 from ..verify.family import probe_model
 from .options import GenerateOptions, check_flags
@@ -94,14 +94,14 @@ class Run:
     tp_heads_split: bool = True
     notes: list = field(default_factory=list)  # lines for the user once every check has passed
 
-    def job(self, o, ids, **kw) -> GenerateJob:
+    def job(self, o, ids, **kw) -> EngineJob:
         """What every rank is told; called once the run is settled (every check passed), so the
         notes the user should read before ranks start are said here, once."""
         for line in self.notes:
             print(f"treeattn: note: {line}", file=sys.stderr)
         self.notes = []
         scheme, groups, inner, outer = self.plan
-        return GenerateJob(model_dir=str(self.model_dir), prompt_ids=ids, max_new_tokens=o.max_new_tokens,
+        return EngineJob(model_dir=str(self.model_dir), prompt_ids=ids, max_new_tokens=o.max_new_tokens,
                            sampling=Sampling(o.temperature, o.top_k, o.top_p, o.seed), stop=list(o.stop),
                            eos_ids=_eos_ids(self.model_dir, self.config, self.tokenizer), dtype=o.dtype,
                            kv_dtype=o.kv_dtype,

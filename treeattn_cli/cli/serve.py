@@ -5,10 +5,10 @@ through FastAPI (``openai_api.py``, ``documents_api.py``), are checked, tokenize
 would (chat through the template) and split into a *document* part — the text before the last
 paragraph break of its prompt (of its last user message) — and the rest, its *question*; each
 becomes a typed engine request (``engine.requests.Ask``) that the engine's front
-(``engine/front.py``) answers in one open batch over every document, its events (``Began``,
+(``serving/front.py``) answers in one open batch over every document, its events (``Began``,
 ``Token``, ``Done``, ``Failed``) streamed back. The documents (which the ranks hold, saved
 copies in ``--cache-dir``, pins, TTLs, the room rules) are the front's catalogue
-(``engine/catalog.py``).
+(``serving/catalog.py``).
 
 What this module keeps is the server's own: admission (at most ``--batch`` requests answer and
 ``--max-waiting`` wait, :meth:`Server.admit`; past that, HTTP 429 with ``Retry-After`` at once),
@@ -26,8 +26,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from ..engine.catalog import Catalog
-from ..engine.front import BatchOptions, EngineFront
+from ..serving.catalog import Catalog
+from ..serving.front import BatchOptions, EngineFront
 from ..engine.requests import Ask, Began
 from ..engine.room import PoolRoom
 from ..engine.sampling import Sampling
@@ -39,7 +39,7 @@ class Server:
     """The ranks, the engine's front and the HTTP app of one ``treeattn serve``."""
 
     def __init__(self, o: ServeOptions, run, job):
-        from .engine_client import ResidentEngine
+        from ..serving.engine_client import ResidentEngine
         from .metrics import Metrics
 
         self.o, self.run = o, run

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import host
+from . import transfers
 from .paged_tail import most_here
 from .runner import StepRunner
 from .sampling import STOP_CODES, STOP_IDS, Sampling, digests
@@ -57,9 +57,9 @@ class Question:
     logprobs: int | None = None  # report each token's logprob and this many top alternatives (rank 0)
     doc: object = None  # documents.Document it continues (resident, or pending a prefill)
     source: str = "memory"  # how its document became resident when it asked: memory, disk, prefill
-    doc_spec: dict | None = None  # what documents.Documents.get takes to make its document resident again
+    doc_ref: dict | None = None  # what documents.Documents.get takes to make its document resident again
     pools: list | None = None  # every rank's pool [(used, total) blocks] when it began (serve's metrics)
-    cite: dict | None = None  # the request's citation spec (engine.Engine.citation): the answer carries ``cite``
+    cite: dict | None = None  # the request's citation request (engine.Engine.citation): the answer carries ``cite``
     keep: bool | str = False  # the question and its answer become part of its document (chat --conversation);
     # "question": the question alone (generate --load-kv --save-kv)
     digest: bool = False  # report a digest of the logits each token was chosen from (rank 0; sampling.digests)
@@ -76,7 +76,7 @@ class _Slot:
     tokens: list = field(default_factory=list)
     t_first: float | None = None
     t_last: float | None = None
-    spec: object = None  # rank 0: the answer's speculation policy and counts (speculate.Speculation)
+    speculation: object = None  # rank 0: the answer's speculation policy and counts (speculate.Speculation)
     drafter: object = None  # rank 0: its n-gram drafter over the document, the question and the answer
     cancelled: bool = False
     logprobs: list = field(default_factory=list)  # rank 0: sampling.token_logprobs of each token, when asked
@@ -111,8 +111,8 @@ class BatchDecoder(StepRunner):
         slot's last token and drafts as one extension of the tail). ``budget``: question tokens
         prefilled per round (None: every new question whole): a long question goes in chunks
         of ``budget`` tokens, one round each, between the steps of the answers under way
-        (:meth:`_fill`), as a document goes a segment per round. ``citation(spec) ->
-        cite.Citation`` (every rank): for questions with a ``cite`` spec, the rows of their answer's
+        (:meth:`_fill`), as a document goes a segment per round. ``citation(cite) ->
+        cite.Citation`` (every rank): for questions with a ``cite``, the rows of their answer's
         tokens measure their attention over their document's spans (the summary's ``cite``).
 
         Each question continues its own document (``Question.doc``); rows of different
@@ -159,7 +159,7 @@ class BatchDecoder(StepRunner):
                 "prefill_tokens_per_s": prompt / prefill_s if prefill_s else None,
                 "decode_tokens_per_s": (n - 1) / decode_s if decode_s else None,
                 "stop_reason": reason, "prefill_method": "+".join(made["methods"]) if made else "batched",
-                "speculation": s.spec.record() if s.spec is not None else None}
+                "speculation": s.speculation.record() if s.speculation is not None else None}
 
 
 class _Run:
@@ -223,7 +223,7 @@ class _Run:
             q = questions[qi]
             if q.doc.evicted and documents is not None:
                 documents.release(q.doc)
-                q.doc = documents.get(q.doc_spec)
+                q.doc = documents.get(q.doc_ref)
                 documents.use(q.doc)
                 q.source = q.doc.source
         pending = next((questions[qi].doc for qi in self.queue if questions[qi].doc.waiting), None)
@@ -252,10 +252,10 @@ class _Run:
         new, began, doc_only = [], [], []
         for qi in list(self.queue):
             q = questions[qi]
-            if q.max_new_tokens == 0 and (q.doc.ready or q.doc_spec is None):  # a document's own request
+            if q.max_new_tokens == 0 and (q.doc.ready or q.doc_ref is None):  # a document's own request
                 self.queue.remove(qi)  # (documents API): nothing to answer, no slot; its document now resident
-                if documents is not None and q.doc_spec is not None:
-                    documents.settle(q.doc, q.doc_spec)
+                if documents is not None and q.doc_ref is not None:
+                    documents.settle(q.doc, q.doc_ref)
                 began.append(qi)
                 doc_only.append(qi)
                 continue
@@ -282,8 +282,8 @@ class _Run:
             if documents is not None:
                 documents.start(q.doc)
             if self.lead:
-                slots[b].spec = Speculation.for_answer(q.speculate, q.sampling, self.cost)
-                slots[b].drafter = self.drafter(q.doc, q.ids) if self.drafter and slots[b].spec.mode != "off" else None
+                slots[b].speculation = Speculation.for_answer(q.speculate, q.sampling, self.cost)
+                slots[b].drafter = self.drafter(q.doc, q.ids) if self.drafter and slots[b].speculation.mode != "off" else None
             began.append(qi)
             new.append(b)
         if began:  # each rank's pool as the questions begin (every rank gathers: the same questions)
@@ -347,7 +347,7 @@ class _Run:
         gone = self.cancelled | set(self.news[1])
         for b, q, (emitted, lps) in zip(ready_b, qs_b, picks):
             s = slots[b]
-            s.spec.observe(len(drafts[b]), len(emitted) - 1)
+            s.speculation.observe(len(drafts[b]), len(emitted) - 1)
             final, reason = [], None
             for tok in emitted:
                 s.tokens.append(tok)
@@ -368,7 +368,7 @@ class _Run:
             nxt = []
             if reason is None and s.drafter is not None:
                 s.drafter.extend(final)
-                nxt = s.drafter.draft(min(s.spec.want(len(ready_b)), q.max_new_tokens - len(s.tokens) - 1, KMAX))
+                nxt = s.drafter.draft(min(s.speculation.want(len(ready_b)), q.max_new_tokens - len(s.tokens) - 1, KMAX))
             row = table[b]
             row[0], row[1], row[2] = len(final), STOP_IDS[reason], len(nxt)
             row[3:3 + len(final)] = final
@@ -384,7 +384,7 @@ class _Run:
         dec = self.dec
         dec.world.broadcast(self.msg, src=0)
         if not self.lead:
-            table = host.read(self.msg)  # the step's one read on this rank
+            table = transfers.read(self.msg)  # the step's one read on this rank
         if table[self.S][1]:  # questions joined or were cancelled: every rank learns them
             joined, gone = dec.world.broadcast_object(self.news if self.lead else None, src=0)
             self.questions += [self.make_question(q) for q in joined]

@@ -2,7 +2,7 @@
 prefill that runs a segment at a time (docs/architecture.md §12).
 
 A batch's documents live in the rank's block pool (``pool.BlockPool``, sized once, the same on
-every rank: ``pool`` bytes or a ``pool_fraction`` of the free memory, else :data:`POOL_BYTES` for
+every rank: ``pool`` bytes or a ``pool_fraction`` of the free memory, else ``room.POOL_BYTES`` for
 the device; :meth:`Documents.make_pool`; ``paged_shard.PagedShard``): they take the blocks
 their tokens fill, and an evicted document gives its blocks back. Before each prefill segment,
 and before a saved copy is loaded, the ranks agree that every one of them has the blocks it
@@ -41,29 +41,15 @@ import torch
 
 from .decode import segments
 from .paged_shard import PagedShard
-from .pool import BlockPool, block_keys
-from .room import PAGE, POOL_BYTES, blocks_per_rank, tail_blocks
+from . import block_reuse
+from .pool import BlockPool
+from .pool_sizing import make_pool
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
 # pause a new document puts between the tokens of answers under way is one segment (on the
 # project's 2-core CPU box, a segment of 2 x 256 tokens of the embedded model took 1.3-1.6 s;
 # 2 x 128 about half that).
 PIECE = {"cpu": 128, "cuda": 4096}
-def free_memory(device: torch.device, ranks: int = 1) -> int:
-    """Bytes free for this rank's KV now: a GPU's free memory, or a CPU's available memory
-    (``MemAvailable``) over the ``ranks`` that share it."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-        return kib * 1024 // max(1, ranks)
-    except (OSError, StopIteration, ValueError):
-        import os
-
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, ranks)
-
-
 @dataclass
 class Document:
     """One resident document: its tokens, this rank's cache of them, what remains to prefill."""
@@ -131,62 +117,27 @@ class Documents:
         self.pool_free: int | None = None  # bytes free for KV on this rank when the pool was made
         self.waits = 0  # segments a document waited for blocks (the pool was full of documents in use)
 
-    def _pool(self, spec: dict) -> BlockPool:
+    def _pool(self, ref: dict) -> BlockPool:
         if self.pool is None:
-            self.make_pool(spec)
+            self.make_pool(ref)
         return self.pool
 
-    def make_pool(self, spec: dict) -> dict:
+    def make_pool(self, ref: dict) -> dict:
         """Allocate this rank's pool now (``serve`` at start, else the first paged document), the
-        same number of blocks on every rank: ``pool_blocks`` blocks (tests), or the blocks a
-        document of ``pool_for`` tokens takes on its largest shard (``chat``: its document) and the
-        tails of ``tail_slots`` questions of ``tails`` tokens each, question and answer
-        (:func:`tail_blocks`; the batch's tail lives in the pool too), and
-        with ``grow`` (``chat``: the document may grow by a conversation's turns, and a question
-        may be as long as the context allows) at least the default pool, never more than the
-        model's whole context and those tails take, or ``pool`` bytes (default
-        :data:`POOL_BYTES` of the device; a GPU gives at most 0.9 of its free memory), or
-        ``pool_fraction`` of the memory free now (a GPU's free memory; on a CPU the available
-        memory, shared by the ranks). Returns ``{blocks, page, bytes, free}`` (free: this rank's)."""
-        c, world = self.engine.kv, self.engine.world
-        page = self.pool.page if self.pool is not None else int(spec.get("page") or PAGE)  # tests: small blocks
-        per = BlockPool.bytes_per_block(c.num_layers, c.kv_heads, c.head_dim, page, c.dtype,
-                                        c.quant.groups if c.quant else 0)
+        same number of blocks on every rank (``pool_sizing.make_pool``). Returns ``{blocks, page,
+        bytes, free}`` (free: this rank's)."""
         if self.pool is None:
-            free = free_memory(c.device, ranks=world.world)
-            if spec.get("pool_blocks"):  # an exact count (tests of a full pool)
-                want = int(spec["pool_blocks"]) * per
-            elif spec.get("pool_for"):
-                cp = self.engine.mesh.cp
-                tails = int(spec.get("tail_slots") or 1) * tail_blocks(int(spec.get("tails") or 0), cp, page)
-                want = (blocks_per_rank(int(spec["pool_for"]), cp, page) + tails) * per
-                if spec.get("grow"):
-                    default = POOL_BYTES.get(c.device.type, POOL_BYTES["cuda"])
-                    if c.device.type == "cuda":
-                        default = min(default, int(0.9 * free))
-                    context = getattr(self.engine.model.config, "max_position_embeddings", None)
-                    whole = (blocks_per_rank(context, cp, page) + tails) * per if context else default
-                    want = max(want, min(default, whole))
-            elif spec.get("pool_fraction"):
-                want = int(float(spec["pool_fraction"]) * free)
-            else:
-                want = int(spec.get("pool") or POOL_BYTES.get(c.device.type, POOL_BYTES["cuda"]))
-                if c.device.type == "cuda":
-                    want = min(want, int(0.9 * free))
-            blocks = world.all_min(want // per)  # every rank the same count: one admission rule
-            if blocks < 1:
-                raise ValueError(f"--kv-memory holds no block of the documents' pool: a block of {page} tokens "
-                                 f"takes {per:,} bytes per rank, this rank's share is {want:,} bytes")
-            self.pool = BlockPool(c.num_layers, c.kv_heads, c.head_dim, page=page, num_blocks=blocks,
-                                  dtype=c.dtype, device=c.device, quant=c.quant)
-            self.pool_free = free
+            self.pool, self.pool_free = make_pool(ref, self.engine)
+        pool = self.pool
+        per = BlockPool.bytes_per_block(pool.num_layers, pool.kv_heads, pool.head_dim, pool.page, pool.dtype,
+                                        pool.quant.groups if pool.quant else 0)
         return {"blocks": self.pool.num_blocks, "page": self.pool.page, "bytes": self.pool.num_blocks * per,
                 "free": self.pool_free}
 
-    def new_shard(self, spec: dict | None = None) -> PagedShard:
-        """An empty shard in this rank's pool (made now, from ``spec``, if there is none yet)."""
+    def new_shard(self, ref: dict | None = None) -> PagedShard:
+        """An empty shard in this rank's pool (made now, from ``ref``, if there is none yet)."""
         eng = self.engine
-        return PagedShard(self._pool(spec or {}), rank=eng.comm.rank, world=eng.mesh.cp)
+        return PagedShard(self._pool(ref or {}), rank=eng.comm.rank, world=eng.mesh.cp)
 
     def _mine(self, doc: Document, s0: int, s1: int) -> int:
         """Tokens of segment ``[s0, s1)`` of ``doc`` this rank will keep: its piece of the
@@ -224,86 +175,22 @@ class Documents:
                 d.cache.free()  # when its turn comes (its published blocks stay cached while room lasts)
                 d.todo, d.reused = list(d.segs), 0
 
-    # -- prefix reuse by block ------------------------------------------------------------
-    def _salt(self, piece: int) -> str:
-        """What, besides the tokens, fixes the numbers a prefill writes into this rank's blocks:
-        the rank's place in the mesh (its sequence shard, its heads), how segments are cut and
-        sharded, the storage (the pool belongs to one engine: one model, one dtype)."""
-        eng = self.engine
-        m = eng.mesh
-        return (f"treeattn-doc|cp={m.cp}.{m.cp_index}|tp={m.tp}.{m.tp_index}|head0={eng.head0}|"
-                f"{eng.dec.sharding}|segment={m.cp * piece}|{eng.kv_name}|{self.pool.dtype}|page={self.pool.page}")
-
-    def _plan(self, doc: Document, piece: int) -> None:
-        """Where the document's tokens go (every rank's shard after each segment) and this rank's
-        chained block keys (``doc.keys``). A block's keys and values depend on every token
-        before it on every rank, and (bitwise) on the segments that computed them, so its key's
-        scope is the digest of every token up to the end of the segment its last token was
-        prefilled in; with the segment length in the salt, equal keys mean equal numbers."""
-        import hashlib
-
-        import numpy as np
-
-        from .prefill import positions, shard, size
-
-        eng = self.engine
-        p, r = eng.mesh.cp, eng.mesh.cp_index
-        ids = np.asarray(doc.ids, dtype=np.int64)
-        counts, mine, digests, ends = [[0] * p], [], [], []
-        h = hashlib.sha256()
-        for s0, s1 in doc.segs:
-            pieces = shard(s0, s1 - s0, p, balanced=eng.dec.sharding == "balanced")
-            counts.append([c + size(pc) for c, pc in zip(counts[-1], pieces)])
-            mine.append(positions(pieces[r]).numpy())
-            h.update(ids[s0:s1].tobytes())
-            digests.append(h.copy().digest())
-            ends.append(counts[-1][r])
-        pos = np.concatenate(mine) if mine else np.zeros(0, dtype=np.int64)
-        page = self.pool.page
-        last = np.minimum(np.arange(page, len(pos) + page, page), len(pos))  # each block's end
-        seg_of_block = np.searchsorted(np.asarray(ends), last, side="left")
-        doc.counts = counts
-        doc.keys = block_keys(ids[pos].tolist(), pos.tolist(), page, self._salt(piece),
-                              [digests[j] for j in seg_of_block], tail=True)
-
-    def _reuse(self, doc: Document) -> None:
-        """Take the longest prefix of ``doc``'s segments whose blocks every rank's pool holds
-        (cached by any earlier document: the same tokens prefilled the same way), shared, not
-        copied; its prefill goes on from there. The ranks agree on how many segments."""
-        cache, page = doc.cache, self.pool.page
-        found = self.pool.match(doc.keys)  # acquired for this table
-        ends = [c[self.engine.mesh.cp_index] for c in doc.counts]  # this rank's tokens after j segments
-        j = max(i for i, e in enumerate(ends) if e <= min(len(found) * page, ends[-1]))
-        j = self.engine.world.all_min(j)
-        if j == 0:
-            self.pool.release(found)
-            return
-        cache.adopt(found, ends[j], doc.counts[j])
-        doc.todo = list(doc.segs[j:])
-        doc.reused = sum(doc.counts[j])
-
-    def _publish(self, doc: Document) -> None:
-        """Offer the document's full blocks to later documents that start with the same tokens."""
-        if doc.keys:
-            table = doc.cache.table
-            table.publish(doc.keys if not doc.todo else doc.keys[:table.length // table.pool.page])
-
     def nbytes(self) -> int:
         """Bytes of KV the resident documents hold per rank, counted from their token counts
         (the same on every rank, so every rank evicts the same documents)."""
         cp = self.engine.mesh.cp
         return sum(-(-d.tokens // cp) * d.cache.bytes_per_token() for d in self.resident.values())
 
-    def _segment(self, doc: Document, spec: dict, device: torch.device) -> int:
-        """Cut ``doc`` into its prefill segments, all still to run (``spec["piece"]`` tokens per
+    def _segment(self, doc: Document, ref: dict, device: torch.device) -> int:
+        """Cut ``doc`` into its prefill segments, all still to run (``ref["piece"]`` tokens per
         rank, default :data:`PIECE` of the device); returns the piece."""
-        piece = spec.get("piece") or PIECE.get(device.type, PIECE["cuda"])
+        piece = ref.get("piece") or PIECE.get(device.type, PIECE["cuda"])
         doc.segs = list(segments(len(doc.ids), self.engine.mesh.cp, piece)) if doc.ids else []
         doc.todo = list(doc.segs)
         return piece
 
-    def get(self, spec: dict) -> Document:
-        """The document of ``spec`` (``key``, ``ids``; optional ``dir`` (the cache directory),
+    def get(self, ref: dict) -> Document:
+        """The document of ``ref`` (``key``, ``ids``; optional ``dir`` (the cache directory),
         ``manifest`` (of its saved copy), ``save`` + ``save_meta`` (write-through), ``piece``
         (tokens per rank per prefill segment, default :data:`PIECE`), ``budget`` (bytes per
         rank), ``pool`` / ``pool_fraction`` / ``pool_blocks`` / ``pool_for`` / ``grow`` / ``page`` (the
@@ -316,9 +203,9 @@ class Documents:
         (:meth:`advance` prefills it)."""
         from . import kvstore
 
-        key, ids = spec["key"], list(spec["ids"])
-        if spec.get("dir") and spec.get("save_meta"):
-            self.spill_dir, self.spill_meta = spec["dir"], spec["save_meta"]
+        key, ids = ref["key"], list(ref["ids"])
+        if ref.get("dir") and ref.get("save_meta"):
+            self.spill_dir, self.spill_meta = ref["dir"], ref["save_meta"]
         doc = self.resident.get(key)
         if doc is not None:
             self.resident.move_to_end(key)
@@ -328,12 +215,12 @@ class Documents:
             return doc
         eng = self.engine
         t0 = time.perf_counter()
-        cache = self.new_shard(spec)
-        saved = Path(spec["load_from"]) if spec.get("load_from") else Path(spec["dir"]) / key if spec.get("dir") else None
+        cache = self.new_shard(ref)
+        saved = Path(ref["load_from"]) if ref.get("load_from") else Path(ref["dir"]) / key if ref.get("dir") else None
         doc = Document(key, ids, cache, t_start=t0)
         if len(ids) >= eng.mesh.cp:  # (a shorter one fills no block worth sharing: every rank computes it)
-            self._plan(doc, self._segment(doc, spec, cache.device))
-            self._reuse(doc)
+            block_reuse.plan(self.engine, self.pool, doc, self._segment(doc, ref, cache.device))
+            block_reuse.reuse(self.engine, self.pool, doc)
             if not doc.todo:
                 doc.source = "pool"
             elif saved is not None and (saved / kvstore.MANIFEST).exists():
@@ -342,24 +229,24 @@ class Documents:
         if doc.source == "pool":
             doc.seconds = time.perf_counter() - t0
         elif saved is not None and (saved / kvstore.MANIFEST).exists():
-            manifest = spec.get("manifest") or json.loads((saved / kvstore.MANIFEST).read_text())  # ours: spilled
+            manifest = ref.get("manifest") or json.loads((saved / kvstore.MANIFEST).read_text())  # ours: spilled
             doc.load, doc.source, doc.on_disk = (saved, manifest), "disk", True
             self._load(doc, evict=False)  # now if the blocks are free; else it waits for them like a
             # prefill segment (advance): evicting here could evict the documents of questions queued before it
         else:
             doc.source = "prefill"
             if not doc.segs:
-                self._segment(doc, spec, cache.device)
-        doc.progress = bool(spec.get("progress"))
-        doc.want_logits = bool(spec.get("last_logits"))
-        if spec.get("save_to"):
-            doc.save = {"target": spec["save_to"], "meta": spec["save_meta"]}
-        elif spec.get("save") and spec.get("dir") and not doc.on_disk:
-            doc.save = {"target": Path(spec["dir"]) / key, "meta": spec["save_meta"]}
+                self._segment(doc, ref, cache.device)
+        doc.progress = bool(ref.get("progress"))
+        doc.want_logits = bool(ref.get("last_logits"))
+        if ref.get("save_to"):
+            doc.save = {"target": ref["save_to"], "meta": ref["save_meta"]}
+        elif ref.get("save") and ref.get("dir") and not doc.on_disk:
+            doc.save = {"target": Path(ref["dir"]) / key, "meta": ref["save_meta"]}
         self.resident[key] = doc
         if doc.ready:
             self._complete(doc)
-        self.evict(spec.get("budget"), keep=doc)
+        self.evict(ref.get("budget"), keep=doc)
         return doc
 
     def advance(self, doc: Document) -> int:
@@ -372,7 +259,7 @@ class Documents:
             self._ready(doc)
             return max(1, len(doc.ids))
         if doc.keys is not None and doc.todo == doc.segs:  # not begun: documents prefilled
-            self._reuse(doc)  # since it was asked for (or before a reset) may hold its prefix
+            block_reuse.reuse(self.engine, self.pool, doc)  # since it was asked for (or before a reset) may hold its prefix
             if not doc.todo:
                 self._ready(doc)
                 return doc.reused
@@ -389,7 +276,7 @@ class Documents:
                                  on_progress=progress)  # s1 - s0 <= p·piece
         doc.methods |= {seg["method"] for seg in eng.dec.segments[first:]}
         doc.todo.pop(0)
-        self._publish(doc)
+        block_reuse.publish(doc)
         self._ready(doc)
         if doc.want_logits and not doc.todo:  # a question with no tokens of its own starts from them
             doc.keep_logits(logits[-1:] if logits is not None else None, len(doc.ids), doc.seconds, doc.t_start,
@@ -426,7 +313,7 @@ class Documents:
 
     def _complete(self, doc: Document) -> None:
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
-            self.engine.save_cache(doc.cache, doc.ids, Path(doc.save["target"]),
+            self.engine.saver.save(doc.cache, doc.ids, Path(doc.save["target"]),
                                    {**doc.save["meta"], "nonce": doc.key[:8]})
             doc.on_disk, doc.save = True, None
             self.changes["saved"].append(doc.key)
@@ -507,7 +394,7 @@ class Documents:
     def _evict(self, key: str) -> None:
         doc = self.resident.pop(key)
         if not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None:
-            self.engine.save_cache(doc.cache, doc.ids, Path(self.spill_dir) / key,
+            self.engine.saver.save(doc.cache, doc.ids, Path(self.spill_dir) / key,
                                    {**self.spill_meta, "nonce": key[:8]})
             doc.on_disk = True
             self.changes["spilled"].append(key)
@@ -532,36 +419,36 @@ class Documents:
         return [[int(u), int(t)] for u, t in got]
 
     # -- the documents API (serve) ---------------------------------------------------------
-    def settle(self, doc: Document, spec: dict) -> None:
+    def settle(self, doc: Document, ref: dict) -> None:
         """A document's own request found it resident: its ``pin`` (True / False) applies."""
-        if spec.get("pin") is not None:
-            doc.pinned = bool(spec["pin"])
+        if ref.get("pin") is not None:
+            doc.pinned = bool(ref["pin"])
 
-    def act(self, spec: dict) -> str:
-        """``spec["action"]`` on the document ``spec["key"]`` (tokens ``spec["ids"]``), now:
+    def act(self, ref: dict) -> str:
+        """``ref["action"]`` on the document ``ref["key"]`` (tokens ``ref["ids"]``), now:
         ``evict`` (out of memory, saved first as any eviction: a TTL ran out) or ``drop`` (out
         of memory, and its cached blocks freed: deleted); returns what happened: evicted,
         dropped, absent (not in memory; a drop still frees its cached blocks), or busy (questions
         over it are queued or answering: nothing done)."""
-        key, doc = spec["key"], self.resident.get(spec["key"])
+        key, doc = ref["key"], self.resident.get(ref["key"])
         if doc is not None and (doc.users or doc.running):
             return "busy"
-        if spec["action"] == "evict":
+        if ref["action"] == "evict":
             if doc is None:
                 return "absent"
             self._evict(key)
             return "evicted"
-        if spec["action"] != "drop":
-            raise ValueError(f"unknown document action {spec['action']!r}")
+        if ref["action"] != "drop":
+            raise ValueError(f"unknown document action {ref['action']!r}")
         keys = doc.keys if doc is not None else None
         if doc is not None:
             del self.resident[key]
             doc.cache.free()
             doc.evicted = True
             self.changes["evicted"].append(key)
-        if keys is None and self.pool is not None and len(spec["ids"]) >= self.engine.mesh.cp:
-            tmp = Document(key, list(spec["ids"]), None)
-            self._plan(tmp, self._segment(tmp, spec, self.pool.device))
+        if keys is None and self.pool is not None and len(ref["ids"]) >= self.engine.mesh.cp:
+            tmp = Document(key, list(ref["ids"]), None)
+            block_reuse.plan(self.engine, self.pool, tmp, self._segment(tmp, ref, self.pool.device))
             keys = tmp.keys
         if keys and self.pool is not None:
             self.pool.forget(keys)

@@ -40,7 +40,7 @@ Every token's KV lives in the rank's block pool, and every answer is decoded by 
   reports ``pool {blocks, page, bytes, free}``;
 * ``{"op": "stop"}``: leave; rank 0 returns the last answer's summary.
 
-``generate`` is a fixed list of requests (:func:`generate_requests`); ``chat`` reads them from
+``generate`` is a fixed list of requests (``requests.generate_requests``); ``chat`` reads them from
 the launcher one by one (``comm.next_request``).
 """
 
@@ -55,43 +55,17 @@ from treeattn_kernels import use_reference
 
 from ..parallel import comm as C
 from .attention import AttentionContext
-from .decode import Decoder, segments
+from .decode import Decoder
 from .documents import PIECE, Document, Documents
 from .kvquant import storage
 from .pool import KVFormat
 from ..parallel.mesh import Mesh, check_tp_within_nodes
 from ..topology.layout import cp_layout
-from .model import load_model, load_tokenizer, pick_dtype, shapes, weight_bytes
-
-
-def generate_requests(job) -> list[dict]:
-    """``generate`` as requests: the prompt a document in the ranks' block pool, the answer a
-    question over it (``Engine._op_generate``); the ring baseline (``decode_method="ring"``,
-    ``bench``) as appends and a decode of the engine's own tokens (:func:`single_requests`)."""
-    if job.decode_method != "ring":
-        return [{"op": "generate"}, {"op": "stop"}]
-    return single_requests(job)
-
-
-def single_requests(job) -> list[dict]:
-    """``generate`` as operations on the engine's own tokens (the ring baseline, and tests): load
-    a saved cache (``--load-kv``), append the prompt, decode, and with ``--save-kv`` save the
-    cache of the prompt."""
-    reqs = []
-    if job.load_kv:
-        reqs.append({"op": "load", "dir": job.load_kv, "manifest": job.load_manifest})
-    reqs.append({"op": "append", "ids": list(job.prompt_ids), "piece": job.prefill_chunk})
-    if job.save_kv:
-        reqs.append({"op": "mark", "name": "prompt"})
-    reqs.append({"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "stop": list(job.stop),
-                 "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False,
-                 # the ring baseline decodes a token at a time: its blocks rotate for one query row
-                 "speculate": job.speculate if job.decode_method != "ring" else "off",
-                 "logprobs": job.logprobs, "cite": job.cite})
-    if job.save_kv:
-        reqs += [{"op": "rollback", "name": "prompt"},
-                 {"op": "save", "dir": job.save_kv, **job.save_meta}]
-    return reqs + [{"op": "stop"}]
+from .model import load_model, load_tokenizer, pick_dtype, shapes
+from .own_tokens import OwnTokens
+from .record import run_record
+from .requests import generate_requests, single_requests
+from .saving import Saver
 
 
 def inbox():
@@ -118,7 +92,7 @@ def _stop_check(tokenizer, stop: list, eos: set):
     return check
 
 
-class Engine:
+class Engine(OwnTokens):
     """This rank's model, mesh, communicators, documents (in its block pool) and decoder, and the
     requests it serves."""
 
@@ -167,6 +141,8 @@ class Engine:
                            cuda_graph=job.cuda_graph and ctx.backend == "nccl" and job.decode_method == "tree",
                            sharding=job.prefill_sharding)
         self.lead = ctx.rank == 0
+        self.saver = Saver(self.world, self.lead, mesh, ctx.world, self.heads_split, self.head0, sh,
+                           str(dtype).replace("torch.", ""), self.kv_name)
         self.documents = Documents(self)  # the documents in the pool (documents.py)
         self.prefix: Document | None = None  # the engine's own tokens (append, decode, mark, save, load), pooled
         self.ready = False  # tokens appended since the last answer: a decode may follow
@@ -174,22 +150,9 @@ class Engine:
         self.summary: dict | None = None
         self._drafters: dict = {}  # rank 0: speculation's n-gram index of each document, by key
         self._tok = None
-        self._bd = None  # the batch decoder (batch.py), kept across batches: _batch_decoder
+        self.bd = None  # the batch decoder (batch.py), kept across batches: _batch_decoder
         # the steps' CUDA graphs over every batch so far (batch.BatchDecoder.graph_counts)
         self.graph_totals = {"graph_captures": 0, "graph_replays": 0, "verify_graph_replays": 0, "graph_note": None}
-
-    @property
-    def ids(self) -> list:
-        """The engine's own tokens, in order (every rank)."""
-        return self.prefix.ids if self.prefix is not None else []
-
-    def _prefix(self) -> Document:
-        """The engine's own tokens as a document in the pool (made, with the pool, at first use:
-        sized for ``job.reserve_tokens`` and at least the default)."""
-        if self.prefix is None:
-            self.prefix = Document(None, [], self.documents.new_shard({"pool_for": self.job.reserve_tokens,
-                                                                       "grow": True}))
-        return self.prefix
 
     # -- requests ----------------------------------------------------------------------
     def serve(self, requests):
@@ -197,66 +160,24 @@ class Engine:
         for req in requests:
             op = req["op"]
             if op == "stop":
-                return self._finish()
+                return run_record(self)
             getattr(self, f"_op_{op}")(req)
-        return self._finish()
-
-    def _op_append(self, req):
-        """Prefill ``ids`` after the engine's own tokens (a document, a question after it), into
-        their shard of the pool; the last token's logits wait for a decode."""
-        doc = self._prefix()
-        ids = list(req["ids"])
-        if not ids:
-            return
-        t0 = time.perf_counter()
-        cp = self.mesh.cp
-        most = -(-len(ids) // cp) + len(segments(len(ids), cp, req.get("piece"))) + 1  # this rank's share, at most
-        if not self.documents.room(doc, most):  # the same answer on every rank: they all refuse together
-            pool = self.documents.pool
-            raise RuntimeError(f"the KV pool ({pool.num_blocks} blocks of {pool.page} tokens per rank) cannot "
-                               f"hold {len(ids)} more tokens after {len(doc.ids)}")
-        progress = (lambda done, total: self.ctx.send("prefill", (done, total))) if self.lead else None
-        first = len(self.dec.segments)
-        logits = self.dec.prefill(doc.cache, torch.tensor([ids], dtype=torch.int64), req.get("piece"), progress)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - t0
-        doc.ids = list(doc.ids) + ids
-        doc.keep_logits(logits, len(ids), seconds, t0, {seg["method"] for seg in self.dec.segments[first:]})
-        self.ready = True
-        if self.lead:
-            self.ctx.send("appended", {"tokens": len(ids), "seconds": seconds, "cached": len(doc.ids)})
+        return run_record(self)
 
     def _op_pool(self, req):
         info = self.documents.make_pool(req)
         if self.lead:
             self.ctx.send("pool", info)
 
-    def _op_decode(self, req):
-        """An answer after the engine's own tokens: a question with no tokens of its own over them,
-        answered from the last append's logits on the batch loop (a batch of one)."""
-        if not self.ready:  # known on every rank: they all refuse together
-            raise RuntimeError("decode needs tokens appended first")
-        if req.get("keep"):
-            raise ValueError("decode keeps no answer: a conversation keeps its turns in a named document "
-                             "(a batch question with doc and keep)")
-        q = {k: req[k] for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs", "digest",
-                                 "cite") if k in req}
-        self._op_batch({"questions": [{**q, "ids": []}], "slots": 1, "seq": req.get("seq", 0),
-                        "interruptible": req.get("interruptible"), "max_new_tokens": req["max_new_tokens"]},
-                       single=True)
-        doc = self.prefix
-        doc.logits, doc.has_logits, doc.made, self.ready = None, False, None, False
-
-    def citation(self, spec: dict | None):
-        """A ``cite.Citation`` for an answer that asks (``spec``: its request's ``cite``), or None."""
-        if not spec:
+    def citation(self, cite: dict | None):
+        """A ``cite.Citation`` for an answer that asks (``cite``: its request's), or None."""
+        if not cite:
             return None
         from .cite import Citation
 
         sh = self.shapes
-        return Citation(spec["spans"], sh["num_layers"], sh["heads"], layers=spec.get("layers"),
-                        detail=spec.get("detail") or "sum", device=self.device, local_heads=self.dec.q_heads,
+        return Citation(cite["spans"], sh["num_layers"], sh["heads"], layers=cite.get("layers"),
+                        detail=cite.get("detail") or "sum", device=self.device, local_heads=self.dec.q_heads,
                         counts=self.heads_split or self.mesh.tp_index == 0)  # tp peers with the same heads: one
 
     def _drafter(self, own=(), doc: Document | None = None):
@@ -338,18 +259,18 @@ class Engine:
                 if self._tok is None and ask.stop:
                     self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
                 stop_check = _stop_check(self._tok, ask.stop, set(ask.eos_ids))
-            source, doc_spec = "memory", None
+            source, doc_ref = "memory", None
             if ask.doc is not None and ask.doc.action:  # the documents API: evict, drop (now)
                 source = self.documents.act({**doc_defaults, **ask.doc.wire()})
                 doc = Document(None, [], None)  # nothing to answer over
             elif ask.doc is not None:
-                doc_spec = {**doc_defaults, **ask.doc.wire()}
-                doc = self.documents.get(doc_spec)
+                doc_ref = {**doc_defaults, **ask.doc.wire()}
+                doc = self.documents.get(doc_ref)
                 source = doc.source
             else:  # it continues the engine's own tokens
                 doc = self._prefix()
             self.documents.use(doc)
-            keep = ask.keep if doc_spec is not None else False  # (into a named document)
+            keep = ask.keep if doc_ref is not None else False  # (into a named document)
             if keep:
                 # a kept turn continues the document as the previous turn left it: a second one in
                 # the same batch would be answered without the first and fed its pending token too
@@ -359,7 +280,7 @@ class Engine:
             if keep is True and doc.pending is not None and not ask.drop_pending:
                 ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
             return Question(ids, ask.max_new_tokens, ask.sampling, ask.speculate or "off", stop_check, ask.logprobs,
-                            doc=doc, source=source, doc_spec=doc_spec, cite=ask.cite, keep=keep, digest=ask.digest)
+                            doc=doc, source=source, doc_ref=doc_ref, cite=ask.cite, keep=keep, digest=ask.digest)
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
@@ -429,150 +350,20 @@ class Engine:
 
         if self.documents.pool is None:  # (a batch of no question yet: the default pool)
             self.documents.make_pool({})
-        bd, pool = self._bd, self.documents.pool
+        bd, pool = self.bd, self.documents.pool
         if bd is None or bd.slots != slots:
             if bd is not None:
                 bd.tail.release_all()
-            bd = self._bd = BatchDecoder(self.dec, slots=slots, capacity=capacity, pool=pool)
+            bd = self.bd = BatchDecoder(self.dec, slots=slots, capacity=capacity, pool=pool)
         else:
             bd.prepare(capacity, pool)
         bd.runs += 1
         return bd
 
-    def _op_mark(self, req):
-        """Remember the engine's own tokens as they are now, or with ``doc`` (a key) that resident document."""
-        if req.get("doc") is not None:
-            self.marks[req["name"]] = self.documents.mark(self._resident_doc(req["doc"], "mark"))
-            return
-        doc = self._prefix()
-        self.marks[req["name"]] = (self.documents.mark(doc), doc.logits, doc.has_logits, doc.made, self.ready)
-
-    def _resident_doc(self, key: str, what: str) -> Document:
-        doc = self.documents.resident.get(key)
-        if doc is None or not doc.ready:  # the same on every rank: they all refuse together
-            raise RuntimeError(f"{what}: the document {key} is not resident")
-        return doc
-
-    def _op_rollback(self, req):
-        if req.get("doc") is not None:
-            self.documents.rollback(self._resident_doc(req["doc"], "rollback"), self.marks[req["name"]])
-            return
-        mark, logits, has_logits, made, ready = self.marks[req["name"]]
-        doc = self._prefix()
-        self.documents.rollback(doc, mark)
-        doc.logits, doc.has_logits, doc.made, self.ready = logits, has_logits, made, ready
-
-    def _op_save(self, req):
-        """Save the engine's cached tokens, or with ``doc`` (a key) that resident document."""
-        t0 = time.perf_counter()
-        cache, ids = self._prefix().cache, self.ids
-        if req.get("doc") is not None:
-            doc = self._resident_doc(req["doc"], "save")
-            cache, ids = doc.cache, doc.ids
-        self.save_cache(cache, ids, Path(req["dir"]), req)
-        if self.lead:
-            self.ctx.send("saved", {"dir": str(req["dir"]), "tokens": len(ids),
-                                    "seconds": time.perf_counter() - t0})
-
-    def save_cache(self, cache, ids, target: Path, meta: dict) -> None:
-        """Every rank's shard of ``cache`` (holding ``ids``) to ``target`` (kvstore.py):
-        written under a temporary name, renamed once complete; ``meta``: identity, composition,
-        nonce."""
-        from . import kvstore
-
-        tmp = target.with_name(f"{target.name}.partial-{meta['nonce']}")
-        if self.lead:
-            tmp.mkdir(parents=True, exist_ok=True)
-        self.world.barrier()
-        if self.heads_split or self.mesh.tp_index == 0:  # tp peers with the same heads: one writes
-            kvstore.save_shard(tmp, cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index,
-                               head0=self.head0)
-        self.world.barrier()
-        if self.lead:
-            sh = self.shapes
-            kvstore.finish_save(tmp, target, ids=ids, identity=meta["identity"],
-                                dtype=str(self.dtype).replace("torch.", ""),
-                                kv={"kv_dtype": self.kv_name,
-                                    **({"rotation": cache.quant.rotation, "scale_groups": cache.quant.groups}
-                                       if cache.quant is not None else {})},
-                                shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"],
-                                        "head_dim": sh["head_dim"]},
-                                mesh={"nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp},
-                                composition=meta.get("composition", {}))
-        self.world.barrier()  # the cache is in place before anyone goes on
-
-    def _op_load(self, req):
-        """The engine's own tokens from a saved cache (``kvstore.py``; re-sharded to these ranks)."""
-        from . import kvstore
-
-        t0 = time.perf_counter()
-        doc = self._prefix()
-        doc.cache.free()
-        doc.ids, doc.pending, doc.logits, doc.has_logits, doc.made = [], None, None, False, None
-        self.ready = False  # a load is followed by an append
-        need = kvstore.shard_counts(req["manifest"], self.mesh.cp)[self.mesh.cp_index]
-        if not self.documents.room(doc, need):
-            raise RuntimeError(f"the KV pool cannot hold the saved cache's {need} tokens on this rank")
-        kvstore.load_into(req["dir"], req["manifest"], doc.cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index,
-                          head0=self.head0)
-        doc.ids = kvstore.load_ids(Path(req["dir"]))
-        if self.lead:
-            self.ctx.send("loaded", {"dir": req["dir"], "tokens": len(doc.ids),
-                                     "seconds": time.perf_counter() - t0})
-
-    def _finish(self):
-        mem = [_peak_rss()] + ([torch.cuda.max_memory_allocated(self.device)] if self.device.type == "cuda" else [])
-        segs = self.dec.segments
-        nm = len(mem)
-        every = self.world.all_gather_values(mem + [x for seg in segs for x in (seg["flops"], seg["bytes"])])
-        mem = every[:, :nm]  # [ranks, 1 or 2]: every rank's peaks, for the record
-        pools = self.documents.pools()  # (a collective: every rank) every rank's [used, total] blocks
-        if not self.lead:
-            return None
-        graphs = self.graph_totals
-        shards = self._bd.last_shards if self._bd is not None else None  # the last answer's: document and tail
-        if shards is None:
-            shards = self.prefix.cache.counts[0] if self.prefix is not None else [0] * self.mesh.cp
-        shards = [int(x) for x in shards]
-        out = dict(self.summary or {})
-        out.update({
-            "nproc": self.ctx.world, "tp": self.mesh.tp, "cp": self.mesh.cp, "nodes": len(set(self.nodes)),
-            "weight_bytes": weight_bytes(self.model),
-            "shard_tokens": shards,
-            "scheme": self.scheme, "eager_scheme": self.comm.eager_scheme or self.scheme, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-            "kv_dtype": self.kv_name,  # bytes of KV one token takes on all ranks together, scales included
-            "kv_bytes_per_token": self.kv.bytes_per_token() * self.mesh.tp,
-            # the steps replayed from CUDA graphs, over every batch
-            "cuda_graph": bool(graphs["graph_captures"]),
-            "cuda_graph_replays": graphs["graph_replays"],
-            "verify_graph_replays": graphs["verify_graph_replays"],
-            "static_step": self.dec.static,
-            **({"kv_pool": pools} if pools is not None else {}),
-            "kernels": "reference (the fast kernels failed their self-check)" if self.job.reference else "fast",
-            "rows": self.model.treeattn_rows.describe(),  # how a row's matmuls stay its own (issue 49)
-            "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
-            "prefill_segments": [{**{k: seg[k] for k in ("tokens", "cached", "method", "sharding")},
-                                  "flops_per_rank": [int(x) for x in every[:, nm + 2 * i].tolist()],
-                                  "bytes_per_rank": [int(x) for x in every[:, nm + 2 * i + 1].tolist()]}
-                                 for i, seg in enumerate(segs)],
-        })
-        if self.device.type == "cuda":
-            out["peak_device_bytes"] = [int(x) for x in mem[:, 1].tolist()]
-        if self.dec.graph_note or graphs["graph_note"]:
-            out["note"] = self.dec.graph_note or graphs["graph_note"]
-        return out
-
-
-def _peak_rss() -> int:
-    """This process's peak resident memory in bytes (Linux reports KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
 
 def rank_generate(ctx, job, single: bool = False):
     """Entry point of every rank for ``generate`` (``launch.run_local`` / ``run_torchrun``):
-    :func:`generate_requests` (``single``: :func:`single_requests`, the engine's own tokens)."""
+    ``requests.generate_requests`` (``single``: ``single_requests``, the engine's own tokens)."""
     summary = Engine(ctx, job).serve(single_requests(job) if single else generate_requests(job))
     if summary is not None:
         ctx.send("done", summary)

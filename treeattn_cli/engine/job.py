@@ -1,4 +1,4 @@
-"""What every rank is told: the job (the engine's spec: model, mesh, plan; and generate's request)
+"""What every rank is told: the job (the engine's settings: model, mesh, plan; and generate's request)
 and the device plan that places one rank per device."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from .sampling import Sampling
 
 
 @dataclass
-class GenerateJob:
-    """What every rank needs: the engine's spec (model, mesh, plan) and ``generate``'s request."""
+class EngineJob:
+    """What every rank needs: the engine's settings (model, mesh, plan) and ``generate``'s request."""
 
     model_dir: str
     prompt_ids: list[int]

@@ -208,7 +208,7 @@ class PagedTail:
         ``active [B]`` (host bool, default all): a sequence that is not active this step (a
         free slot of a batch) keeps its token nowhere (every rank writes it off). ``staged``:
         the step's ``(store, positions)`` already on the device, as :meth:`plan_step` returned
-        and ``host.Staging`` sent them (the step's one copy); else they are copied here."""
+        and ``transfers.Staging`` sent them (the step's one copy); else they are copied here."""
         store = self.plan_step(active)
         if staged is None:
             staged = (store.to(torch.int64).to(self.device, non_blocking=True),

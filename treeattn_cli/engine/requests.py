@@ -6,7 +6,7 @@ Between the launching process and the ranks a request travels as JSON (``comm.po
 ``comm.post_join``): :meth:`Ask.wire` writes it, :meth:`Ask.read` reads it back on every rank,
 filling what it leaves out from its batch's defaults. Every command asks this way: ``generate``
 (one request over its prompt as a document), ``chat`` (a request per question), ``serve`` (a
-request per HTTP request, ``engine/front.py``)."""
+request per HTTP request, ``serving/front.py``)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,35 @@ class Failed:
     """The engine cannot answer (its ranks are gone, it is shutting down): why."""
 
     reason: str
+
+
+# -- what generate asks ---------------------------------------------------------------------
+
+def generate_requests(job) -> list[dict]:
+    """``generate`` as requests: the prompt a document in the ranks' block pool, the answer a
+    question over it (``Engine._op_generate``); the ring baseline (``decode_method="ring"``,
+    ``bench``) as appends and a decode of the engine's own tokens (:func:`single_requests`)."""
+    if job.decode_method != "ring":
+        return [{"op": "generate"}, {"op": "stop"}]
+    return single_requests(job)
+
+
+def single_requests(job) -> list[dict]:
+    """``generate`` as operations on the engine's own tokens (the ring baseline, and tests): load
+    a saved cache (``--load-kv``), append the prompt, decode, and with ``--save-kv`` save the
+    cache of the prompt."""
+    reqs = []
+    if job.load_kv:
+        reqs.append({"op": "load", "dir": job.load_kv, "manifest": job.load_manifest})
+    reqs.append({"op": "append", "ids": list(job.prompt_ids), "piece": job.prefill_chunk})
+    if job.save_kv:
+        reqs.append({"op": "mark", "name": "prompt"})
+    reqs.append({"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "stop": list(job.stop),
+                 "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False,
+                 # the ring baseline decodes a token at a time: its blocks rotate for one query row
+                 "speculate": job.speculate if job.decode_method != "ring" else "off",
+                 "logprobs": job.logprobs, "cite": job.cite})
+    if job.save_kv:
+        reqs += [{"op": "rollback", "name": "prompt"},
+                 {"op": "save", "dir": job.save_kv, **job.save_meta}]
+    return reqs + [{"op": "stop"}]

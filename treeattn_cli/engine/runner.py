@@ -3,7 +3,7 @@ tail (:meth:`StepRunner._fill`), a step of one token for every busy slot (:meth:
 a verify of every slot's last token and drafts (:meth:`StepRunner._extend`, or its fixed shape
 replayed from a CUDA graph: :meth:`StepRunner._extend_captured`), each one forward of the model over
 the rows of the tail (``paged_tail.PagedTail``) and the documents they continue (``attention._cascade``).
-What the device needs from the host goes in one copy a forward (``host.Staging``); the graphs are
+What the device needs from the host goes in one copy a forward (``transfers.Staging``); the graphs are
 keyed by everything the host decided.
 """
 
@@ -13,7 +13,7 @@ import torch
 from treeattn_kernels import gpu_path
 
 from .graphs import StepGraphs
-from .host import Staging
+from .transfers import Staging
 from .paged_tail import PagedTail
 
 
@@ -158,7 +158,7 @@ class StepRunner:
         ``cites``: row i's ``cite.Citation`` where its tokens are an answer's that cites (a step
         or a verify), else None. ``store``: a step's (``PagedTail.plan_step``). What the
         device needs from the host (tokens, positions, the groups' rows, where the step's tokens
-        are kept, the documents' block tables) goes in one copy (``host.Staging``). ``ext``: a
+        are kept, the documents' block tables) goes in one copy (``transfers.Staging``). ``ext``: a
         fixed-shape verify's (every token's slot ``[R][T]``, each row's keys ``[R]``:
         :meth:`_extend_captured`)."""
         from .attention import pooled_documents

@@ -146,7 +146,7 @@ def accept(logits: torch.Tensor, drafts: list[int], sampling: Sampling, gen) -> 
 
 
 def emit_all(rows: list, drafts: list, samplings: list, gens: list, logprobs: list) -> list[tuple[list, list]]:
-    """What every sequence of a step emits, reading the device once (``host.read``): ``rows[i]
+    """What every sequence of a step emits, reading the device once (``transfers.read``): ``rows[i]
     [k_i + 1, V]`` its fed rows' logits (the last emitted token, then its ``k_i`` drafts),
     ``samplings[i]``/``gens[i]`` how it samples, ``logprobs[i]``: None, or the alternatives its
     tokens' logprobs carry (``sampling.token_logprobs``). Returns ``(tokens, logprobs)`` per
@@ -154,7 +154,7 @@ def emit_all(rows: list, drafts: list, samplings: list, gens: list, logprobs: li
     and draws without drafts are chosen on the device, with their logprobs, and read together;
     speculative sampling (drafts with temperature > 0) decides draft by draft and reads as it goes
     (``--speculate auto`` does not draft when sampling)."""
-    from . import host
+    from . import transfers
     from .sampling import sample, token_logprobs
 
     parts, plan = [], []
@@ -173,7 +173,7 @@ def emit_all(rows: list, drafts: list, samplings: list, gens: list, logprobs: li
                 part += [top.values.double().reshape(-1), top.indices.double().reshape(-1)]
         parts.append(torch.cat(part))
         plan.append((lg.shape[0], k))
-    flat = host.read(torch.cat(parts)) if parts else []
+    flat = transfers.read(torch.cat(parts)) if parts else []
     out, at = [], 0
     for lg, dr, s, g, k, p in zip(rows, drafts, samplings, gens, logprobs, plan):
         if p is None:  # speculative sampling: draft by draft

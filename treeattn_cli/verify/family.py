@@ -141,7 +141,7 @@ def _answers(ours, eager, vocab: int, document: list[int], question: list[int], 
     from treeattn_kernels import gpu_branches
 
     from ..engine.engine import Engine
-    from ..engine.job import GenerateJob
+    from ..engine.job import EngineJob
     from ..engine.sampling import Sampling
     from ..parallel.launch import RankContext
 
@@ -152,7 +152,7 @@ def _answers(ours, eager, vocab: int, document: list[int], question: list[int], 
     got: dict = {}
     ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
                       emit=lambda kind, p: got.__setitem__(p[0], p[1]) if kind == "banswer" else None)
-    job = GenerateJob("", [], dtype="float32", static=gpu, cuda_graph=False, reference=gpu, reserve=0)
+    job = EngineJob("", [], dtype="float32", static=gpu, cuda_graph=False, reference=gpu, reserve=0)
     doc = {"key": "probe", "ids": document}
     with gpu_branches() if gpu else contextlib.nullcontext():
         Probe(ctx, job, model=ours).serve([

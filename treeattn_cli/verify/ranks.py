@@ -63,7 +63,7 @@ def generate_checks(nproc: int, backend: str, devices: list[str], workdir: Path)
     transformers' greedy decode on the CPU, with the CUDA graph on and off on GPUs."""
     from ..parallel.launch import run_local
     from ..engine.engine import rank_generate
-    from ..engine.job import GenerateJob
+    from ..engine.job import EngineJob
     from .tiny import hf_greedy, make_model
 
     model = make_model("llama", workdir / "tiny-llama", head_dim=32, hidden_size=128,
@@ -76,7 +76,7 @@ def generate_checks(nproc: int, backend: str, devices: list[str], workdir: Path)
         t0 = time.perf_counter()
         toks, note = [], ""
         try:
-            res = run_local(rank_generate, nproc, GenerateJob(str(model), ids, max_new_tokens=16, dtype="float32",
+            res = run_local(rank_generate, nproc, EngineJob(str(model), ids, max_new_tokens=16, dtype="float32",
                                                               cuda_graph=graph),
                             backend=backend, devices=devices, timeout_s=120,
                             on_event=lambda r, kind, v: toks.append(v) if kind == "token" else None)
@@ -133,7 +133,7 @@ def _batch_checks(model, doc, nproc: int, backend: str, devices: list[str]) -> l
     the block pool: each answer against transformers' greedy decode of document + question; on
     GPUs with the batch's steps eager and replayed from CUDA graphs (which must have replayed)."""
     from ..parallel.launch import run_local
-    from ..engine.job import GenerateJob
+    from ..engine.job import EngineJob
     from .tiny import hf_greedy
 
     qs = [[(11 * i + 5 + j) % 250 for i in range(n)] for j, n in enumerate((3, 9, 5))]
@@ -143,7 +143,7 @@ def _batch_checks(model, doc, nproc: int, backend: str, devices: list[str]) -> l
         t0 = time.perf_counter()
         got, note = [], ""
         try:
-            got, rec = run_local(batch_rank, nproc, GenerateJob(str(model), [], max_new_tokens=8, dtype="float32",
+            got, rec = run_local(batch_rank, nproc, EngineJob(str(model), [], max_new_tokens=8, dtype="float32",
                                                                 cuda_graph=graph),
                                  doc, qs, 2, 8, backend=backend, devices=devices, timeout_s=120)[0]
             if graph and (rec.get("graph_note") or not rec.get("graph_replays")):
@@ -171,14 +171,14 @@ def _fp8_generate_check(model, ids, nproc, backend, devices) -> dict:
     token ids must agree; where they part, the reference's own logprobs must show a near tie
     (within :data:`NEAR_TIE`) between the two choices, which bf16 may break either way."""
     from ..engine.engine import rank_generate
-    from ..engine.job import GenerateJob
+    from ..engine.job import EngineJob
     from ..parallel.launch import run_local
 
     t0 = time.perf_counter()
     runs = {}
     try:
         for reference in (False, True):
-            job = GenerateJob(str(model), ids, max_new_tokens=16, dtype="bfloat16", kv_dtype="fp8", logprobs=2,
+            job = EngineJob(str(model), ids, max_new_tokens=16, dtype="bfloat16", kv_dtype="fp8", logprobs=2,
                               reference=reference, speculate="off")
             runs[reference] = run_local(rank_generate, nproc, job, backend=backend, devices=devices,
                                         timeout_s=120)[0]

@@ -1,4 +1,4 @@
-"""The documents a resident engine knows (``serve``), as its front (``engine/front.py``) keeps
+"""The documents a resident engine knows (``serve``), as its front (``serving/front.py``) keeps
 them: each by its key, its tokens, whether the ranks hold it now and whether a saved copy is in
 the cache directory, its pin and TTL, its uses; and the room rules over them (``room.PoolRoom``:
 a document that can never fit, a request that cannot beside the pinned ones, a pin past
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .room import PoolRoom
+from ..engine.room import PoolRoom
 
 MIN_DOCUMENT = 32  # tokens: a shorter document part of a request is question, not worth a cache entry
 PIN_SHARE = 0.75  # of each rank's pool pinned documents may hold: the rest stays for the others
@@ -56,7 +56,7 @@ class Catalog:
     def scan(self, read_manifest) -> int:
         """Saved documents of this model in the cache directory (a restart keeps them);
         ``read_manifest(dir)`` refuses another model's (``kvstore.KVError``, ``ValueError``)."""
-        from .kvstore import KVError, load_ids
+        from ..engine.kvstore import KVError, load_ids
 
         if self.dir is None or not self.dir.is_dir():
             return 0
@@ -75,7 +75,7 @@ class Catalog:
     def conversions(self, kv_name: str) -> list[str]:
         """One line per KV storage among the saved documents that is not ``kv_name`` (they are
         converted as they load: ``kvstore.conversion``)."""
-        from .kvstore import conversion
+        from ..engine.kvstore import conversion
 
         by: dict[str, list[str]] = {}
         for key, e in self.entries.items():

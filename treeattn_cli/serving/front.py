@@ -26,10 +26,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..engine.requests import Ask, Began, DocRef, Done, Failed, Token
 from ..parallel import comm as C
 from ..parallel import launch
 from .catalog import Catalog
-from .requests import Ask, Began, DocRef, Done, Failed, Token
 
 
 class Stats:
@@ -92,7 +92,7 @@ class BatchOptions:
 
 class EngineFront(threading.Thread):
     """Requests into one open engine batch, their events back, the catalogue kept (see the
-    module's docstring). ``client``: the ranks (``cli/engine_client.EngineClient``);
+    module's docstring). ``client``: the ranks (``engine_client.EngineClient``);
     ``read_manifest(dir)``: a saved document's manifest, refused if another model's;
     ``on_pools([(used, total), ...])``: each rank's pool as the ranks report it."""
 

@@ -1,0 +1,51 @@
+"""A cache written to disk by every rank of one engine at once (``kvstore.py``'s saved-KV
+format): each rank its shard, rank 0 the manifest, the folder renamed into place once complete
+(a crash leaves a ``.partial-`` folder, never a half cache under the real name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Saver:
+    """What a save needs of the engine: its ranks (``world``: every rank; ``mesh``: the cp × tp
+    grid, ``nproc`` ranks), which KV heads this rank holds (``heads_split``: 1/tp of them from
+    ``head0``; else every tp peer holds all and one writes), the model's ``shapes``, ``dtype``
+    and the KV storage's name."""
+
+    world: object
+    lead: bool  # rank 0: writes the manifest
+    mesh: object
+    nproc: int
+    heads_split: bool
+    head0: int
+    shapes: dict
+    dtype: str
+    kv_name: str
+
+    def save(self, cache, ids, target: Path, meta: dict) -> None:
+        """Every rank's shard of ``cache`` (holding ``ids``) to ``target``: written under a
+        temporary name, renamed once complete; ``meta``: identity, composition, nonce."""
+        from . import kvstore
+
+        lead = self.lead
+        tmp = target.with_name(f"{target.name}.partial-{meta['nonce']}")
+        if lead:
+            tmp.mkdir(parents=True, exist_ok=True)
+        self.world.barrier()
+        if self.heads_split or self.mesh.tp_index == 0:  # tp peers with the same heads: one writes
+            kvstore.save_shard(tmp, cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index, head0=self.head0)
+        self.world.barrier()
+        if lead:
+            sh = self.shapes
+            kvstore.finish_save(tmp, target, ids=ids, identity=meta["identity"], dtype=self.dtype,
+                                kv={"kv_dtype": self.kv_name,
+                                    **({"rotation": cache.quant.rotation, "scale_groups": cache.quant.groups}
+                                       if cache.quant is not None else {})},
+                                shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"],
+                                        "head_dim": sh["head_dim"]},
+                                mesh={"nproc": self.nproc, "tp": self.mesh.tp, "cp": self.mesh.cp},
+                                composition=meta.get("composition", {}))
+        self.world.barrier()  # the cache is in place before anyone goes on
