@@ -59,6 +59,10 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
     assert "treeattn_kernels/__init__.py" in names
     assert "treeattn_kernels/partial_triton.py" in names
     assert "treeattn_cli/main.py" in names
+    # every module of the tree is in the wheel (a package missing from pyproject's list is not)
+    tree = {f"treeattn_cli/{f.relative_to(REPO / 'treeattn_cli').as_posix()}"
+            for f in (REPO / "treeattn_cli").rglob("*.py") if "__pycache__" not in f.parts}
+    assert tree <= set(names), sorted(tree - set(names))
     assert "treeattn_cli/profiles/dgx-h100.yaml" in names and "treeattn_cli/data/demo_document.txt" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "treeattn = treeattn_cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()

@@ -29,7 +29,6 @@ import numpy as np
 
 from ..cli import citations as C
 from ..cli.prompt import DEMO_SYSTEM, build_ids
-from ..engine import cite as E
 from ..engine import model as M
 from ..engine.job import EngineJob
 from ..engine.sampling import Sampling

@@ -389,9 +389,6 @@ class BlockTable:
     def free(self) -> None:
         self.truncate(0)
 
-    def full_blocks(self) -> list[int]:
-        return self.blocks[: self.length // self.pool.page]
-
     def tensor(self, width: int | None = None, device=None) -> torch.Tensor:
         """The block ids as ``[width]`` int32 (padded with 0: past ``length`` nothing is read)."""
         width = len(self.blocks) if width is None else width
