@@ -662,3 +662,22 @@ def test_the_documents_api_posts_pins_lists_and_deletes(server):
     again = c.chat.completions.create(model="m", max_tokens=2,
                                       messages=[{"role": "user", "content": text + "\n\nWhich arch?"}])
     assert again.usage.prompt_tokens_details.cached_tokens == 0  # deleted: its blocks and saved copy too
+
+
+def test_a_request_to_a_front_that_stopped_fails_at_once():
+    """The engine's front after shutdown (or a failure): a request, and a documents-API request,
+    end at once with ``Failed`` (nothing would take them: they must not wait for ever). No ranks."""
+    from treeattn_cli.engine.requests import Ask, Failed
+    from treeattn_cli.serving.catalog import Catalog
+    from treeattn_cli.serving.front import BatchOptions, EngineFront
+
+    front = EngineFront(None, Catalog(None), BatchOptions(slots=1, pool_bytes=0), read_manifest=None)
+    front.start()
+    front.shutdown()
+    front.join(5)
+    assert not front.is_alive()
+    got = []
+    front.submit(Ask([1, 2, 3], 4), 0, got.append)
+    assert len(got) == 1 and isinstance(got[0], Failed) and "shutting down" in got[0].reason, got
+    with pytest.raises(RuntimeError, match="cannot take documents"):
+        front.document("k", list(range(40)), {})

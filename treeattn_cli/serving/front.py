@@ -190,7 +190,13 @@ class EngineFront(threading.Thread):
                 pass
 
     def _queue(self, t: Ticket) -> None:
+        """Into the queue; a front that stopped (shut down, or failed) ends it at once (nothing
+        would take it: a request must never wait for ever)."""
         with self.cv:
+            if self.stopping or self.failed or (self.ident is not None and not self.is_alive()):
+                t.finished = True
+                t.deliver(Failed(self.failed or "the server is shutting down"))
+                return
             self.pending.append(t)
             self.cv.notify()
 
