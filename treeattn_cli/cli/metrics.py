@@ -1,7 +1,7 @@
 """What ``treeattn serve`` tells an operator about each request: Prometheus metrics (``GET
 /metrics``, with ``prometheus-client``) and one log line per request on stderr (issue 36).
 
-:class:`RequestLog` follows one request through the events the scheduler delivers to it
+:class:`RequestLog` follows one request through the events the engine's front delivers to it
 (``document``: it took a slot, with the document tokens found cached; ``token``; ``done`` with
 its stop reason, or ``error``) and, when it ends, observes it into :class:`Metrics` and writes
 its line. Every request is counted, streamed or not, and so are those refused before they
@@ -33,7 +33,7 @@ class Metrics:
         self.ttft = Histogram("treeattn_time_to_first_token_seconds", "From the request's arrival to its first "
                               "token (its document's prefill included).", buckets=_TTFT, registry=r)
         self.tpot = Histogram("treeattn_time_per_output_token_seconds", "Between two tokens of one answer, as "
-                              "the scheduler delivers them.", buckets=_TPOT, registry=r)
+                              "the engine's front delivers them.", buckets=_TPOT, registry=r)
         self.e2e = Histogram("treeattn_e2e_request_latency_seconds", "From the request's arrival to its end.",
                              buckets=_E2E, registry=r)
         self.prompt = Counter("treeattn_prompt_tokens", "Prompt tokens of the requests that ended.", registry=r)

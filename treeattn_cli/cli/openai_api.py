@@ -1,5 +1,5 @@
 """OpenAI's wire format over a ``serve.Server`` (``srv``: what it serves, ``admit`` and
-``submit`` a request, ``scheduler.cancel`` one): ``GET /health``, ``GET /metrics`` (Prometheus),
+``submit`` a request, ``cancel`` one): ``GET /health``, ``GET /metrics`` (Prometheus),
 ``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``, streamed as server-sent events ending
 with ``[DONE]``, with ``usage`` (``prompt_tokens_details.cached_tokens``: the document tokens
@@ -115,7 +115,7 @@ def _common(srv, body, chat: bool) -> dict:
 
 
 class _Reply:
-    """A request's events from the scheduler (on its thread) into this request's event loop."""
+    """A request's events from the engine's front (on its thread) into this request's event loop."""
 
     def __init__(self, loop):
         self.loop, self.queue = loop, asyncio.Queue()
