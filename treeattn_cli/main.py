@@ -38,10 +38,15 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Exact long-context decoding across GPUs with Tree Attention."""
 
 
-def _quiet_libraries() -> None:
+def _library_env() -> None:
+    """Set before the ranks' fork server starts: its ranks inherit this environment."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _quiet_libraries() -> None:
+    _library_env()
     try:
         from transformers.utils import logging as hf_logging
 
@@ -77,8 +82,11 @@ def with_flags(*blocks):
 
 def _run(command, opts, *, terminated_message: bool) -> None:
     """Run a command that launches ranks: SIGTERM like Ctrl-C, one-line errors, the exit code."""
-    from .parallel.launch import Terminated
+    from .parallel.launch import Terminated, under_torchrun, warm_forkserver_early
 
+    _library_env()
+    if not under_torchrun():
+        warm_forkserver_early()
     _quiet_libraries()
     try:
         with _sigterm_like_ctrl_c():

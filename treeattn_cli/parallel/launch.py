@@ -155,6 +155,33 @@ def warm_forkserver() -> None:
     forkserver.ensure_running()
 
 
+def warm_forkserver_early() -> None:
+    """Start the ranks' fork server as a command begins, so that its imports (torch and
+    transformers, ~5 s of a 2-core machine) overlap the launcher's own (the tokenizer, the
+    prompt, the model's files) instead of following them; it is ended when this process exits.
+    A server still importing would otherwise outlive a command that failed before any rank ran
+    by seconds, holding the command's standard output and error open (``treeattn ... | cat``
+    and a caller capturing the output would wait for it)."""
+    import atexit
+
+    warm_forkserver()
+    if _end_forkserver not in _AT_EXIT:
+        _AT_EXIT.append(_end_forkserver)
+        atexit.register(_end_forkserver)
+
+
+_AT_EXIT: list = []
+
+
+def _end_forkserver() -> None:
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)  # its ranks have ended: this process is leaving
+
+
 @contextlib.contextmanager
 def _signals_held():
     """Ctrl-C and SIGTERM wait while the ranks are started: a signal between the fork server's
