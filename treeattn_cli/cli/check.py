@@ -21,8 +21,9 @@ def check_command(*, nproc=None, device="auto", backend="auto", kernels_only=Fal
     on first use); caches the kernel verdict; returns the records."""
     import tempfile
 
-    from ..parallel.launch import run_local
+    from ..parallel.launch import MANY_LAUNCHES, run_local
 
+    MANY_LAUNCHES["on"] = True  # its checks start ranks again and again
     kind, be, n, devices = plan_devices(device, backend, nproc)
     dev = torch.device(devices[0])
     t0 = time.perf_counter()
