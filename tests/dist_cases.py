@@ -520,6 +520,12 @@ def triton_sessions(ctx, sessions):
     return (out if ctx.rank == 0 else None), runs
 
 
+def _complete(documents, doc) -> None:
+    """Every remaining segment of ``doc`` now (the engine's loop advances one per step)."""
+    while doc.waiting:
+        assert documents.advance(doc), "the pool cannot hold the document"
+
+
 def document_by_segments(ctx, job, doc, piece):
     """A document made resident a segment at a time (``documents.Documents``: in the block
     pool) and the same tokens prefilled in one call with the same ``piece`` into a plain cache:
@@ -532,7 +538,7 @@ def document_by_segments(ctx, job, doc, piece):
     eng = Engine(ctx, job)
     d = eng.documents.get({"key": "k", "ids": doc, "piece": piece})
     segs = len(d.todo)
-    eng.documents.complete(d)
+    _complete(eng.documents, d)
     other = eng.documents.new_shard()
     eng.dec.prefill(other, torch.tensor([doc]), piece)
     same = d.cache.max_len == other.max_len and torch.equal(d.cache.counts, other.counts) and all(
@@ -638,7 +644,7 @@ def document_prefix_reuse(ctx, job, doc_a, extra, piece):
     def get(key, ids, pc=piece):
         d = D.get({"key": key, "ids": ids, "piece": pc})
         info = {"source": d.source, "reused": d.reused, "segments": len(d.todo)}
-        D.complete(d)
+        _complete(D, d)
         return d, info
 
     out = {}

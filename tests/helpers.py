@@ -324,3 +324,15 @@ def start_offline_compiles(root: Path) -> None:
         cache = root / f"triton-{t}"
         Background.start(f"compile-{t}", [sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", t,
                                           "--json"], {**env, "TRITON_CACHE_DIR": str(cache)}, root)
+
+
+def begin_step(tail, positions, active=None):
+    """Start a decode step on a ``PagedTail`` as the engine's runner does: ``plan_step`` on the
+    host, then ``start_step`` with the step's store and positions on the device; returns
+    ``store [B] bool`` (host)."""
+    import torch
+
+    store = tail.plan_step(active)
+    tail.start_step(store, store.to(torch.int64).to(tail.device),
+                    torch.as_tensor(positions, dtype=torch.int64).expand(tail.batch).to(tail.device))
+    return store

@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from helpers import assert_close
+from helpers import assert_close, begin_step
 from treeattn_cli.engine.attention import AttentionContext, treeattn_attention
 from treeattn_cli.engine.paged_shard import PagedShard
 from treeattn_cli.engine.paged_tail import PagedTail
@@ -33,7 +33,7 @@ def test_step_partials_reach_the_merge_in_fp32(monkeypatch):
     monkeypatch.setattr(comm, "merge", lambda o, lse, out=None, **kw: seen.append(o.dtype) or real(o, lse, out=out, **kw))
     q = torch.randn(1, H, 1, d).bfloat16()
     k1, v1 = torch.randn(1, H_kv, 1, d).bfloat16(), torch.randn(1, H_kv, 1, d).bfloat16()
-    tail.begin_step(torch.tensor([N]))
+    begin_step(tail, torch.tensor([N]))
     ctx = AttentionContext(comm, phase="cascade", tail=tail, rows=[0], step=True, groups=[(doc, None, [0])],
                            positions=torch.tensor([[N]]))
     out, _ = treeattn_attention(types.SimpleNamespace(layer_idx=0), q, k1, v1, scaling=d ** -0.5, treeattn_ctx=ctx)

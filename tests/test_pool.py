@@ -90,19 +90,25 @@ def test_a_key_names_one_block_and_depends_on_the_whole_prefix():
     assert pool.match([a1, b"missing", a1]) == [b]  # the longest prefix found
 
 
-def test_sized_from_bytes_and_fp8_blocks_are_smaller():
+def test_block_bytes_and_fp8_blocks_are_smaller():
     from treeattn_cli.engine.kvquant import KVQuant
 
     per = BlockPool.bytes_per_block(2, 2, 64, 16, torch.bfloat16)
     assert per == 2 * 2 * 2 * 16 * 64 * 2 + 8 * 16
-    pool = BlockPool.sized(10 * per + 5, 2, 2, 64, page=16, dtype=torch.bfloat16)
-    assert pool.num_blocks == 10 and pool.nbytes() == (10 + 1) * per  # (and the write-off block)
+    pool = BlockPool(2, 2, 64, page=16, num_blocks=10, dtype=torch.bfloat16)
+    assert pool.nbytes() == (10 + 1) * per  # (and the write-off block)
     q = KVQuant(64, "cpu")
-    fp8 = BlockPool.sized(10 * per, 2, 2, 64, page=16, dtype=torch.bfloat16, quant=q)
-    assert fp8.num_blocks == 10 * per // BlockPool.bytes_per_block(2, 2, 64, 16, q.dtype, q.groups) == 18  # 0.53x the bytes
+    fp8 = BlockPool(2, 2, 64, page=16, num_blocks=10, dtype=torch.bfloat16, quant=q)
+    assert fp8.nbytes() == 11 * BlockPool.bytes_per_block(2, 2, 64, 16, q.dtype, q.groups)
+    assert 10 * per // BlockPool.bytes_per_block(2, 2, 64, 16, q.dtype, q.groups) == 18  # 0.53x the bytes
     assert fp8.ks and fp8.k[0].dtype == q.dtype
-    with pytest.raises(ValueError, match="holds no block"):
-        BlockPool.sized(per - 1, 2, 2, 64, page=16, dtype=torch.bfloat16)
+
+
+def _prefix_table(pool, keys) -> BlockTable:
+    """A table over the longest prefix of ``keys`` the pool has cached (shared blocks, as a
+    document's shard adopts them: ``block_reuse.reuse``)."""
+    blocks = pool.match(keys)
+    return BlockTable(pool, blocks, len(blocks) * pool.page)
 
 
 def _fill(pool, table, tokens, layer_values):
@@ -295,20 +301,20 @@ def test_a_later_request_reuses_the_longest_cached_prefix():
     a.free()
     assert pool.cached == 2
     same = block_keys(ids_a[:8] + [7, 7, 7, 7], list(range(12)), 4, salt="model-a")
-    b = BlockTable.from_prefix(pool, same)
+    b = _prefix_table(pool, same)
     assert b.blocks == first_two and b.length == 8 and pool.cached == 0
     k = gather_pages(pool.k[0], tables_tensor([b])[0])[0, :, :8]
     assert torch.equal(k, _dense(parts)[0][:, :8])
     _fill(pool, b, [8, 9, 10, 11], [])  # the request goes on in blocks of its own
     assert len(b.blocks) == 3 and b.blocks[2] not in first_two
     differs = block_keys(ids_a[:4] + [0] * 4, list(range(8)), 4, salt="model-a")
-    c = BlockTable.from_prefix(pool, differs)
+    c = _prefix_table(pool, differs)
     assert c.blocks == first_two[:1] and c.length == 4  # up to the first block that differs
-    assert BlockTable.from_prefix(pool, block_keys(ids_a, list(range(10)), 4, salt="model-b")).length == 0
+    assert _prefix_table(pool, block_keys(ids_a, list(range(10)), 4, salt="model-b")).length == 0
     b.free()
     c.free()
     pool.allocate(pool.available())  # pressure: every cached block evicted
-    assert BlockTable.from_prefix(pool, same).length == 0
+    assert _prefix_table(pool, same).length == 0
 
 
 def test_a_cached_prefix_taken_shorter_is_copied_or_loses_its_key_before_a_write():

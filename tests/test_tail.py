@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close
+from helpers import assert_close, begin_step
 from treeattn_cli.engine.paged_tail import PagedTail
 from treeattn_cli.engine.pool import BlockPool
 from treeattn_cli.parallel.merge import merge_partials
@@ -50,7 +50,7 @@ def test_views_grow_geometrically_and_keep_data():
     c = Tail(2, 1, 1, 4, rank=0, world=1, tokens=304)
     caps = set()
     for t in range(300):
-        c.begin_step(torch.tensor([t]))
+        begin_step(c, torch.tensor([t]))
         kv = torch.full((1, 1, 1, 4), float(t))
         for layer in range(2):
             c.update(layer, kv, -kv)
@@ -78,7 +78,7 @@ def test_decode_over_simulated_ranks_is_exact(static):
         c.end_extend()
     for step in range(7):
         pos = torch.full((B,), n_prompt + step)
-        stores = [c.begin_step(pos) for c in caches]
+        stores = [begin_step(c, pos) for c in caches]
         assert (sum(s.long() for s in stores) == 1).all(), "each token stored exactly once"
         for layer in range(L):
             k_new, v_new = torch.randn(B, H_kv, 1, d), torch.randn(B, H_kv, 1, d)
@@ -141,7 +141,7 @@ def test_a_cut_back_after_newer_tokens_is_refused_not_silently_wrong():
     decode token or a reset it raises instead of dropping other tokens."""
     c = Tail(1, 2, 1, 4)
     _extend([c], [0, 1], [[1, 2], [3, 4]])
-    c.begin_step(torch.tensor([3, 5]), active=[True, False])
+    begin_step(c, torch.tensor([3, 5]), active=[True, False])
     c.update(0, torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4))
     c.end_step()
     with pytest.raises(RuntimeError, match="no ended extension"):

@@ -48,7 +48,7 @@ class AttentionContext:
     decode_method: str = "tree"  # "ring": the KV-rotating baseline (bench)
     tail: object = None  # cascade: every sequence's own tokens, batch = slots
     rows: list = field(default_factory=list)  # cascade: the tail rows (sequences) of this forward
-    step: bool = True  # cascade: one token per sequence (tail.begin_step) or an extension (begin_extend)
+    step: bool = True  # cascade: one token per sequence (tail.plan_step) or an extension (begin_extend)
     groups: list = field(default_factory=list)  # cascade: (document cache, its rows [R_g] or None: all, the same
     # rows as a host list)
     eager: bool = True  # decode: the step is not captured in a CUDA graph (it merges with comm.eager_scheme)
@@ -261,7 +261,7 @@ def _tail_dense(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
     tail's gathered into them). Returns ``(o [R, H, T, d] fp32, lse [R, H, T])``."""
     tail, pos = ctx.tail, ctx.positions
     T = q.shape[2]
-    if ctx.step:  # one token per sequence, placed by tail.begin_step
+    if ctx.step:  # one token per sequence, placed by tail.plan_step
         tk, tv, tlen = tail.update(layer, k_new, v_new)
         tpos = tail.pos[:, : tk.shape[2]]
     elif ctx.ext is not None:  # a fixed-shape verify (every row, every token written: here or written off)

@@ -304,13 +304,6 @@ class Documents:
             doc.seconds = time.perf_counter() - doc.t_start
             self._complete(doc)
 
-    def complete(self, doc: Document) -> None:
-        """Every remaining segment of ``doc`` (or its load) now."""
-        while doc.waiting:
-            if not self.advance(doc):
-                raise RuntimeError(f"the documents' KV pool ({self.pool.num_blocks} blocks of {self.pool.page} tokens "
-                                   f"per rank) cannot hold a document of {len(doc.ids)} tokens")
-
     def _complete(self, doc: Document) -> None:
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
             self.engine.saver.save(doc.cache, doc.ids, Path(doc.save["target"]),

@@ -7,8 +7,6 @@ converted once to a safetensors directory in the cache and reloaded from there.
 
 from __future__ import annotations
 
-import contextlib
-
 import hashlib
 import json
 import os
@@ -207,23 +205,6 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 def context_length(config) -> int | None:
     text = getattr(config, "text_config", None) or config
     return getattr(text, "max_position_embeddings", None)
-
-
-def warm_loading() -> None:
-    """What every rank's first model load would otherwise do again in each rank, done once in
-    the ranks' fork server (``parallel/rank_preload.py``): transformers' table of checkpoint
-    renamings (a few thousand regular expressions, compiled when first asked for: ~0.3 s a rank
-    on a 2-core machine) and the modules of the known families' causal LMs. A transformers that
-    does it otherwise loses the head start, nothing else."""
-    with contextlib.suppress(Exception):  # a head start only
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        get_checkpoint_conversion_mapping("llama")
-    from transformers.models.auto import configuration_auto, modeling_auto
-
-    for family in KNOWN_FAMILIES:
-        with contextlib.suppress(Exception):
-            modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[configuration_auto.CONFIG_MAPPING[family]]  # imports it
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_remote_code=False,

@@ -83,8 +83,8 @@ def most_here(beside, n: int, rank: int) -> int:
 class PagedTail:
     """A batch's tail whose keys and values live in ``pool``'s blocks (see the module).
 
-    Life of a step: :meth:`begin_step` (or :meth:`plan_step` then :meth:`start_step`: where each
-    slot's new token goes), then per layer :meth:`update` / :meth:`step_tables` (writes this
+    Life of a step: :meth:`plan_step` (the host: where each slot's new token goes) then
+    :meth:`start_step` (the device's copy of that), then per layer :meth:`update` / :meth:`step_tables` (writes this
     rank's new K/V, returns what the step attends to), then :meth:`end_step` (lengths advance).
     Several tokens per slot (a question, verified drafts): :meth:`begin_extend`, :meth:`extend`
     per layer, :meth:`end_extend`. With ``static=True`` the views are capacity-long (fixed shapes,
@@ -202,23 +202,11 @@ class PagedTail:
         self.counts[torch.arange(self.batch), owner] += add
         return owner
 
-    def begin_step(self, positions, active=None, staged=None) -> torch.Tensor:
-        """Start a decode step whose new tokens have global ``positions [B]``; returns
-        ``store [B] bool`` (host), whether this rank keeps each sequence's new token.
-        ``active [B]`` (host bool, default all): a sequence that is not active this step (a
-        free slot of a batch) keeps its token nowhere (every rank writes it off). ``staged``:
-        the step's ``(store, positions)`` already on the device, as :meth:`plan_step` returned
-        and ``transfers.Staging`` sent them (the step's one copy); else they are copied here."""
-        store = self.plan_step(active)
-        if staged is None:
-            staged = (store.to(torch.int64).to(self.device, non_blocking=True),
-                      torch.as_tensor(positions, dtype=torch.int64).expand(self.batch).to(self.device, non_blocking=True))
-        self.start_step(store, *staged)
-        return store
-
     def plan_step(self, active=None) -> torch.Tensor:
-        """The host's part of :meth:`begin_step`: place each sequence's new token (counts, the
-        capacity, what the step views); ``store [B] bool`` (host): this rank keeps it."""
+        """Start a decode step, on the host: place each sequence's new token (counts, the
+        capacity, what the step views); ``store [B] bool`` (host): this rank keeps it. ``active
+        [B]`` (host bool, default all): a sequence that is not active this step (a free slot of
+        a batch) keeps its token nowhere (every rank writes it off)."""
         store = self.place(active) == self.rank  # host
         if active is not None:
             store &= torch.as_tensor(active, dtype=torch.bool)
@@ -233,7 +221,7 @@ class PagedTail:
         return store
 
     def start_step(self, store, store_dev, positions_dev) -> None:
-        """The device's part of :meth:`begin_step`: ``store`` (host, :meth:`plan_step`'s),
+        """The device's part of a step's start: ``store`` (host, :meth:`plan_step`'s),
         ``store_dev [B]`` int64 and ``positions_dev [B]`` the same and the step's positions, on
         the device (device work only: nothing waits for it)."""
         self._store.copy_(store_dev, non_blocking=True)

@@ -15,7 +15,7 @@ a later request with the same prefix finds it (:meth:`BlockPool.match`). A block
 is free, or, when it has a key, cached: it keeps its contents and is evicted least recently
 released first when an allocation needs room. Nothing is copied when a table shrinks (rollback,
 rejected drafts): blocks past the new length are released. Nothing reserves memory per
-sequence: the pool is sized once (:meth:`BlockPool.sized`).
+sequence: the pool is sized once (``pool_sizing.make_pool``).
 """
 
 from __future__ import annotations
@@ -114,17 +114,6 @@ class BlockPool:
         """Bytes one block takes: K and V rows of every layer, their fp8 scales, the positions."""
         row = head_dim * torch.empty(0, dtype=dtype).element_size() + 2 * quant_groups
         return 2 * num_layers * kv_heads * page * row + 8 * page
-
-    @classmethod
-    def sized(cls, kv_bytes: int, num_layers: int, kv_heads: int, head_dim: int, *, page: int,
-              dtype=torch.float32, device="cpu", quant=None) -> "BlockPool":
-        """A pool of as many blocks as ``kv_bytes`` holds (``--kv-memory``)."""
-        per = cls.bytes_per_block(num_layers, kv_heads, head_dim, page, quant.dtype if quant else dtype,
-                                  quant.groups if quant else 0)
-        n = int(kv_bytes) // per
-        if n < 1:
-            raise ValueError(f"--kv-memory {int(kv_bytes)} bytes holds no block of {page} tokens ({per} bytes each)")
-        return cls(num_layers, kv_heads, head_dim, page=page, num_blocks=n, dtype=dtype, device=device, quant=quant)
 
     def bytes_per_token(self) -> int:
         """Bytes one token takes in this pool, every layer (fp8: its scales included)."""
@@ -315,14 +304,6 @@ class BlockTable:
 
     def __init__(self, pool: BlockPool, blocks=(), length: int = 0):
         self.pool, self.blocks, self.length = pool, list(blocks), length
-
-    @classmethod
-    def from_prefix(cls, pool: BlockPool, keys) -> "BlockTable":
-        """A table holding the longest prefix of ``keys`` (:func:`block_keys` of the tokens a
-        request starts with) the pool has cached, whatever request made it: those blocks are
-        shared, not copied; the request prefills from ``length`` on."""
-        blocks = pool.match(keys)
-        return cls(pool, blocks, len(blocks) * pool.page)
 
     def publish(self, keys) -> int:
         """Offer this table's blocks to later requests under ``keys`` (:func:`block_keys` of its
