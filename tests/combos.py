@@ -533,7 +533,7 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
     eng = Engine(ctx, _job(c, fx, c.graphs))
     stand_in = None
     if c.graphs:
-        from dist_cases import fake_cuda_graphs
+        from ranks import fake_cuda_graphs
 
         stand_in = fake_cuda_graphs(eng.dec, ctx.rank)
     t0 = time.perf_counter()

@@ -10,11 +10,12 @@ import re
 
 import pytest
 
-import dist_cases
+import ranks
 from helpers import cli, stop_string_in
 from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
+from ranks import complete_document, engine_batch
 
 NEW = 6
 DOC = [(13 * i + 5) % 230 + 20 for i in range(53)]
@@ -38,7 +39,7 @@ def test_batched_answers_equal_each_question_alone(models, world, tp, slots):
         job = EngineJob(str(paths[kind]), [], dtype="float32", max_new_tokens=NEW, tp=tp)
         if kind == "gpt_oss" and tp > 1:
             continue
-        got, done, _ = run_local(dist_cases.engine_batch, world, job, DOC, QS, slots, NEW, timeout_s=120)[0]
+        got, done, _ = run_local(ranks.engine_batch, world, job, DOC, QS, slots, NEW, timeout_s=120)[0]
         assert got == want[kind], kind
         assert done[0]["answers"] == len(QS) and done[0]["new_tokens"] == NEW * len(QS)
 
@@ -51,7 +52,7 @@ def test_steps_no_graph_replays_merge_with_one_collective(models):
     paths, want = models
     for auto, expect in ((True, "all_gather"), (False, "all_reduce")):
         job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, auto_layout=auto)
-        got, counts = run_local(dist_cases.engine_batch_merges, 2, job, DOC, QS, 3, NEW, timeout_s=120)[0]
+        got, counts = run_local(engine_batch_merges, 2, job, DOC, QS, 3, NEW, timeout_s=120)[0]
         assert got == want["llama"], auto
         other = "all_reduce" if expect == "all_gather" else "all_gather"
         layers = 2  # the tiny models' (every step: one merge per layer)
@@ -65,7 +66,7 @@ def test_long_questions_go_in_chunks_between_the_steps_of_other_answers(models, 
     still equals transformers' on document + question alone."""
     paths, want = models
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    got, done, _ = run_local(dist_cases.engine_batch, world, job, DOC, QS, 3, NEW, "off", {"piece": 4},
+    got, done, _ = run_local(ranks.engine_batch, world, job, DOC, QS, 3, NEW, "off", {"piece": 4},
                              timeout_s=120)[0]
     assert got == want["llama"]
     chunks = sum(-(-len(q) // 4) for q in QS)  # each cut from its start: 1 + 2 + 1 + 6 + 1 + 1 + 3
@@ -77,7 +78,7 @@ def test_ctrl_c_ends_the_batch_and_keeps_the_answers_so_far(models):
     its full answer, stop reason interrupted), the questions not begun are not asked."""
     paths, want = models
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    got, done = run_local(dist_cases.engine_batch_interrupted, 2, job, DOC, QS, 3, NEW, 5, timeout_s=60)[0]
+    got, done = run_local(engine_batch_interrupted, 2, job, DOC, QS, 3, NEW, 5, timeout_s=60)[0]
     assert set(got) == {0, 1, 2} and done[0]["answers"] == 3
     for qi, (toks, reason) in got.items():
         assert reason == "interrupted" and toks and toks == want["llama"][qi][: len(toks)]
@@ -140,7 +141,7 @@ def test_idle_slots_step_at_a_live_position(models):
     paths, want = models
     job = EngineJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
     qs = QS[:3]
-    got, steps = run_local(dist_cases.engine_batch_step_positions, 2, job, DOC, qs, 2, NEW, timeout_s=60)[0]
+    got, steps = run_local(engine_batch_step_positions, 2, job, DOC, qs, 2, NEW, timeout_s=60)[0]
     assert got == want["gemma2"][:3]
     assert steps and all(n == 2 for _, n in steps)
     assert min(lo for lo, _ in steps) >= len(DOC), steps
@@ -191,7 +192,7 @@ def test_questions_over_several_documents_share_steps_and_equal_transformers(mod
     docs = [DOC, DOC[::-1][:41], [(7 * i + 3) % 200 + 30 for i in range(60)]]
     qs = [(0, QS[0]), (1, QS[1]), (2, QS[2]), (1, QS[3]), (0, QS[4])]
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    got, done = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 3, NEW, timeout_s=120)[0]
+    got, done = run_local(ranks.engine_mixed, 2, job, docs, qs, 3, NEW, timeout_s=120)[0]
     assert got == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in qs]
     assert done[0]["documents_per_step"] >= 2 and done[0]["segments_while_decoding"] >= 1, done
 
@@ -203,7 +204,7 @@ def test_a_document_prefilled_a_segment_at_a_time_holds_the_same_numbers(models,
     the same segments into a plain cache."""
     paths, _ = models
     job = EngineJob(str(paths["gemma2"]), [], dtype="float32", max_new_tokens=NEW)
-    same, segs, kind = run_local(dist_cases.document_by_segments, world, job, DOC, 5, timeout_s=120)[0]
+    same, segs, kind = run_local(document_by_segments, world, job, DOC, 5, timeout_s=120)[0]
     assert same and segs > 1 and kind == "PagedShard"
 
 
@@ -216,7 +217,7 @@ def test_a_document_the_pool_can_never_hold_ends_its_questions_alone(models):
     docs = [DOC[:40], big]
     qs = [(0, QS[0]), (1, QS[1]), (0, QS[2])]
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    got, done, reasons = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 2, NEW,
+    got, done, reasons = run_local(ranks.engine_mixed, 2, job, docs, qs, 2, NEW,
                                    {"pool_blocks": 4, "page": 16}, timeout_s=120)[0]
     assert reasons == ["length", "no_room", "length"] and got[1] == [], (reasons, got)
     assert [got[0], got[2]] == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in (qs[0], qs[2])]
@@ -234,7 +235,7 @@ def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(mo
     and answers the same."""
     paths, want = models
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, static=True)
-    got, done, _ = run_local(dist_cases.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, True, 2,
+    got, done, _ = run_local(ranks.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, True, 2,
                              timeout_s=300)[0]
     assert got == want["llama"][:4]
     d = done[0]
@@ -244,7 +245,7 @@ def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(mo
     assert again["batch_runs"] == 2 and again["graph_captures"] == 0 and again["graph_replays"] == 2 * (NEW - 1), again
     docs = [DOC[:24], DOC[::-1][:17]]
     qs = [(0, QS[0]), (1, QS[1]), (1, QS[2])]  # slot 1 waits for the second document; then mixed steps;
-    got, done = run_local(dist_cases.engine_mixed, 2, job, docs, qs, 2, NEW, None, True,  # then two rows of it
+    got, done = run_local(ranks.engine_mixed, 2, job, docs, qs, 2, NEW, None, True,  # then two rows of it
                           timeout_s=300)[0]
     assert got == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in qs]
     d = done[0]
@@ -262,7 +263,7 @@ def test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait(mo
     sq = [(0, QS[0]), (1, QS[1]), (2, QS[2]), (0, QS[3])]
     saved, big = DOC[:60], [(7 * i + 3) % 200 + 30 for i in range(300)]  # 20 and 100 tokens a rank: 2 + 7 + a tail > 8 blocks
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    outs = run_local(dist_cases.documents_all_pooled, 3, job, short, sq, saved, big, QS[4], NEW, tmp_path,
+    outs = run_local(documents_all_pooled, 3, job, short, sq, saved, big, QS[4], NEW, tmp_path,
                      timeout_s=180)
     lead = outs[0]
     assert lead["short"] == [tiny_models.hf_greedy(paths["llama"], short[d] + q, NEW) for d, q in sq]
@@ -284,9 +285,160 @@ def test_questions_wait_for_their_tails_blocks_and_give_them_back(models):
     long_q = [(3 * i + 2) % 230 + 20 for i in range(60)]  # 33 tokens a rank with its answer: 3 blocks
     qs = [(0, QS[1]), (0, QS[2]), (0, long_q), (0, QS[4])]
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    got, done, reasons = run_local(dist_cases.engine_mixed, 2, job, [DOC], qs, 2, NEW,
+    got, done, reasons = run_local(ranks.engine_mixed, 2, job, [DOC], qs, 2, NEW,
                                    {"pool_blocks": 3, "page": 16}, timeout_s=120)[0]
     want = [tiny_models.hf_greedy(paths["llama"], DOC + q, NEW) for _, q in qs]
     assert got[:2] + got[3:] == want[:2] + want[3:] and got[2] == [], got
     assert reasons == ["length", "length", "no_room", "length"], reasons
     assert done[0]["tail_waits"] >= 1 and done[0]["pool"]["used"] == 2, done[0]
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def engine_batch_interrupted(ctx, job, doc, questions, slots, new, after):
+    """The batch op, interrupted (as Ctrl-C does, through the store) once rank 0 has streamed
+    ``after`` tokens: rank 0 returns {question: (token ids, stop reason)} of the answers that
+    ended, and the batch_done event."""
+    from treeattn_cli.engine.sampling import Sampling
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.parallel import comm as C
+
+    got, done, seen = {}, [], [0]
+
+    def emit(kind, p):
+        if kind == "btoken":
+            seen[0] += 1
+            if seen[0] == after:
+                C.post_interrupt(C._state["store"], 7)
+        elif kind == "banswer":
+            got[p[0]] = (p[1]["token_ids"], p[1]["stop_reason"])
+        elif kind == "batch_done":
+            done.append(p)
+
+    real, ctx.emit = ctx.emit, emit
+    try:
+        Engine(ctx, job).serve([{"op": "append", "ids": doc},
+                                {"op": "batch", "seq": 7, "questions": questions, "slots": slots, "max_new_tokens": new,
+                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "interruptible": True},
+                                {"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return (got, done) if ctx.rank == 0 else None
+
+
+def engine_batch_step_positions(ctx, job, doc, questions, slots, new):
+    """:func:`engine_batch`, recording the query positions of every one-token-per-slot step of
+    the batch; rank 0 returns (answers, [per step: lowest position, how many slots]). """
+    from treeattn_cli.engine import attention as A
+
+    seen = []
+    real = A._cascade
+
+    def spy(actx, layer, q, *a, **kw):
+        if actx.step and layer == 0:
+            seen.append((int(actx.positions.min()), int(actx.positions.numel())))
+        return real(actx, layer, q, *a, **kw)
+
+    A._cascade = spy
+    try:
+        got = engine_batch(ctx, job, doc, questions, slots, new)
+    finally:
+        A._cascade = real
+    return (got[0], seen) if ctx.rank == 0 else None
+
+
+def document_by_segments(ctx, job, doc, piece):
+    """A document made resident a segment at a time (``documents.Documents``: in the block
+    pool) and the same tokens prefilled in one call with the same ``piece`` into a plain cache:
+    rank 0 returns whether every rank's keys, values and positions are bitwise equal, how many
+    segments the first took, and its kind."""
+    import torch
+
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    d = eng.documents.get({"key": "k", "ids": doc, "piece": piece})
+    segs = len(d.todo)
+    complete_document(eng.documents, d)
+    other = eng.documents.new_shard()
+    eng.dec.prefill(other, torch.tensor([doc]), piece)
+    same = d.cache.max_len == other.max_len and torch.equal(d.cache.counts, other.counts) and all(
+        torch.equal(x, y) for layer in range(other.num_layers)
+        for x, y in zip(d.cache.view(layer), other.view(layer)))  # k, v, length, positions
+    every = eng.world.all_gather_values([int(same)])
+    return (bool(every.min()), segs, type(d.cache).__name__) if ctx.rank == 0 else None
+
+
+def engine_batch_merges(ctx, job, doc, questions, slots, new):
+    """:func:`engine_batch`, counting every rank's collectives during the batch: rank 0 returns
+    its answers and ``{"all_gather": n, "all_reduce": n}`` of the batch's steps."""
+    from treeattn_cli.parallel.comm import Comm
+
+    counts = {"all_gather": 0, "all_reduce": 0}
+    real = {name: getattr(Comm, name) for name in counts}
+
+    def counted(name):
+        def call(self, *a, **kw):
+            counts[name] += 1
+            return real[name](self, *a, **kw)
+        return call
+
+    for name in counts:
+        setattr(Comm, name, counted(name))
+    try:
+        got = engine_batch(ctx, job, doc, questions, slots, new)
+    finally:
+        for name, fn in real.items():
+            setattr(Comm, name, fn)
+    return (got[0], counts) if ctx.rank == 0 else None
+
+
+def documents_all_pooled(ctx, job, short_docs, short_qs, saved, big, q, new, root):
+    """Every document lives in the rank's block pool (issue 35, item 2). One batch of
+    ``short_qs`` over ``short_docs`` (some shorter than the sequence shards); then, in a pool of
+    8 blocks of 16 tokens, ``saved`` is answered and written through to ``root``, ``big`` takes
+    the pool (``saved`` leaves), and ``q`` over ``saved`` again finds no free blocks: its saved
+    copy waits for them (``big`` leaves) and is loaded into the pool. Every rank returns the
+    kind of each short document's cache; rank 0 also the answers and what became of ``saved``."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.engine.sampling import Sampling
+
+    got, sources = {}, {}
+
+    def emit(kind, p):
+        if kind == "banswer":
+            got[p[0]] = p[1]["token_ids"]
+        elif kind == "bdoc":
+            sources[p[0]] = p[1]["source"]
+
+    base = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
+            "eos_ids": [], "speculate": "off"}
+    real, ctx.emit = ctx.emit, emit
+    out = {}
+    try:
+        eng = Engine(ctx, job)
+        pool = {"pool_blocks": 8, "page": 16}  # (the first document makes the pool)
+        eng.serve([{**base, **pool, "slots": 2, "questions": [{"ids": qq, "doc": {"key": f"s{d}", "ids": short_docs[d]}}
+                                                              for d, qq in short_qs]}])
+        out["short"] = [got.get(i) for i in range(len(short_qs))]
+        out["kinds"] = {k: type(d.cache).__name__ for k, d in eng.documents.resident.items()}
+        out["short_counts"] = {k: d.cache.counts[0].tolist() for k, d in eng.documents.resident.items()}
+        for k in list(eng.documents.resident):
+            eng.documents._evict(k)
+        disk = {"dir": str(root), "save": True, **pool,
+                "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
+        for name, ids in (("saved", saved), ("big", big), ("saved", saved)):
+            got.clear()
+            sources.clear()
+            eng.serve([{**base, **disk, "slots": 1, "questions": [{"ids": q, "doc": {"key": name, "ids": ids}}]}])
+            out.setdefault("answers", []).append(got.get(0))
+            out.setdefault("sources", []).append(sources.get(0))
+        d = eng.documents.resident.get("saved")
+        out["saved_kind"] = type(d.cache).__name__ if d is not None else None
+        out["big_resident"] = "big" in eng.documents.resident
+        eng.serve([{"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return out if ctx.rank == 0 else {"kinds": out.get("kinds"), "saved_kind": out.get("saved_kind")}

@@ -15,8 +15,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
-import dist_cases
 from helpers import assert_usage_error, cli
 from treeattn_cli.cli import citations as C
 from treeattn_cli.engine.cite import cite_layers
@@ -24,6 +22,7 @@ from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
+from ranks import triton_path
 
 NEW = 10
 SPANS = [[4, 12], [12, 30], [35, 47], [47, 53]]  # of the document's positions, with a gap (30-35) and a tail
@@ -92,7 +91,7 @@ def test_citation_masses_are_transformers_attention(models, world, tp):
             sessions.append((EngineJob(str(m), [], dtype="float32", max_new_tokens=NEW, reserve=256),
                              [{"op": "append", "ids": prompt}, _decode(prompt, "ngram:4"), {"op": "stop"}]))
             expect.append([(kind, prompt, None, False)])
-    got = run_local(dist_cases.cite_sessions, world, sessions, timeout_s=300)[0]
+    got = run_local(cite_sessions, world, sessions, timeout_s=300)[0]
     paths = {k: v[0] for k, v in models.items()}
     for answers, want in zip(got, expect):
         for rec, (kind, ids, layers, drafts) in zip(answers, want):
@@ -318,7 +317,7 @@ def test_the_gpu_path_cites_through_the_triton_kernels(tiny):
                    {"op": "stop"}])
     for session, kernel, want in ((dense, "partial_attention_triton", [(doc + q, spans), (doc + q, spans), None]),
                                   (paged, "partial_attention_triton_paged", [(doc + q, spans), (other + q[:3], [[4, 20]])])):
-        per_rank = run_local(dist_cases.triton_cite_sessions, 2, [session], kernel, timeout_s=600)
+        per_rank = run_local(triton_cite_sessions, 2, [session], kernel, timeout_s=600)
         answers = per_rank[0][0][0]
         assert all(n >= new - 1 for _, n in per_rank), per_rank  # the kernel ran on every rank
         for rec, w in zip(answers, want):
@@ -330,3 +329,39 @@ def test_the_gpu_path_cites_through_the_triton_kernels(tiny):
             assert toks == tiny_models.hf_greedy(llama, ids, new)
             oracle = attention_masses(llama, ids + toks, len(ids), len(toks) - 1, sp, [0])
             assert np.abs(np.asarray(rec["cite"]) - oracle).max() < 1e-5, kernel
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def cite_sessions(ctx, sessions):
+    """For each ``(job, requests)``: an engine on these ranks serving ``requests``; rank 0 returns,
+    per session, every answer's record (``answer`` events, then ``banswer`` ones in question order)
+    with its ``token_ids``, ``cite`` masses and ``speculation``."""
+    from treeattn_cli.engine.engine import Engine
+
+    out = []
+    for job, requests in sessions:
+        got, batch = [], {}
+
+        def emit(kind, p, got=got, batch=batch):
+            if kind == "answer":
+                got.append(p)
+            elif kind == "banswer":
+                batch[p[0]] = p[1]
+
+        real, ctx.emit = ctx.emit, emit
+        try:
+            Engine(ctx, job).serve(requests)
+        finally:
+            ctx.emit = real
+        out.append(got + [batch[i] for i in sorted(batch)])
+    return out if ctx.rank == 0 else None
+
+
+def triton_cite_sessions(ctx, sessions, kernel):
+    """:func:`cite_sessions` with ``TREEATTN_KERNEL=triton`` and ``partial_triton.<kernel>`` counted:
+    rank 0 returns the sessions' answers, every rank how many times the kernel ran."""
+    with triton_path(kernel) as calls:
+        got = cite_sessions(ctx, sessions)
+    return got, calls[0]

@@ -5,9 +5,18 @@ from __future__ import annotations
 import time
 
 import pytest
-
-import dist_cases
 from treeattn_cli.parallel.launch import LaunchError, run_local
+import os
+import signal
+from pathlib import Path
+import torch
+from treeattn_cli.parallel.comm import Stats
+from treeattn_cli.parallel.comm import make_comm
+from treeattn_cli.engine.prefill import ring_prefill
+from treeattn_cli.parallel.ring import chunk_bounds
+from treeattn_cli.parallel.ring import ring_decode
+from treeattn_kernels import partial_attention
+from treeattn_kernels import partial_attention_ref
 
 TOL_REL = {"float32": 1e-5, "bfloat16": 1e-2}
 
@@ -15,7 +24,7 @@ TOL_REL = {"float32": 1e-5, "bfloat16": 1e-2}
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_scheme_and_ring_decode_equal_one_rank(world, seed):
     groups = [[0, 1], [2, 3]] if world == 4 else ([[0], [1, 2]] if world == 3 else None)
-    per_rank = run_local(dist_cases.decode_schemes, world, seed & 0xFFFFFF, groups, timeout_s=60)
+    per_rank = run_local(decode_schemes, world, seed & 0xFFFFFF, groups, timeout_s=60)
     methods = set()
     for rows in per_rank:
         for case, method, o_err, lse_err, same in rows:
@@ -31,7 +40,7 @@ def test_every_scheme_and_ring_decode_equal_one_rank(world, seed):
 
 def test_allreduce_counts_two_collectives_and_formula_bytes():
     B, H, d = 3, 8, 64
-    for snap in run_local(dist_cases.allreduce_accounting, 2, B, H, d, timeout_s=60):
+    for snap in run_local(allreduce_accounting, 2, B, H, d, timeout_s=60):
         assert snap["collectives"] == 2
         assert snap["by_op"] == {"all_reduce_max": 1, "all_reduce_sum": 1}
         assert snap["bytes_sent"] == 4 * B * H * (d + 2)
@@ -39,7 +48,7 @@ def test_allreduce_counts_two_collectives_and_formula_bytes():
 
 def test_ring_bytes_grow_with_shard_and_move_kv_heads_only():
     B, H_kv, N, d, p = 1, 2, 40, 32, 3
-    for snap in run_local(dist_cases.ring_accounting, p, B, H_kv, N, d, timeout_s=60):
+    for snap in run_local(ring_accounting, p, B, H_kv, N, d, timeout_s=60):
         block = 2 * B * H_kv * N * d * 4 + B * 8  # K and V (fp32, H_kv heads) and the lengths
         assert snap["bytes_sent"] == (p - 1) * block
         assert snap["peak_mem_bytes"] == 2 * block  # double buffer
@@ -50,7 +59,7 @@ def test_ring_prefill_equals_single_device_causal(world, seed):
     """Balanced and contiguous pieces, windows, prompts shorter than 2p and not divisible by it,
     with a cache before the segment (travelling, or visited by the queries)."""
     lengths = [1, world - 1, 2 * world - 1, 2 * world + 1, 37]
-    for rows in run_local(dist_cases.prefill_cases, world, seed & 0xFFFFFF, lengths, timeout_s=60):
+    for rows in run_local(prefill_cases, world, seed & 0xFFFFFF, lengths, timeout_s=60):
         assert len(rows) == len(lengths) * 12
         for n, sharding, window, cached, o_err, lse_err in rows:
             assert o_err <= 1e-5 and lse_err <= 1e-5, (world, n, sharding, window, cached, o_err, lse_err)
@@ -64,7 +73,7 @@ def test_failing_rank_is_named_on_every_rank_within_timeout(how, tmp_path):
     allowance for a loaded 2-core machine's teardown."""
     timeout, stamp = 8.0, tmp_path / "failed-at"
     with pytest.raises(LaunchError) as ei:
-        run_local(dist_cases.fail_mid_step, 3, 1, how, str(stamp), timeout_s=timeout)
+        run_local(fail_mid_step, 3, 1, how, str(stamp), timeout_s=timeout)
     elapsed = time.time() - float(stamp.read_text())
     assert elapsed < timeout + 5 + 15, elapsed  # the timeout, the launcher's grace, teardown
     msg = str(ei.value)
@@ -89,7 +98,7 @@ def test_only_comm_touches_torch_distributed():
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_ring_decode_never_writes_its_inputs(world, seed):
-    assert all(run_local(dist_cases.ring_leaves_inputs_alone, world, seed & 0xFFFFFF, timeout_s=60))
+    assert all(run_local(ring_leaves_inputs_alone, world, seed & 0xFFFFFF, timeout_s=60))
 
 
 def test_store_descriptor_lives_exactly_as_long_as_the_store():
@@ -141,8 +150,8 @@ def test_store_descriptor_lives_exactly_as_long_as_the_store():
 
 def test_a_failed_run_does_not_break_the_next_one():
     with pytest.raises(LaunchError) as ei:
-        run_local(dist_cases.fail_mid_step, 2, 1, "raise", timeout_s=8)
-    assert run_local(dist_cases.rank_and_world, 2, timeout_s=8) == [(0, 2), (1, 2)]  # timeout_s bounds it
+        run_local(fail_mid_step, 2, 1, "raise", timeout_s=8)
+    assert run_local(rank_and_world, 2, timeout_s=8) == [(0, 2), (1, 2)]  # timeout_s bounds it
     assert "rank 1 failed" in str(ei.value)
 
 
@@ -160,14 +169,14 @@ def test_host_numbers_travel_on_the_groups_device():
     c.all_gather = lambda t: (seen.append((t.device.type, t.dtype)), torch.zeros(2, t.numel()))[1]
     assert c.all_gather_values([1, 2.5]).device.type == "cpu"
     assert seen == [("meta", torch.float64)]
-    rows = run_local(dist_cases.gather_values, 3, timeout_s=30)
+    rows = run_local(gather_values, 3, timeout_s=30)
     assert all(r == [[0, 0, 7], [1, 0.5, 7], [2, 1.0, 7]] for r in rows)
 
 
 def test_decisions_are_taken_together():
     """A CUDA-graph capture that fails on one rank makes every rank decode eagerly: the
     decision is ``Comm.all_true`` of the ranks' outcomes (here rank 2 vetoes)."""
-    assert run_local(dist_cases.agree, 3, 2, timeout_s=30) == [(True, False)] * 3
+    assert run_local(agree, 3, 2, timeout_s=30) == [(True, False)] * 3
 
 
 def test_blocked_survivors_are_stopped_soon_after_a_rank_fails(tmp_path):
@@ -177,7 +186,7 @@ def test_blocked_survivors_are_stopped_soon_after_a_rank_fails(tmp_path):
     bound far below the 300 s timeout shows the launcher did it)."""
     stamp = tmp_path / "failed-at"
     with pytest.raises(LaunchError) as ei:
-        run_local(dist_cases.fail_while_others_block, 3, str(stamp), timeout_s=300)
+        run_local(fail_while_others_block, 3, str(stamp), timeout_s=300)
     assert time.time() - float(stamp.read_text()) < 35
     assert "rank 0 failed: RuntimeError: CUDA error" in str(ei.value)
 
@@ -219,7 +228,175 @@ def test_ctrl_c_while_ranks_start_leaves_none_behind(monkeypatch):
 
     monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start", start_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        run_local(dist_cases.rank_and_world, 2, timeout_s=30)
+        run_local(rank_and_world, 2, timeout_s=30)
     assert len(started) == 2  # held until the start loop ended: no rank half-made
     assert forkserver._forkserver._forkserver_pid is not None
     assert not still_running(started, within=3)  # stopped by run_local, not by its 30 s timeout
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def shard_sizes(N, world, seed):
+    """Uneven sizes summing to N; rank 1 (if any) holds zero tokens."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(world, generator=g) + 0.2
+    if world > 1:
+        w[1] = 0
+    sizes = (w / w.sum() * N).floor().long()
+    sizes[0] += N - sizes.sum()
+    return sizes.tolist()
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    fin = torch.isfinite(b)
+    assert torch.equal(fin, torch.isfinite(a)), "inf pattern differs"
+    return ((a - b).abs()[fin].max() / max(1.0, b.abs()[fin].max())).item() if fin.any() else 0.0
+
+
+def decode_schemes(ctx, seed, groups=None):
+    """Every flat scheme, hierarchical (if groups) and ring decode vs the one-rank oracle.
+
+    Returns rows (case, method, o_err, lse_err, o_bits_digest)."""
+    comms = {s: make_comm(s) for s in ("allreduce", "allgather", "tree")}
+    if groups:
+        for inner in ("allreduce", "tree", "allgather"):
+            for outer in ("tree", "allreduce"):
+                comms[f"hier-{inner}-{outer}"] = make_comm("hierarchical", groups, inner, outer)
+    rows = []
+    for B in (1, 3):
+        for G in (1, 4):
+            for dtype in (torch.float32, torch.bfloat16):
+                case = f"B{B}-G{G}-{str(dtype)[6:]}"
+                gen = torch.Generator().manual_seed(seed + B * 100 + G * 10 + (dtype == torch.bfloat16))
+                H_kv, d, N = 2, 64, 67
+                q = torch.randn(B, G * H_kv, 1, d, generator=gen).to(dtype)
+                k = torch.randn(B, H_kv, N, d, generator=gen).to(dtype)
+                v = torch.randn(B, H_kv, N, d, generator=gen).to(dtype)
+                o_ref, lse_ref = partial_attention_ref(q, k, v)
+                sizes = shard_sizes(N, ctx.world, seed)
+                a = sum(sizes[: ctx.rank])
+                ks, vs = k[:, :, a:a + sizes[ctx.rank]], v[:, :, a:a + sizes[ctx.rank]]
+                o_i, lse_i = partial_attention(q, ks, vs)
+                outs = {name: c.merge(o_i, lse_i) for name, c in comms.items()}
+                outs["ring"] = ring_decode(comms["allreduce"], q, ks, vs)
+                for name, (o, lse) in outs.items():
+                    every = comms["allgather"].all_gather(torch.cat([o, lse[..., None]], -1))
+                    same = all(torch.equal(every[0], e) for e in every)
+                    rows.append((case, name, rel_err(o.to(dtype), o_ref), rel_err(lse, lse_ref), same))
+    return rows
+
+
+def allreduce_accounting(ctx, B, H, d):
+    stats = Stats(enabled=True)
+    c = make_comm("allreduce", stats=stats)
+    o, lse = torch.randn(B, H, 1, d), torch.randn(B, H, 1)
+    stats.reset()
+    c.merge(o, lse)
+    return stats.snapshot()
+
+
+def ring_accounting(ctx, B, H_kv, N, d):
+    stats = Stats(enabled=True)
+    c = make_comm("allreduce", stats=stats)
+    q, k, v = torch.randn(B, 4 * H_kv, 1, d), torch.randn(B, H_kv, N, d), torch.randn(B, H_kv, N, d)
+    stats.reset()
+    ring_decode(c, q, k, v, shard_lens=[N] * ctx.world)
+    return stats.snapshot()
+
+
+def prefill_cases(ctx, seed, lengths):
+    """Ring prefill (pass-KV) of prompts of each length, balanced and contiguous pieces, with and
+    without a window, vs single-device causal attention; and after a cache (the cache travelling
+    with pass-KV, or the queries with pass-Q). Rows (n, sharding, window, cached, o_err, lse_err)."""
+    from treeattn_cli.engine.prefill import positions, ring_pass_q, shard
+    from treeattn_cli.parallel.merge import merge_pair
+
+    c = make_comm("allreduce")
+    rows = []
+    for n in lengths:
+        for sharding in ("balanced", "contiguous"):
+            for window in (None, 5):
+                for cached in (0, 1, 9):  # 1: most ranks hold no cached token
+                    gen = torch.Generator().manual_seed(seed + n)
+                    B, H_kv, G, d = 2, 2, 3, 64
+                    N = cached + n
+                    q = torch.randn(B, G * H_kv, N, d, generator=gen)
+                    k = torch.randn(B, H_kv, N, d, generator=gen)
+                    v = torch.randn(B, H_kv, N, d, generator=gen)
+                    pos = torch.arange(N)
+                    o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=pos, k_pos=pos, window=window)
+                    pieces = shard(cached, n, ctx.world, balanced=sharding == "balanced")
+                    mine = positions(pieces[ctx.rank])
+                    cb = chunk_bounds(cached, ctx.world)  # the cache: contiguous shards of the first tokens
+                    ck, cv = k[:, :, cb[ctx.rank]:cb[ctx.rank + 1]], v[:, :, cb[ctx.rank]:cb[ctx.rank + 1]]
+                    lens = [cb[i + 1] - cb[i] for i in range(ctx.world)]
+                    travel = cached and window is None
+                    o, lse = ring_prefill(c, q[:, :, mine], k[:, :, mine], v[:, :, mine], pieces, window=window,
+                                          cache=(ck, cv) if travel else None, cache_lens=lens if travel else None)
+                    if cached and not travel:
+                        kpos = torch.arange(cb[ctx.rank], cb[ctx.rank + 1]).expand(B, -1)
+                        po, pl = ring_pass_q(c, q[:, :, mine], ck, cv, torch.full((B,), ck.shape[2]), pieces,
+                                             k_pos=kpos, window=window)
+                        o, lse = merge_pair(o, lse, po, pl)
+                    err = (rel_err(o, o_ref[:, :, mine]), rel_err(lse, lse_ref[:, :, mine])) if len(mine) else (0.0, 0.0)
+                    rows.append((n, sharding, window, cached, *err))
+    return rows
+
+
+def fail_mid_step(ctx, bad_rank, how, stamp=None):
+    """Merge once fine, then ``bad_rank`` raises (or is SIGKILLed) while the others merge;
+    ``stamp``: a file where it writes the time it fails (the event a deadline counts from)."""
+    c = make_comm("allreduce")
+    o, lse = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1)
+    c.merge(o, lse)
+    if ctx.rank == bad_rank:
+        if stamp is not None:
+            Path(stamp).write_text(repr(time.time()))
+        if how == "raise":
+            raise ValueError("boom in layer 3")
+        os.kill(os.getpid(), signal.SIGKILL)
+    c.merge(o, lse)
+    c.merge(o, lse)
+    return "survived"
+
+
+def ring_leaves_inputs_alone(ctx, seed):
+    """Ring decode must not write into the caller's K/V/lengths (they may be the cache)."""
+    from treeattn_cli.parallel.comm import make_comm
+
+    c = make_comm("allreduce")
+    g = torch.Generator().manual_seed(seed + ctx.rank)
+    k, v = torch.randn(1, 2, 9, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g)
+    kv_len = torch.tensor([9 - ctx.rank])
+    before = (k.clone(), v.clone(), kv_len.clone())
+    ring_decode(c, torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(seed)), k, v, kv_len,
+                shard_lens=[9] * ctx.world)
+    return all(torch.equal(a, b) for a, b in zip(before, (k, v, kv_len)))
+
+
+def rank_and_world(ctx):
+    return ctx.rank, ctx.world
+
+
+def gather_values(ctx):
+    from treeattn_cli.parallel.comm import make_comm
+
+    return make_comm("allreduce").all_gather_values([ctx.rank, 0.5 * ctx.rank, 7]).tolist()
+
+
+def agree(ctx, veto_rank):
+    """``Comm.all_true``: one rank's False decides for every rank."""
+    c = make_comm("allreduce")
+    return c.all_true(True), c.all_true(ctx.rank != veto_rank)
+
+
+def fail_while_others_block(ctx, stamp=None):
+    """Rank 0 raises; the others sit still, as ranks blocked in an NCCL collective do (they
+    never notice on their own before the collective timeout). ``stamp``: as in fail_mid_step."""
+    if ctx.rank == 0:
+        if stamp is not None:
+            Path(stamp).write_text(repr(time.time()))
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    time.sleep(600)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-import dist_cases
+import ranks
 from helpers import assert_usage_error, cli
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
@@ -40,7 +40,7 @@ def test_every_family_equals_transformers(models, world, tp):
         plan, split = _tp_plan(load_config(paths[k]), tp, False)
         jobs.append(EngineJob(str(paths[k]), IDS, max_new_tokens=NEW, dtype="float32", tp=tp, tp_plan=plan,
                                 tp_heads_split=split, prefill_chunk=9, sampling=Sampling(), speculate="off"))
-    got = run_local(dist_cases.mesh_generate, world, jobs, timeout_s=120)[0]
+    got = run_local(ranks.mesh_generate, world, jobs, timeout_s=120)[0]
     wrong = {k: (toks, want[k]) for k, (toks, _) in zip(FAMILIES, got) if toks != want[k]}
     assert not wrong, wrong
 

@@ -14,8 +14,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
-import dist_cases
 from treeattn_cli.engine import invariance
 from treeattn_cli.parallel.launch import run_local
 from treeattn_kernels import partial_attention_ref
@@ -110,7 +108,7 @@ def test_triton_rows_keep_their_bits_beside_other_rows_and_later_keys():
 def test_sums_over_three_ranks_do_not_see_the_batch(seed):
     """Over 3 ranks a SUM all-reduce need not give a row the same bits in batches of other sizes
     (gloo's ring adds by segment); the merge's sum in rank order always does."""
-    for same, _plain in run_local(dist_cases.rank_order_sums, 3, seed & 0xFFFF, timeout_s=60):
+    for same, _plain in run_local(rank_order_sums, 3, seed & 0xFFFF, timeout_s=60):
         assert same
 
 
@@ -139,7 +137,7 @@ def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
     questions = [tok(q)["input_ids"] for q in QUESTIONS]
     job = EngineJob(str(model), [], dtype="float32", kv_dtype="fp8", max_new_tokens=10,
                       reserve=len(doc) + 64, speculate="off")
-    runs = run_local(dist_cases.invariance_runs, 2, job, doc, questions, 10, timeout_s=600)[0]
+    runs = run_local(invariance_runs, 2, job, doc, questions, 10, timeout_s=600)[0]
     alone = runs["alone"]["answers"]
     for name in ("batch3", "ngram", "batch3+ngram"):
         got = runs[name]["answers"]
@@ -149,3 +147,59 @@ def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
     assert all(b["slots"] == 3 for b in runs["batch3"]["batches"])
     for name in ("ngram", "batch3+ngram"):
         assert sum((a["speculation"] or {}).get("drafted", 0) for a in runs[name]["answers"].values()) > 0, name
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def rank_order_sums(ctx, seed):
+    """Issue 49: each rank's rows summed over the group (``Comm.sum_in_rank_order``) alone, and as
+    one row of batches of 3 and 40 at several places; returns whether every copy of the row got
+    the same bits, and whether a plain SUM all-reduce would have (over 3+ ranks it need not)."""
+    from treeattn_cli.parallel.comm import make_comm
+
+    comm = make_comm("allreduce")
+    g = torch.Generator().manual_seed(seed + 7 * comm.rank)
+    row = torch.randn(1, 9, 65, generator=g) * 1e3  # [1, H, d + 1]: a merge's packed row
+    alone = comm.sum_in_rank_order(row.clone())[0]
+    plain_alone = comm.all_reduce(row.clone(), "sum")[0]
+    same = plain_same = True
+    for n in (3, 40):
+        for at in (0, n // 2, n - 1):
+            batch = torch.randn(n, 9, 65, generator=torch.Generator().manual_seed(seed + n + at + 101 * comm.rank))
+            batch[at] = row[0]
+            same &= bool(torch.equal(comm.sum_in_rank_order(batch.clone())[at], alone))
+            plain_same &= bool(torch.equal(comm.all_reduce(batch.clone(), "sum")[at], plain_alone))
+    return same, plain_same
+
+
+def invariance_runs(ctx, job, doc, questions, new):
+    """The same questions over one document (the pool, 2 ranks): each alone (a batch of one, no
+    drafts), then as ``chat --batch 3``, ``--batch 1 --speculate ngram:4`` and both; rank 0
+    returns each run's answers (digests of each token's logits, tokens, speculation) and its
+    batch records."""
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    spec = {"key": "doc", "ids": doc}
+    common = {"max_new_tokens": new, "sampling": {}, "stop": [], "eos_ids": [], "digest": True,
+              "pool_for": len(doc)}
+    runs = {"alone": [[i] for i in range(len(questions))], "batch3": [list(range(len(questions)))],
+            "ngram": [[i] for i in range(len(questions))], "batch3+ngram": [list(range(len(questions)))]}
+    out = {}
+    for name, groups in runs.items():
+        answers, batches = {}, []
+
+        def emit(kind, p):
+            if kind == "banswer":
+                answers[order[p[0]]] = p[1]
+            elif kind == "batch_done":
+                batches.append(p)
+
+        ctx.emit = emit
+        for order in groups:
+            eng.serve([{"op": "batch", "questions": [{"ids": questions[i], "doc": spec} for i in order],
+                        "slots": min(3, len(order)), "speculate": "ngram:4" if "ngram" in name else "off",
+                        **common}])
+        out[name] = {"answers": answers, "batches": batches}
+    return out if ctx.rank == 0 else None

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-import dist_cases
+import ranks
 from helpers import assert_usage_error, attention_f64, cli, copying_question
 from treeattn_cli.engine.pool import BlockPool
 from treeattn_cli.engine.job import EngineJob
@@ -194,7 +194,7 @@ def test_fp8_cache_is_exact_to_its_rounding_on_every_route(models, world):
                 _session(m, "fp8", world, None, speculate="ngram:4", batch=True, copying=copying)]
     if world == 3:
         sessions.append(_session(models["gemma2"], "fp8", world))
-    got = run_local(dist_cases.engine_sessions_full, world, sessions, timeout_s=120)[0]
+    got = run_local(ranks.engine_sessions_full, world, sessions, timeout_s=120)[0]
     want = _oracle(m, "fp8", lengths)
     batch_want = _oracle(m, "fp8", [3, 9, 1])
     copied = tiny_models.hf_greedy(m, DOC + copying, NEW, kv_round=rnd)

@@ -368,12 +368,11 @@ def test_a_cached_prefix_taken_shorter_is_copied_or_loses_its_key_before_a_write
 def test_every_rank_makes_a_pool_of_the_same_blocks(spec):
     """``--kv-memory`` as a fraction of each rank's free memory, or bytes: the ranks agree on
     the smallest rank's count of blocks, so admission counts one pool size."""
-    import dist_cases
     from treeattn_cli.parallel.launch import run_local
 
     per = BlockPool.bytes_per_block(2, 2, 16, 16, torch.float32)
     free = [3_000 * per, 1_000 * per]  # rank 1 has a third of rank 0's free memory
-    made = run_local(dist_cases.pool_agreement, 2, spec, free, timeout_s=60)
+    made = run_local(pool_agreement, 2, spec, free, timeout_s=60)
     want = 500 if "pool_fraction" in spec else (1 << 20) // per
     assert [m["blocks"] for m in made] == [want, want]
     assert [m["free"] for m in made] == free and made[0]["bytes"] == want * per
@@ -425,3 +424,25 @@ def test_a_shard_of_consecutive_blocks_is_read_in_place(fp8):
     k, _, _, _ = c.view(0)
     assert torch.equal(k, gather_pages(pool.k[0], tables_tensor([c.table])[0]))
     assert k.untyped_storage().data_ptr() != pool.k[0].untyped_storage().data_ptr()  # gathered: a copy
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def pool_agreement(ctx, spec, free_by_rank):
+    """``Documents.make_pool(spec)`` on every rank, each rank told it has ``free_by_rank[rank]``
+    bytes free; returns what each rank made (``{blocks, page, bytes, free}``)."""
+    from types import SimpleNamespace
+
+    from treeattn_cli.engine import documents as D
+    from treeattn_cli.engine import pool_sizing
+    from treeattn_cli.engine.pool import KVFormat
+    from treeattn_cli.parallel import comm as C
+
+    world = C.Comm()
+    kv = KVFormat(2, 2, 16, torch.float32, None, torch.device("cpu"))
+    pool_sizing.free_memory = lambda device, ranks=1: free_by_rank[ctx.rank]
+    docs = D.Documents(SimpleNamespace(kv=kv, world=world))
+    made = docs.make_pool(spec)
+    assert docs.pool.num_blocks == made["blocks"] and docs.make_pool({"pool": 1}) == made  # made once
+    return made

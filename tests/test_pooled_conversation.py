@@ -6,8 +6,6 @@ pool cannot hold leaves the conversation as it was before that question."""
 from __future__ import annotations
 
 import pytest
-
-import dist_cases
 from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
@@ -35,7 +33,7 @@ def model(tiny):
 @pytest.mark.parametrize("world", [1, 2])
 def test_kept_turns_join_the_document_and_answer_as_transformers(model, world):
     job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
-    got = run_local(dist_cases.pooled_conversation, world, job, DOC, QUESTIONS, NEW, None, 16, timeout_s=120)[0]
+    got = run_local(pooled_conversation, world, job, DOC, QUESTIONS, NEW, None, 16, timeout_s=120)[0]
     answers = [t["tokens"] for t in got["turns"]]
     for prompt, a in zip(conversation(DOC, QUESTIONS, answers), answers):
         assert a == tiny_models.hf_greedy(model, prompt, NEW)
@@ -64,7 +62,7 @@ def test_a_turn_the_pool_cannot_hold_leaves_the_conversation_as_it_was(model):
     first alone."""
     job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
     qs = [QUESTIONS[0], [(5 * i + 1) % 230 + 20 for i in range(40)], QUESTIONS[1]]
-    got = run_local(dist_cases.pooled_conversation, 1, job, DOC, qs, NEW, -(-len(DOC) // 16) + 1 + 3, 16,
+    got = run_local(pooled_conversation, 1, job, DOC, qs, NEW, -(-len(DOC) // 16) + 1 + 3, 16,
                     timeout_s=120)[0]
     first, second, third = got["turns"]
     assert first["kept"] and not second["kept"] and third["kept"], got
@@ -81,7 +79,7 @@ def test_a_kept_question_goes_to_the_ranks_that_hold_the_fewest_of_the_document(
     (placed as if the document held nothing, they would start on rank 0: [82, 80])."""
     job = EngineJob(str(model), [], dtype="float32", max_new_tokens=1)
     doc = DOC + [77, 78, 79]
-    got = run_local(dist_cases.pooled_conversation, 2, job, doc, [QUESTIONS[0]], 1, None, 16, timeout_s=120)[0]
+    got = run_local(pooled_conversation, 2, job, doc, [QUESTIONS[0]], 1, None, 16, timeout_s=120)[0]
     (turn,) = got["turns"]
     assert turn["kept"] and turn["doc_tokens"] == len(doc) + len(QUESTIONS[0]), got
     assert max(turn["counts"]) - min(turn["counts"]) <= 1, turn["counts"]
@@ -89,6 +87,75 @@ def test_a_kept_question_goes_to_the_ranks_that_hold_the_fewest_of_the_document(
 
 def test_a_batch_keeps_at_most_one_question_per_document(model):
     job = EngineJob(str(model), [], dtype="float32", max_new_tokens=3)
-    got = run_local(dist_cases.two_kept_questions, 1, job, DOC, timeout_s=120)[0]
+    got = run_local(two_kept_questions, 1, job, DOC, timeout_s=120)[0]
     assert got["error"] and "at most one question per document" in got["error"], got
     assert got["after"] == got["before"] == len(DOC), got
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def pooled_conversation(ctx, job, doc, questions, new, pool_blocks=None, page=None):
+    """``chat --conversation`` over the block pool: the document made resident (a request with
+    nothing to answer), marked, then each question a batch request of one whose question and
+    answer are kept (they join the document: ``documents.Documents.keep``); then back to the
+    mark (``/reset``) and the first question again. Rank 0 returns each answer's tokens and
+    ``kept``, the document's tokens and the pool's used blocks after each, the engine's own
+    cache's tokens (nothing goes there), and the tokens the document's shard holds against its
+    ids (every rank and-ed: ``consistent``)."""
+    import torch
+
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    spec = {"key": "conv", "ids": list(doc), "piece": -(-len(doc) // eng.mesh.cp)}
+    pool = {"pool_blocks": pool_blocks} if pool_blocks else {"pool_for": len(doc), "grow": True}
+    pool.update({"page": page} if page else {})
+    got = []
+    real, ctx.emit = ctx.emit, lambda kind, p: got.append(p[1]) if kind == "banswer" else None
+    common = {"slots": 1, "sampling": {}, "stop": [], "eos_ids": [], "max_new_tokens": new, **pool}
+
+    def ask(q):
+        eng.serve([{"op": "batch", "questions": [{"ids": list(q), "doc": spec, "keep": True}], **common}])
+        d = eng.documents.resident["conv"]
+        consistent = int(d.cache.counts[0].sum()) == len(d.ids) and \
+            int(d.cache.counts[0][eng.mesh.cp_index]) == d.cache.max_len
+        return {"tokens": got[-1]["token_ids"] if eng.lead else None, "kept": got[-1].get("kept") if eng.lead else None,
+                "doc_tokens": len(d.ids), "used": eng.documents.pool.used,
+                "consistent": eng.world.all_true(consistent), "pending": d.pending, "counts": d.cache.counts[0].tolist()}
+
+    try:
+        eng.serve([{"op": "batch", "questions": [{"ids": [], "doc": spec, "max_new_tokens": 0}], **common},
+                   {"op": "mark", "name": "doc", "doc": "conv"}])
+        start = {"doc_tokens": len(eng.documents.resident["conv"].ids), "used": eng.documents.pool.used}
+        turns = [ask(q) for q in questions]
+        eng.serve([{"op": "rollback", "name": "doc", "doc": "conv"}])
+        reset = {"doc_tokens": len(eng.documents.resident["conv"].ids), "used": eng.documents.pool.used}
+        again = ask(questions[0])
+    finally:
+        ctx.emit = real
+    own = len(eng.ids)
+    del torch
+    return {"start": start, "turns": turns, "reset": reset, "again": again, "own_cache_tokens": own,
+            "pool_blocks": eng.documents.pool.num_blocks} if eng.lead else None
+
+
+def two_kept_questions(ctx, job, doc):
+    """A batch keeping two questions over one document: refused before anything runs (the second
+    would be answered without the first's turn and fed the same pending token). Rank 0 returns
+    the error and the document's tokens before and after."""
+    from treeattn_cli.engine.engine import Engine
+
+    eng = Engine(ctx, job)
+    spec = {"key": "conv", "ids": list(doc), "piece": len(doc)}
+    common = {"slots": 2, "sampling": {}, "stop": [], "eos_ids": [], "max_new_tokens": 3, "pool_for": len(doc),
+              "grow": True}
+    eng.serve([{"op": "batch", "questions": [{"ids": [], "doc": spec, "max_new_tokens": 0}], **common}])
+    before = len(eng.documents.resident["conv"].ids)
+    try:
+        eng.serve([{"op": "batch", "questions": [{"ids": [21, 22], "doc": spec, "keep": True},
+                                                 {"ids": [23], "doc": spec, "keep": True}], **common}])
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return {"error": err, "before": before, "after": len(eng.documents.resident["conv"].ids)} if eng.lead else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import dist_cases
+import ranks
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
@@ -62,7 +62,7 @@ def test_four_ranks_both_shardings_chunked_or_not_equal_transformers(llama):
     cases = [(n, c, s) for n in (3, 7, 37) for c in (None, 1) for s in ("balanced", "contiguous")]
     jobs = [EngineJob(str(llama), _ids(n), max_new_tokens=6, dtype="float32", prefill_chunk=c,
                         prefill_sharding=s, sampling=Sampling(), speculate="off") for n, c, s in cases]
-    res = run_local(dist_cases.mesh_generate, 4, jobs, timeout_s=180)[0]
+    res = run_local(ranks.mesh_generate, 4, jobs, timeout_s=180)[0]
     want = {n: tiny_models.hf_greedy(llama, _ids(n), 6) for n in (3, 7, 37)}
     methods = set()
     for (n, c, s), (toks, summary) in zip(cases, res):
@@ -77,7 +77,7 @@ def test_balanced_prefill_spreads_attention_flops_evenly(llama):
     (contiguous: the last rank does 1.6x the mean, a pipeline)."""
     jobs = [EngineJob(str(llama), _ids(256), max_new_tokens=1, dtype="float32", prefill_sharding=s,
                         sampling=Sampling(), speculate="off") for s in ("balanced", "contiguous")]
-    res = run_local(dist_cases.mesh_generate, 4, jobs, timeout_s=120)[0]
+    res = run_local(ranks.mesh_generate, 4, jobs, timeout_s=120)[0]
     ratio = {}
     for (toks, summary), s in zip(res, ("balanced", "contiguous")):
         (seg,) = summary["prefill_segments"]

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-import dist_cases
+import ranks
 from helpers import cli
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
@@ -55,7 +55,7 @@ def test_short_appends_after_a_cached_prefix_are_exact(models, world, tp):
         for route in routes:
             sessions.append(_session(m, cp, tp, route, (cp, cp + 1)))
             expect.append([tiny_models.hf_greedy(m, DOC + _cont(k), NEW) for k in (cp, cp + 1)])
-    got = run_local(dist_cases.engine_sessions, world, sessions, timeout_s=60)[0]
+    got = run_local(ranks.engine_sessions, world, sessions, timeout_s=60)[0]
     assert got == expect
 
 

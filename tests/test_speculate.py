@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dist_cases
+import ranks
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.engine.speculate import AUTO_K, PAUSE, Drafter, Speculation, accept, parse
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
+import os
+from ranks import fake_cuda_graphs
 
 NEW = 24
 
@@ -57,7 +59,7 @@ def test_speculation_equals_greedy(copy_heavy, world, tp):
     # reference the pooled answers are checked against, and the ring baseline's)
     n = len(jobs)
     jobs, want = jobs + jobs, want + want
-    got = run_local(dist_cases.mesh_generate, world, jobs, set(range(n, 2 * n)), timeout_s=180)[0]
+    got = run_local(ranks.mesh_generate, world, jobs, set(range(n, 2 * n)), timeout_s=180)[0]
     for (kind, spec, greedy), (toks, summary) in zip(want, got):
         assert toks == greedy, (kind, spec)
         s = summary["speculation"]
@@ -77,7 +79,7 @@ def test_batched_slots_draft_and_accept_on_their_own(copy_heavy):
     doc, qs = prompt[:-17], [prompt[-17:], prompt[-17:-5], prompt[3:9], prompt[-4:]]
     want = [tiny_models.hf_greedy(m, doc + q, 12) for q in qs]
     job = EngineJob(str(m), [], dtype="float32", max_new_tokens=12)
-    got, done, spec = run_local(dist_cases.engine_batch, 2, job, doc, qs, 3, 12, "ngram:4", timeout_s=60)[0]
+    got, done, spec = run_local(ranks.engine_batch, 2, job, doc, qs, 3, 12, "ngram:4", timeout_s=60)[0]
     assert got == want
     # the slots drafted (from the document and their own answers) and kept some: the feature was on
     assert all(s["mode"] == "ngram" and s["drafted"] > 0 for s in spec), spec
@@ -223,7 +225,7 @@ def test_captured_verifies_replay_and_keep_the_greedy_tokens(copy_heavy):
     m, prompt, greedy = copy_heavy["llama"]
     for world in (2,):
         job = EngineJob(str(m), [], max_new_tokens=NEW, dtype="float32", static=True)
-        toks, spec, steps, verifies, captures, note = run_local(dist_cases.graph_speculate, world, job, prompt, [],
+        toks, spec, steps, verifies, captures, note = run_local(graph_speculate, world, job, prompt, [],
                                                                 NEW, "ngram:4", timeout_s=300)[0]
         assert toks == greedy, world
         assert note is None, note
@@ -239,9 +241,39 @@ def test_captured_batched_verifies_keep_each_questions_tokens(copy_heavy):
     doc, qs = prompt[:-17], [prompt[-17:], prompt[-17:-5], prompt[3:9]]
     want = [tiny_models.hf_greedy(m, doc + q, 12) for q in qs]
     job = EngineJob(str(m), [], dtype="float32", max_new_tokens=12, static=True)
-    got, done, spec = run_local(dist_cases.engine_batch, 2, job, doc, qs, 2, 12, "ngram:4", None, True,
+    got, done, spec = run_local(ranks.engine_batch, 2, job, doc, qs, 2, 12, "ngram:4", None, True,
                                 timeout_s=300)[0]
     assert got == want
     assert sum(s["accepted"] for s in spec) > 0 and any(s["drafted"] > s["accepted"] for s in spec), spec
     d = done[0]
     assert d["graph_note"] is None and d["verify_graph_replays"] >= 3, d
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def graph_speculate(ctx, job, doc, question, new, speculate):
+    """One answer with drafts under (stand-in) CUDA graphs (:func:`fake_cuda_graphs`): its plain
+    steps and its verifies replayed. Rank 0 returns the tokens, the answer's speculation record,
+    and how many plain steps and verifies were replayed and graphs captured (step, verify)."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.sampling import Sampling
+
+    eng = Engine(ctx, job)
+    dec = eng.dec
+    fake_cuda_graphs(dec, ctx.rank)
+    answers = []
+    real = ctx.emit
+    ctx.emit = lambda kind, payload: answers.append(payload) if kind == "answer" else None
+    try:
+        eng.serve([{"op": "append", "ids": doc + question},
+                   {"op": "decode", "seq": 0, "max_new_tokens": new, "sampling": vars(Sampling()), "keep": False,
+                    "speculate": speculate}, {"op": "stop"}])
+    finally:
+        ctx.emit = real
+        os.environ.pop("TREEATTN_KERNEL", None)
+    if ctx.rank != 0:
+        return None
+    a, bd = answers[0], eng.bd  # (the batch loop's graphs: a single answer is a batch of one)
+    return (a["token_ids"], a.get("speculation"), bd.graphs.replays, bd.verify_graphs.replays,
+            (bd.graphs.captures, bd.verify_graphs.captures), bd.graphs.note or bd.verify_graphs.note)

@@ -13,13 +13,16 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-import dist_cases
+import ranks
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.engine.model import load_tokenizer
 from treeattn_cli.engine.job import EngineJob
 from helpers import assert_usage_error, cli
+import os
+import torch
+from ranks import fake_cuda_graphs
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 FAMILIES = ("llama", "qwen3", "gemma2")  # GQA; q/k norms and tied embeddings; window + softcap
@@ -55,7 +58,7 @@ def test_mesh_tokens_equal_transformers(models, world, tp):
     chunks = (None, 5)
     full_bytes = {k: sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(models[k]).parameters())
                   for k in FAMILIES}
-    res = run_local(dist_cases.mesh_generate, world, _jobs(models, tp, n, chunks), timeout_s=180)[0]
+    res = run_local(ranks.mesh_generate, world, _jobs(models, tp, n, chunks), timeout_s=180)[0]
     i = 0
     for k in FAMILIES:
         for c in chunks:
@@ -74,7 +77,7 @@ def test_weights_are_sharded_and_collectives_counted(models, tp):
     input columns; embeddings and LM head by vocabulary) and one decode step runs, per layer,
     the two tensor-parallel all-reduces (o_proj, down_proj) and the two of the tree merge
     (MAX, SUM), then one broadcast of the sampled token."""
-    res = run_local(dist_cases.tp_shards_and_collectives, 4, str(models["llama"]), tp, 3, timeout_s=120)
+    res = run_local(tp_shards_and_collectives, 4, str(models["llama"]), tp, 3, timeout_s=120)
     for shards, counts, L in res:
         for name, (local, full) in shards.items():
             if len(full) == 1:  # norms: replicated
@@ -203,7 +206,7 @@ def test_loading_is_sharded(tmp_path):
                                num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=4,
                                vocab_size=8192)
     total = sum(f.stat().st_size for f in d.glob("*.safetensors"))
-    for grown, held in run_local(dist_cases.tp_load_memory, 2, str(d), 2, timeout_s=120):
+    for grown, held in run_local(tp_load_memory, 2, str(d), 2, timeout_s=120):
         assert held <= 0.55 * total
         assert grown <= 0.6 * total, (grown, total)
 
@@ -220,7 +223,7 @@ def test_cuda_graph_capture_is_agreed_by_the_world_and_a_failed_warm_up_is_fatal
     want = tiny_models.hf_greedy(models["llama"], ids, NEW)
     job = EngineJob(str(models["llama"]), ids, max_new_tokens=NEW, dtype="float32", tp=2, static=True,
                       sampling=Sampling())
-    toks, state, note = run_local(dist_cases.graph_agreement, 2, job, "capture", timeout_s=60)[0]
+    toks, state, note = run_local(graph_agreement, 2, job, "capture", timeout_s=60)[0]
     assert toks == want
     assert state == [[0.0, 0.0], [0.0, 0.0]], state  # no rank kept its graph
     assert "CUDA graph capture failed" in note
@@ -230,5 +233,100 @@ def test_cuda_graph_capture_is_agreed_by_the_world_and_a_failed_warm_up_is_fatal
 
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 failed: RuntimeError: CUDA out of memory \(simulated"):
-        run_local(dist_cases.graph_agreement, 2, job, "warmup", timeout_s=300)
+        run_local(graph_agreement, 2, job, "warmup", timeout_s=300)
     assert time.monotonic() - t0 < 120
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
+    """Under (cp x tp): every linear layer holds 1/tp of its weight on this rank (the dimension
+    the model's plan shards), and the collectives of one decode step of ``generate`` (the batch
+    loop's step and the broadcast of the step's tokens after it), counted by kind."""
+    import torch.distributed as dist
+
+    from treeattn_cli.engine.batch import BatchDecoder
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.job import EngineJob
+    from treeattn_cli.engine.model import load_model
+
+    full = load_model(model_dir, torch.float32, torch.device("cpu"))
+    job = EngineJob(model_dir, (torch.arange(20) + 30).tolist(), max_new_tokens=new_tokens, dtype="float32",
+                      tp=tp, speculate="off")
+    eng = Engine(ctx, job)
+    shards = {}
+    for name, p in eng.model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        ref = dict(full.named_parameters())[name]
+        shards[name] = (tuple(local.shape), tuple(ref.shape))
+    counts, steps = {}, []
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "send", "recv",
+             "batch_isend_irecv", "reduce_scatter_tensor", "broadcast_object_list")
+    real = {n: getattr(dist, n) for n in names}
+    real_step = BatchDecoder._step
+
+    def counting(n):
+        def f(*a, **k):
+            counts[n] = counts.get(n, 0) + 1
+            return real[n](*a, **k)
+        return f
+
+    def step(self, *a, **kw):  # from the first step to the second: exactly one step and its broadcast
+        steps.append(1)
+        if len(steps) == 1:
+            for n in names:
+                setattr(dist, n, counting(n))
+        elif len(steps) == 2:
+            for n in names:
+                setattr(dist, n, real[n])
+        return real_step(self, *a, **kw)
+
+    BatchDecoder._step = step
+    try:
+        eng.serve([{"op": "generate"}, {"op": "stop"}])
+    finally:
+        BatchDecoder._step = real_step
+        for n in names:
+            setattr(dist, n, real[n])
+    return shards, counts, full.config.num_hidden_layers
+
+
+def tp_load_memory(ctx, model_dir, tp):
+    """Peak anonymous memory this rank gains while loading its tensor-parallel shard, read as
+    each parameter is registered (and sampled every few ms between; file-backed pages of the
+    checkpoint do not count: they are the page cache); and the bytes of weights it holds."""
+    from helpers import peak_anon_growth
+    from treeattn_cli.parallel import comm as C
+    from treeattn_cli.parallel.mesh import Mesh
+    from treeattn_cli.engine.model import load_model, weight_bytes
+
+    mesh = Mesh(ctx.world, tp, ctx.rank)
+    tp_mesh, _ = C.grid_mesh("cpu", mesh.cp, tp)
+    model, grown = peak_anon_growth(lambda: load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh),
+                                    probes=[(torch.nn.Module, "register_parameter")])
+    return grown, weight_bytes(model)
+
+
+def graph_agreement(ctx, job, fail):
+    """CUDA-graph decode on CPU ranks with stand-ins for the CUDA graph API
+    (:func:`fake_cuda_graphs`). Rank 0 returns (tokens, [per rank: graph in use, note])."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.sampling import Sampling
+
+    eng = Engine(ctx, job)
+    dec = eng.dec
+    fake_cuda_graphs(dec, ctx.rank, fail)
+    answers = []
+    real = ctx.emit
+    ctx.emit = lambda kind, payload: answers.append(payload["token_ids"]) if kind == "answer" else None
+    try:
+        eng.serve([{"op": "append", "ids": list(job.prompt_ids)},
+                   {"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "sampling": vars(Sampling()),
+                    "keep": False}, {"op": "stop"}])
+    finally:
+        ctx.emit = real
+    os.environ.pop("TREEATTN_KERNEL", None)
+    graphs = eng.bd.graphs  # (the batch loop's: a single answer is a batch of one)
+    state = eng.world.all_gather_values([graphs.held > 0, graphs.on])
+    return (answers[0], state.tolist(), graphs.note) if ctx.rank == 0 else None

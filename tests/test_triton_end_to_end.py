@@ -10,14 +10,13 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("triton")
-
-import dist_cases  # noqa: E402
 from helpers import copying_question  # noqa: E402
 from treeattn_cli.engine.job import EngineJob  # noqa: E402
 from treeattn_cli.engine.kvquant import KVQuant  # noqa: E402
 from treeattn_cli.engine.sampling import Sampling  # noqa: E402
 from treeattn_cli.parallel.launch import run_local  # noqa: E402
 from treeattn_cli.verify import tiny as tiny_models  # noqa: E402
+from ranks import triton_path, engine_mixed, engine_sessions_full  # noqa: E402
 
 NEW = 4
 DOC = [(13 * i + 5) % 230 + 20 for i in range(24)]
@@ -48,7 +47,7 @@ def test_the_triton_decode_kernel_end_to_end_equals_transformers(tiny):
         _session(llama, "fp8", questions=[QS[1], copying8], speculate="ngram:3", batch=True),  # fp8 tiles
         _session(gemma2, "auto", questions=QS[1:], batch=True),  # the window's first key, searched
     ]
-    per_rank = run_local(dist_cases.triton_sessions, 2, sessions, timeout_s=600)
+    per_rank = run_local(triton_sessions, 2, sessions, timeout_s=600)
     got, runs = per_rank[0][0], [r[1] for r in per_rank]
     greedy = lambda m, q, **kw: tiny_models.hf_greedy(m, DOC + q, NEW, **kw)  # noqa: E731
     want = [[greedy(llama, q) for q in (QS[0], copying)],
@@ -76,7 +75,7 @@ def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny)
     new = 10  # the first answer still runs for several steps once the second document is in
     for model, kv, kw in ((llama, "auto", {}), (llama, "fp8", {"kv_round": rnd}), (gemma2, "auto", {})):
         job = EngineJob(str(model), [], max_new_tokens=new, dtype="float32", kv_dtype=kv)
-        per_rank = run_local(dist_cases.triton_mixed, 2, job, docs, qs, 3, new, timeout_s=600)
+        per_rank = run_local(triton_mixed, 2, job, docs, qs, 3, new, timeout_s=600)
         (got, done), _, _ = per_rank[0]
         assert got == [tiny_models.hf_greedy(model, docs[d] + q, new, **kw) for d, q in qs], (kv, model)
         assert done[0]["documents_per_step"] == 2
@@ -84,3 +83,48 @@ def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny)
         # kernel ran twice per forward (the documents' rows, then every row's tail)
         assert all(r["gathered"] == 0 and r["tables"] >= new for _, _, r in per_rank), per_rank
         assert all(n >= 2 * r["tables"] for _, n, r in per_rank), per_rank
+
+
+# -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
+
+
+def triton_sessions(ctx, sessions):
+    """:func:`engine_sessions_full` with ``TREEATTN_KERNEL=triton``: the attention kernel GPUs
+    run (Triton, interpreted here) for every decode and verify row; every rank returns how many
+    times its Triton kernel ran per session, rank 0 the sessions' results too."""
+    out, runs = [], []
+    with triton_path("partial_attention_triton") as calls:
+        for session in sessions:
+            before = calls[0]
+            got = engine_sessions_full(ctx, [session])
+            out.append(got[0] if got else None)
+            runs.append(calls[0] - before)
+    return (out if ctx.rank == 0 else None), runs
+
+
+def triton_mixed(ctx, job, docs, questions, slots, new):
+    """:func:`engine_mixed` with ``TREEATTN_KERNEL=triton``: the documents' rows of each step, and
+    each row's own tokens in the batch's pooled tail, go through the paged Triton kernel
+    (interpreted here); every rank returns how many times it ran and how often the tail was read
+    through its block tables and gathered into dense views (``{"tables": n, "gathered": n}``),
+    rank 0 the batch's result too."""
+    from treeattn_cli.engine.paged_tail import PagedTail
+
+    reads = {"tables": 0, "gathered": 0}
+    real = {}
+    for name, kind in (("step_tables", "tables"), ("rows_tables", "tables"), ("full_tables", "tables"),
+                       ("update", "gathered"), ("view_rows", "gathered"), ("full", "gathered")):
+        real[name] = getattr(PagedTail, name)
+
+        def counted(self, *a, _f=real[name], _k=kind, **kw):
+            reads[_k] += 1
+            return _f(self, *a, **kw)
+
+        setattr(PagedTail, name, counted)
+    try:
+        with triton_path("partial_attention_triton_paged") as calls:
+            got = engine_mixed(ctx, job, docs, questions, slots, new)
+    finally:
+        for name, f in real.items():
+            setattr(PagedTail, name, f)
+    return got, calls[0], reads
