@@ -35,7 +35,7 @@ test: lint
 
 # pyproject's [tool.ruff]: pyflakes and pycodestyle over the package, the kernels and the tests
 lint: $(STAMP)
-	$(VENV)/bin/ruff check -q treeattn_cli kernels tests
+	$(VENV)/bin/ruff check -q treeattn_cli kernels tests tools
 
 # A folder of wheels for a machine without network (treeattn_cli/bench/wheelhouse.py; docs/gpus.md "GPU
 # machines without network"): this project's wheel and everything treeattn[test,serve] needs but

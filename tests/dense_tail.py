@@ -1,6 +1,6 @@
 """The reference of a batch's tail (``paged_tail.PagedTail``): the same placement and the same
 numbers, in dense storage ``[slots, H_kv, capacity + 1, d]`` per layer instead of the block pool
-(``tests/test_paged_tail.py`` compares the two through every operation a batch makes). Once the
+(``tests/engine/test_paged_tail.py`` compares the two through every operation a batch makes). Once the
 engine's own cache (issue 50 moved every token's KV into the pool); kept here as the oracle.
 
 Per layer: ``k, v [B, H_kv, capacity + 1, d]`` (the extra slot is a write-off target for

@@ -5,8 +5,8 @@ alone, and against transformers' greedy decode where that applies.
 CI runs the first 15 seeds, the regression seeds and the coverage seeds (ranks start once per
 rank set): every feature the first 40 reach, in 40 % of their time (measured: 34 of 56 s of
 configurations, 2026-11-28; the coverage test says what must be reached).
-The long run:  TREEATTN_COMBOS=500 pytest tests/test_combinations.py   (or python tests/combos.py --seeds 500)
-One case:      TREEATTN_COMBO_SEEDS=39 pytest tests/test_combinations.py   (or python tests/combos.py --seed 39)
+The long run:  TREEATTN_COMBOS=500 pytest tests/test_combinations.py   (or python tools/combos.py --seeds 500)
+One case:      TREEATTN_COMBO_SEEDS=39 pytest tests/test_combinations.py   (or python tools/combos.py --seed 39)
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ CI_FIRST = 10  # the first seeds CI runs (TREEATTN_COMBOS=40 runs the first 40, 
 
 # Seeds of the first 40 that a run of the first 40 (TREEATTN_COMBOS=40) leaves to the long run
 # (seed: why). Each replays its steps from stand-in CUDA graphs, whose Triton kernels run
-# interpreted and twice a replay: measured together (python tests/combos.py --by-feature), these
+# interpreted and twice a replay: measured together (python tools/combos.py --by-feature), these
 # three took 195 of the 40's 427 s. CI's set keeps batched steps and verifies replayed from graphs
 # (231 among others); the coverage test says so.
 LONG_RUN_ONLY = {

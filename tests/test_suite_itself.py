@@ -68,10 +68,10 @@ def test_one_seed_reproduces_a_failing_random_case_and_nothing_of_the_user_is_wr
 
 
 def test_every_mutant_still_applies():
-    """tests/mutants.py plants each defect by replacing a string that must occur exactly once in
+    """tools/mutants.py plants each defect by replacing a string that must occur exactly once in
     its file: code that moved on leaves a mutant that cannot apply (three had, unnoticed, since
     the mutation check is not in CI). Checked here, where it costs nothing."""
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import mutants
 
     root = Path(__file__).resolve().parents[1]

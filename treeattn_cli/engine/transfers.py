@@ -5,7 +5,7 @@ when they read the step's message. Everything else a step needs from the host (t
 where each new token is kept, block tables) goes to the device packed in one buffer, copied once
 and without waiting (from page-locked memory on CUDA: a copy from ordinary memory first waits for
 the device). Every read and every copy of a step goes through :func:`read` and :class:`Staging`,
-which count them: ``tests/test_host.py`` checks a step makes one read and one copy, and that the
+which count them: ``tests/engine/test_host.py`` checks a step makes one read and one copy, and that the
 model's forward reads nothing.
 """
 

@@ -15,7 +15,7 @@ from treeattn_cli.topology import probe as T
 
 from helpers import assert_usage_error, cli
 
-FIX = Path(__file__).parent / "fixtures" / "topology"
+FIX = Path(__file__).parents[1] / "fixtures" / "topology"
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 
 

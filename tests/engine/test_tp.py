@@ -187,7 +187,7 @@ def test_topo_plans_the_merge_over_cp_groups():
 
     from treeattn_cli.main import app
 
-    fx = Path(__file__).parent / "fixtures" / "topology" / "nvswitch_8x_h100_tabs.txt"
+    fx = Path(__file__).parents[1] / "fixtures" / "topology" / "nvswitch_8x_h100_tabs.txt"
     r = CliRunner().invoke(app, ["topo", "--from-file", str(fx), "--tp", "2", "--json"])
     assert r.exit_code == 0, r.output
     rec = json.loads(r.stdout)
