@@ -51,7 +51,7 @@ def gpu_branches():
         _GPU_BRANCHES["on"], _REFERENCE["on"] = before
 
 
-# The oldest Triton with every feature the kernels use (tests/kernels/test_partial_attention.py checks
+# The oldest Triton with every feature the kernels use (tests/kernel/test_partial_attention.py checks
 # the kernels' source against TRITON_FEATURES; pyproject's floor is this one).
 TRITON_FLOOR = (3, 2)
 TRITON_FEATURES = {"do_not_specialize_on_alignment": (3, 2), "do_not_specialize": (2, 1)}

@@ -303,7 +303,7 @@ def start_offline_install(root: Path) -> None:
 
 # Work a test module's fixture waits for, started when the session is collected: fixture name ->
 # (the module whose tests use it, what starts it).
-EARLY = {"compiled": ("tests/kernels/test_offline_compile.py::", lambda root: start_offline_compiles(root / "offline")),
+EARLY = {"compiled": ("tests/kernel/test_offline_compile.py::", lambda root: start_offline_compiles(root / "offline")),
          "offline_install": ("tests/test_packaging.py::", lambda root: start_offline_install(root / "install"))}
 
 
