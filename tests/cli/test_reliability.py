@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from treeattn_cli.parallel.launch import alive
 from treeattn_cli.verify import tiny as tiny_models
 
 from helpers import assert_usage_error, cli, cmdline, descendants, rank_pids, still_running
@@ -413,3 +414,19 @@ def test_debug_prints_the_failing_ranks_traceback(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "Traceback (most recent call last)" in r.stderr and 'File "' in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("treeattn: error: rank ")
+
+
+def test_a_fork_server_started_early_is_gone_when_its_command_ends(tmp_path):
+    """A command starts the ranks' fork server as it begins (its imports overlap the launcher's);
+    one that ends before any rank ran must not leave it importing for seconds, holding the
+    command's stdout open (`treeattn generate --model bad | cat` would wait): by the time the
+    command's process has exited, the server has been killed and reaped."""
+    script = ("from treeattn_cli.parallel import launch\n"
+              "from multiprocessing import forkserver\n"
+              "launch.warm_forkserver_early()\n"
+              "print(forkserver._forkserver._forkserver_pid, flush=True)\n")
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:  # a file, not a pipe: waiting for the process is not waiting for its pipe's readers
+        r = subprocess.run([sys.executable, "-c", script], stdout=f, stderr=subprocess.DEVNULL, timeout=120)
+    assert r.returncode == 0
+    assert not alive(int(out.read_text().split()[-1]))  # (a zombie or a reaped pid is not alive)

@@ -83,9 +83,10 @@ def most_here(beside, n: int, rank: int) -> int:
 class PagedTail:
     """A batch's tail whose keys and values live in ``pool``'s blocks (see the module).
 
-    Life of a step: :meth:`plan_step` (the host: where each slot's new token goes) then
-    :meth:`start_step` (the device's copy of that), then per layer :meth:`update` / :meth:`step_tables` (writes this
-    rank's new K/V, returns what the step attends to), then :meth:`end_step` (lengths advance).
+    Life of a step: :meth:`plan_step` (the host: where each slot's new token goes), then
+    :meth:`start_step` (the device's copy of that), then per layer :meth:`update` /
+    :meth:`step_tables` (writes this rank's new K/V, returns what the step attends to), then
+    :meth:`end_step` (lengths advance).
     Several tokens per slot (a question, verified drafts): :meth:`begin_extend`, :meth:`extend`
     per layer, :meth:`end_extend`. With ``static=True`` the views are capacity-long (fixed shapes,
     for CUDA graphs); the valid lengths come with them."""

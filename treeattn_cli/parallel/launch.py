@@ -135,7 +135,7 @@ RANK_IMPORTS = ("torch", "transformers", "transformers.modeling_utils",
 
 
 # A launcher that will start ranks many times (``treeattn check``, the test suite) has its fork
-# server do the first model load's once-per-process work too (``rank_preload``): ~0.25 s a rank
+# server do the first model load's once-per-process work too (``engine/preload.py``): ~0.25 s a rank
 # each launch, against ~0.5 s more before the first (a command that launches once would lose).
 MANY_LAUNCHES = {"on": False}
 
@@ -149,7 +149,7 @@ def _mp_context():
     model). CUDA is never initialised before the fork: the server only imports."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["treeattn_cli.parallel.forkserver_init", *RANK_IMPORTS,
-                                *(["treeattn_cli.parallel.rank_preload"] if MANY_LAUNCHES["on"] else [])])
+                                *(["treeattn_cli.engine.preload"] if MANY_LAUNCHES["on"] else [])])
     return ctx
 
 
@@ -187,6 +187,7 @@ def _end_forkserver() -> None:
     if pid is not None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)  # its ranks have ended: this process is leaving
+            os.waitpid(pid, 0)  # gone, its copies of our stdout and stderr closed, before we are
 
 
 @contextlib.contextmanager
