@@ -190,12 +190,19 @@ def _read(path: str) -> str:
         return ""
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, or one gone between two reads of /proc, does not)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def still_running(pids, within=10.0):
     """Wait until none of ``pids`` runs (zombies count as gone); returns those still running."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < within:
-        left = [p for p in pids if Path(f"/proc/{p}").exists()
-                and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+        left = [p for p in pids if _alive(p)]
         if not left:
             return []
         time.sleep(0.1)

@@ -255,11 +255,14 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_pat
         assert until(lambda b: prompt(b, at), 60), bytes(buf[-500:])
         assert b" 200 new tokens" in buf[at:] and b"interrupted" not in buf[at:]
         os.write(fd, b"\x04")
-        for _ in range(600):  # the event: it exits (the ranks stop; bound generous for a loaded machine)
-            until(lambda b: False, 0.1)
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
+        # the event: it exits (the ranks stop; bound generous for a loaded machine). A deadline by
+        # the clock, not a count of reads: once the child has closed its terminal a read returns at
+        # once, and a process still in the kernel's exit (closing its files) is not yet reaped.
+        deadline = time.monotonic() + 60
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            until(lambda b: False, 0.1)  # drain the terminal (a full one would block the child)
+            time.sleep(0.05)  # (a closed terminal answers at once)
+        done, status = done
         kernel = ""
         if not done:  # what each process is doing: their stacks (kill -USR1), in the message
             kernel = kernel_view([pid, *descendants(pid)])  # (also past Python's finalization)
