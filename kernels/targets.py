@@ -16,9 +16,12 @@ compiled kernel: the per-SM register file, shared memory and residency limits
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, replace
 
 import torch
+
+from .interpreted import quicken
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def occupancy(target: Target, regs: int, shared_bytes: int, num_warps: int) -> d
     return {"ctas": ctas, "by_regs": by_regs, "by_shared": by_shared, "by_warps": by_warps}
 
 
-_state: dict = {"offline": None, "compiled": None}
+_state: dict = {"offline": None, "compiled": None, "interpreted": None}
 _cuda_targets: dict = {}
 
 
@@ -158,6 +161,8 @@ def launch(kernel, grid, *args, **kw):
         ck = kernel.warmup(*args, grid=grid, **kw)
         _state["compiled"].append((kernel.fn.__name__, ck, tuple(grid)))
         return ck
+    if _state["interpreted"] is None:  # under Triton's interpreter, its helpers' calls made cheaper
+        _state["interpreted"] = os.environ.get("TRITON_INTERPRET", "0") == "1" and quicken()
     return kernel[grid](*args, **kw)
 
 

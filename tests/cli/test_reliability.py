@@ -203,8 +203,8 @@ def test_runs_in_a_row_leave_nothing_behind(tmp_path, monkeypatch):
     for i in range(2):  # the console script: its whole process tree goes away
         p = subprocess.Popen([TREEATTN, *args, "--prompt", f"cli {i}"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=dict(os.environ))
-        p.communicate(timeout=120)
-        assert p.returncode == 0
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode(errors="replace")[-3000:]
 
     def leftover():
         return [q for q in os.listdir("/proc") if q.isdigit() and str(d) in cmdline(int(q))]
