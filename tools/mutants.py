@@ -39,6 +39,17 @@ class Mutant:
 
 
 MUTANTS = [
+    Mutant("serve-no-recovery", "serve: a lost rank is never replaced (the server answers 503 until a person acts)",
+           "treeattn_cli/cli/serve.py",
+           "if reason is not None and not self.recover(reason):",
+           "if reason is not None and False:",
+           ("tests/serving/test_serve.py::test_sigterm_then_a_restart_keeps_the_documents_and_lost_ranks_come_back",)),
+    Mutant("serve-batch-loss-silent", "serve: requests of the running batch are not ended when the ranks are lost "
+           "(their streams hang)",
+           "treeattn_cli/serving/front.py",
+           "                    self.stats.ended(\"error\")\n                    t.deliver(Failed(reason))",
+           "                    pass",
+           ("tests/serving/test_serve.py::test_sigterm_then_a_restart_keeps_the_documents_and_lost_ranks_come_back",)),
     Mutant("serve-cancel-ignored", "serve: EngineFront.cancel does nothing (a client that leaves keeps its slot)",
            "treeattn_cli/serving/front.py",
            "    def cancel(self, t: Ticket) -> None:\n        t.cancelled.set()",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,6 +101,7 @@ def _stop(proc) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    getattr(proc, "log", Path("/nonexistent")).unlink(missing_ok=True)  # (its stderr: read by then)
 
 
 def _stats(url: str) -> dict:
@@ -324,12 +326,15 @@ def test_bad_requests_get_an_error_object_and_the_server_keeps_serving(server, b
     assert httpx.get(f"{server['url']}/health").status_code == 200
 
 
-def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model, tmp_path):
+def test_sigterm_then_a_restart_keeps_the_documents_and_lost_ranks_come_back(model, tmp_path):
     """A server of its own: SIGTERM during a request (its document being prefilled, or its answer
     streaming): the stream ends with its [DONE] within
     seconds (docs/serving.md's promise; bound here at a generous 30 s for a loaded 2-core machine) and
     the process tree is gone. A new server on the same --cache-dir continues the saved document
-    on its first request. A rank killed outright: /health and requests turn 503 with the reason."""
+    on its first request. A rank killed outright mid-answer: that stream ends with the reason, the
+    server starts new ranks by itself (503 ``recovering`` meanwhile), counts the restart and
+    answers again over the saved document, from disk. Ranks that cannot come back (the model's
+    files gone): the server stops, exit 1, with one line that says why."""
     m, _ = model
     cache, doc = tmp_path / "cache", _doc("sigterm")
     port = _free_port()
@@ -353,11 +358,11 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model
         assert proc.wait(timeout=60) in (-signal.SIGTERM, 143)  # ended by the signal, as other tools are
         assert not still_running(tree, within=30), tree
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     port = _free_port()
-    proc2 = _start(m, cache, port)
+    mine = tmp_path / "copy" / "m"  # the model's files (served as "m"), which the last part takes away
+    shutil.copytree(m, mine)
+    proc2 = _start(mine, cache, port, "--restarts", "1")
     url = f"http://127.0.0.1:{port}"
     try:
         c2 = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
@@ -365,16 +370,35 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_a_lost_rank_is_503(model
         assert first.usage.prompt_tokens_details.cached_tokens > 0  # from disk, not prefilled again
         ranks = rank_pids(proc2.pid)
         assert len(ranks) == 2, ranks
-        os.kill(ranks[1], signal.SIGKILL)
+        with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120,
+                          json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: {") and '"text": "' in x)  # answering
+            os.kill(ranks[1], signal.SIGKILL)
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and "rank" in rest[-2], rest[-3:]
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 60:  # the event: /health turns 503
+        while time.monotonic() - t0 < 120:  # the event: /health is 200 again, the restart counted
             h = httpx.get(f"{url}/health")
-            if h.status_code == 503:
+            if h.status_code == 200 and _metrics(url)[("treeattn_rank_restarts_total", ())] == 1:
                 break
-            time.sleep(0.2)
-        assert h.status_code == 503 and "rank" in h.json()["reason"], h.text
-        r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"model": "m", "prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 503
+            if h.status_code != 200:  # (200 before: the loss not noticed yet)
+                assert h.json()["status"] == "recovering" and "rank" in h.json()["reason"], h.text
+                r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"model": "m", "prompt": "hi"})
+                assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["code"] == "recovering"
+                                                and r.headers["retry-after"] == "5"), r.text  # (200: back since)
+            time.sleep(0.1)
+        assert h.status_code == 200, h.text
+        assert "starting the ranks again" in proc2.log.read_text() and len(rank_pids(proc2.pid)) == 2
+        again = c2.completions.create(model="m", prompt=doc + "\n\nHow many tolls?", max_tokens=NEW)
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens > 0  # the document from disk, in the new ranks
+        shutil.rmtree(mine)  # ranks that cannot come back: one line, exit 1
+        os.kill(rank_pids(proc2.pid)[0], signal.SIGKILL)
+        assert proc2.wait(timeout=120) == 1
+        err = [x for x in proc2.log.read_text().splitlines() if x.startswith("treeattn serve: error:")]
+        assert len(err) == 1 and "did not come back after 1 try (--restarts)" in err[0], proc2.log.read_text()[-3000:]
     finally:
         _stop(proc2)
 

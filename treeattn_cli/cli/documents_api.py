@@ -28,7 +28,7 @@ import json
 
 from fastapi import FastAPI, Request
 
-from .api_errors import error as _error
+from .api_errors import error as _error, unavailable
 from ..serving.catalog import MIN_DOCUMENT
 from .prompt import PromptError, split_chat
 
@@ -122,7 +122,7 @@ def add_routes(app: FastAPI, srv) -> None:
         @functools.wraps(handler)  # FastAPI reads the handler's parameters through it
         async def wrapped(*args, **kwargs):
             if srv.failed:
-                return _error(503, f"the server's ranks are gone: {srv.failed}")
+                return unavailable(srv)
             try:
                 return await handler(*args, **kwargs)
             except _Bad as e:

@@ -46,6 +46,8 @@ class Metrics:
         self.blocks_used = Gauge("treeattn_kv_blocks_used", "Blocks of the rank's KV pool holding documents in "
                                  "use or resident (as the latest request began, or a batch ended).", ["rank"],
                                  registry=r)
+        self.restarts = Counter("treeattn_rank_restarts", "New sets of ranks the server started after losing "
+                                "one (serve.Server.recover).", registry=r)
         self.blocks_total = Gauge("treeattn_kv_blocks_total", "Blocks of the rank's KV pool.", ["rank"], registry=r)
         live = live or (lambda: {})
         for name, doc, field in (("treeattn_requests_running", "Requests answering (in a slot).", "running"),

@@ -22,7 +22,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .api_errors import error as _error
+from .api_errors import error as _error, unavailable
 from .citations import CiteError, citations, for_request
 from ..serving.catalog import MIN_DOCUMENT
 from ..engine.requests import Began, Done, Failed, Token
@@ -168,7 +168,8 @@ def build_app(srv) -> FastAPI:
     @app.get("/health")
     async def health():
         if srv.failed:
-            return JSONResponse({"status": "error", "reason": srv.failed}, status_code=503)
+            return JSONResponse({"status": "recovering" if srv.recovering else "error", "reason": srv.failed},
+                                status_code=503)
         return {"status": "ok", "model": srv.name, "stats": srv.front.stats.snapshot() if srv.front else {}}
 
     @app.get("/metrics")
@@ -185,7 +186,7 @@ def build_app(srv) -> FastAPI:
     async def answer(request: Request, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if srv.failed:
-            return _error(503, f"the server's ranks are gone: {srv.failed}", kind="server_error")
+            return unavailable(srv)
         limit = srv.o.max_request_bytes
         size = request.headers.get("content-length")
         raw = b"" if size is not None and size.isdigit() and int(size) > limit else await request.body()

@@ -77,6 +77,8 @@ SERVE_FLAGS = (
     Flag("document", List[str], [], "A text file to cache as a document before listening (repeatable; as "
          "POST /v1/documents would)."),
     Flag("pin", bool, False, "Pin the --document files: they never leave memory."),
+    Flag("restarts", int, 3, "After a lost rank, start new ranks up to this many times (1, 2, 4... s apart; "
+         "503 'recovering' meanwhile); 0: stop at once, exit 1 (for a supervisor that restarts the server)."),
 )
 RUN_FLAGS = (
     Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory); in a batch (chat --batch, "
@@ -206,6 +208,7 @@ class ServeOptions(GenerateOptions):
     log_format: str = "text"
     document: list = field(default_factory=list)
     pin: bool = False
+    restarts: int = 3
 
 
 def check_serve_flags(o: ServeOptions) -> None:
@@ -214,6 +217,8 @@ def check_serve_flags(o: ServeOptions) -> None:
         raise ValueError(f"--port must be in 1..65535, got {o.port}")
     if o.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {o.max_waiting}")
+    if o.restarts < 0:
+        raise ValueError(f"--restarts must be >= 0, got {o.restarts}")
     if o.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be at least 1024, got {o.max_request_bytes}")
     if o.log_format not in ("text", "json", "none"):

@@ -134,6 +134,14 @@ class Catalog:
                 if not e.on_disk:
                     del self.entries[key]
 
+    def restarted(self) -> None:
+        """A new set of ranks holds nothing: a document is known by its saved copy from now on;
+        one without a copy is gone, unless pinned (its tokens make it resident again)."""
+        for key, e in list(self.entries.items()):
+            e.resident = e.evicting = False
+            if not e.on_disk and not e.pinned:
+                del self.entries[key]
+
     # -- room --------------------------------------------------------------------------------
     def pinned(self, exclude: str | None = None) -> list[int]:
         """The tokens of each pinned document (but ``exclude``)."""

@@ -298,6 +298,14 @@ class EngineFront(threading.Thread):
                 got = self.client.next_event(0.05)
                 if got is not None and self._event(got, by_index, joins):
                     return
+        except BaseException as e:  # the ranks are gone (or the front broke): its requests end now
+            reason = str(e) or type(e).__name__
+            for t in by_index.values():
+                if not t.finished:
+                    t.finished = True
+                    self.stats.ended("error")
+                    t.deliver(Failed(reason))
+            raise
         finally:
             self.batch_seq = None
 
