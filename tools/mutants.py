@@ -43,7 +43,8 @@ MUTANTS = [
            "treeattn_cli/cli/serve.py",
            "if reason is not None and not self.recover(reason):",
            "if reason is not None and False:",
-           ("tests/serving/test_serve.py::test_sigterm_then_a_restart_keeps_the_documents_and_lost_ranks_come_back",)),
+           ("tests/serving/test_serve.py::test_sigterm_then_a_restart_keeps_the_documents_and_lost_ranks_come_back",
+            "tests/serving/test_soak.py")),
     Mutant("serve-batch-loss-silent", "serve: requests of the running batch are not ended when the ranks are lost "
            "(their streams hang)",
            "treeattn_cli/serving/front.py",

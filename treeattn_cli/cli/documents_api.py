@@ -126,6 +126,8 @@ def add_routes(app: FastAPI, srv) -> None:
             try:
                 return await handler(*args, **kwargs)
             except _Bad as e:
+                if e.status == 503 and srv.failed:  # the ranks were lost under it
+                    return unavailable(srv)
                 return _error(e.status, str(e), e.param, e.code)
         return wrapped
 

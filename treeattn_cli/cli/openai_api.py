@@ -335,8 +335,8 @@ def build_app(srv) -> FastAPI:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         record = None
         async for event in events():
-            if isinstance(event, Failed):
-                return _error(503, event.reason, kind="server_error")
+            if isinstance(event, Failed):  # (its ranks lost under it: 503 recovering, retry)
+                return unavailable(srv) if srv.failed else _error(503, event.reason, kind="server_error")
             if isinstance(event, Done):
                 record = event.record
         if record is None:  # the client went away
