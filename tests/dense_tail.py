@@ -289,7 +289,6 @@ class DenseTail:
         dev = self.device
         self._ext = [torch.tensor(x, dtype=torch.int64, device=dev) for x in (b_idx, i_idx, t_idx, slot_idx)]
         self._ext_host = (b_idx, i_idx, t_idx, slot_idx)
-        self._ext_rows = list(rows)
         if b_idx:
             self.pos[self._ext[0], self._ext[3]] = positions.to(dev)[self._ext[1], self._ext[2]]
         self._ext_added = torch.bincount(torch.tensor(b_idx, dtype=torch.int64), minlength=self.batch) \

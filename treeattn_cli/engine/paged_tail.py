@@ -272,7 +272,6 @@ class PagedTail:
         dev = self.device
         self._ext = [torch.tensor(x, dtype=torch.int64, device=dev) for x in (b_idx, i_idx, t_idx, slot_idx)]
         self._ext_host = (b_idx, i_idx, t_idx, slot_idx)
-        self._ext_rows = list(rows)
         if b_idx:
             self.pos[self._ext[0], self._ext[3]] = positions.to(dev)[self._ext[1], self._ext[2]]
         if b_idx:
