@@ -15,8 +15,8 @@ must equal its alone answer, and every refusal must be one the docs name (503 on
 while new ranks start). Faults, each once, spread over the soak: ``kill`` (SIGKILL of a rank
 mid-answer: the server starts new ones), ``stop`` (SIGSTOP of a rank past the collective
 ``--timeout``, then SIGCONT: the others stop it, new ranks start), ``term`` (SIGTERM at the end,
-streams running: the server ends, its process tree gone). A request with no byte for 30 s is a
-hang. The table: requests by outcome, answers checked and equal, time to first token and per
+streams running: the server ends, its process tree gone). A stream with no byte for 30 s, or a
+request not streamed with no answer in 120 s, is a hang. The table: requests by outcome, answers checked and equal, time to first token and per
 token (p50, p99, streamed requests), each rank's peak RSS at the start and the end, the pool's
 blocks in use at the end against the pinned documents', restarts, hangs.
 
@@ -42,7 +42,8 @@ from .serve import _free_port
 from .serve_mixed import _descendants
 
 KEY = "soak-key"
-HANG_S = 30.0  # a request with no byte for this long is a hang
+HANG_S = 30.0  # a stream with no byte for this long is a hang
+ANSWER_S = 120.0  # a request not streamed sends its bytes at the end: no answer in this long is a hang
 QUESTIONS = ["Who is named first?", "What happened next?", "Name a place.", "Say it in one line.",
              "Which year is given?", "What is the ridge made of?"]
 
@@ -194,7 +195,7 @@ class Soak:
             if not stream and official:  # the official client, as an application would call it
                 import openai
 
-                client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=HANG_S)
+                client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=ANSWER_S)
                 try:
                     out = client.completions.create(**{k: v for k, v in body.items() if k != "stream"})
                 except openai.APIStatusError as e:
@@ -206,7 +207,7 @@ class Soak:
                 return "completed", out.choices[0].text
             if not stream:
                 r = httpx.post(f"{self.url}/v1/completions", headers=self._auth(), json=body,
-                               timeout=httpx.Timeout(10.0, read=HANG_S))
+                               timeout=httpx.Timeout(10.0, read=ANSWER_S))
                 if r.status_code == 200:
                     return "completed", r.json()["choices"][0]["text"]
                 return self._refusal("completion", r.status_code, r.text, r.headers), None
@@ -239,7 +240,8 @@ class Soak:
             return "completed", "".join(text)
         except httpx.ReadTimeout:
             with self.tally.lock:
-                self.tally.hangs.append(f"{'stream' if stream else 'completion'} over document {spec.doc}")
+                self.tally.hangs.append(f"stream over document {spec.doc}: no byte in {HANG_S:.0f} s" if stream else
+                                        f"completion over document {spec.doc}: no answer in {ANSWER_S:.0f} s")
             return "hang", None
         except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError):
             return "connection_lost", None  # the server ending (SIGTERM) under it
@@ -284,7 +286,7 @@ class Soak:
                     self.tally.count(act(r))
                 except httpx.ReadTimeout:
                     with self.tally.lock:
-                        self.tally.hangs.append(f"{act.__name__}: no answer in {HANG_S:.0f} s")
+                        self.tally.hangs.append(f"{act.__name__}: no answer in {ANSWER_S:.0f} s")
                     self.tally.count("hang")
 
     def documents(self, r: random.Random) -> str:
@@ -292,16 +294,16 @@ class Soak:
         import httpx
 
         text = self.docs[r.randrange(3)] + f"\n\nNote {r.randrange(4)}."
-        p = httpx.post(f"{self.url}/v1/documents", headers=self._auth(), timeout=httpx.Timeout(10.0, read=HANG_S),
+        p = httpx.post(f"{self.url}/v1/documents", headers=self._auth(), timeout=httpx.Timeout(10.0, read=ANSWER_S),
                        json={"text": text, "pin": r.random() < 0.3})
         if p.status_code != 200:
             return self._expect("document post", p, (409, 503))
         key = p.json()["id"]
         t = httpx.patch(f"{self.url}/v1/documents/{key}", headers=self._auth(), json={"ttl_s": r.choice([5, 60])},
-                        timeout=httpx.Timeout(10.0, read=HANG_S))
+                        timeout=httpx.Timeout(10.0, read=ANSWER_S))
         if t.status_code not in (200, 404):
             return self._expect("document patch", t, (404, 503))
-        d = httpx.delete(f"{self.url}/v1/documents/{key}", headers=self._auth(), timeout=httpx.Timeout(10.0, read=HANG_S))
+        d = httpx.delete(f"{self.url}/v1/documents/{key}", headers=self._auth(), timeout=httpx.Timeout(10.0, read=ANSWER_S))
         return "documents_api" if d.status_code in (200, 404, 409) else self._expect("document delete", d, (503,))
 
     def _expect(self, what: str, r, documented: tuple) -> str:
@@ -378,7 +380,7 @@ class Soak:
             time.sleep(max(0.0, when - time.monotonic()))
             done_faults.append(self.fault(f))
         for c in clients:
-            c.join(timeout=self.a.seconds + 2 * HANG_S)
+            c.join(timeout=self.a.seconds + 2 * ANSWER_S)
         hung_clients = sum(c.is_alive() for c in clients)
         t0 = time.monotonic()
         while time.monotonic() - t0 < 120:  # the event: healthy again after the last fault
