@@ -191,6 +191,18 @@ def test_blocked_survivors_are_stopped_soon_after_a_rank_fails(tmp_path):
     assert "rank 0 failed: RuntimeError: CUDA error" in str(ei.value)
 
 
+def test_a_stopped_rank_is_lost_after_the_timeout_not_when_it_resumes():
+    """A rank stopped (SIGSTOP, a frozen host) neither fails nor exits, and a survivor blocked in
+    a send to it (gloo's send to a stopped peer waits past its timeout) never reports: the
+    launcher reads the heartbeats, kills the silent rank after --timeout and names it (issue 53's
+    SIGSTOP fault: before, the run waited until the rank was continued)."""
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as ei:
+        run_local(stop_while_others_wait, 2, timeout_s=3)
+    assert "rank 1 stopped responding (no heartbeat for 3 s" in str(ei.value), str(ei.value)
+    assert time.monotonic() - t0 < 60  # (the survivor sleeps 300 s: the launcher ended it)
+
+
 def test_graph_mode_needs_torch_2_7_for_point_to_point_merges():
     """All-reduce merges could always be captured in a CUDA graph; the point-to-point sends of
     the tree merge only from torch 2.7 on: before that, graph mode is off (and the run says so)."""
@@ -400,3 +412,13 @@ def fail_while_others_block(ctx, stamp=None):
             Path(stamp).write_text(repr(time.time()))
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     time.sleep(600)
+
+
+def stop_while_others_wait(ctx):
+    """Rank 1 stops itself (SIGSTOP) once the group is up; rank 0 waits as if blocked in a send."""
+    import os
+    import signal
+
+    if ctx.rank == 1:  # (the group and its heartbeats are up before this function runs)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(300)

@@ -43,6 +43,7 @@ from .serve_mixed import _descendants
 
 KEY = "soak-key"
 HANG_S = 30.0  # a stream with no byte for this long is a hang
+STOP_GRACE_S = 15.0  # past --timeout: the launcher's look at the heartbeats (1 s), its grace (5 s), a restart's start
 ANSWER_S = 120.0  # a request not streamed sends its bytes at the end: no answer in this long is a hang
 QUESTIONS = ["Who is named first?", "What happened next?", "Name a place.", "Say it in one line.",
              "Which year is given?", "What is the ridge made of?"]
@@ -106,6 +107,7 @@ class Soak:
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.name = ""
+        self.stop_noticed_s: float | None = None  # the stop fault: how long until the server noticed
 
     # -- the server ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -347,6 +349,9 @@ class Soak:
 
     # -- faults --------------------------------------------------------------------------------
     def fault(self, kind: str) -> str:
+        t0 = time.monotonic()
+        while self._health() != "ok" and time.monotonic() - t0 < 120:  # the previous fault recovered
+            time.sleep(0.2)
         ranks = self.ranks()
         if not ranks:
             return f"{kind}: no rank found"
@@ -359,10 +364,13 @@ class Soak:
             t0 = time.monotonic()
             while self._health() == "ok" and time.monotonic() - t0 < 3 * self.a.timeout + 30:
                 time.sleep(0.2)
+            noticed = time.monotonic() - t0
             try:
                 os.kill(victim, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+            self.stop_noticed_s = noticed
+            return f"{kind}: rank pid {victim}, noticed after {noticed:.1f} s"
         return f"{kind}: rank pid {victim}"
 
     def run(self) -> dict:
@@ -398,7 +406,8 @@ class Soak:
                   "tpot_p50_s": _pct(self.tally.tpot, 0.5), "tpot_p99_s": _pct(self.tally.tpot, 0.99),
                   "rank_peak_rss_mib_start": rss_start, "rank_peak_rss_mib_end": rss_end,
                   "blocks_used_end": metrics.get("blocks_used"), "pinned_documents_end": self._pinned(),
-                  "restarts": metrics.get("restarts"), "faults": done_faults, "healthy_at_end": status == "ok"}
+                  "restarts": metrics.get("restarts"), "faults": done_faults, "healthy_at_end": status == "ok",
+                  "stop_noticed_s": self.stop_noticed_s, "timeout_s": self.a.timeout}
         if "term" in self.a.faults.split(","):
             record["term"] = self.terminate()
         return record
@@ -456,7 +465,9 @@ class Soak:
 
 def passed(rec: dict) -> bool:
     term = rec.get("term", {"exit": 143, "processes_left": []})
+    stop = rec.get("stop_noticed_s")  # a stopped rank is lost within --timeout and the launcher's grace
     return (not rec["differ"] and not rec["undocumented"] and not rec["hangs"] and rec["checked"] > 0
+            and (stop is None or stop <= rec["timeout_s"] + STOP_GRACE_S)
             and rec["checked"] == rec["equal"] and rec["healthy_at_end"]
             and term["exit"] in (143, -signal.SIGTERM) and not term["processes_left"])
 

@@ -170,6 +170,21 @@ def report_failure(exc: BaseException) -> None:
         pass
 
 
+def silent_ranks(store, world: int, for_s: float) -> list[int]:
+    """Ranks whose heartbeat is older than ``for_s`` seconds: alive but not running (SIGSTOP, a
+    frozen host), which no collective of theirs will ever report. The launcher's view, from the
+    store it hosts."""
+    out, now = [], time.time()
+    for r in range(world):
+        key = f"{_KEY}/hb/{r}"
+        try:
+            if store.check([key]) and now - float(store.get(key).decode()) > for_s:
+                out.append(r)
+        except Exception:  # noqa: BLE001 - a store going away: nothing to say
+            pass
+    return out
+
+
 def _scan(store, me, world):
     """(failed messages, ranks whose heartbeat is stale) as seen in the store now."""
     failed, lost = [], []

@@ -244,6 +244,7 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
     first_error = None
     dead_since = None
     interrupted = False
+    looked = time.monotonic()  # when the ranks' heartbeats were last read
     try:
         with _signals_held():
             for p in procs:
@@ -274,6 +275,14 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
                         why = f"exited with code {p.exitcode}"
                     got[r] = ("error", (f"rank {r} {why}", ""))
                     first_error = first_error or f"rank {r} {why}"
+            if first_error is None and time.monotonic() - looked > 1.0:  # a rank stopped (SIGSTOP, a
+                looked = time.monotonic()  # frozen host) beats no more: past the timeout it is lost
+                for r in comm.silent_ranks(store, nproc, timeout_s):
+                    if r not in got:
+                        procs[r].kill()  # (SIGKILL: a stopped process ends too)
+                        got[r] = ("error", (f"rank {r} stopped responding (no heartbeat for {timeout_s:g} s, "
+                                            f"--timeout): killed", ""))
+                        first_error = first_error or got[r][1][0]
             if first_error and dead_since is None:
                 dead_since = time.monotonic()
             if dead_since is not None and time.monotonic() - dead_since > grace_s:
