@@ -144,8 +144,12 @@ def add_routes(app: FastAPI, srv) -> None:
         refusal = catalog.pin_refusal(key, len(ids)) if pin else None
         keep = pin is None or refusal is not None  # no pin asked (or refused): it stays as it was
         await ask(key, ids, {} if keep else {"pin": pin})
+        e = catalog.entries.get(key)
+        if e is None:  # another request deleted it meanwhile (the same text posted and deleted at once)
+            raise _Bad(409, f"document {key!r} was deleted by another request while this one posted it; "
+                            "post it again", code="document_deleted")
         if "ttl_s" in body:
-            catalog.entries[key].ttl_s = ttl
+            e.ttl_s = ttl
         if refusal:
             raise _Bad(409, refusal + "; the document is cached, unpinned", "pin", "pin_exceeds_pool")
         return catalog.view(key)
