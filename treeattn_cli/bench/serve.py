@@ -65,12 +65,29 @@ def ask(url: str, model: str, text: str, new_tokens: int) -> dict:
             "text": "".join(pieces)}
 
 
+def wait_until_serving(proc, url: str, stderr, within_s: float = 300.0) -> None:
+    """Until the server ``proc`` at ``url`` answers ``/health`` (the event); a server that exits
+    first raises with the end of ``stderr()``, one that takes longer than ``within_s`` too."""
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(stderr()[-2000:])
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > within_s:
+            raise RuntimeError(f"the server did not come up in {within_s:.0f} s")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def serving(model=None, nproc: int = 2, *flags: str):
     """``treeattn serve`` on a free loopback port until the block ends: yields ``(url, the
     server's process)`` once ``/health`` answers."""
-    import httpx
-
     port = _free_port()
     treeattn = str(Path(sys.executable).with_name("treeattn"))
     cmd = [treeattn, "serve", "--nproc", str(nproc), "--port", str(port), "--quiet", "--log-format", "none", *flags]
@@ -79,18 +96,7 @@ def serving(model=None, nproc: int = 2, *flags: str):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.monotonic()
-        while True:  # the event: /health answers
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read().decode()[-2000:])
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 300:
-                raise RuntimeError("the server did not come up in 300 s")
-            time.sleep(0.1)
+        wait_until_serving(proc, url, lambda: proc.stderr.read().decode())
         yield url, proc
     finally:
         proc.terminate()

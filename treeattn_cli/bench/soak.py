@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .serve import _free_port
+from .serve import _free_port, wait_until_serving
 from .serve_mixed import _descendants
 
 KEY = "soak-key"
@@ -126,18 +126,7 @@ class Soak:
             cmd += ["--dtype", self.a.dtype]
         self.log = open(self.work / "server.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, stdin=subprocess.DEVNULL)
-        t0 = time.monotonic()
-        while True:  # the event: /health answers
-            if self.proc.poll() is not None:
-                raise RuntimeError((self.work / "server.log").read_text()[-2000:])
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 300:
-                raise RuntimeError("the server did not come up in 300 s")
-            time.sleep(0.1)
+        wait_until_serving(self.proc, self.url, (self.work / "server.log").read_text)
         self.name = httpx.get(f"{self.url}/v1/models", headers=self._auth()).json()["data"][0]["id"]
 
     def _auth(self) -> dict:
