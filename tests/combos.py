@@ -67,6 +67,7 @@ class Config:
     docs: list = field(default_factory=list)  # mixed: [start, length] of each document in the family's; q["doc"]
     budget: int | None = None  # mixed: bytes of resident documents per rank (tiny: evicted to disk, loaded back)
     tight: bool = False  # mixed: the block pool holds the largest document alone (the others wait their turn)
+    host: bool = True  # mixed with a budget: documents that leave memory keep a copy in the host tier (else: disk)
     page: int | None = None  # mixed: tokens per block of the pool (16: tiny documents fill blocks, share prefixes)
     qchunk: int | None = None  # batch, serve: question tokens prefilled per round (the batch's piece; mixed: chunk)
     graphs: bool = False  # steps replayed from (stand-in) CUDA graphs, over the GPU's kernels (graph_standin)
@@ -90,7 +91,8 @@ class Config:
         extra = [f"chunk={self.chunk}" if self.chunk else "", f"reload<-cp{self.reload_cp}" if self.reload_cp else "",
                  f"joins={self.joins}" if self.joins else "", f"cancels={self.cancels}" if self.cancels else "",
                  "again" if self.again else "", f"docs={self.docs}" if self.docs else "",
-                 f"budget={self.budget}" if self.budget is not None else "", "tight" if self.tight else "",
+                 f"budget={self.budget}" if self.budget is not None else "",
+                 "" if self.budget is None else "host" if self.host else "no-host", "tight" if self.tight else "",
                  f"page={self.page}" if self.page else "", f"qchunk={self.qchunk}" if self.qchunk else "",
                  "graphs" if self.graphs else "",
                  "" if self.greedy else f"T={self.sampling['temperature']},k={self.sampling['top_k']},"
@@ -282,8 +284,16 @@ def d_short(rng, c, fx):
         c.questions.append({**q, "doc": len(c.docs) - 1})
 
 
+def d_host(rng, c, fx):
+    """Documents that leave memory at once (a budget) keep a copy in the host tier and come back
+    from it (issue 52), or, without a tier (``--host-memory 0``), from their saved copy on disk.
+    Drawn last, so what was drawn before stays as it was."""
+    if c.budget is not None:
+        c.host = rng.random() < 0.5
+
+
 DIMENSIONS = [d_family, d_mesh, d_scheme, d_kv, d_route, d_document, d_questions, d_slots, d_speculate,
-              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk, d_cite, d_graphs, d_short]
+              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk, d_cite, d_graphs, d_short, d_host]
 
 
 def draw(seed: int, fx: dict) -> Config:
@@ -427,7 +437,7 @@ def serve_spec(c: Config, fx: dict, save_root: str) -> tuple[dict, dict]:
             from treeattn_cli.engine.kvstore import model_identity
 
             spill = Path(save_root) / f"spill-{c.seed}"
-            spec.update(budget=c.budget, dir=str(spill),
+            spec.update(budget=c.budget, dir=str(spill), **({} if c.host else {"host_memory": 0}),
                         save_meta={"identity": model_identity(fx[c.family]["model"]), "composition": {}})
     return spec, the_doc
 
@@ -730,6 +740,8 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("a question waited for its tail's blocks")
     if r["events"].get("spilled") and "disk" in r["events"].get("sources", []):
         out.add("document evicted to disk and loaded back")
+    if "host" in r["events"].get("sources", []):
+        out.add("document evicted to host memory and copied back")
     if "pool" in r["events"].get("sources", []):
         out.add("document found whole in the pool's cached blocks")
     if any(n and s == "prefill" for n, s in zip(r["events"].get("reused", []), r["events"].get("sources", []))):

@@ -419,7 +419,7 @@ def documents_all_pooled(ctx, job, short_docs, short_qs, saved, big, q, new, roo
     out = {}
     try:
         eng = Engine(ctx, job)
-        pool = {"pool_blocks": 8, "page": 16}  # (the first document makes the pool)
+        pool = {"pool_blocks": 8, "page": 16, "host_memory": 0}  # (the first document makes the pool; no host tier: from disk)
         eng.serve([{**base, **pool, "slots": 2, "questions": [{"ids": qq, "doc": {"key": f"s{d}", "ids": short_docs[d]}}
                                                               for d, qq in short_qs]}])
         out["short"] = [got.get(i) for i in range(len(short_qs))]

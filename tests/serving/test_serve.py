@@ -572,7 +572,7 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
                                         cfg["hidden_size"] // heads, 64, torch.float32)
         blocks = (1 << 20) // per
         assert f"[KV pool: {blocks:,} blocks of 64 tokens per rank, {blocks * per / 2**20:,.1f} MiB " \
-               "(--kv-memory 1MiB)]" in proc.log.read_text(), proc.log.read_text()[-2000:]
+               "(--kv-memory 1MiB); host tier " in proc.log.read_text(), proc.log.read_text()[-2000:]
         for _ in range(4):  # refused after admission: each gives its place back
             bad = httpx.post(f"{url}/v1/completions", headers=AUTH, content=b"{not json")
             assert bad.status_code == 400, bad.text
@@ -641,6 +641,16 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
         assert chat.usage.prompt_tokens_details.cached_tokens == first[0]["tokens"]  # answered from the cache
         assert all({"id", "document", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "status"} <= set(r)
                    for r in recs)
+        # a document the pool gave up kept a copy in the host tier (issue 52): asked again, copied
+        # back (the answer's document tokens all cached), not prefilled
+        gone = listed[streaming[0]]
+        assert not gone["resident"] and gone["tier"] == "host" and gone["host"] and gone["on_disk"], gone
+        hosted = _metrics(url).get(("treeattn_documents_made_total", (("tier", "host"),)), 0)
+        back = c.completions.create(model="m", prompt=doc + "\n\nWhich toll?", max_tokens=2)
+        assert back.usage.prompt_tokens_details.cached_tokens == gone["tokens"], back.usage
+        assert _metrics(url)[("treeattn_documents_made_total", (("tier", "host"),))] == hosted + 1
+        now = httpx.get(f"{url}/v1/documents/{gone['id']}", headers=AUTH).json()
+        assert now["resident"] and now["tier"] == "device" and not now["host"], now
     finally:
         _stop(proc)
 
@@ -679,7 +689,9 @@ def test_the_documents_api_posts_pins_lists_and_deletes(server):
     while httpx.get(f"{url}/v1/documents/{short['id']}", headers=AUTH).json()["resident"]:  # the event: it left
         assert time.monotonic() - t0 < 60, "the TTL never evicted it"
         time.sleep(0.2)
-    assert httpx.get(f"{url}/v1/documents/{short['id']}", headers=AUTH).json()["on_disk"]  # saved: it comes back
+    left = httpx.get(f"{url}/v1/documents/{short['id']}", headers=AUTH).json()
+    assert left["on_disk"] and left["tier"] == "disk" and not left["host"], left  # saved: it comes back (a TTL
+    # is the time in memory: the host tier's copy leaves too)
     gone = httpx.delete(f"{url}/v1/documents/{d['id']}", headers=AUTH)
     assert gone.status_code == 200 and gone.json()["deleted"], gone.text
     assert httpx.delete(f"{url}/v1/documents/{d['id']}", headers=AUTH).status_code == 404

@@ -48,6 +48,13 @@ class Metrics:
                                  registry=r)
         self.restarts = Counter("treeattn_rank_restarts", "New sets of ranks the server started after losing "
                                 "one (serve.Server.recover).", registry=r)
+        tier = ("How a document was made resident: pool (its blocks still cached in the ranks' pools), host "
+                "(copied back from the host tier), disk (loaded from --cache-dir), prefill (computed).")
+        self.made = Counter("treeattn_documents_made", f"Documents made resident. {tier}", ["tier"], registry=r)
+        self.made_bytes = Counter("treeattn_documents_made_bytes", f"Bytes of KV per rank of the documents made "
+                                  f"resident. {tier}", ["tier"], registry=r)
+        self.made_seconds = Counter("treeattn_documents_made_seconds", f"Seconds from a document's request to "
+                                    f"its being resident. {tier}", ["tier"], registry=r)
         self.blocks_total = Gauge("treeattn_kv_blocks_total", "Blocks of the rank's KV pool.", ["rank"], registry=r)
         live = live or (lambda: {})
         for name, doc, field in (("treeattn_requests_running", "Requests answering (in a slot).", "running"),
@@ -60,6 +67,13 @@ class Metrics:
         for rank, (used, total) in enumerate(per_rank):
             self.blocks_used.labels(rank=str(rank)).set(used)
             self.blocks_total.labels(rank=str(rank)).set(total)
+
+    def document_made(self, rec: dict) -> None:
+        """A document made resident (the engine's ``made`` record: source, bytes, seconds)."""
+        tier = rec.get("source", "prefill")
+        self.made.labels(tier).inc()
+        self.made_bytes.labels(tier).inc(rec.get("bytes", 0))
+        self.made_seconds.labels(tier).inc(rec.get("seconds", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

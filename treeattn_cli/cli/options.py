@@ -69,6 +69,10 @@ SERVE_FLAGS = (
          "(0.9 or 90%; ranks on one CPU share its available memory). Default: 512MiB on a CPU, 8GiB on a GPU. "
          "Least recently used documents leave when it is full."),
     Flag("cache_bytes", Optional[int], None, "The older name of --kv-memory, in bytes."),
+    Flag("host_memory", Optional[str], None, "Each rank's host-memory tier behind its pool: a document that "
+         "leaves the pool keeps a copy here and comes back by a copy, not a prefill (least recently used "
+         "leave first). A size (64GiB, 512MiB, bytes; 0: none). Default: a quarter of the available host memory "
+         "over the ranks, at most 512MiB on a CPU, 64GiB on a GPU."),
     Flag("batch", int, 8, "Requests that decode together (about any documents; more wait for a free slot)."),
     Flag("max_waiting", int, 64, "Requests that may wait for a slot; past --batch + this many, a request gets "
          "HTTP 429 with Retry-After at once."),
@@ -202,6 +206,8 @@ class ServeOptions(GenerateOptions):
     cache_bytes: int | None = None  # per rank (None: engine.room.POOL_BYTES of the device); once
     # the ranks made the pool, its bytes
     kv_fraction: float | None = None  # --kv-memory as a fraction of each rank's free memory
+    host_memory: str | None = None  # --host-memory as given
+    host_bytes: int | None = None  # parsed (None: host_tier.default_budget)
     batch: int = 8
     max_waiting: int = 64
     max_request_bytes: int = 64 << 20
@@ -234,20 +240,24 @@ def check_serve_flags(o: ServeOptions) -> None:
         o.cache_bytes, o.kv_fraction = parse_memory(o.kv_memory)
     if o.cache_bytes is not None and o.cache_bytes < 1 << 20:
         raise ValueError(f"--kv-memory must be at least 1 MiB (1048576 bytes), got {o.cache_bytes}")
+    if o.host_memory is not None:
+        o.host_bytes, fraction = parse_memory(o.host_memory, "--host-memory")
+        if fraction is not None:
+            raise ValueError(f"--host-memory must be a size (64GiB, 512MiB, bytes; 0: none), got {o.host_memory!r}")
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_memory(text: str) -> tuple[int | None, float | None]:
+def parse_memory(text: str, flag: str = "--kv-memory") -> tuple[int | None, float | None]:
     """``--kv-memory``: ``(bytes, None)`` for a size (``8GiB``, ``512MiB``, ``1.5G``, ``2000000000``:
     units in powers of 1000 or 1024 as spelled), ``(None, fraction)`` for a fraction of the free
     memory (``0.9``, ``1.0``, ``90%``: in (0, 1]); anything else is a ValueError saying what is accepted."""
     import re
 
     t = str(text).strip().lower().replace(" ", "")
-    bad = ValueError(f"--kv-memory must be a size (8GiB, 512MiB, 2000000000 bytes) or a fraction of the free "
+    bad = ValueError(f"{flag} must be a size (8GiB, 512MiB, 2000000000 bytes) or a fraction of the free "
                      f"memory in (0, 1] (0.9 or 90%), got {text!r}")
     m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%?)([a-z]*)", t)
     if m is None:

@@ -96,7 +96,7 @@ class Server:
         o = self.o
         self.front = EngineFront(client, self.catalog, BatchOptions(o.batch, o.cache_bytes, o.prefill_chunk,
                                                                     self._save_meta),
-                                 self.read_manifest, on_pools=self.pools_seen)
+                                 self.read_manifest, on_pools=self.pools_seen, on_made=self.metrics.document_made)
         self.front.start()
 
     def watch(self, give_up) -> None:
@@ -166,15 +166,16 @@ class Server:
         what each rank has free with the model loaded): too little memory shows at start, not at
         the first document. Its real size, the same on every rank, is what admission counts."""
         o = self.o
-        client.post(op="pool", pool=o.cache_bytes, pool_fraction=o.kv_fraction)
+        client.post(op="pool", pool=o.cache_bytes, pool_fraction=o.kv_fraction, host_memory=o.host_bytes)
         info = client.wait("pool")
         asked = (f"--kv-memory {o.kv_fraction:g} of {info['free'] / 2**20:,.0f} MiB free" if o.kv_fraction
                  else f"--kv-memory {o.kv_memory or o.cache_bytes}" if o.cache_bytes else f"the default on {self.run.kind}")
         o.cache_bytes = info["bytes"]
         self.pools_seen([(0, info["blocks"])] * self.run.nproc)
         if not o.quiet:
+            host = f"; host tier {info['host'] / 2**20:,.0f} MiB per rank" if info.get("host") else "; no host tier"
             print(f"[KV pool: {info['blocks']:,} blocks of {info['page']} tokens per rank, "
-                  f"{info['bytes'] / 2**20:,.1f} MiB ({asked})]", file=sys.stderr)
+                  f"{info['bytes'] / 2**20:,.1f} MiB ({asked}){host}]", file=sys.stderr)
 
     def pools_seen(self, per_rank: list) -> None:
         """Each rank's pool as the ranks reported it, ``[(used, total), ...]``: the metrics'

@@ -44,6 +44,7 @@ from .paged_shard import PagedShard
 from . import block_reuse
 from .pool import BlockPool
 from .pool_sizing import make_pool
+from .host_tier import HostTier, copy_in, default_budget
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
 # pause a new document puts between the tokens of answers under way is one segment (on the
@@ -59,7 +60,7 @@ class Document:
     cache: PagedShard
     todo: list = field(default_factory=list)  # prefill segments (start, end) of ids still to run
     segs: list = field(default_factory=list)  # all of them
-    source: str = "memory"  # how it became resident: memory, pool (its blocks were cached), disk, prefill
+    source: str = "memory"  # how it became resident: memory, pool (its blocks were cached), host, disk, prefill
     on_disk: bool = False
     save: dict | None = None  # write-through once complete: {"dir": d, "meta": {...}}
     users: int = 0  # questions queued or answering over it
@@ -72,6 +73,9 @@ class Document:
     pinned: bool = False  # never leaves memory (the documents API's pin)
     progress: bool = False  # rank 0 reports its prefill's progress (``prefill`` events: tokens done, of all)
     load: tuple | None = None  # (dir, manifest): a saved copy to load once every rank has the blocks
+    owned: bool = True  # that copy is the cache directory's (a damaged one is removed), not the user's --load-kv
+    piece: int | None = None  # tokens per rank of its prefill segments as asked (None: documents.PIECE)
+    restore: object = None  # a host_tier.HostCopy of it to copy in once every rank has the blocks
     pending: int | None = None  # a kept answer's last token: sampled, not in the cache (the next kept question's first)
     logits: object = None  # rank 0, when asked (``last_logits``): its last token's ``[1, V]`` from its prefill
     want_logits: bool = False
@@ -92,12 +96,12 @@ class Document:
     @property
     def ready(self) -> bool:
         """Resident and complete: questions over it can start."""
-        return not self.todo and self.load is None and not self.evicted
+        return not self.todo and self.load is None and self.restore is None and not self.evicted
 
     @property
     def waiting(self) -> bool:
         """Resident but not complete: prefill segments or its load to come (:meth:`Documents.advance`)."""
-        return bool(self.todo or self.load is not None) and not self.evicted
+        return bool(self.todo or self.load is not None or self.restore is not None) and not self.evicted
 
     @property
     def tokens(self) -> int:
@@ -111,7 +115,11 @@ class Documents:
     def __init__(self, engine):
         self.engine = engine
         self.resident: OrderedDict[str, Document] = OrderedDict()
-        self.changes = {"evicted": [], "spilled": [], "saved": []}  # since the last take_changes()
+        # since the last take_changes(): keys that left memory, were spilled or saved, whose saved
+        # copy was refused as it loaded (corrupt); and each document made resident (made)
+        self.changes = {"evicted": [], "spilled": [], "saved": [], "corrupt": [], "made": []}
+        self.host = HostTier(0)  # copies of documents that left the pool (sized with the pool: make_pool)
+        self._host_seen: list = []  # the host tier's keys as last reported (take_changes)
         self.spill_dir, self.spill_meta = None, None  # where an evicted document not yet saved goes
         self.pool: BlockPool | None = None  # made at start (serve) or at the first paged document
         self.pool_free: int | None = None  # bytes free for KV on this rank when the pool was made
@@ -128,11 +136,14 @@ class Documents:
         bytes, free}`` (free: this rank's)."""
         if self.pool is None:
             self.pool, self.pool_free = make_pool(ref, self.engine)
+            want = ref.get("host_memory")
+            want = default_budget(self.pool.device, self.engine.world.world) if want is None else int(want)
+            self.host = HostTier(self.engine.world.all_min(want))  # the same on every rank
         pool = self.pool
         per = BlockPool.bytes_per_block(pool.num_layers, pool.kv_heads, pool.head_dim, pool.page, pool.dtype,
                                         pool.quant.groups if pool.quant else 0)
         return {"blocks": self.pool.num_blocks, "page": self.pool.page, "bytes": self.pool.num_blocks * per,
-                "free": self.pool_free}
+                "free": self.pool_free, "host": self.host.budget}
 
     def new_shard(self, ref: dict | None = None) -> PagedShard:
         """An empty shard in this rank's pool (made now, from ``ref``, if there is none yet)."""
@@ -217,17 +228,23 @@ class Documents:
         t0 = time.perf_counter()
         cache = self.new_shard(ref)
         saved = Path(ref["load_from"]) if ref.get("load_from") else Path(ref["dir"]) / key if ref.get("dir") else None
-        doc = Document(key, ids, cache, t_start=t0)
+        doc = Document(key, ids, cache, t_start=t0, owned=not ref.get("load_from"), piece=ref.get("piece"))
+        hosted = self.host.take(key)  # (resident again: the host tier's copy is the document's now)
+        if hosted is not None and hosted.ids != ids:  # (a conversation's turns grew it since: not this one)
+            hosted = None
         if len(ids) >= eng.mesh.cp:  # (a shorter one fills no block worth sharing: every rank computes it)
             block_reuse.plan(self.engine, self.pool, doc, self._segment(doc, ref, cache.device))
             block_reuse.reuse(self.engine, self.pool, doc)
             if not doc.todo:
                 doc.source = "pool"
-            elif saved is not None and (saved / kvstore.MANIFEST).exists():
-                cache.free()  # a saved copy holds it all: load that instead of a part
+            elif hosted is not None or (saved is not None and (saved / kvstore.MANIFEST).exists()):
+                cache.free()  # a copy holds it all: load that instead of a part
                 doc.segs, doc.todo, doc.reused = [], [], 0
         if doc.source == "pool":
             doc.seconds = time.perf_counter() - t0
+        elif hosted is not None:
+            doc.restore, doc.source, doc.on_disk = hosted, "host", saved is not None and (saved / kvstore.MANIFEST).exists()
+            self._load(doc, evict=False)  # (as a saved copy's load, below)
         elif saved is not None and (saved / kvstore.MANIFEST).exists():
             manifest = ref.get("manifest") or json.loads((saved / kvstore.MANIFEST).read_text())  # ours: spilled
             doc.load, doc.source, doc.on_disk = (saved, manifest), "disk", True
@@ -252,7 +269,7 @@ class Documents:
     def advance(self, doc: Document) -> int:
         """Prefill the next segment of a pending document (or load its saved copy); returns the
         tokens it took (0: it waits, the pool being full of documents in use)."""
-        if doc.load is not None:  # a saved copy, once every rank has the blocks
+        if doc.load is not None or doc.restore is not None:  # a copy, once every rank has the blocks
             if not self._load(doc):
                 self.waits += 1
                 return 0
@@ -284,18 +301,57 @@ class Documents:
         return s1 - s0
 
     def _load(self, doc: Document, evict: bool = True) -> bool:
-        """Load ``doc``'s saved copy into its blocks if every rank has them (``evict``: making
-        room first, as for a prefill segment); False: it waits, nothing changed."""
+        """Load ``doc``'s copy (in host memory, else saved) into its blocks if every rank has
+        them (``evict``: making room first, as for a prefill segment); False: it waits, nothing
+        changed."""
         from . import kvstore
 
-        saved, manifest = doc.load
         eng = self.engine
-        if not self.room(doc, kvstore.shard_counts(manifest, eng.mesh.cp)[eng.mesh.cp_index], evict=evict):
+        if doc.restore is not None:
+            need = int(doc.restore.pos.numel())
+        else:
+            need = kvstore.shard_counts(doc.load[1], eng.mesh.cp)[eng.mesh.cp_index]
+        if not self.room(doc, need, evict=evict):
             return False
-        kvstore.load_into(saved, manifest, doc.cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index, head0=eng.head0)
-        doc.load = None
+        if doc.restore is not None:
+            copy_in(doc.restore, doc.cache)
+            doc.restore = None
+        else:
+            saved, manifest = doc.load
+            why = None
+            try:
+                kvstore.load_into(saved, manifest, doc.cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index,
+                                  head0=eng.head0)
+            except kvstore.KVError as e:  # (a checksum, a file cut since it was validated)
+                if not doc.owned:
+                    raise  # the user's own --load-kv: one line, not a silent prefill
+                why = str(e)
+            if not eng.world.all_true(why is None):  # one rank's damaged part damages the document
+                self._damaged(doc, why)
+                return True
+            doc.load = None
         doc.seconds = time.perf_counter() - doc.t_start
         return True
+
+    def _damaged(self, doc: Document, why: str | None) -> None:
+        """``doc``'s saved copy in the cache directory failed its checks as it loaded (on some
+        rank; ``why``: this rank's reason, if it was one of them): removed from the directory
+        (rank 0, with one line on stderr), the document prefilled instead (its questions wait)
+        and saved again once it is."""
+        import shutil
+        import sys
+
+        saved, _ = doc.load
+        doc.cache.free()
+        doc.load, doc.on_disk, doc.source = None, False, "prefill"
+        self._segment(doc, {"piece": doc.piece}, doc.cache.device)
+        if self.spill_meta is not None:  # a good copy in its place once prefilled (write-through)
+            doc.save = {"target": saved, "meta": self.spill_meta}
+        if self.engine.lead:
+            print(f"treeattn: warning: {why or f'the saved copy of document {doc.key} is damaged on another rank'}: "
+                  f"removed from the cache, the document is prefilled again", file=sys.stderr, flush=True)
+            shutil.rmtree(saved, ignore_errors=True)
+        self.changes["corrupt"].append(doc.key)
 
     def _ready(self, doc: Document) -> None:
         if doc.ready:
@@ -305,6 +361,9 @@ class Documents:
             self._complete(doc)
 
     def _complete(self, doc: Document) -> None:
+        if doc.key is not None:  # how it came (pool, host, disk, prefill), its bytes per rank, the seconds
+            self.changes["made"].append({"key": doc.key, "source": doc.source, "seconds": doc.seconds,
+                                         "bytes": -(-doc.tokens // self.engine.mesh.cp) * doc.cache.bytes_per_token()})
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
             self.engine.saver.save(doc.cache, doc.ids, Path(doc.save["target"]),
                                    {**doc.save["meta"], "nonce": doc.key[:8]})
@@ -384,13 +443,20 @@ class Documents:
             out.append(key)
         return out
 
-    def _evict(self, key: str) -> None:
+    def _evict(self, key: str, to_host: bool = True) -> None:
+        """``key`` out of the pool: saved first when a cache directory is known and it is not
+        there yet, and (``to_host``) a copy kept in the host tier; its blocks given back."""
         doc = self.resident.pop(key)
+        if doc.restore is not None:  # never copied in: the copy goes back where it was
+            self.host.add(key, doc.restore)
+            doc.restore = None
         if not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None:
             self.engine.saver.save(doc.cache, doc.ids, Path(self.spill_dir) / key,
                                    {**self.spill_meta, "nonce": key[:8]})
             doc.on_disk = True
             self.changes["spilled"].append(key)
+        if to_host and doc.ids and doc.ready:
+            self.host.put(key, doc.cache, doc.ids, -(-doc.tokens // self.engine.mesh.cp) * doc.cache.bytes_per_token())
         doc.cache.free()
         doc.evicted = True
         self.changes["evicted"].append(key)
@@ -400,6 +466,9 @@ class Documents:
         if self.resident.get(doc.key) is doc:
             del self.resident[doc.key]
             self.changes["evicted"].append(doc.key)
+        if doc.restore is not None:  # its copy stays in the host tier
+            self.host.add(doc.key, doc.restore)
+            doc.restore = None
         doc.cache.free()
         doc.todo, doc.evicted = list(doc.segs), True
 
@@ -426,14 +495,16 @@ class Documents:
         key, doc = ref["key"], self.resident.get(ref["key"])
         if doc is not None and (doc.users or doc.running):
             return "busy"
-        if ref["action"] == "evict":
+        if ref["action"] == "evict":  # (a TTL: out of memory, the host tier's too)
+            hosted = self.host.take(key) is not None
             if doc is None:
-                return "absent"
-            self._evict(key)
+                return "evicted" if hosted else "absent"
+            self._evict(key, to_host=False)
             return "evicted"
         if ref["action"] != "drop":
             raise ValueError(f"unknown document action {ref['action']!r}")
         keys = doc.keys if doc is not None else None
+        self.host.take(key)
         if doc is not None:
             del self.resident[key]
             doc.cache.free()
@@ -448,8 +519,12 @@ class Documents:
         return "dropped" if doc is not None else "absent"
 
     def take_changes(self) -> dict:
-        """What left memory, was spilled to disk or saved since the last call (then cleared)."""
+        """What left memory, was spilled to disk or saved since the last call (then cleared),
+        and (``host``) the keys the host tier holds when they changed."""
         out = {k: list(v) for k, v in self.changes.items()}
         for v in self.changes.values():
             v.clear()
+        hosted = list(self.host.copies)
+        if hosted != self._host_seen:  # the host tier's documents, when they changed
+            out["host"] = self._host_seen = hosted
         return out

@@ -248,7 +248,7 @@ class Engine(OwnTokens):
         defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs",
                                             "digest", "cite")}
         doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks",
-                                            "pool_for", "tails", "tail_slots", "grow", "page") if req.get(k) is not None}
+                                            "pool_for", "tails", "tail_slots", "grow", "page", "host_memory") if req.get(k) is not None}
         kept_docs: set = set()  # documents a question of this batch keeps into
 
         def question(q) -> Question:

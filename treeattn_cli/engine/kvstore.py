@@ -32,6 +32,7 @@ import os
 import shutil
 import struct
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from .. import __version__
 from ..parallel.ring import chunk_bounds
 
 FORMAT = "treeattn-kv/1"
+CHECKSUMS = "crc32"  # a shard file's metadata: {tensor: CRC-32 of its bytes, 8 hex digits} (JSON)
 MANIFEST = "manifest.json"
 TOKENS = "tokens.safetensors"
 
@@ -116,17 +118,23 @@ def _write_streamed(path: Path, entries, metadata: dict) -> None:
     size."""
     import numpy as np
 
-    header, off = {"__metadata__": metadata}, 0
-    for name, dtype, shape, _ in entries:
-        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    def header(crcs: dict) -> bytes:  # (the checksums fixed-width: the header's length does not change)
+        out, off = {"__metadata__": {**metadata, CHECKSUMS: json.dumps(
+            {name: f"{crcs.get(name, 0):08x}" for name, *_ in entries}, separators=(",", ":"))}}, 0
+        for name, dtype, shape, _ in entries:
+            n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            out[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+        blob = json.dumps(out, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        return struct.pack("<Q", len(blob)) + blob
+
     staging = None  # pinned host bytes a device piece is copied through, reused
+    crcs = {}
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, _, _, pieces in entries:
+        f.write(header({}))
+        for name, _, _, pieces in entries:
+            crc = 0
             for t in pieces():
                 nbytes = t.numel() * t.element_size()
                 if t.device.type != "cpu":
@@ -134,7 +142,12 @@ def _write_streamed(path: Path, entries, metadata: dict) -> None:
                         staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                     staging[:nbytes].view(t.dtype).view(t.shape).copy_(t)
                     t = staging[:nbytes]
-                f.write(np.asarray(t.view(torch.uint8).view(-1)).data)
+                data = np.asarray(t.view(torch.uint8).view(-1)).data
+                crc = zlib.crc32(data, crc)
+                f.write(data)
+            crcs[name] = crc
+        f.seek(0)
+        f.write(header(crcs))  # with every tensor's checksum, read back on every load (_checked)
         f.flush()
         os.fsync(f.fileno())
 
@@ -324,15 +337,39 @@ def shard_counts(manifest: dict, cp: int) -> list[int]:
     return [b[i + 1] - b[i] for i in range(cp)]
 
 
+def _open(path: Path):
+    """A saved shard file opened for reading; KVError when it cannot be (cut or removed since it
+    was validated)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), "pt")
+    except Exception as e:
+        raise KVError(f"saved cache: {path} is unreadable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})") from None
+
+
+def _checked(f, name: str, path: Path) -> torch.Tensor:
+    """Tensor ``name`` of the open shard file ``f`` (at ``path``), whole, after checking its
+    bytes against the CRC-32 its file's header carries (files saved before checksums: as they
+    are); KVError naming the file and tensor when they differ or cannot be read."""
+    try:
+        t = f.get_tensor(name)
+        want = json.loads((f.metadata() or {}).get(CHECKSUMS, "{}")).get(name)
+    except Exception as e:  # (safetensors' errors: a file cut or changed since it was validated)
+        raise KVError(f"saved cache: {path} is unreadable ({name}: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__})") from None
+    if want is not None and f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy().data):08x}" != want:
+        raise KVError(f"saved cache: {path} is corrupt ({name}: its bytes do not match their checksum)")
+    return t
+
+
 def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: int) -> list[int]:
     """Fill ``cache`` with this rank's part of a saved cache under the current mesh: its own
     saved shard where the cache was saved on as many sequence shards (:func:`as_saved`), else
     positions ``chunk_bounds(n, cp)[cp_index]`` (contiguous, balanced); KV heads ``head0 ..
     head0 + cache.kv_heads``, taken from whichever saved shards hold them, one layer at a time
-    (the host holds one layer of this rank's part, never the part whole). Returns every rank's
-    token count (the same on all ranks)."""
-    from safetensors import safe_open
-
+    (the host holds one layer of a saved file, never the part whole), each tensor checked
+    against its checksum as it is read (:func:`_checked`: KVError when one differs). Returns
+    every rank's token count (the same on all ranks)."""
     d = Path(kv_dir)
     n = manifest["tokens"]["count"]
     b = chunk_bounds(n, cp)
@@ -357,8 +394,8 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
             continue
         entries = sorted((s for s in by_cp[c] if s["kv_heads"][0] < h1 and s["kv_heads"][1] > h0),
                          key=lambda s: s["kv_heads"][0])
-        with safe_open(str(d / entries[0]["file"]), "pt") as f:
-            pos = f.get_tensor("pos")
+        with _open(d / entries[0]["file"]) as f:
+            pos = _checked(f, "pos", d / entries[0]["file"])
         idx = torch.arange(pos.numel()) if own else ((pos >= lo) & (pos < hi)).nonzero().flatten()
         if idx.numel() == 0:
             continue
@@ -375,7 +412,7 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
     first = 0
     with contextlib.ExitStack() as stack:
         for entries, a, z, span in sources:  # each saved piece straight into its slots and heads
-            files = [stack.enter_context(safe_open(str(d / s["file"]), "pt")) for s in entries]
+            files = [stack.enter_context(_open(d / s["file"])) for s in entries]
             slots = slot[first:first + span.numel()]
             first += span.numel()
             whole = span.numel() == z - a
@@ -384,12 +421,13 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
                     s0 = max(h0, s["kv_heads"][0]) - s["kv_heads"][0]
                     s1 = min(h1, s["kv_heads"][1]) - s["kv_heads"][0]
                     at = slice(s["kv_heads"][0] + s0 - h0, s["kv_heads"][0] + s1 - h0)  # my heads it holds
-                    k = f.get_slice(f"k.{layer}")[:, s0:s1, a:z, :]
-                    v = f.get_slice(f"v.{layer}")[:, s0:s1, a:z, :]
+                    path = d / s["file"]
+                    k = _checked(f, f"k.{layer}", path)[:, s0:s1, a:z, :]
+                    v = _checked(f, f"v.{layer}", path)[:, s0:s1, a:z, :]
                     scales = None
                     if saved in _FP8:
-                        scales = (f.get_slice(f"ks.{layer}")[:, s0:s1, a:z, :],
-                                  f.get_slice(f"vs.{layer}")[:, s0:s1, a:z, :])
+                        scales = (_checked(f, f"ks.{layer}", path)[:, s0:s1, a:z, :],
+                                  _checked(f, f"vs.{layer}", path)[:, s0:s1, a:z, :])
                     if not whole:
                         k, v = k[:, :, span], v[:, :, span]
                         scales = scales and (scales[0][:, :, span], scales[1][:, :, span])

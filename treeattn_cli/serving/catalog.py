@@ -26,12 +26,14 @@ def document_key(ids) -> str:
 
 @dataclass
 class Entry:
-    """One document: ``resident`` (in the ranks' pools, or being made so), ``on_disk`` (saved in
-    the cache directory; ``manifest`` its saved-KV manifest), ``pinned`` (never leaves memory),
-    ``ttl_s`` (leaves memory after so long unused), ``hits`` (requests that found it)."""
+    """One document: ``resident`` (in the ranks' pools, or being made so), ``host`` (a copy in
+    the ranks' host tier), ``on_disk`` (saved in the cache directory; ``manifest`` its saved-KV
+    manifest), ``pinned`` (never leaves memory), ``ttl_s`` (leaves memory after so long unused),
+    ``hits`` (requests that found it)."""
 
     ids: list
     resident: bool = False
+    host: bool = False
     on_disk: bool = False
     manifest: dict | None = None
     pinned: bool = False
@@ -122,23 +124,39 @@ class Catalog:
     # -- what the ranks report ---------------------------------------------------------------
     def changed(self, ch: dict, read_manifest) -> None:
         """The engine's report of documents that left memory (``evicted``), were written to the
-        cache directory (``saved``, ``spilled``)."""
+        cache directory (``saved``, ``spilled``), whose saved copy was refused as it loaded
+        (``corrupt``: removed, the document prefilled instead), and the keys its host tier holds
+        (``host``, when they changed). A document nowhere any more is forgotten (pinned ones
+        excepted: their tokens make them resident again)."""
         for key in ch.get("saved", []) + ch.get("spilled", []):
             if key in self.entries:
                 self.entries[key].on_disk = True
                 self.entries[key].manifest = read_manifest(str(self.dir / key))
+        for key in ch.get("corrupt", []):
+            e = self.entries.get(key)
+            if e is not None and not (self.dir is not None and (self.dir / key / "manifest.json").exists()):
+                e.on_disk, e.manifest = False, None
+        left = set(ch.get("evicted", [])) | set(ch.get("corrupt", []))  # places a document may have left
+        if "host" in ch:
+            hosted = set(ch["host"])
+            for key, e in self.entries.items():
+                if e.host and key not in hosted:
+                    left.add(key)
+                e.host = key in hosted
         for key in ch.get("evicted", []):
             e = self.entries.get(key)
             if e is not None:
                 e.resident = False
-                if not e.on_disk:
-                    del self.entries[key]
+        for key in left:
+            e = self.entries.get(key)
+            if e is not None and not (e.resident or e.host or e.on_disk or e.pinned):
+                del self.entries[key]
 
     def restarted(self) -> None:
         """A new set of ranks holds nothing: a document is known by its saved copy from now on;
         one without a copy is gone, unless pinned (its tokens make it resident again)."""
         for key, e in list(self.entries.items()):
-            e.resident = e.evicting = False
+            e.resident = e.evicting = e.host = False
             if not e.on_disk and not e.pinned:
                 del self.entries[key]
 
@@ -170,11 +188,14 @@ class Catalog:
         return self.room.pin(tokens, self.pinned(exclude=key), PIN_SHARE)
 
     def view(self, key: str) -> dict:
-        """A document as the documents API shows it (``bytes``: its KV on each rank)."""
+        """A document as the documents API shows it (``bytes``: its KV on each rank; ``tier``:
+        where it is nearest, ``device`` (the ranks' pools), ``host`` (their host memory),
+        ``disk`` (the cache directory))."""
         e = self.entries[key]
         n = len(e.ids)
+        tier = "device" if e.resident else "host" if e.host else "disk" if e.on_disk else None
         return {"id": key, "object": "document", "tokens": n, "pinned": e.pinned, "resident": e.resident,
-                "on_disk": e.on_disk, "ttl_s": e.ttl_s, "created": int(e.created), "last_used": int(e.last_used),
+                "tier": tier, "host": e.host, "on_disk": e.on_disk, "ttl_s": e.ttl_s, "created": int(e.created), "last_used": int(e.last_used),
                 "hits": e.hits, "bytes": self.room.rank_bytes(n)}
 
     def expired(self, now: float, in_use) -> list[str]:

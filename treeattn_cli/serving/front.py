@@ -94,13 +94,16 @@ class EngineFront(threading.Thread):
     """Requests into one open engine batch, their events back, the catalogue kept (see the
     module's docstring). ``client``: the ranks (``engine_client.EngineClient``);
     ``read_manifest(dir)``: a saved document's manifest, refused if another model's;
-    ``on_pools([(used, total), ...])``: each rank's pool as the ranks report it."""
+    ``on_pools([(used, total), ...])``: each rank's pool as the ranks report it;
+    ``on_made(record)``: a document made resident (``documents.Documents``' ``made`` record)."""
 
-    def __init__(self, client, catalog: Catalog, options: BatchOptions, read_manifest, on_pools=None):
+    def __init__(self, client, catalog: Catalog, options: BatchOptions, read_manifest, on_pools=None,
+                 on_made=None):
         super().__init__(name="treeattn-front", daemon=True)
         self.client, self.catalog, self.o = client, catalog, options
         self.read_manifest = read_manifest
         self.on_pools = on_pools or (lambda per_rank: None)
+        self.on_made = on_made or (lambda record: None)
         self.stats = Stats()
         self.pending: deque[Ticket] = deque()
         self.cv = threading.Condition()
@@ -325,6 +328,8 @@ class EngineFront(threading.Thread):
             t.deliver(Began(info["source"], t.cached if info["source"] != "prefill" else info.get("reused", 0)))
         elif kind == "docs":
             self.catalog.changed(payload, self.read_manifest)
+            for record in payload.get("made", []):
+                self.on_made(record)
         elif kind == "banswer":
             t = by_index[payload[0]]
             t.finished = True

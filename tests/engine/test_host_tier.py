@@ -1,0 +1,146 @@
+"""The host-memory tier behind the block pool (issue 52, item 1): a document the pool had to give
+up keeps a copy of each rank's shard in host memory and comes back by a copy, not a prefill,
+holding the same bytes it held before (so every answer over it is the one it gave before); the
+tier keeps the least recently used copies within its budget; without a tier (``--host-memory
+0``) or past its budget the document is prefilled again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeattn_cli.engine.host_tier import HostTier, copy_in
+from treeattn_cli.engine.job import EngineJob
+from treeattn_cli.engine.paged_shard import PagedShard
+from treeattn_cli.engine.pool import BlockPool
+from treeattn_cli.parallel.launch import run_local
+from treeattn_cli.verify import tiny as tiny_models
+
+NEW = 5
+SMALL = [(13 * i + 5) % 230 + 20 for i in range(60)]  # 30 tokens a rank: 2 blocks of 16
+BIG = [(7 * i + 3) % 200 + 30 for i in range(200)]  # 100 a rank: 7 blocks; with SMALL's 2 and a tail, past 8
+Q = [(29 * i + 11) % 230 + 20 for i in range(5)]
+
+
+def _shard(pool: BlockPool, n: int, seed: int) -> PagedShard:
+    """A one-rank shard of ``n`` tokens of random rows in ``pool``."""
+    g = torch.Generator().manual_seed(seed)
+    sh = PagedShard(pool, rank=0, world=1)
+    sh.begin_fill(torch.arange(n), [n])
+    for layer in range(pool.num_layers):
+        sh.fill_layer(layer, torch.randn(1, pool.kv_heads, n, pool.head_dim, generator=g),
+                      torch.randn(1, pool.kv_heads, n, pool.head_dim, generator=g))
+    return sh
+
+
+def test_the_tier_keeps_the_least_recently_used_within_its_budget():
+    """Copies past the budget push the oldest out; one larger than the whole budget is not kept;
+    a copy taken for a restore that did not happen goes back as the newest; a copy holds the
+    shard's rows, positions and counts, bit for bit, whatever becomes of the shard's blocks."""
+    pool = BlockPool(2, 2, 8, page=4, num_blocks=16, dtype=torch.float32)
+    tier = HostTier(300)
+    a, b, c = (_shard(pool, 5, s) for s in (1, 2, 3))
+    rows, pos = [t.clone() for layer in range(2) for t in b.layer_tensors(layer)], b.pos.clone()
+    assert tier.put("a", a, [1] * 5, 100) and tier.put("b", b, [2] * 5, 100)
+    b.free()
+    _shard(pool, 12, 9)  # b's blocks taken and overwritten: the copy is the tier's own
+    assert tier.put("c", c, [3] * 5, 150)  # 350 > 300: the oldest ("a") leaves
+    assert list(tier.copies) == ["b", "c"]
+    assert not tier.put("huge", c, [3] * 5, 301) and "huge" not in tier
+    got = tier.take("b")
+    assert list(tier.copies) == ["c"] and got.ids == [2] * 5 and got.counts.tolist() == [5]
+    tier.add("b", got)
+    assert list(tier.copies) == ["c", "b"]
+    assert HostTier(0).put("a", c, [3] * 5, 1) is False  # no tier: nothing kept
+    other = BlockPool(2, 2, 8, page=4, num_blocks=8, dtype=torch.float32)
+    _shard(other, 6, 5)  # (its first blocks taken: the copy lands elsewhere)
+    back = PagedShard(other, rank=0, world=1)
+    copy_in(tier.take("b"), back)
+    assert all(torch.equal(x, y) for x, y in zip(rows, [t for layer in range(2) for t in back.layer_tensors(layer)]))
+    assert torch.equal(back.pos, pos) and back.counts[0].tolist() == [5]
+
+
+def host_round_trip(ctx, job, small, big, q, new, host_memory):
+    """``small`` answered (``q``), then ``big`` takes the pool (``small`` leaves it), then ``q``
+    over ``small`` again. Every rank returns whether ``small``'s copy sat in its host tier after
+    ``big``, and whether its shard after the return holds the bytes it held before; rank 0 also
+    the answers, how each document became resident and the engine's reports."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.sampling import Sampling
+
+    got, sources, reports = {}, {}, []
+
+    def emit(kind, p):
+        if kind == "banswer":
+            got[p[0]] = p[1]["token_ids"]
+        elif kind == "bdoc":
+            sources[p[0]] = p[1]["source"]
+        elif kind == "docs":
+            reports.append(p)
+
+    base = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
+            "eos_ids": [], "speculate": "off", "slots": 1, "pool_blocks": 8, "page": 16, "host_memory": host_memory}
+    real, ctx.emit = ctx.emit, emit
+    out: dict = {"answers": [], "sources": []}
+    try:
+        eng = Engine(ctx, job)
+        before = None
+        for name, ids in (("small", small), ("big", big), ("small", small)):
+            got.clear()
+            sources.clear()
+            eng.serve([{**base, "questions": [{"ids": q, "doc": {"key": name, "ids": ids}}]}])
+            out["answers"].append(got.get(0))
+            out["sources"].append(sources.get(0))
+            docs = eng.documents
+            if name == "small" and before is None:
+                sh = docs.resident["small"].cache
+                before = [t.clone() for layer in range(sh.num_layers) for t in sh.layer_tensors(layer)]
+            elif name == "big":
+                out["hosted"] = "small" in docs.host and "small" not in docs.resident
+        sh = eng.documents.resident["small"].cache
+        after = [t for layer in range(sh.num_layers) for t in sh.layer_tensors(layer)]
+        out["same_bytes"] = len(after) == len(before) and all(
+            torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(before, after))
+        out["host_after"] = list(eng.documents.host.copies)
+        out["reports"] = reports
+        eng.serve([{"op": "stop"}])
+    finally:
+        ctx.emit = real
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tiny):
+    path = tiny("llama", seed=3)
+    return path, [tiny_models.hf_greedy(path, doc + Q, NEW) for doc in (SMALL, BIG)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_a_document_the_pool_gave_up_comes_back_from_host_memory_bit_for_bit(llama, kv_dtype):
+    """On two ranks, in fp32 and in an fp8 cache: the small document's return is a copy from the
+    host tier (``host``, reported as made from it, the tier's copy taken), its shard holds the
+    bytes it held before on every rank, and the answers are transformers' (fp32) or the first
+    answer again (fp8: the answer over the same bytes)."""
+    path, want = llama
+    job = EngineJob(str(path), [], dtype="float32", kv_dtype=kv_dtype, max_new_tokens=NEW)
+    outs = run_local(host_round_trip, 2, job, SMALL, BIG, Q, NEW, None, timeout_s=180)
+    lead = outs[0]
+    assert lead["sources"] == ["prefill", "prefill", "host"], lead["sources"]
+    assert all(o["hosted"] and o["same_bytes"] and o["host_after"] == ["big"] for o in outs), outs
+    if kv_dtype == "auto":
+        assert lead["answers"] == [want[0], want[1], want[0]]
+    assert lead["answers"][2] == lead["answers"][0]
+    made = [m for r in lead["reports"] for m in r.get("made", [])]
+    assert [m["source"] for m in made if m["key"] == "small"] == ["prefill", "host"], made
+    assert any(r.get("host") == ["small"] for r in lead["reports"]), lead["reports"]
+
+
+@pytest.mark.parametrize("host_memory", [0, 1000])
+def test_without_a_tier_or_past_its_budget_the_document_is_prefilled_again(llama, host_memory):
+    """``--host-memory 0``, and a tier smaller than the document's shard: nothing kept, the
+    document prefilled again, the same answer."""
+    path, want = llama
+    job = EngineJob(str(path), [], dtype="float32", max_new_tokens=NEW)
+    lead = run_local(host_round_trip, 2, job, SMALL, BIG, Q, NEW, host_memory, timeout_s=180)[0]
+    assert lead["sources"] == ["prefill", "prefill", "prefill"] and not lead["hosted"], lead
+    assert lead["answers"] == [want[0], want[1], want[0]]

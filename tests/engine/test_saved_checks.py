@@ -1,0 +1,103 @@
+"""A document's saved copy is checked on every read (issue 52, item 3): each tensor of a shard
+file carries the CRC-32 of its bytes, read back as it loads; a copy damaged after it was saved
+(one flipped byte, a file cut short) on any rank is refused on every rank, removed from the
+cache directory with one line, and the document prefilled: the same answer, never a wrong one,
+never a crash, and the next eviction saves a good copy again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from treeattn_cli.engine.job import EngineJob
+from treeattn_cli.parallel.launch import run_local
+from treeattn_cli.verify import tiny as tiny_models
+
+NEW = 5
+DOC = [(13 * i + 5) % 230 + 20 for i in range(60)]
+Q = [(29 * i + 11) % 230 + 20 for i in range(5)]
+
+
+def damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "flip":  # one bit of a byte in the middle of the tensors' data
+        data[len(data) * 2 // 3] ^= 0x10
+    else:  # cut: the file loses its last third
+        data = data[: len(data) * 2 // 3]
+    path.write_bytes(bytes(data))
+
+
+def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
+    """``q`` over ``doc`` three times, the document leaving memory after each answer (no host
+    tier; saved to ``root`` as it is made); before the second, rank 0 damages the saved
+    copy's ``file`` (``how``: flip, cut). Rank 0 returns the answers, how the document became
+    resident each time, whether its saved copy was there after each, and the engine's reports."""
+    import io
+    import sys
+
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.engine.sampling import Sampling
+    from treeattn_cli.serving.catalog import document_key
+
+    got, sources, reports = {}, {}, []
+
+    def emit(kind, p):
+        if kind == "banswer":
+            got[p[0]] = p[1]["token_ids"]
+        elif kind == "bdoc":
+            sources[p[0]] = p[1]["source"]
+        elif kind == "docs":
+            reports.append(p)
+
+    key = document_key(doc)
+    spec = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
+            "eos_ids": [], "speculate": "off", "slots": 1, "page": 16, "host_memory": 0,
+            "dir": str(root), "save": True, "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
+    real, ctx.emit = ctx.emit, emit
+    out: dict = {"answers": [], "sources": [], "saved": []}
+    err, sys.stderr = sys.stderr, io.StringIO()  # (what the engine says on stderr, returned)
+    try:
+        eng = Engine(ctx, job)
+        for i in range(3):
+            if i == 1:
+                if ctx.rank == 0:
+                    damage(Path(root) / key / file, how)
+                eng.world.barrier()
+            got.clear()
+            sources.clear()
+            eng.serve([{**spec, "questions": [{"ids": q, "doc": {"key": key, "ids": doc}}]}])
+            out["answers"].append(got.get(0))
+            out["sources"].append(sources.get(0))
+            out["saved"].append((Path(root) / key / "manifest.json").exists())
+            eng.documents.act({"key": key, "ids": doc, "action": "drop", "piece": 8})  # out of memory, its
+            # cached blocks forgotten (the saved copy stays: the server's catalogue removes that)
+        out["reports"] = reports
+        eng.serve([{"op": "stop"}])
+    finally:
+        ctx.emit = real
+        out["stderr"], sys.stderr = sys.stderr.getvalue(), err
+    return out
+
+
+@pytest.mark.parametrize("file,how,why", [("kv-c0-t0.safetensors", "flip", "do not match their checksum"),
+                                          ("kv-c0-t0.safetensors", "cut", "is unreadable"),
+                                          ("kv-c1-t0.safetensors", "flip", "damaged on another rank")],
+                         ids=["flip-rank0", "cut-rank0", "flip-rank1"])
+def test_a_damaged_saved_copy_is_removed_and_the_document_prefilled(tiny, tmp_path, file, how, why):
+    model = tiny("llama", seed=3)
+    want = tiny_models.hf_greedy(model, DOC + Q, NEW)
+    job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
+    outs = run_local(saved_then_damaged, 2, job, DOC, Q, NEW, tmp_path, file, how, timeout_s=180)
+    lead = outs[0]
+    assert lead["answers"] == [want] * 3
+    assert lead["sources"] == ["prefill", "prefill", "disk"], lead["sources"]  # refused, then a good copy again
+    assert lead["saved"] == [True, True, True]
+    corrupt = [k for r in lead["reports"] for k in r.get("corrupt", [])]
+    assert len(corrupt) == 1, lead["reports"]
+    assert not any("warning" in o["stderr"] for o in outs[1:]), outs[1]["stderr"]  # one line: rank 0's
+    err = lead["stderr"]
+    lines = [x for x in err.splitlines() if "treeattn: warning:" in x]
+    assert len(lines) == 1 and "removed from the cache, the document is prefilled again" in lines[0], err[-2000:]
+    assert why in lines[0], lines[0]  # rank 0 says what it found (a rank's damage: every rank refuses the copy)
