@@ -2,7 +2,8 @@
 file carries the CRC-32 of its bytes, read back as it loads; a copy damaged after it was saved
 (one flipped byte, a file cut short) on any rank is refused on every rank, removed from the
 cache directory with one line, and the document prefilled: the same answer, never a wrong one,
-never a crash, and the next eviction saves a good copy again."""
+never a crash, and the next eviction saves a good copy again. So is another model's copy under
+the same name (the same tokens): checked before it is read, whoever wrote it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ Q = [(29 * i + 11) % 230 + 20 for i in range(5)]
 
 
 def damage(path: Path, how: str) -> None:
+    if how == "foreign":  # another model's copy under the same name (the same tokens)
+        import json
+
+        m = json.loads((path.parent / "manifest.json").read_text())
+        m["model"]["weights_fingerprint"] = "0" * 64
+        (path.parent / "manifest.json").write_text(json.dumps(m))
+        return
     data = bytearray(path.read_bytes())
     if how == "flip":  # one bit of a byte in the middle of the tensors' data
         data[len(data) * 2 // 3] ^= 0x10
@@ -82,9 +90,10 @@ def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
 
 
 @pytest.mark.parametrize("file,how,why", [("kv-c0-t0.safetensors", "flip", "do not match their checksum"),
-                                          ("kv-c0-t0.safetensors", "cut", "is unreadable"),
-                                          ("kv-c1-t0.safetensors", "flip", "damaged on another rank")],
-                         ids=["flip-rank0", "cut-rank0", "flip-rank1"])
+                                          ("kv-c0-t0.safetensors", "cut", "is truncated or corrupt"),
+                                          ("kv-c1-t0.safetensors", "flip", "damaged on another rank"),
+                                          ("kv-c0-t0.safetensors", "foreign", "was saved from another model")],
+                         ids=["flip-rank0", "cut-rank0", "flip-rank1", "foreign"])
 def test_a_damaged_saved_copy_is_removed_and_the_document_prefilled(tiny, tmp_path, file, how, why):
     model = tiny("llama", seed=3)
     want = tiny_models.hf_greedy(model, DOC + Q, NEW)
@@ -101,3 +110,66 @@ def test_a_damaged_saved_copy_is_removed_and_the_document_prefilled(tiny, tmp_pa
     lines = [x for x in err.splitlines() if "treeattn: warning:" in x]
     assert len(lines) == 1 and "removed from the cache, the document is prefilled again" in lines[0], err[-2000:]
     assert why in lines[0], lines[0]  # rank 0 says what it found (a rank's damage: every rank refuses the copy)
+
+
+def full_disk(ctx, job, docs, q, new, root):
+    """``q`` over each of ``docs`` with a cache directory ``root`` whose disk is full for rank 1
+    (its shard writes fail with ENOSPC). Rank 0 returns the answers, what ``root`` holds after,
+    the engine's reports and what it said on stderr."""
+    import errno
+    import io
+    import sys
+
+    from treeattn_cli.engine import kvstore
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.engine.sampling import Sampling
+    from treeattn_cli.serving.catalog import document_key
+
+    if ctx.rank == 1:
+        def no_space(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        kvstore.save_shard = no_space
+    got, reports = {}, []
+
+    def emit(kind, p):
+        if kind == "banswer":
+            got[p[0]] = p[1]["token_ids"]
+        elif kind == "docs":
+            reports.append(p)
+
+    spec = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
+            "eos_ids": [], "speculate": "off", "slots": 1, "host_memory": 0, "budget": 1,
+            "dir": str(root), "save": True, "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
+    real, ctx.emit = ctx.emit, emit
+    out: dict = {"answers": []}
+    err, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        eng = Engine(ctx, job)
+        for doc in docs + docs[:1]:
+            got.clear()
+            eng.serve([{**spec, "questions": [{"ids": q, "doc": {"key": document_key(doc), "ids": doc}}]}])
+            out["answers"].append(got.get(0))
+        out["reports"] = reports
+        out["root"] = sorted(p.name for p in Path(root).iterdir())
+        eng.serve([{"op": "stop"}])
+    finally:
+        ctx.emit = real
+        out["stderr"], sys.stderr = sys.stderr.getvalue(), err
+    return out
+
+
+def test_a_full_disk_stops_the_writes_with_one_line_and_answers_go_on(tiny, tmp_path):
+    """Issue 52 (and 53's full --cache-dir): the first document's write-through fails on one
+    rank; every rank gives it up (no half copy left), one line says so, no later document is
+    written, and every answer is transformers' (the documents leave memory at once: a budget of
+    one byte; the first comes back by a prefill)."""
+    model = tiny("llama", seed=3)
+    docs = [DOC, DOC[::-1][:50]]
+    job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
+    lead = run_local(full_disk, 2, job, docs, Q, NEW, tmp_path, timeout_s=180)[0]
+    assert lead["answers"] == [tiny_models.hf_greedy(model, d + Q, NEW) for d in docs + docs[:1]]
+    assert lead["root"] == [], lead["root"]
+    assert not any(r.get("saved") or r.get("spilled") for r in lead["reports"]), lead["reports"]
+    lines = [x for x in lead["stderr"].splitlines() if "warning" in x]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "answers go on" in lines[0], lead["stderr"]

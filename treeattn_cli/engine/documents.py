@@ -124,6 +124,7 @@ class Documents:
         self.pool: BlockPool | None = None  # made at start (serve) or at the first paged document
         self.pool_free: int | None = None  # bytes free for KV on this rank when the pool was made
         self.waits = 0  # segments a document waited for blocks (the pool was full of documents in use)
+        self.writes_off = False  # a write to the cache directory failed (a full disk): no more this run
 
     def _pool(self, ref: dict) -> BlockPool:
         if self.pool is None:
@@ -232,12 +233,13 @@ class Documents:
         hosted = self.host.take(key)  # (resident again: the host tier's copy is the document's now)
         if hosted is not None and hosted.ids != ids:  # (a conversation's turns grew it since: not this one)
             hosted = None
+        manifest = self._saved(saved, ref, ids) if hosted is None else None
         if len(ids) >= eng.mesh.cp:  # (a shorter one fills no block worth sharing: every rank computes it)
             block_reuse.plan(self.engine, self.pool, doc, self._segment(doc, ref, cache.device))
             block_reuse.reuse(self.engine, self.pool, doc)
             if not doc.todo:
                 doc.source = "pool"
-            elif hosted is not None or (saved is not None and (saved / kvstore.MANIFEST).exists()):
+            elif hosted is not None or manifest is not None:
                 cache.free()  # a copy holds it all: load that instead of a part
                 doc.segs, doc.todo, doc.reused = [], [], 0
         if doc.source == "pool":
@@ -245,8 +247,7 @@ class Documents:
         elif hosted is not None:
             doc.restore, doc.source, doc.on_disk = hosted, "host", saved is not None and (saved / kvstore.MANIFEST).exists()
             self._load(doc, evict=False)  # (as a saved copy's load, below)
-        elif saved is not None and (saved / kvstore.MANIFEST).exists():
-            manifest = ref.get("manifest") or json.loads((saved / kvstore.MANIFEST).read_text())  # ours: spilled
+        elif manifest is not None:
             doc.load, doc.source, doc.on_disk = (saved, manifest), "disk", True
             self._load(doc, evict=False)  # now if the blocks are free; else it waits for them like a
             # prefill segment (advance): evicting here could evict the documents of questions queued before it
@@ -259,12 +260,57 @@ class Documents:
         if ref.get("save_to"):
             doc.save = {"target": ref["save_to"], "meta": ref["save_meta"]}
         elif ref.get("save") and ref.get("dir") and not doc.on_disk:
-            doc.save = {"target": Path(ref["dir"]) / key, "meta": ref["save_meta"]}
+            doc.save = {"target": Path(ref["dir"]) / key, "meta": ref["save_meta"], "soft": True}
         self.resident[key] = doc
         if doc.ready:
             self._complete(doc)
         self.evict(ref.get("budget"), keep=doc)
         return doc
+
+    def _saved(self, saved: Path | None, ref: dict, ids: list) -> dict | None:
+        """The manifest of the saved copy at ``saved`` if it can be loaded for ``ids`` here: the
+        request's own (``manifest``: validated by the launcher, ``--load-kv``), else the cache
+        directory's, checked now (``kvstore.validate``: this model, dtype and shapes, its files
+        whole, these tokens) whether or not this engine wrote it; one that fails is removed with
+        one line (rank 0) and reported (``corrupt``). The same answer on every rank."""
+        from . import kvstore
+
+        if saved is None:
+            return None
+        if ref.get("manifest") is not None:
+            return ref["manifest"]
+        eng = self.engine
+        if not eng.world.all_true((saved / kvstore.MANIFEST).exists()):
+            return None
+        identity, why, manifest = (ref.get("save_meta") or {}).get("identity"), None, None
+        try:
+            if identity is None:  # (nothing to check it against: a test's directory)
+                manifest = json.loads((saved / kvstore.MANIFEST).read_text())
+            else:
+                sh = eng.saver.shapes
+                manifest = kvstore.validate(saved, identity=identity, dtype=eng.saver.dtype, shapes={
+                    "layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]})
+                if manifest["tokens"]["sha256"] != kvstore.ids_sha256(ids):
+                    raise kvstore.KVError(f"{saved} holds other tokens than its name says")
+        except (kvstore.KVError, ValueError, OSError) as e:
+            why = str(e) or type(e).__name__
+        if eng.world.all_true(why is None):
+            return manifest
+        self._refuse(saved, ref.get("key"), why)
+        return None
+
+    def _refuse(self, saved: Path, key: str | None, why: str | None) -> None:
+        """A saved copy in the cache directory that cannot be used (``why``: this rank's reason,
+        if it found one): removed (rank 0, with one line on stderr), reported (``corrupt``)."""
+        import shutil
+        import sys
+
+        if self.engine.lead:
+            print(f"treeattn: warning: {why or f'the saved copy of document {key} is damaged on another rank'}: "
+                  f"removed from the cache, the document is prefilled again", file=sys.stderr, flush=True)
+            shutil.rmtree(saved, ignore_errors=True)
+        if key is not None:
+            self.changes["corrupt"].append(key)
 
     def advance(self, doc: Document) -> int:
         """Prefill the next segment of a pending document (or load its saved copy); returns the
@@ -335,23 +381,15 @@ class Documents:
 
     def _damaged(self, doc: Document, why: str | None) -> None:
         """``doc``'s saved copy in the cache directory failed its checks as it loaded (on some
-        rank; ``why``: this rank's reason, if it was one of them): removed from the directory
-        (rank 0, with one line on stderr), the document prefilled instead (its questions wait)
-        and saved again once it is."""
-        import shutil
-        import sys
-
+        rank; ``why``: this rank's reason, if it was one of them): removed (:meth:`_refuse`), the
+        document prefilled instead (its questions wait) and saved again once it is."""
         saved, _ = doc.load
         doc.cache.free()
         doc.load, doc.on_disk, doc.source = None, False, "prefill"
         self._segment(doc, {"piece": doc.piece}, doc.cache.device)
         if self.spill_meta is not None:  # a good copy in its place once prefilled (write-through)
-            doc.save = {"target": saved, "meta": self.spill_meta}
-        if self.engine.lead:
-            print(f"treeattn: warning: {why or f'the saved copy of document {doc.key} is damaged on another rank'}: "
-                  f"removed from the cache, the document is prefilled again", file=sys.stderr, flush=True)
-            shutil.rmtree(saved, ignore_errors=True)
-        self.changes["corrupt"].append(doc.key)
+            doc.save = {"target": saved, "meta": self.spill_meta, "soft": True}
+        self._refuse(saved, doc.key, why)
 
     def _ready(self, doc: Document) -> None:
         if doc.ready:
@@ -365,10 +403,28 @@ class Documents:
             self.changes["made"].append({"key": doc.key, "source": doc.source, "seconds": doc.seconds,
                                          "bytes": -(-doc.tokens // self.engine.mesh.cp) * doc.cache.bytes_per_token()})
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
-            self.engine.saver.save(doc.cache, doc.ids, Path(doc.save["target"]),
-                                   {**doc.save["meta"], "nonce": doc.key[:8]})
-            doc.on_disk, doc.save = True, None
-            self.changes["saved"].append(doc.key)
+            if self._write(doc.cache, doc.ids, doc.save["target"], {**doc.save["meta"], "nonce": doc.key[:8]},
+                           soft=doc.save.get("soft", False)):
+                doc.on_disk = True
+                self.changes["saved"].append(doc.key)
+            doc.save = None
+
+    def _write(self, cache, ids, target, meta: dict, soft: bool) -> bool:
+        """``cache`` (holding ``ids``) saved to ``target`` (a collective). ``soft``: a copy in the
+        cache directory: once a write there fails (a full disk), one line says so and the
+        directory takes no more writes this run; serving goes on. False: not saved."""
+        if soft and self.writes_off:
+            return False
+        why = self.engine.saver.save(cache, ids, Path(target), meta, soft=soft)
+        if why is None:
+            return True
+        self.writes_off = True
+        if self.engine.lead:
+            import sys
+
+            print(f"treeattn: warning: cannot write to the cache directory ({why}): no more documents are saved "
+                  f"there this run; answers go on", file=sys.stderr, flush=True)
+        return False
 
     def keep(self, doc: Document, tail, row: int, tokens: list, upto: int | None = None) -> bool:
         """A kept answer (``chat --conversation``) becomes part of its document: the tokens slot
@@ -450,9 +506,8 @@ class Documents:
         if doc.restore is not None:  # never copied in: the copy goes back where it was
             self.host.add(key, doc.restore)
             doc.restore = None
-        if not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None:
-            self.engine.saver.save(doc.cache, doc.ids, Path(self.spill_dir) / key,
-                                   {**self.spill_meta, "nonce": key[:8]})
+        if not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None and \
+                self._write(doc.cache, doc.ids, Path(self.spill_dir) / key, {**self.spill_meta, "nonce": key[:8]}, soft=True):
             doc.on_disk = True
             self.changes["spilled"].append(key)
         if to_host and doc.ids and doc.ready:
