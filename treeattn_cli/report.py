@@ -133,6 +133,10 @@ def stats_line(rec: dict) -> str:
         ctx = rec.get("context_tokens")
         parts.append(f"{rec['prompt_tokens']:,} prompt tokens" +
                      (f" ({ctx:,} in the cache)" if ctx and ctx != rec["prompt_tokens"] else ""))
+    how = {"disk": "loaded from the cache directory", "host": "copied back from host memory",
+           "pool": "found in the pool"}.get((rec.get("document") or {}).get("source"))
+    if how:  # (a document not prefilled by this request)
+        parts.append(f"document {how} in {rec['document']['seconds']:.2f} s")
     if rec.get("prefill_tokens_per_s"):
         parts.append(f"prefill {rec['prefill_tokens_per_s']:,.0f} tok/s")
     if rec.get("ttft_s"):

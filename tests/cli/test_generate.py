@@ -90,6 +90,41 @@ def test_a_loaded_cache_continued_and_saved_again_holds_the_prompt_too(models, t
     assert third["token_ids"] == tiny_models.hf_greedy(m, ids(doc) + ids(p1) + ids(p2), 4)
 
 
+def test_cache_dir_keeps_the_prompt_and_the_next_run_loads_it(models, tmp_path):
+    """generate --cache-dir D (issue 52, item 5): the first run prefills the prompt's document
+    (the prompt but its last token) and saves it in D by its tokens; a second run of the same
+    prompt, on another number of ranks, loads it (no prefill segment) and answers the same tokens,
+    transformers'; another prompt gets its own entry. chat --cache-dir: the second chat over a
+    document loads it and answers as the first. --cache-dir with --load-kv / --save-kv, or on a
+    file, is one line."""
+    from treeattn_cli.engine.model import load_tokenizer
+
+    m, d = models["llama"], tmp_path / "cache"
+    tok = load_tokenizer(m)
+    prompt = text_of(60, seed=4)
+    want = tiny_models.hf_greedy(m, tok(prompt)["input_ids"], 4)
+    flags = ("--model", str(m), "--prompt", prompt, "--dtype", "float32", "--max-new-tokens", "4", "--cache-dir", str(d))
+    first = run_json(*flags, "--nproc", "2")
+    assert first["token_ids"] == want and first["document"]["source"] == "prefill", first["document"]
+    assert first["prefill_segments"] and len(list(d.iterdir())) == 1
+    second = run_json(*flags, "--nproc", "3")
+    assert second["token_ids"] == want and second["document"]["source"] == "disk", second["document"]
+    assert second["prefill_segments"] == []  # nothing of the document prefilled
+    other = run_json(*flags[:3], text_of(50, seed=5), *flags[4:], "--nproc", "2")
+    assert other["document"]["source"] == "prefill" and len(list(d.iterdir())) == 2
+    for extra, needle in ((["--load-kv", str(tmp_path / "x")], "--cache-dir"), (["--save-kv", str(tmp_path / "y")], "--cache-dir")):
+        assert_usage_error(cli("generate", *flags, *extra), needle)
+    (tmp_path / "file").write_text("x")
+    assert_usage_error(cli("generate", *flags[:-1], str(tmp_path / "file")), "--cache-dir")
+    (tmp_path / "doc.txt").write_text(text_of(70, seed=6))
+    (tmp_path / "qs.txt").write_text("abc\nxyz\n")
+    runs = [cli("chat", "--model", str(m), "--prompt-file", str(tmp_path / "doc.txt"), "--no-chat", "--nproc", "2",
+                "--dtype", "float32", "--max-new-tokens", "3", "--questions", str(tmp_path / "qs.txt"),
+                "--cache-dir", str(tmp_path / "chats")) for _ in range(2)]
+    assert all(r.exit_code == 0 for r in runs), runs[-1].output
+    assert "prefilled" in runs[0].stderr and f"[loaded 70 cached tokens from {tmp_path / 'chats'}" in runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout
+
 def test_logprobs_are_the_models_own(models):
     """--logprobs K: each token's log-probability and its K most likely alternatives, the
     model's own (transformers' scores of the same greedy decode, log-softmaxed), whatever the

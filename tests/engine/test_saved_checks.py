@@ -47,7 +47,7 @@ def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.kvstore import model_identity
     from treeattn_cli.engine.sampling import Sampling
-    from treeattn_cli.serving.catalog import document_key
+    from treeattn_cli.engine.requests import document_key
 
     got, sources, reports = {}, {}, []
 
@@ -124,7 +124,7 @@ def full_disk(ctx, job, docs, q, new, root):
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.kvstore import model_identity
     from treeattn_cli.engine.sampling import Sampling
-    from treeattn_cli.serving.catalog import document_key
+    from treeattn_cli.engine.requests import document_key
 
     if ctx.rank == 1:
         def no_space(*a, **k):

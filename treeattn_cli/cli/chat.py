@@ -30,8 +30,7 @@ import json
 import sys
 from dataclasses import replace
 
-from ..serving.catalog import document_key
-from ..engine.requests import Ask, DocRef
+from ..engine.requests import Ask, DocRef, document_key
 from ..engine.sampling import Sampling
 from ..parallel import launch
 from . import prompt as P
@@ -116,7 +115,8 @@ def chat_command(o: ChatOptions) -> int:
         from .citations import for_document
 
         spans = for_document(tok, text, doc_ids, composition, system=o.system)
-    save_meta = run.save_meta(o.save_kv, composition) if o.save_kv else None
+    save_meta = run.save_meta(o.save_kv, composition) if o.save_kv else \
+        {**run.cache_meta(o.cache_dir), "composition": composition} if o.cache_dir else None
     job = run.job(o, [], reserve=0)  # the document lives in the ranks' block pool, not in the engine's own cache
     code = _session(o, run, job, composition, doc_ids, manifest, save_meta, spans)
     return 2 if code == 0 and _REFUSED else code
@@ -154,8 +154,9 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
     """The ``batch`` request's document (every question's ``doc``) and its request-wide options:
     its tokens (a saved cache's own, with ``--load-kv``), prefilled in the segments a single
     prefill cuts (``--prefill-chunk``, else all at once: the numbers ``--batch 1`` holds), saved
-    once complete with ``--save-kv``, and a pool sized to hold it (with ``--conversation``, its
-    turns too)."""
+    once complete with ``--save-kv`` (with ``--cache-dir``: loaded from the directory if a run
+    saved it there, else saved there once complete), and a pool sized to hold it (with
+    ``--conversation``, its turns too)."""
     from pathlib import Path
 
     cp = max(1, run.nproc // o.tp)
@@ -167,10 +168,13 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
     doc = DocRef(document_key(doc_ids), doc_ids, piece=o.prefill_chunk or max(1, -(-n // cp)))
     if manifest is not None:
         doc.load_from, doc.manifest = o.load_kv, manifest
+    kept = {}
     if save_meta is not None:
         doc.save_to, doc.save_meta = o.save_kv, save_meta
+        if o.cache_dir:  # found in the directory by its tokens, else prefilled and written there
+            doc.save_to, kept = None, {"dir": o.cache_dir, "save": True}
     tails = {"tails": o.max_new_tokens + QUESTION_ROOM, "tail_slots": max(1, o.batch or 1)}
-    return doc, {"pool_for": n, **tails, "grow": True}  # (grow: turns, and a question the context allows)
+    return doc, {"pool_for": n, **tails, "grow": True, **kept}  # (grow: turns, and a question the context allows)
 
 
 def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, spans=None) -> None:
@@ -245,13 +249,13 @@ def _resident(o, client, pooled, tokens: int, progress) -> None:
             if o.quiet:
                 return
             if d["source"] == "disk":
-                print(f"[loaded {d['tokens']:,} cached tokens from {o.load_kv} in {d['seconds']:.2f} s]",
+                print(f"[loaded {d['tokens']:,} cached tokens from {o.load_kv or o.cache_dir} in {d['seconds']:.2f} s]",
                       file=sys.stderr)
             else:
                 print(f"[document: {d['tokens']:,} tokens prefilled in {d['seconds']:.2f} s, "
                       f"{d['tokens'] / max(d['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
         elif kind == "docs" and payload.get("saved") and not o.quiet:
-            print(f"[saved {tokens:,} cached tokens to {o.save_kv}]", file=sys.stderr)
+            print(f"[saved {tokens:,} cached tokens to {o.save_kv or o.cache_dir}]", file=sys.stderr)
 
     client.post(op="batch", seq=client.seq, slots=1, **extra,
                 questions=[Ask([], 0, doc=replace(doc, progress=True)).wire()])

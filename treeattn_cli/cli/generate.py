@@ -52,6 +52,7 @@ def prepare(o: GenerateOptions):
         spans = for_prompt(run.tokenizer, text, ids, chat=bool(chat), system=system)
     job = run.job(o, ids, load_kv=o.load_kv, load_manifest=manifest, save_kv=o.save_kv,
                   save_meta=run.save_meta(o.save_kv, composition) if o.save_kv else {},
+                  cache_dir=o.cache_dir, cache_meta=run.cache_meta(o.cache_dir) if o.cache_dir else {},
                   cite=spans.spec() if spans else None)
     if demo:
         print(f"treeattn demo: the embedded SmolLM2-135M-Instruct on {run.nproc} {run.kind.upper()} rank(s) "

@@ -106,6 +106,9 @@ RUN_FLAGS = (
 CACHE_FLAGS = (
     Flag("save_kv", Optional[str], None, "Save the document's (prompt's) sharded KV cache to this directory."),
     Flag("load_kv", Optional[str], None, "Start from a saved KV cache (any --nproc): the prompt or questions follow its tokens."),
+    Flag("cache_dir", Optional[str], None, "Keep the document's KV cache in this directory, named by its tokens: a "
+         "later run over the same document (generate: the same prompt) loads it instead of prefilling it "
+         "(serve --cache-dir shares the format)."),
 )
 REPORT_FLAGS = (
     Flag("quiet", bool, False, "No stats lines on stderr."),
@@ -145,6 +148,7 @@ class GenerateOptions:
     tp: int = 1  # tensor-parallel ranks per sequence shard: --nproc = cp x tp
     save_kv: str | None = None  # save the prompt's KV cache here (engine/kvstore.py)
     load_kv: str | None = None  # continue a saved KV cache with the prompt
+    cache_dir: str | None = None  # documents kept and found again by their tokens (serve: every document)
     quiet: bool = False  # no stats line on stderr
     prefill_sharding: str = "balanced"  # or "contiguous": how prefill segments are cut (engine/prefill.py)
     speculate: str = "auto"  # off | auto | ngram:K (engine/speculate.py)
@@ -173,6 +177,9 @@ def check_flags(o: GenerateOptions) -> None:
     if not o.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {o.timeout}")
     _speculation(o.speculate)
+    if o.cache_dir and (o.load_kv or o.save_kv):
+        raise ValueError("--cache-dir finds and keeps the document by itself: give it or --load-kv / --save-kv, "
+                         "not both")
     if o.cite and o.load_kv:
         raise ValueError("--cite needs the document's text, and a --load-kv cache holds only its tokens: give the "
                          "document with --prompt-file instead")

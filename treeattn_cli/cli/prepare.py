@@ -154,6 +154,22 @@ class Run:
             raise KVError(f"--save-kv {p}: {p.parent} is not a writable directory")
         return {"identity": self.identity(), "composition": composition, "nonce": secrets.token_hex(4)}
 
+    def cache_meta(self, path: str) -> dict:
+        """``--cache-dir`` (``generate``, ``chat``): made if missing and writable, checked now
+        (exit 2); what the manifests of the documents saved there record."""
+        from pathlib import Path
+
+        from ..engine.kvstore import KVError
+
+        p = Path(path)
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KVError(f"--cache-dir {p}: cannot be made ({e.strerror or e})") from None
+        if not p.is_dir() or not os.access(p, os.W_OK):
+            raise KVError(f"--cache-dir {p}: not a writable directory")
+        return {"identity": self.identity(), "composition": {"kind": "raw"}}
+
     def check_fits(self, tokens: int, new_tokens: int, what: str = "the prompt") -> None:
         if self.context and tokens + new_tokens > self.context:
             raise ValueError(f"{what} is {tokens} tokens; with --max-new-tokens {new_tokens} "

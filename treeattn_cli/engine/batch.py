@@ -159,7 +159,10 @@ class BatchDecoder(StepRunner):
                 "prefill_tokens_per_s": prompt / prefill_s if prefill_s else None,
                 "decode_tokens_per_s": (n - 1) / decode_s if decode_s else None,
                 "stop_reason": reason, "prefill_method": "+".join(made["methods"]) if made else "batched",
-                "speculation": s.speculation.record() if s.speculation is not None else None}
+                "speculation": s.speculation.record() if s.speculation is not None else None,
+                # how its document became resident: memory, pool, host, disk, prefill (and in how long)
+                "document": {"source": s.doc.source, "seconds": s.doc.seconds} if s.doc is not None and s.doc.key
+                else None}
 
 
 class _Run:

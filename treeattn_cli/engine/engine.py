@@ -64,7 +64,7 @@ from ..topology.layout import cp_layout
 from .model import load_model, load_tokenizer, pick_dtype, shapes
 from .own_tokens import OwnTokens
 from .record import run_record
-from .requests import generate_requests, single_requests
+from .requests import document_key, generate_requests, single_requests
 from .saving import Saver
 
 
@@ -201,27 +201,36 @@ class Engine(OwnTokens):
         tokens of its own over it (from its last logits: ``documents.Document.logits``); with
         ``--load-kv`` the loaded cache is the document and the prompt the question (with
         ``--save-kv`` too, the prompt is kept into the document, then saved: the cache of both, as
-        a later ``--load-kv`` continues it). Rank 0 streams ``token`` events and ends with
+        a later ``--load-kv`` continues it); with ``--cache-dir`` the document is the prompt but its
+        last token, found in (loaded from) or saved to the directory by its tokens, and the last
+        token the question (the same in every run). Rank 0 streams ``token`` events and ends with
         ``answer``, whose record counts the prompt's prefill, whichever way it went."""
         job = self.job
         prompt = list(job.prompt_ids)
+        kept = {}  # (--cache-dir: the request's cache directory, written through)
         if job.load_kv:
             from .kvstore import load_ids
 
             doc_ids, question = load_ids(Path(job.load_kv)), prompt
             doc = {"load_from": job.load_kv, "manifest": job.load_manifest}
+        elif job.cache_dir and len(prompt) > 1:  # the prompt but its last token is the document, kept by
+            # its tokens (a saved copy holds no logits: the last token is the question, in every run)
+            doc_ids, question = prompt[:-1], prompt[-1:]
+            doc = {"progress": True, "key": document_key(doc_ids), "save_meta": job.cache_meta}
+            kept = {"dir": job.cache_dir, "save": True}
         else:
             doc_ids, question = prompt, []
             doc = {"progress": True, "last_logits": True,
                    **({"save_to": job.save_kv, "save_meta": job.save_meta} if job.save_kv else {})}
-        doc.update(key="generate", ids=doc_ids, piece=job.prefill_chunk or max(1, -(-len(doc_ids) // self.mesh.cp)))
+        doc.setdefault("key", "generate")
+        doc.update(ids=doc_ids, piece=job.prefill_chunk or max(1, -(-len(doc_ids) // self.mesh.cp)))
         keep = {"keep": "question"} if job.load_kv and job.save_kv else {}
         self._op_batch({"op": "batch", "questions": [{"ids": question, "doc": doc, **keep}], "slots": 1,
                         "max_new_tokens": job.max_new_tokens, "stop": list(job.stop), "eos_ids": list(job.eos_ids),
                         "sampling": vars(job.sampling), "speculate": job.speculate, "logprobs": job.logprobs,
                         "digest": job.digest, "cite": job.cite,
                         "pool_for": len(doc_ids) + (len(question) if keep else 0),
-                        "tails": len(question) + job.max_new_tokens},  # (the question and its answer: the tail's)
+                        "tails": len(question) + job.max_new_tokens, **kept},  # (tails: the question and its answer)
                        single=True)
         if keep:
             self._op_save({"dir": job.save_kv, "doc": "generate", **job.save_meta})

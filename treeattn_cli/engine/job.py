@@ -42,6 +42,8 @@ class EngineJob:
     load_manifest: dict | None = None
     save_kv: str | None = None  # save the prompt's cache here after the answer
     save_meta: dict = field(default_factory=dict)  # identity, composition, nonce of the save
+    cache_dir: str | None = None  # the prompt's document kept and found again here (kvstore format)
+    cache_meta: dict = field(default_factory=dict)  # what its manifest records (identity, composition)
     reserve: int | None = None  # tokens the engine's own (append/decode) make room for: its pool's size at least
     # (default: prompt + answer; documents named by requests size the pool themselves)
     prefill_sharding: str = "balanced"  # or "contiguous" (prefill.py): how segments are cut

@@ -15,6 +15,15 @@ from dataclasses import asdict, dataclass, field, fields
 from .sampling import Sampling
 
 
+def document_key(ids) -> str:
+    """The name a document's tokens go by in the engine's documents and a cache directory
+    (``serve``'s documents, ``chat``'s and ``generate``'s with ``--cache-dir``): equal tokens,
+    equal name."""
+    import hashlib
+
+    return hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()[:24]
+
+
 @dataclass
 class DocRef:
     """The document a request continues (``documents.Documents.get``): its key and tokens; where

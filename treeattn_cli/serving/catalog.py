@@ -7,21 +7,15 @@ a document that can never fit, a request that cannot beside the pinned ones, a p
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.requests import document_key
 from ..engine.room import PoolRoom
 
 MIN_DOCUMENT = 32  # tokens: a shorter document part of a request is question, not worth a cache entry
 PIN_SHARE = 0.75  # of each rank's pool pinned documents may hold: the rest stays for the others
-
-
-def document_key(ids) -> str:
-    """The name a document's tokens go by in the engine's documents and the cache directory
-    (``serve``'s documents, ``chat``'s pooled document): equal tokens, equal name."""
-    return hashlib.sha256(" ".join(map(str, ids)).encode()).hexdigest()[:24]
 
 
 @dataclass
