@@ -39,6 +39,27 @@ class Mutant:
 
 
 MUTANTS = [
+    Mutant("host-tier-requantizes", "host tier: a copy comes back requantized, not as stored (fp8 rows lose their "
+           "scales' bits)",
+           "treeattn_cli/engine/host_tier.py",
+           "shard.fill_layer(layer, t[0], t[1], scales=(t[2], t[3]) if raw else None)",
+           "shard.fill_layer(layer, t[0], t[1], scales=None)",
+           ("tests/engine/test_host_tier.py",)),
+    Mutant("host-tier-unused", "host tier: a document the pool gave up is never copied back (always prefilled)",
+           "treeattn_cli/engine/documents.py",
+           "        hosted = self.host.take(key)  # (resident again",
+           "        hosted = None and self.host.take(key)  # (resident again",
+           ("tests/engine/test_host_tier.py", "tests/serving/test_serve.py::test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on")),
+    Mutant("saved-checksum-unchecked", "saved caches: a tensor's bytes are not checked against their CRC-32",
+           "treeattn_cli/engine/kvstore.py",
+           "    if want is not None and f\"{zlib.crc32",
+           "    if False and f\"{zlib.crc32",
+           ("tests/engine/test_saved_checks.py",)),
+    Mutant("saved-foreign-loaded", "cache directory: a saved copy is loaded without checking whose it is",
+           "treeattn_cli/engine/documents.py",
+           "            if identity is None:  # (nothing to check it against: a test's directory)",
+           "            if True:  # (nothing to check it against: a test's directory)",
+           ("tests/engine/test_saved_checks.py",)),
     Mutant("serve-no-recovery", "serve: a lost rank is never replaced (the server answers 503 until a person acts)",
            "treeattn_cli/cli/serve.py",
            "if reason is not None and not self.recover(reason):",

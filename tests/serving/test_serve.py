@@ -149,7 +149,8 @@ def test_answers_equal_generate_and_the_document_is_cached(server):
     first = c.completions.create(model="m", prompt=prompt, max_tokens=NEW)
     assert first.choices[0].text == _generate(m, prompt, "--no-chat")["text"]
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    again = c.completions.create(model="m", prompt=doc + "\n\nHow many tolls?", max_tokens=NEW)
+    again = c.completions.create(model="m", prompt=doc + "\n\nHow many tolls?", max_tokens=NEW,
+                                 extra_body={"prompt_cache_retention": "24h"})  # (OpenAI's: on disk here)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].text == _generate(m, doc + "\n\nHow many tolls?", "--no-chat")["text"]
     msg = doc + "\n\nWhat did the keeper note?"
@@ -315,6 +316,8 @@ def test_a_client_that_leaves_cancels_its_request(server):
     ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "cite": "yes"}, 400, "'cite' must be a boolean"),
     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "cite": True}, 400, "needs a document part"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_retention": "1w"}, 400,
+     "'prompt_cache_retention' must be"),
 ])
 def test_bad_requests_get_an_error_object_and_the_server_keeps_serving(server, body, status, needle):
     data = body if isinstance(body, str) else json.dumps(body)

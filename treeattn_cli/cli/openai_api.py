@@ -7,7 +7,10 @@ found in the cache). Requests are checked here: a malformed one gets HTTP 400 wi
 error object, an unknown model 404, a missing or wrong key 401, a server whose ranks are lost 503,
 a body over ``--max-request-bytes`` 413, and a request past ``--batch`` + ``--max-waiting`` 429
 with ``Retry-After`` (at once: the server goes on serving the others).
-Parameters treeattn does not honour are refused with 400, never ignored. An extension of the
+Parameters treeattn does not honour are refused with 400, never ignored. OpenAI's
+``prompt_cache_retention``: ``"in_memory"`` is what every document gets (kept in the ranks'
+pools and host tier while they have room), ``"24h"`` needs ``--cache-dir`` (where every document
+is saved as it is made, found again by any later request). An extension of the
 format: ``"cite": true`` (the official client's ``extra_body``) gives the answer ``citations`` and
 ``sentence_citations`` (``cli/citations.py``) on its message (chat), its choice (completions), or
 the final chunk's delta or choice when streamed."""
@@ -100,6 +103,13 @@ def _common(srv, body, chat: bool) -> dict:
     for name, allowed in _DEFAULTS.items():
         if name in body and body[name] not in allowed:
             raise BadRequest(f"'{name}' is not supported by treeattn (exact greedy or sampled decoding only)", name)
+    retention = body.get("prompt_cache_retention")
+    if retention not in (None, "in_memory", "24h"):
+        raise BadRequest(f"'prompt_cache_retention' must be \"in_memory\" or \"24h\", got {json.dumps(retention)[:40]}",
+                         "prompt_cache_retention")
+    if retention == "24h" and srv.catalog.dir is None:  # (documents outlive memory only on disk)
+        raise BadRequest("'prompt_cache_retention': \"24h\" keeps the document on disk: start the server with "
+                         "--cache-dir", "prompt_cache_retention")
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, limit, 1, 1 << 30, None, integer=True)
     stream = body.get("stream", False)
