@@ -14,7 +14,9 @@ bodies (413), malformed requests (400), unknown document ids (404). Every answer
 must equal its alone answer, and every refusal must be one the docs name (503 only ``recovering``,
 while new ranks start). Faults, each once, spread over the soak: ``kill`` (SIGKILL of a rank
 mid-answer: the server starts new ones), ``stop`` (SIGSTOP of a rank past the collective
-``--timeout``, then SIGCONT: the others stop it, new ranks start), ``term`` (SIGTERM at the end,
+``--timeout``, then SIGCONT: the others stop it, new ranks start), ``full`` (the cache
+directory's filesystem filled: writes there fail with one line, answers go on; needs
+``--cache-dir`` on a small filesystem of its own), ``term`` (SIGTERM at the end,
 streams running: the server ends, its process tree gone). A stream with no byte for 30 s, or a
 request not streamed with no answer in 120 s, is a hang. The table: requests by outcome, answers checked and equal, time to first token and per
 token (p50, p99, streamed requests), each rank's peak RSS at the start and the end, the pool's
@@ -104,6 +106,8 @@ class Soak:
         self.tally = Tally()
         self.stop_at = 0.0
         self.work = Path(tempfile.mkdtemp(prefix="treeattn-soak-"))
+        self.cache = Path(a.cache_dir) / f"soak-{os.getpid()}" if a.cache_dir else self.work / "cache"
+        self.ballast: Path | None = None  # the full fault's file, removed before the soak ends
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.name = ""
@@ -117,7 +121,7 @@ class Soak:
         self.url = f"http://127.0.0.1:{port}"
         treeattn = str(Path(sys.executable).with_name("treeattn"))
         cmd = [treeattn, "serve", "--nproc", str(self.a.nproc), "--port", str(port), "--api-key", KEY,
-               "--cache-dir", str(self.work / "cache"), "--batch", "4", "--max-waiting", "4",
+               "--cache-dir", str(self.cache), "--batch", "4", "--max-waiting", "4",
                "--max-request-bytes", "65536", "--restarts", "3", "--timeout", str(self.a.timeout),
                "--log-format", "none", "--quiet"]
         if self.a.model:
@@ -345,6 +349,16 @@ class Soak:
         if not ranks:
             return f"{kind}: no rank found"
         victim = ranks[-1]
+        if kind == "full":  # the cache directory's disk fills up: writes there fail, answers go on
+            self.ballast = self.cache.parent / f".soak-ballast-{os.getpid()}"
+            with open(self.ballast, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                        f.flush()
+                except OSError:
+                    pass
+            return f"full: {self.ballast.stat().st_size >> 20} MiB of ballast, {self.cache.parent} full"
         if kind == "kill":
             os.kill(victim, signal.SIGKILL)
         elif kind == "stop":  # stopped until the others give up on it (a request in flight makes them wait)
@@ -366,7 +380,7 @@ class Soak:
         self.start()
         self.catalogue()
         rss_start = self.rss()
-        faults = [f for f in self.a.faults.split(",") if f in ("kill", "stop")]
+        faults = [f for f in self.a.faults.split(",") if f in ("full", "kill", "stop")]
         done_faults = []
         self.stop_at = time.monotonic() + self.a.seconds
         clients = [threading.Thread(target=self.client, args=(k,), daemon=True) for k in range(self.a.clients)]
@@ -387,6 +401,8 @@ class Soak:
             time.sleep(0.2)
         rss_end = self.rss()
         metrics = self._metrics()
+        if self.ballast is not None:
+            self.ballast.unlink(missing_ok=True)
         record = {"seconds": self.a.seconds, "clients": self.a.clients, "seed": self.a.seed,
                   "outcomes": dict(sorted(self.tally.outcomes.items())), "checked": self.tally.checked,
                   "equal": self.tally.equal, "differ": self.tally.differ[:5], "undocumented": self.tally.undocumented[:8],
@@ -396,7 +412,9 @@ class Soak:
                   "rank_peak_rss_mib_start": rss_start, "rank_peak_rss_mib_end": rss_end,
                   "blocks_used_end": metrics.get("blocks_used"), "pinned_documents_end": self._pinned(),
                   "restarts": metrics.get("restarts"), "faults": done_faults, "healthy_at_end": status == "ok",
-                  "stop_noticed_s": self.stop_noticed_s, "timeout_s": self.a.timeout}
+                  "stop_noticed_s": self.stop_noticed_s, "timeout_s": self.a.timeout,
+                  "disk_full_warnings": (self.work / "server.log").read_text(errors="replace").count(
+                      "cannot write to the cache directory")}
         if "term" in self.a.faults.split(","):
             record["term"] = self.terminate()
         return record
@@ -450,6 +468,12 @@ class Soak:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.ballast is not None:
+            self.ballast.unlink(missing_ok=True)
+        if self.a.cache_dir:
+            import shutil
+
+            shutil.rmtree(self.cache, ignore_errors=True)
 
 
 def passed(rec: dict) -> bool:
@@ -471,7 +495,8 @@ def table(rec: dict) -> str:
               f"{ms(rec['tpot_p50_s'])}, p99 {ms(rec['tpot_p99_s'])}",
               f"  rank peak RSS MiB at start {rec['rank_peak_rss_mib_start']}, at end {rec['rank_peak_rss_mib_end']}",
               f"  pool blocks in use at end {rec['blocks_used_end']} (pinned documents: {rec['pinned_documents_end']})",
-              f"  restarts {rec['restarts']}, hangs {len(rec['hangs'])}, healthy at end {rec['healthy_at_end']}"]
+              f"  restarts {rec['restarts']}, hangs {len(rec['hangs'])}, healthy at end {rec['healthy_at_end']}, "
+              f"disk-full warnings {rec.get('disk_full_warnings', 0)}"]
     if "term" in rec:
         lines.append(f"  SIGTERM: exit {rec['term']['exit']}, processes left {rec['term']['processes_left']}")
     for k in ("differ", "undocumented", "hangs"):
@@ -489,10 +514,18 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--catalogue", type=int, default=12, help="distinct requests (each recorded alone first)")
-    ap.add_argument("--faults", default="kill,stop,term", help="comma-separated: kill, stop, term (or none)")
+    ap.add_argument("--faults", default="kill,stop,term", help="comma-separated: full, kill, stop, term (or none)")
+    ap.add_argument("--cache-dir", default=None, help="where the server's cache directory goes (the full fault: a "
+                    "small filesystem of its own, e.g. a tmpfs of 256 MiB; default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=10.0, help="the server's collective --timeout (stop's fault)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if "full" in a.faults.split(","):  # (never fill a disk others use)
+        st = os.statvfs(a.cache_dir) if a.cache_dir and os.path.isdir(a.cache_dir) else None
+        if st is None or st.f_blocks * st.f_frsize > 2 << 30:
+            print("treeattn soak: error: the full fault fills --cache-dir's filesystem: give --cache-dir on a small "
+                  "filesystem of its own (at most 2 GiB, e.g. mount -t tmpfs -o size=256m tmpfs DIR)", file=sys.stderr)
+            return 2
     soak = Soak(a)
     try:
         rec = soak.run()
