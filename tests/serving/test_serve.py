@@ -494,10 +494,16 @@ def test_kv_memory_is_a_size_or_a_fraction(text, want):
                                           (["--kv-memory", "150%"], "--kv-memory must be a size"),
                                           (["--kv-memory", "0.0"], "--kv-memory must be a size"),
                                           (["--kv-memory", "4096"], "at least 1 MiB"),
-                                          (["--kv-memory", "1GiB", "--cache-bytes", "1048576"], "older name")])
-def test_a_bad_kv_memory_is_one_line_before_anything_starts(model, extra, needle):
+                                          (["--kv-memory", "1GiB", "--cache-bytes", "1048576"], "older name"),
+                                          (["--host-memory", "0.5"], "--host-memory must be a size"),
+                                          (["--host-memory", "lots"], "--host-memory must be a size"),
+                                          (["--cache-dir", "FILE"], "not a directory"),
+                                          (["--cache-dir", "/proc/treeattn-nope/x"], "cannot be made")])
+def test_a_bad_kv_memory_is_one_line_before_anything_starts(model, extra, needle, tmp_path):
     from helpers import assert_usage_error
 
+    (tmp_path / "f").write_text("x")
+    extra = [str(tmp_path / "f") if x == "FILE" else x for x in extra]
     assert_usage_error(cli("serve", "--model", str(model[0]), *extra), needle)
 
 

@@ -248,16 +248,14 @@ def check_serve_flags(o: ServeOptions) -> None:
     if o.cache_bytes is not None and o.cache_bytes < 1 << 20:
         raise ValueError(f"--kv-memory must be at least 1 MiB (1048576 bytes), got {o.cache_bytes}")
     if o.host_memory is not None:
-        o.host_bytes, fraction = parse_memory(o.host_memory, "--host-memory")
-        if fraction is not None:
-            raise ValueError(f"--host-memory must be a size (64GiB, 512MiB, bytes; 0: none), got {o.host_memory!r}")
+        o.host_bytes, _ = parse_memory(o.host_memory, "--host-memory", fractions=False)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_memory(text: str, flag: str = "--kv-memory") -> tuple[int | None, float | None]:
+def parse_memory(text: str, flag: str = "--kv-memory", fractions: bool = True) -> tuple[int | None, float | None]:
     """``--kv-memory``: ``(bytes, None)`` for a size (``8GiB``, ``512MiB``, ``1.5G``, ``2000000000``:
     units in powers of 1000 or 1024 as spelled), ``(None, fraction)`` for a fraction of the free
     memory (``0.9``, ``1.0``, ``90%``: in (0, 1]); anything else is a ValueError saying what is accepted."""
@@ -265,13 +263,14 @@ def parse_memory(text: str, flag: str = "--kv-memory") -> tuple[int | None, floa
 
     t = str(text).strip().lower().replace(" ", "")
     bad = ValueError(f"{flag} must be a size (8GiB, 512MiB, 2000000000 bytes) or a fraction of the free "
-                     f"memory in (0, 1] (0.9 or 90%), got {text!r}")
+                     f"memory in (0, 1] (0.9 or 90%), got {text!r}" if fractions else
+                     f"{flag} must be a size (64GiB, 512MiB, 2000000000 bytes; 0: none), got {text!r}")
     m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%?)([a-z]*)", t)
     if m is None:
         raise bad
     number, percent, unit = float(m.group(1)), m.group(2), m.group(3)
     if percent or (not unit and "." in m.group(1)):  # a fraction; a whole number alone is bytes
-        if unit:
+        if unit or not fractions:
             raise bad
         f = number / 100 if percent else number
         if not 0 < f <= 1:

@@ -162,6 +162,8 @@ class Run:
         from ..engine.kvstore import KVError
 
         p = Path(path)
+        if p.exists() and not p.is_dir():
+            raise KVError(f"--cache-dir {p}: not a directory")
         try:
             p.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -79,11 +79,11 @@ class Server:
     def start(self) -> None:
         save_meta = None
         if self.catalog.dir is not None:
-            self.catalog.dir.mkdir(parents=True, exist_ok=True)
-            save_meta = {"identity": self.run.identity(), "composition": {"kind": "raw"}}
-            found = self.catalog.scan(self.read_manifest)
-            if found and not self.o.quiet:
-                print(f"[document cache: {found} saved document(s) in {self.catalog.dir}]", file=sys.stderr)
+            save_meta = self.run.cache_meta(str(self.catalog.dir))  # (made, writable: else one line)
+            found, refused = self.catalog.scan(self.read_manifest)
+            if (found or refused) and not self.o.quiet:
+                other = f"; {refused} not usable here (another model's, or damaged): left as they are" if refused else ""
+                print(f"[document cache: {found} saved document(s) in {self.catalog.dir}{other}]", file=sys.stderr)
             for line in self.catalog.conversions(self.run.kv_dtype):  # said even with --quiet: answers differ
                 print(f"treeattn: note: {line}", file=sys.stderr)
         self._save_meta = save_meta

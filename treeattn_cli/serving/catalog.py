@@ -49,13 +49,16 @@ class Catalog:
 
     key_of = staticmethod(document_key)
 
-    def scan(self, read_manifest) -> int:
+    def scan(self, read_manifest) -> tuple[int, int]:
         """Saved documents of this model in the cache directory (a restart keeps them);
-        ``read_manifest(dir)`` refuses another model's (``kvstore.KVError``, ``ValueError``)."""
+        ``read_manifest(dir)`` refuses another model's (``kvstore.KVError``, ``ValueError``).
+        Returns how many were found and how many refused (another model's, or damaged: left
+        as they are; a request that names one finds it refused again, and replaces it)."""
         from ..engine.kvstore import KVError, load_ids
 
+        refused = 0
         if self.dir is None or not self.dir.is_dir():
-            return 0
+            return 0, 0
         for d in sorted(self.dir.iterdir()):
             if not d.is_dir() or ".partial-" in d.name:
                 continue
@@ -63,10 +66,11 @@ class Catalog:
                 manifest = read_manifest(str(d))
                 ids = load_ids(d)
             except (KVError, ValueError):  # another model's, or damaged: not ours to use
+                refused += 1
                 continue
             if self.key_of(ids) == d.name:
                 self.entries[d.name] = Entry(ids, on_disk=True, manifest=manifest)
-        return len(self.entries)
+        return len(self.entries), refused
 
     def conversions(self, kv_name: str) -> list[str]:
         """One line per KV storage among the saved documents that is not ``kv_name`` (they are
