@@ -31,7 +31,6 @@ batch's questions travel to all ranks), so they hold the same documents.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,7 +43,8 @@ from .paged_shard import PagedShard
 from . import block_reuse
 from .pool import BlockPool
 from .pool_sizing import make_pool
-from .host_tier import HostTier, copy_in, default_budget
+from .host_tier import HostTier, default_budget
+from . import copies
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
 # pause a new document puts between the tokens of answers under way is one segment (on the
@@ -193,7 +193,7 @@ class Documents:
         cp = self.engine.mesh.cp
         return sum(-(-d.tokens // cp) * d.cache.bytes_per_token() for d in self.resident.values())
 
-    def _segment(self, doc: Document, ref: dict, device: torch.device) -> int:
+    def segment(self, doc: Document, ref: dict, device: torch.device) -> int:
         """Cut ``doc`` into its prefill segments, all still to run (``ref["piece"]`` tokens per
         rank, default :data:`PIECE` of the device); returns the piece."""
         piece = ref.get("piece") or PIECE.get(device.type, PIECE["cuda"])
@@ -233,9 +233,9 @@ class Documents:
         hosted = self.host.take(key)  # (resident again: the host tier's copy is the document's now)
         if hosted is not None and hosted.ids != ids:  # (a conversation's turns grew it since: not this one)
             hosted = None
-        manifest = self._saved(saved, ref, ids) if hosted is None else None
+        manifest = copies.saved_manifest(self, saved, ref, ids) if hosted is None else None
         if len(ids) >= eng.mesh.cp:  # (a shorter one fills no block worth sharing: every rank computes it)
-            block_reuse.plan(self.engine, self.pool, doc, self._segment(doc, ref, cache.device))
+            block_reuse.plan(self.engine, self.pool, doc, self.segment(doc, ref, cache.device))
             block_reuse.reuse(self.engine, self.pool, doc)
             if not doc.todo:
                 doc.source = "pool"
@@ -246,15 +246,15 @@ class Documents:
             doc.seconds = time.perf_counter() - t0
         elif hosted is not None:
             doc.restore, doc.source, doc.on_disk = hosted, "host", saved is not None and (saved / kvstore.MANIFEST).exists()
-            self._load(doc, evict=False)  # (as a saved copy's load, below)
+            copies.load(self, doc, evict=False)  # (as a saved copy's load, below)
         elif manifest is not None:
             doc.load, doc.source, doc.on_disk = (saved, manifest), "disk", True
-            self._load(doc, evict=False)  # now if the blocks are free; else it waits for them like a
+            copies.load(self, doc, evict=False)  # now if the blocks are free; else it waits for them like a
             # prefill segment (advance): evicting here could evict the documents of questions queued before it
         else:
             doc.source = "prefill"
             if not doc.segs:
-                self._segment(doc, ref, cache.device)
+                self.segment(doc, ref, cache.device)
         doc.progress = bool(ref.get("progress"))
         doc.want_logits = bool(ref.get("last_logits"))
         if ref.get("save_to"):
@@ -267,56 +267,11 @@ class Documents:
         self.evict(ref.get("budget"), keep=doc)
         return doc
 
-    def _saved(self, saved: Path | None, ref: dict, ids: list) -> dict | None:
-        """The manifest of the saved copy at ``saved`` if it can be loaded for ``ids`` here: the
-        request's own (``manifest``: validated by the launcher, ``--load-kv``), else the cache
-        directory's, checked now (``kvstore.validate``: this model, dtype and shapes, its files
-        whole, these tokens) whether or not this engine wrote it; one that fails is removed with
-        one line (rank 0) and reported (``corrupt``). The same answer on every rank."""
-        from . import kvstore
-
-        if saved is None:
-            return None
-        if ref.get("manifest") is not None:
-            return ref["manifest"]
-        eng = self.engine
-        if not eng.world.all_true((saved / kvstore.MANIFEST).exists()):
-            return None
-        identity, why, manifest = (ref.get("save_meta") or {}).get("identity"), None, None
-        try:
-            if identity is None:  # (nothing to check it against: a test's directory)
-                manifest = json.loads((saved / kvstore.MANIFEST).read_text())
-            else:
-                sh = eng.saver.shapes
-                manifest = kvstore.validate(saved, identity=identity, dtype=eng.saver.dtype, shapes={
-                    "layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]})
-                if manifest["tokens"]["sha256"] != kvstore.ids_sha256(ids):
-                    raise kvstore.KVError(f"{saved} holds other tokens than its name says")
-        except (kvstore.KVError, ValueError, OSError) as e:
-            why = str(e) or type(e).__name__
-        if eng.world.all_true(why is None):
-            return manifest
-        self._refuse(saved, ref.get("key"), why)
-        return None
-
-    def _refuse(self, saved: Path, key: str | None, why: str | None) -> None:
-        """A saved copy in the cache directory that cannot be used (``why``: this rank's reason,
-        if it found one): removed (rank 0, with one line on stderr), reported (``corrupt``)."""
-        import shutil
-        import sys
-
-        if self.engine.lead:
-            print(f"treeattn: warning: {why or f'the saved copy of document {key} is damaged on another rank'}: "
-                  f"removed from the cache, the document is prefilled again", file=sys.stderr, flush=True)
-            shutil.rmtree(saved, ignore_errors=True)
-        if key is not None:
-            self.changes["corrupt"].append(key)
-
     def advance(self, doc: Document) -> int:
         """Prefill the next segment of a pending document (or load its saved copy); returns the
         tokens it took (0: it waits, the pool being full of documents in use)."""
         if doc.load is not None or doc.restore is not None:  # a copy, once every rank has the blocks
-            if not self._load(doc):
+            if not copies.load(self, doc):
                 self.waits += 1
                 return 0
             self._ready(doc)
@@ -346,51 +301,6 @@ class Documents:
                             doc.methods)
         return s1 - s0
 
-    def _load(self, doc: Document, evict: bool = True) -> bool:
-        """Load ``doc``'s copy (in host memory, else saved) into its blocks if every rank has
-        them (``evict``: making room first, as for a prefill segment); False: it waits, nothing
-        changed."""
-        from . import kvstore
-
-        eng = self.engine
-        if doc.restore is not None:
-            need = int(doc.restore.pos.numel())
-        else:
-            need = kvstore.shard_counts(doc.load[1], eng.mesh.cp)[eng.mesh.cp_index]
-        if not self.room(doc, need, evict=evict):
-            return False
-        if doc.restore is not None:
-            copy_in(doc.restore, doc.cache)
-            doc.restore = None
-        else:
-            saved, manifest = doc.load
-            why = None
-            try:
-                kvstore.load_into(saved, manifest, doc.cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index,
-                                  head0=eng.head0)
-            except kvstore.KVError as e:  # (a checksum, a file cut since it was validated)
-                if not doc.owned:
-                    raise  # the user's own --load-kv: one line, not a silent prefill
-                why = str(e)
-            if not eng.world.all_true(why is None):  # one rank's damaged part damages the document
-                self._damaged(doc, why)
-                return True
-            doc.load = None
-        doc.seconds = time.perf_counter() - doc.t_start
-        return True
-
-    def _damaged(self, doc: Document, why: str | None) -> None:
-        """``doc``'s saved copy in the cache directory failed its checks as it loaded (on some
-        rank; ``why``: this rank's reason, if it was one of them): removed (:meth:`_refuse`), the
-        document prefilled instead (its questions wait) and saved again once it is."""
-        saved, _ = doc.load
-        doc.cache.free()
-        doc.load, doc.on_disk, doc.source = None, False, "prefill"
-        self._segment(doc, {"piece": doc.piece}, doc.cache.device)
-        if self.spill_meta is not None:  # a good copy in its place once prefilled (write-through)
-            doc.save = {"target": saved, "meta": self.spill_meta, "soft": True}
-        self._refuse(saved, doc.key, why)
-
     def _ready(self, doc: Document) -> None:
         if doc.ready:
             if doc.cache.device.type == "cuda":
@@ -403,28 +313,11 @@ class Documents:
             self.changes["made"].append({"key": doc.key, "source": doc.source, "seconds": doc.seconds,
                                          "bytes": -(-doc.tokens // self.engine.mesh.cp) * doc.cache.bytes_per_token()})
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
-            if self._write(doc.cache, doc.ids, doc.save["target"], {**doc.save["meta"], "nonce": doc.key[:8]},
+            if copies.write(self, doc.cache, doc.ids, doc.save["target"], {**doc.save["meta"], "nonce": doc.key[:8]},
                            soft=doc.save.get("soft", False)):
                 doc.on_disk = True
                 self.changes["saved"].append(doc.key)
             doc.save = None
-
-    def _write(self, cache, ids, target, meta: dict, soft: bool) -> bool:
-        """``cache`` (holding ``ids``) saved to ``target`` (a collective). ``soft``: a copy in the
-        cache directory: once a write there fails (a full disk), one line says so and the
-        directory takes no more writes this run; serving goes on. False: not saved."""
-        if soft and self.writes_off:
-            return False
-        why = self.engine.saver.save(cache, ids, Path(target), meta, soft=soft)
-        if why is None:
-            return True
-        self.writes_off = True
-        if self.engine.lead:
-            import sys
-
-            print(f"treeattn: warning: cannot write to the cache directory ({why}): no more documents are saved "
-                  f"there this run; answers go on", file=sys.stderr, flush=True)
-        return False
 
     def keep(self, doc: Document, tail, row: int, tokens: list, upto: int | None = None) -> bool:
         """A kept answer (``chat --conversation``) becomes part of its document: the tokens slot
@@ -507,7 +400,7 @@ class Documents:
             self.host.add(key, doc.restore)
             doc.restore = None
         if not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None and \
-                self._write(doc.cache, doc.ids, Path(self.spill_dir) / key, {**self.spill_meta, "nonce": key[:8]}, soft=True):
+                copies.write(self, doc.cache, doc.ids, Path(self.spill_dir) / key, {**self.spill_meta, "nonce": key[:8]}, soft=True):
             doc.on_disk = True
             self.changes["spilled"].append(key)
         if to_host and doc.ids and doc.ready:
@@ -567,7 +460,7 @@ class Documents:
             self.changes["evicted"].append(key)
         if keys is None and self.pool is not None and len(ref["ids"]) >= self.engine.mesh.cp:
             tmp = Document(key, list(ref["ids"]), None)
-            block_reuse.plan(self.engine, self.pool, tmp, self._segment(tmp, ref, self.pool.device))
+            block_reuse.plan(self.engine, self.pool, tmp, self.segment(tmp, ref, self.pool.device))
             keys = tmp.keys
         if keys and self.pool is not None:
             self.pool.forget(keys)
