@@ -86,7 +86,7 @@ def document_prefix_reuse(ctx, job, doc_a, extra, piece):
             torch.equal(x, y) for layer in range(ref.num_layers) for x, y in zip(doc.cache.view(layer), ref.view(layer))))
 
     def get(key, ids, pc=piece):
-        d = D.get({"key": key, "ids": ids, "piece": pc})
+        d = D.get({"key": key, "ids": ids, "piece": pc, "host_memory": 0})  # (the pool alone: no host tier)
         info = {"source": d.source, "reused": d.reused, "segments": len(d.todo)}
         complete_document(D, d)
         return d, info
