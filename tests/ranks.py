@@ -9,6 +9,43 @@ import contextlib
 import os
 
 
+class Recorded:
+    """What rank 0's engine said while ``recording(ctx)`` ran: each question's answer
+    (``answers``: index -> token ids), how its document became resident (``sources``: index ->
+    memory, pool, host, disk, prefill), the documents' reports (``reports``: each ``docs``
+    payload: evicted, saved, corrupt, made, host), and its stderr (``stderr``, at the end)."""
+
+    def __init__(self):
+        self.answers, self.sources, self.reports, self.stderr = {}, {}, [], ""
+
+    def clear(self) -> None:
+        self.answers.clear()
+        self.sources.clear()
+
+    def emit(self, kind, p) -> None:
+        if kind == "banswer":
+            self.answers[p[0]] = p[1]["token_ids"]
+        elif kind == "bdoc":
+            self.sources[p[0]] = p[1]["source"]
+        elif kind == "docs":
+            self.reports.append(p)
+
+
+@contextlib.contextmanager
+def recording(ctx):
+    """Rank 0's engine events (and this rank's stderr) into a :class:`Recorded` while the block runs."""
+    import io
+    import sys
+
+    rec, real, err = Recorded(), ctx.emit, sys.stderr
+    ctx.emit, sys.stderr = rec.emit, io.StringIO()
+    try:
+        yield rec
+    finally:
+        rec.stderr = sys.stderr.getvalue()
+        ctx.emit, sys.stderr = real, err
+
+
 def mesh_generate(ctx, jobs, single=()):
     """``engine.rank_generate`` for each job in turn on these ranks (several (cp x tp) meshes in
     one launch; the jobs whose index is in ``single`` on the engine's own cache, a single

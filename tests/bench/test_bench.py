@@ -254,3 +254,16 @@ def test_divergence_names_the_first_differing_token_and_transformers_margin_ther
     assert divergence([1, 3], hf) == {"first_divergence": 1, "margin": 0.1, "logit_scale": 3.0}
     assert divergence([2, 2], hf)["margin"] == 4.0  # transformers preferred its token by 4: not a tie
     assert divergence([1], hf) == {"first_divergence": 1}  # ours ended early
+
+
+def test_the_tiers_script_times_a_document_three_ways(tiny, capsys):
+    """``bench/tiers.py`` (issue 52's measurement) on a tiny model: each document made resident by
+    a prefill, from the host tier and from disk, in that order, with the same first token; one
+    JSON line per length."""
+    from treeattn_cli.bench import tiers
+
+    assert tiers.main(["--model", str(tiny("llama", seed=3)), "--tokens", "40,90", "--nproc", "2", "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [r["tokens"] for r in rows] == [40, 90]
+    assert all(r["sources"] == ["prefill", "host", "disk"] and len(set(r["first"])) == 1 for r in rows), rows
+    assert all(r["prefill_s"] > 0 and r["host_s"] > 0 and r["disk_s"] > 0 for r in rows)

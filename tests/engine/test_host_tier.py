@@ -16,6 +16,8 @@ from treeattn_cli.engine.pool import BlockPool
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
 
+from ranks import recording
+
 NEW = 5
 SMALL = [(13 * i + 5) % 230 + 20 for i in range(60)]  # 30 tokens a rank: 2 blocks of 16
 BIG = [(7 * i + 3) % 200 + 30 for i in range(200)]  # 100 a rank: 7 blocks; with SMALL's 2 and a tail, past 8
@@ -68,29 +70,17 @@ def host_round_trip(ctx, job, small, big, q, new, host_memory):
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.sampling import Sampling
 
-    got, sources, reports = {}, {}, []
-
-    def emit(kind, p):
-        if kind == "banswer":
-            got[p[0]] = p[1]["token_ids"]
-        elif kind == "bdoc":
-            sources[p[0]] = p[1]["source"]
-        elif kind == "docs":
-            reports.append(p)
-
     base = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
             "eos_ids": [], "speculate": "off", "slots": 1, "pool_blocks": 8, "page": 16, "host_memory": host_memory}
-    real, ctx.emit = ctx.emit, emit
     out: dict = {"answers": [], "sources": []}
-    try:
+    with recording(ctx) as rec:
         eng = Engine(ctx, job)
         before = None
         for name, ids in (("small", small), ("big", big), ("small", small)):
-            got.clear()
-            sources.clear()
+            rec.clear()
             eng.serve([{**base, "questions": [{"ids": q, "doc": {"key": name, "ids": ids}}]}])
-            out["answers"].append(got.get(0))
-            out["sources"].append(sources.get(0))
+            out["answers"].append(rec.answers.get(0))
+            out["sources"].append(rec.sources.get(0))
             docs = eng.documents
             if name == "small" and before is None:
                 sh = docs.resident["small"].cache
@@ -102,10 +92,8 @@ def host_round_trip(ctx, job, small, big, q, new, host_memory):
         out["same_bytes"] = len(after) == len(before) and all(
             torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(before, after))
         out["host_after"] = list(eng.documents.host.copies)
-        out["reports"] = reports
+        out["reports"] = rec.reports
         eng.serve([{"op": "stop"}])
-    finally:
-        ctx.emit = real
     return out
 
 

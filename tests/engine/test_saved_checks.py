@@ -15,6 +15,8 @@ from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
 
+from ranks import recording
+
 NEW = 5
 DOC = [(13 * i + 5) % 230 + 20 for i in range(60)]
 Q = [(29 * i + 11) % 230 + 20 for i in range(5)]
@@ -41,51 +43,33 @@ def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
     tier; saved to ``root`` as it is made); before the second, rank 0 damages the saved
     copy's ``file`` (``how``: flip, cut). Rank 0 returns the answers, how the document became
     resident each time, whether its saved copy was there after each, and the engine's reports."""
-    import io
-    import sys
-
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.kvstore import model_identity
-    from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.requests import document_key
-
-    got, sources, reports = {}, {}, []
-
-    def emit(kind, p):
-        if kind == "banswer":
-            got[p[0]] = p[1]["token_ids"]
-        elif kind == "bdoc":
-            sources[p[0]] = p[1]["source"]
-        elif kind == "docs":
-            reports.append(p)
+    from treeattn_cli.engine.sampling import Sampling
 
     key = document_key(doc)
     spec = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
             "eos_ids": [], "speculate": "off", "slots": 1, "page": 16, "host_memory": 0,
             "dir": str(root), "save": True, "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
-    real, ctx.emit = ctx.emit, emit
     out: dict = {"answers": [], "sources": [], "saved": []}
-    err, sys.stderr = sys.stderr, io.StringIO()  # (what the engine says on stderr, returned)
-    try:
+    with recording(ctx) as rec:
         eng = Engine(ctx, job)
         for i in range(3):
             if i == 1:
                 if ctx.rank == 0:
                     damage(Path(root) / key / file, how)
                 eng.world.barrier()
-            got.clear()
-            sources.clear()
+            rec.clear()
             eng.serve([{**spec, "questions": [{"ids": q, "doc": {"key": key, "ids": doc}}]}])
-            out["answers"].append(got.get(0))
-            out["sources"].append(sources.get(0))
+            out["answers"].append(rec.answers.get(0))
+            out["sources"].append(rec.sources.get(0))
             out["saved"].append((Path(root) / key / "manifest.json").exists())
             eng.documents.act({"key": key, "ids": doc, "action": "drop", "piece": 8})  # out of memory, its
             # cached blocks forgotten (the saved copy stays: the server's catalogue removes that)
-        out["reports"] = reports
+        out["reports"] = rec.reports
         eng.serve([{"op": "stop"}])
-    finally:
-        ctx.emit = real
-        out["stderr"], sys.stderr = sys.stderr.getvalue(), err
+    out["stderr"] = rec.stderr
     return out
 
 
@@ -117,45 +101,31 @@ def full_disk(ctx, job, docs, q, new, root):
     (its shard writes fail with ENOSPC). Rank 0 returns the answers, what ``root`` holds after,
     the engine's reports and what it said on stderr."""
     import errno
-    import io
-    import sys
 
     from treeattn_cli.engine import kvstore
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.kvstore import model_identity
-    from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.engine.requests import document_key
+    from treeattn_cli.engine.sampling import Sampling
 
     if ctx.rank == 1:
         def no_space(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
         kvstore.save_shard = no_space
-    got, reports = {}, []
-
-    def emit(kind, p):
-        if kind == "banswer":
-            got[p[0]] = p[1]["token_ids"]
-        elif kind == "docs":
-            reports.append(p)
-
     spec = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
             "eos_ids": [], "speculate": "off", "slots": 1, "host_memory": 0, "budget": 1,
             "dir": str(root), "save": True, "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
-    real, ctx.emit = ctx.emit, emit
     out: dict = {"answers": []}
-    err, sys.stderr = sys.stderr, io.StringIO()
-    try:
+    with recording(ctx) as rec:
         eng = Engine(ctx, job)
         for doc in docs + docs[:1]:
-            got.clear()
+            rec.clear()
             eng.serve([{**spec, "questions": [{"ids": q, "doc": {"key": document_key(doc), "ids": doc}}]}])
-            out["answers"].append(got.get(0))
-        out["reports"] = reports
+            out["answers"].append(rec.answers.get(0))
+        out["reports"] = rec.reports
         out["root"] = sorted(p.name for p in Path(root).iterdir())
         eng.serve([{"op": "stop"}])
-    finally:
-        ctx.emit = real
-        out["stderr"], sys.stderr = sys.stderr.getvalue(), err
+    out["stderr"] = rec.stderr
     return out
 
 
