@@ -17,7 +17,8 @@ mid-answer: the server starts new ones), ``stop`` (SIGSTOP of a rank past the co
 ``--timeout``, then SIGCONT: the others stop it, new ranks start), ``full`` (the cache
 directory's filesystem filled: writes there fail with one line, answers go on; needs
 ``--cache-dir`` on a small filesystem of its own), ``term`` (SIGTERM at the end,
-streams running: the server ends, its process tree gone). A stream with no byte for 30 s, or a
+streams running: the server ends, its process tree gone). A stream with no byte for 30 s (but
+while a rank is stopped: nothing moves until the server notices, after ``--timeout``), or a
 request not streamed with no answer in 120 s, is a hang. The table: requests by outcome, answers checked and equal, time to first token and per
 token (p50, p99, streamed requests), each rank's peak RSS at the start and the end, the pool's
 blocks in use at the end against the pinned documents', restarts, hangs.
@@ -112,6 +113,10 @@ class Soak:
         self.url = ""
         self.name = ""
         self.stop_noticed_s: float | None = None  # the stop fault: how long until the server noticed
+        # while a rank is stopped nothing moves until the others give up on it (--timeout): a stream
+        # may go that long without a byte then, and is a hang only when its silence was outside it
+        self.stops: list[tuple[float, float]] = []  # (SIGSTOP, the server noticed + grace)
+        self.read_s = HANG_S if "stop" not in a.faults.split(",") else max(HANG_S, a.timeout + STOP_GRACE_S + 10)
 
     # -- the server ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -207,13 +212,17 @@ class Soak:
                     return "completed", r.json()["choices"][0]["text"]
                 return self._refusal("completion", r.status_code, r.text, r.headers), None
             t0 = time.monotonic()
-            text, stamps, err = [], [], None
+            text, stamps, err, prev, stall = [], [], None, t0, 0.0
             with httpx.stream("POST", f"{self.url}/v1/completions", headers=self._auth(), json=body,
-                              timeout=httpx.Timeout(10.0, read=HANG_S)) as r:
+                              timeout=httpx.Timeout(10.0, read=self.read_s)) as r:
                 if r.status_code != 200:
                     r.read()
                     return self._refusal("stream", r.status_code, r.text, r.headers), None
                 for line in r.iter_lines():
+                    now = time.monotonic()
+                    if now - prev > HANG_S and not self._stopped_between(prev, now):
+                        stall = max(stall, now - prev)  # no byte for so long, and no rank stopped meanwhile
+                    prev = now
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
@@ -226,6 +235,10 @@ class Soak:
                             stamps.append(time.monotonic())
                     if cancel_after is not None and len(stamps) >= cancel_after:
                         return "cancelled", None  # the client leaves: the connection closes
+            if stall:
+                with self.tally.lock:
+                    self.tally.hangs.append(f"stream over document {spec.doc}: no byte for {stall:.0f} s")
+                return "hang", None
             if err is not None:
                 return "ended_by_fault", None  # a rank was lost under it: it said why
             if stamps:
@@ -235,7 +248,7 @@ class Soak:
             return "completed", "".join(text)
         except httpx.ReadTimeout:
             with self.tally.lock:
-                self.tally.hangs.append(f"stream over document {spec.doc}: no byte in {HANG_S:.0f} s" if stream else
+                self.tally.hangs.append(f"stream over document {spec.doc}: no byte in {self.read_s:.0f} s" if stream else
                                         f"completion over document {spec.doc}: no answer in {ANSWER_S:.0f} s")
             return "hang", None
         except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError):
@@ -362,12 +375,14 @@ class Soak:
         if kind == "kill":
             os.kill(victim, signal.SIGKILL)
         elif kind == "stop":  # stopped until the others give up on it (a request in flight makes them wait)
+            t0 = time.monotonic()
+            self.stops.append((t0, t0 + self.read_s))  # (until it is noticed: below)
             os.kill(victim, signal.SIGSTOP)
             threading.Thread(target=self._complete, args=(self.specs[0], False), daemon=True).start()
-            t0 = time.monotonic()
             while self._health() == "ok" and time.monotonic() - t0 < 3 * self.a.timeout + 30:
                 time.sleep(0.2)
             noticed = time.monotonic() - t0
+            self.stops[-1] = (t0, t0 + noticed + STOP_GRACE_S)
             try:
                 os.kill(victim, signal.SIGCONT)
             except ProcessLookupError:
@@ -418,6 +433,10 @@ class Soak:
         if "term" in self.a.faults.split(","):
             record["term"] = self.terminate()
         return record
+
+    def _stopped_between(self, a: float, b: float) -> bool:
+        """Whether a rank was stopped (the stop fault, until the server noticed) during [a, b]."""
+        return any(s0 <= b and s1 >= a for s0, s1 in self.stops)
 
     def _health(self) -> str:
         import httpx

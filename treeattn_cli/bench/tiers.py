@@ -92,20 +92,19 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="a model folder (default: the embedded model)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from ..cli.options import GenerateOptions
-    from ..cli.prepare import prepare_run
     from ..engine.job import EngineJob
-    from ..engine.model import shapes
+    from ..engine.model import load_config, load_tokenizer, resolve, shapes
     from ..parallel.launch import run_local
 
-    run = prepare_run(GenerateOptions(model=a.model, nproc=a.nproc, dtype=a.dtype))
+    model_dir = resolve(a.model)  # (the embedded model when none: converted once, cached)
+    tokenizer = load_tokenizer(model_dir)
     lengths = [int(x) for x in a.tokens.split(",")]
-    docs = documents(run.tokenizer, lengths)
-    question = run.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-    sh = shapes(run.config)
+    docs = documents(tokenizer, lengths)
+    question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    sh = shapes(load_config(model_dir))
     per_token = 2 * sh["num_layers"] * sh["kv_heads"] * sh["head_dim"] * (4 if a.dtype == "float32" else 2)
     pool = int(1.3 * max(lengths) / a.nproc * per_token) + (64 << 20)  # the longest document and a tail
-    job = EngineJob(str(run.model_dir), [], dtype=a.dtype, max_new_tokens=1)
+    job = EngineJob(str(model_dir), [], dtype=a.dtype, max_new_tokens=1)
     with tempfile.TemporaryDirectory(prefix="treeattn-tiers-") as root:
         rows = run_local(tiers_rank, a.nproc, job, docs, question, pool, root, timeout_s=3600)[0]
     import torch
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
                   f"({r['host_speedup']:5.1f}x sooner) | disk {r['disk_s']:6.3f} s ({r['disk_speedup']:5.1f}x) "
                   f"| {' '.join(r['sources'])}")
     if not a.json:
-        print(f"[{machine}; the model {run.model_dir.name}, {a.dtype}]")
+        print(f"[{machine}; the model {model_dir.name}, {a.dtype}]")
     if bad:
         print(f"treeattn bench tiers: error: not made as asked or other first tokens: {bad}", file=sys.stderr)
         return 1
