@@ -116,6 +116,7 @@ class Soak:
         # while a rank is stopped nothing moves until the others give up on it (--timeout): a stream
         # may go that long without a byte then, and is a hang only when its silence was outside it
         self.stops: list[tuple[float, float]] = []  # (SIGSTOP, the server noticed + grace)
+        self.back_s: list[float] = []  # after each killed rank: seconds until /health said ok again
         self.read_s = HANG_S if "stop" not in a.faults.split(",") else max(HANG_S, a.timeout + STOP_GRACE_S + 10)
 
     # -- the server ------------------------------------------------------------------------------
@@ -372,8 +373,15 @@ class Soak:
                 except OSError:
                     pass
             return f"full: {self.ballast.stat().st_size >> 20} MiB of ballast, {self.cache.parent} full"
-        if kind == "kill":
+        if kind == "kill":  # then how soon service is back: /health ok again (new ranks, their model loaded)
+            t0 = time.monotonic()
             os.kill(victim, signal.SIGKILL)
+            while self._health() == "ok" and time.monotonic() - t0 < 30:  # (until the server notices)
+                time.sleep(0.05)
+            while self._health() != "ok" and time.monotonic() - t0 < 300:
+                time.sleep(0.1)
+            self.back_s.append(round(time.monotonic() - t0, 1))
+            return f"{kind}: rank pid {victim}, serving again after {self.back_s[-1]} s"
         elif kind == "stop":  # stopped until the others give up on it (a request in flight makes them wait)
             t0 = time.monotonic()
             self.stops.append((t0, t0 + self.read_s))  # (until it is noticed: below)
@@ -427,7 +435,7 @@ class Soak:
                   "rank_peak_rss_mib_start": rss_start, "rank_peak_rss_mib_end": rss_end,
                   "blocks_used_end": metrics.get("blocks_used"), "pinned_documents_end": self._pinned(),
                   "restarts": metrics.get("restarts"), "faults": done_faults, "healthy_at_end": status == "ok",
-                  "stop_noticed_s": self.stop_noticed_s, "timeout_s": self.a.timeout,
+                  "stop_noticed_s": self.stop_noticed_s, "timeout_s": self.a.timeout, "back_after_kill_s": self.back_s,
                   "disk_full_warnings": (self.work / "server.log").read_text(errors="replace").count(
                       "cannot write to the cache directory")}
         if "term" in self.a.faults.split(","):
@@ -515,7 +523,8 @@ def table(rec: dict) -> str:
               f"  rank peak RSS MiB at start {rec['rank_peak_rss_mib_start']}, at end {rec['rank_peak_rss_mib_end']}",
               f"  pool blocks in use at end {rec['blocks_used_end']} (pinned documents: {rec['pinned_documents_end']})",
               f"  restarts {rec['restarts']}, hangs {len(rec['hangs'])}, healthy at end {rec['healthy_at_end']}, "
-              f"disk-full warnings {rec.get('disk_full_warnings', 0)}"]
+              f"disk-full warnings {rec.get('disk_full_warnings', 0)}, serving again after a kill in "
+              f"{rec.get('back_after_kill_s') or '-'} s"]
     if "term" in rec:
         lines.append(f"  SIGTERM: exit {rec['term']['exit']}, processes left {rec['term']['processes_left']}")
     for k in ("differ", "undocumented", "hangs"):
