@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     from ..engine.model import load_config, load_tokenizer, resolve, shapes
     from ..parallel.launch import run_local
 
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # (the ranks load the model: no bars)
     model_dir = resolve(a.model)  # (the embedded model when none: converted once, cached)
     tokenizer = load_tokenizer(model_dir)
     lengths = [int(x) for x in a.tokens.split(",")]
