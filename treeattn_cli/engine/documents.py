@@ -190,8 +190,11 @@ class Documents:
     def nbytes(self) -> int:
         """Bytes of KV the resident documents hold per rank, counted from their token counts
         (the same on every rank, so every rank evicts the same documents)."""
-        cp = self.engine.mesh.cp
-        return sum(-(-d.tokens // cp) * d.cache.bytes_per_token() for d in self.resident.values())
+        return sum(self.rank_bytes(d) for d in self.resident.values())
+
+    def rank_bytes(self, doc: Document) -> int:
+        """Bytes of KV ``doc`` holds per rank, counted from its tokens (the same on every rank)."""
+        return -(-doc.tokens // self.engine.mesh.cp) * doc.cache.bytes_per_token()
 
     def segment(self, doc: Document, ref: dict, device: torch.device) -> int:
         """Cut ``doc`` into its prefill segments, all still to run (``ref["piece"]`` tokens per
@@ -233,15 +236,16 @@ class Documents:
         hosted = self.host.take(key)  # (resident again: the host tier's copy is the document's now)
         if hosted is not None and hosted.ids != ids:  # (a conversation's turns grew it since: not this one)
             hosted = None
-        manifest = copies.saved_manifest(self, saved, ref, ids) if hosted is None else None
         if len(ids) >= eng.mesh.cp:  # (a shorter one fills no block worth sharing: every rank computes it)
             block_reuse.plan(self.engine, self.pool, doc, self.segment(doc, ref, cache.device))
             block_reuse.reuse(self.engine, self.pool, doc)
             if not doc.todo:
                 doc.source = "pool"
-            elif hosted is not None or manifest is not None:
-                cache.free()  # a copy holds it all: load that instead of a part
-                doc.segs, doc.todo, doc.reused = [], [], 0
+        # its saved copy, checked (a collective), only when neither the pool nor the host tier holds it
+        manifest = copies.saved_manifest(self, saved, ref, ids) if hosted is None and doc.source != "pool" else None
+        if doc.source != "pool" and (hosted is not None or manifest is not None) and doc.segs:
+            cache.free()  # a copy holds it all: load that instead of the part the pool had
+            doc.segs, doc.todo, doc.reused = [], [], 0
         if doc.source == "pool":
             doc.seconds = time.perf_counter() - t0
         elif hosted is not None:
@@ -311,7 +315,7 @@ class Documents:
     def _complete(self, doc: Document) -> None:
         if doc.key is not None:  # how it came (pool, host, disk, prefill), its bytes per rank, the seconds
             self.changes["made"].append({"key": doc.key, "source": doc.source, "seconds": doc.seconds,
-                                         "bytes": -(-doc.tokens // self.engine.mesh.cp) * doc.cache.bytes_per_token()})
+                                         "bytes": self.rank_bytes(doc)})
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
             if copies.write(self, doc.cache, doc.ids, doc.save["target"], {**doc.save["meta"], "nonce": doc.key[:8]},
                            soft=doc.save.get("soft", False)):
@@ -404,7 +408,7 @@ class Documents:
             doc.on_disk = True
             self.changes["spilled"].append(key)
         if to_host and doc.ids and doc.ready:
-            self.host.put(key, doc.cache, doc.ids, -(-doc.tokens // self.engine.mesh.cp) * doc.cache.bytes_per_token())
+            self.host.put(key, doc.cache, doc.ids, self.rank_bytes(doc))
         doc.cache.free()
         doc.evicted = True
         self.changes["evicted"].append(key)

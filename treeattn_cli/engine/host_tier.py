@@ -45,11 +45,6 @@ class HostCopy:
     layers: list  # per layer [k, v (, ks, vs)] [1, H_kv, n, X], as the pool stores them
     charge: int  # bytes the budget counts (the same on every rank)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes this copy really holds on this rank."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
-
 
 def copy_out(shard, ids, charge: int) -> HostCopy:
     """This rank's ``shard`` (a ``paged_shard.PagedShard``) copied to host memory: each layer's
