@@ -24,9 +24,9 @@ import pytest
 
 import treeattn_cli  # noqa: F401  (before torch computes anything: MKL's strict mode, treeattn_cli/__init__.py)
 import torch
-from treeattn_cli.parallel import launch
+from treeattn_cli.parallel import forkserver
 
-launch.MANY_LAUNCHES["on"] = True  # the suite starts ranks hundreds of times from this process
+forkserver.MANY_LAUNCHES["on"] = True  # the suite starts ranks hundreds of times from this process
 
 # A run started in the background (`make test &`, nohup, some CI runners) inherits SIGINT
 # ignored, as POSIX shells set for asynchronous jobs, and passes that on to the processes the

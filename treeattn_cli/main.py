@@ -80,13 +80,20 @@ def with_flags(*blocks):
     return deco
 
 
-def _run(command, opts, *, terminated_message: bool) -> None:
-    """Run a command that launches ranks: SIGTERM like Ctrl-C, one-line errors, the exit code."""
-    from .parallel.launch import Terminated, under_torchrun, warm_forkserver_early
+def _run(name: str, opts, *, terminated_message: bool) -> None:
+    """Run a command that launches ranks (``cli/<name>.py``'s ``<name>_command``): SIGTERM like
+    Ctrl-C, one-line errors, the exit code. The ranks' fork server starts first, before this
+    process imports torch with the command's module (``parallel/forkserver.py``)."""
+    import importlib
+
+    from .parallel import forkserver
 
     _library_env()
-    if not under_torchrun():
-        warm_forkserver_early()
+    if not forkserver.under_torchrun():
+        forkserver.warm_early()
+    command = getattr(importlib.import_module(f".cli.{name}", __package__), f"{name}_command")
+    from .parallel.launch import Terminated
+
     _quiet_libraries()
     try:
         with _sigterm_like_ctrl_c():
@@ -122,9 +129,7 @@ def generate(
 
     opts = _check_first(GenerateOptions(prompt=prompt, prompt_file=prompt_file, chat=chat, output=output,
                                         json=json_out, **flags))
-    from .cli.generate import generate_command
-
-    _run(generate_command, opts, terminated_message=True)
+    _run("generate", opts, terminated_message=True)
 
 
 @contextlib.contextmanager
@@ -310,9 +315,7 @@ def chat(
 
     opts = _check_first(ChatOptions(prompt_file=prompt_file, questions=questions, conversation=conversation,
                                     chat=chat_template, json=json_out, output=output, batch=batch, **flags))
-    from .cli.chat import chat_command
-
-    _run(chat_command, opts, terminated_message=False)
+    _run("chat", opts, terminated_message=False)
 
 
 @app.command()
@@ -322,9 +325,7 @@ def serve(**flags):
     from .cli.options import ServeOptions, check_serve_flags
 
     opts = _check_first(ServeOptions(**flags), check_serve_flags)
-    from .cli.serve import serve_command
-
-    _run(serve_command, opts, terminated_message=False)
+    _run("serve", opts, terminated_message=False)
 
 
 @app.command()

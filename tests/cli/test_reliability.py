@@ -421,9 +421,9 @@ def test_a_fork_server_started_early_is_gone_when_its_command_ends(tmp_path):
     one that ends before any rank ran must not leave it importing for seconds, holding the
     command's stdout open (`treeattn generate --model bad | cat` would wait): by the time the
     command's process has exited, the server has been killed and reaped."""
-    script = ("from treeattn_cli.parallel import launch\n"
+    script = ("from treeattn_cli.parallel import forkserver as server\n"
               "from multiprocessing import forkserver\n"
-              "launch.warm_forkserver_early()\n"
+              "server.warm_early()\n"
               "print(forkserver._forkserver._forkserver_pid, flush=True)\n")
     out = tmp_path / "out.txt"
     with open(out, "w") as f:  # a file, not a pipe: waiting for the process is not waiting for its pipe's readers

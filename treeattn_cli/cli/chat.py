@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from ..engine.requests import Ask, DocRef, document_key
 from ..engine.sampling import Sampling
-from ..parallel import launch
+from ..parallel import forkserver, launch
 from . import prompt as P
 from ..report import GenerateView, batch_line, stats_line, stdout_closed
 from ..serving.engine_client import ResidentEngine
@@ -89,7 +89,7 @@ def chat_command(o: ChatOptions) -> int:
     """Run ``treeattn chat``; returns the exit code (0; 2 when a question was refused — too long for
     the context or the KV pool, or a command where a question belongs — after every other answer;
     1 when the ranks failed; 143 on SIGTERM)."""
-    if launch.under_torchrun():
+    if forkserver.under_torchrun():
         raise ValueError("chat starts its own local ranks; under torchrun use generate (--load-kv continues a cache)")
     if o.prompt is not None:
         raise P.PromptError("chat reads the document from --prompt-file (questions come after it)")

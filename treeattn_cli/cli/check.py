@@ -21,7 +21,8 @@ def check_command(*, nproc=None, device="auto", backend="auto", kernels_only=Fal
     on first use); caches the kernel verdict; returns the records."""
     import tempfile
 
-    from ..parallel.launch import MANY_LAUNCHES, run_local
+    from ..parallel.forkserver import MANY_LAUNCHES
+    from ..parallel.launch import run_local
 
     MANY_LAUNCHES["on"] = True  # its checks start ranks again and again
     kind, be, n, devices = plan_devices(device, backend, nproc)

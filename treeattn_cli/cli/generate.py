@@ -63,13 +63,13 @@ def prepare(o: GenerateOptions):
 
 def generate_command(o: GenerateOptions) -> int:
     """Run ``treeattn generate``; returns the exit code (0, 1 on a failed run, 130 on Ctrl-C)."""
-    from ..parallel import launch
+    from ..parallel import forkserver, launch
     from ..engine.engine import rank_generate
     from ..paths import write_atomic
     from ..report import GenerateView, stats_line, stdout_closed
 
     job, tok, (kind, be, n, devices), spans = prepare(o)
-    torchrun = launch.under_torchrun()
+    torchrun = forkserver.under_torchrun()
     lead = not torchrun or int(os.environ["RANK"]) == 0
     view = GenerateView(tok, stream=not o.json and lead, progress=lead and sys.stderr.isatty())
     code, reason, error, closed = 0, None, None, False

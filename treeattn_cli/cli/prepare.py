@@ -60,10 +60,10 @@ def _kernels_failed(device: str) -> bool:
     path, exact but slower, and says so on one line. Never a silently wrong answer. Under
     torchrun only local rank 0 of each node runs the check, on its own device; the node's other
     processes wait for its verdict instead of all checking GPU 0 at once."""
-    from ..parallel import launch
+    from ..parallel import forkserver
     from ..verify.kernels import kernel_verdict, wait_for_verdict
 
-    local = int(os.environ.get("LOCAL_RANK", 0)) if launch.under_torchrun() else 0
+    local = int(os.environ.get("LOCAL_RANK", 0)) if forkserver.under_torchrun() else 0
     v = kernel_verdict(torch.device(device)) if local == 0 else wait_for_verdict(torch.device(device))
     if v.get("ok"):
         return False

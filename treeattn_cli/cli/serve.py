@@ -33,7 +33,7 @@ from ..serving.front import BatchOptions, EngineFront
 from ..engine.requests import Ask, Began
 from ..engine.room import PoolRoom
 from ..engine.sampling import Sampling
-from ..parallel import launch
+from ..parallel import forkserver
 from .options import ServeOptions
 
 
@@ -306,7 +306,7 @@ def serve_command(o: ServeOptions) -> int:
 
     from .prepare import prepare_run
 
-    if launch.under_torchrun():
+    if forkserver.under_torchrun():
         raise ValueError("serve starts its own local ranks; it does not run under torchrun")
     run = prepare_run(o)
     o.max_new_tokens = o.max_new_tokens or 256

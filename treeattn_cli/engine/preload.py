@@ -1,5 +1,5 @@
 """Imported last by the ranks' fork server of a launcher that starts ranks many times
-(``launch.MANY_LAUNCHES``): what every rank's first model load would otherwise do again after
+(``forkserver.MANY_LAUNCHES``): what every rank's first model load would otherwise do again after
 each fork, done once. transformers' table of checkpoint renamings (a few thousand regular
 expressions, compiled when first asked for: ~0.3 s a rank on a 2-core machine) and the modules
 of the known families' causal LMs. A transformers that does it otherwise loses the head start,

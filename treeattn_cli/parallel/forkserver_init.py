@@ -1,5 +1,5 @@
 """Imported once, first, by the fork server that local ranks are forked from (its preload list,
-``launch._mp_context``): the server dies with the launcher that started it, and the ranks die
+``forkserver.context``): the server dies with the launcher that started it, and the ranks die
 with the server (``launch._rank_main``), so a launcher killed outright (SIGKILL, the OOM killer,
 a closed terminal) leaves no process behind. Ctrl-C at a terminal reaches the whole process
 group: a rank forked a moment ago, still reading what to run, ignores it from its first

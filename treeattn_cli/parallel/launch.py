@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
@@ -22,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 
 from . import comm
+from .forkserver import RANK_IMPORTS, context
 
 LOCALHOST = "127.0.0.1"
 
@@ -51,10 +51,6 @@ class RankContext:
     def send(self, kind: str, payload=None) -> None:
         if self.emit is not None:
             self.emit(kind, payload)
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 class Stopped(LaunchError):
@@ -121,75 +117,6 @@ def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results,
         comm.destroy_process_group()
 
 
-# What a rank imports before it joins its group: torch, the transformers modules a model loads
-# with (transformers imports lazily), and the engine. The fork server of local ranks imports them
-# once (``_mp_context``); a torchrun rank imports them before ``init_process_group``
-# (``run_torchrun``). Some of them (torch's FSDP and sharded-tensor modules, pulled in
-# by ``transformers.modeling_utils``) take ``group.WORLD`` as a default argument when first
-# imported: imported after the group exists, they hold the default group forever, so leaving the
-# group cannot stop its threads, and a thread of gloo's still freeing the last collective's work at
-# interpreter exit aborts the process ("terminate called without an active exception").
-RANK_IMPORTS = ("torch", "transformers", "transformers.modeling_utils",
-                "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
-                "transformers.distributed", "treeattn_cli.engine.engine", "treeattn_cli.engine.job")
-
-
-# A launcher that will start ranks many times (``treeattn check``, the test suite) has its fork
-# server do the first model load's once-per-process work too (``engine/preload.py``): ~0.25 s a rank
-# each launch, against ~0.5 s more before the first (a command that launches once would lose).
-MANY_LAUNCHES = {"on": False}
-
-
-def _mp_context():
-    """Rank processes come from a fork server that imported torch and transformers once, so a
-    launch costs a fork per rank instead of a fresh interpreter and its imports (and the server
-    is kept for later launches from the same process). ``transformers`` imports lazily: the
-    modules a rank loads a model with are named in ``RANK_IMPORTS``, or every rank would import
-    them again (~5 s of a 2-core machine's time per launch, against ~1 s of work for a tiny
-    model). CUDA is never initialised before the fork: the server only imports."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["treeattn_cli.parallel.forkserver_init", *RANK_IMPORTS,
-                                *(["treeattn_cli.engine.preload"] if MANY_LAUNCHES["on"] else [])])
-    return ctx
-
-
-def warm_forkserver() -> None:
-    """Start the ranks' fork server from this thread (call from the main thread before running
-    ranks from another one: the server dies with the thread that started it)."""
-    from multiprocessing import forkserver
-
-    _mp_context()
-    forkserver.ensure_running()
-
-
-def warm_forkserver_early() -> None:
-    """Start the ranks' fork server as a command begins, so that its imports (torch and
-    transformers, ~5 s of a 2-core machine) overlap the launcher's own (the tokenizer, the
-    prompt, the model's files) instead of following them; it is ended when this process exits.
-    A server still importing would otherwise outlive a command that failed before any rank ran
-    by seconds, holding the command's standard output and error open (``treeattn ... | cat``
-    and a caller capturing the output would wait for it)."""
-    import atexit
-
-    warm_forkserver()
-    if _end_forkserver not in _AT_EXIT:
-        _AT_EXIT.append(_end_forkserver)
-        atexit.register(_end_forkserver)
-
-
-_AT_EXIT: list = []
-
-
-def _end_forkserver() -> None:
-    from multiprocessing import forkserver
-
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is not None:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)  # its ranks have ended: this process is leaving
-            os.waitpid(pid, 0)  # gone, its copies of our stdout and stderr closed, before we are
-
-
 @contextlib.contextmanager
 def _signals_held():
     """Ctrl-C and SIGTERM wait while the ranks are started: a signal between the fork server's
@@ -234,7 +161,7 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     devices = devices or ["cpu"] * nproc
     store = comm.make_store(0, nproc + 1, host=LOCALHOST, is_master=True, timeout_s=timeout_s)
-    ctx = _mp_context()
+    ctx = context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, name=f"treeattn-rank{r}", daemon=True,
                          args=(fn, r, nproc, store.port, backend, devices[r], timeout_s, args, results,

@@ -9,7 +9,7 @@ import queue
 import threading
 
 from ..parallel import comm as C
-from ..parallel import launch
+from ..parallel import forkserver, launch
 
 
 class EngineClient:
@@ -86,7 +86,7 @@ class ResidentEngine:
                 self._started.set()
                 self.events.put(("__end__", None))
 
-        launch.warm_forkserver()  # from the main thread: the fork server dies with its thread
+        forkserver.warm()  # from the main thread: the fork server dies with its thread
         self.thread = threading.Thread(target=ranks, name="treeattn-ranks", daemon=True)
         self.thread.start()
         self._started.wait()
