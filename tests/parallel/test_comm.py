@@ -182,11 +182,11 @@ def test_decisions_are_taken_together():
 def test_blocked_survivors_are_stopped_soon_after_a_rank_fails(tmp_path):
     """Under NCCL the survivors of a failed rank block in a collective for the whole timeout
     (~5 min) before noticing: the launcher stops them a few seconds after the failure (its
-    grace is 5 s; bound here at 35 s after the failing rank's stamp, for a loaded machine: any
-    bound far below the 300 s timeout shows the launcher did it)."""
+    grace, 5 s by default, 1 s here; bound here at 35 s after the failing rank's stamp, for a
+    loaded machine: any bound far below the 300 s timeout shows the launcher did it)."""
     stamp = tmp_path / "failed-at"
     with pytest.raises(LaunchError) as ei:
-        run_local(fail_while_others_block, 3, str(stamp), timeout_s=300)
+        run_local(fail_while_others_block, 3, str(stamp), timeout_s=300, grace_s=1.0)
     assert time.time() - float(stamp.read_text()) < 35
     assert "rank 0 failed: RuntimeError: CUDA error" in str(ei.value)
 
@@ -198,7 +198,7 @@ def test_a_stopped_rank_is_lost_after_the_timeout_not_when_it_resumes():
     SIGSTOP fault: before, the run waited until the rank was continued)."""
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as ei:
-        run_local(stop_while_others_wait, 2, timeout_s=3)
+        run_local(stop_while_others_wait, 2, timeout_s=3, grace_s=1.0)  # (grace: the survivor's moment)
     assert "rank 1 stopped responding (no heartbeat for 3 s" in str(ei.value), str(ei.value)
     assert time.monotonic() - t0 < 60  # (the survivor sleeps 300 s: the launcher ended it)
 

@@ -423,7 +423,8 @@ class Soak:
                 break
             time.sleep(0.2)
         rss_end = self.rss()
-        metrics = self._metrics()
+        metrics, pinned = self._metrics(), self._pinned()
+        leaked = self.leaked_blocks() if status == "ok" else None
         if self.ballast is not None:
             self.ballast.unlink(missing_ok=True)
         record = {"seconds": self.a.seconds, "clients": self.a.clients, "seed": self.a.seed,
@@ -433,7 +434,8 @@ class Soak:
                   "ttft_p50_s": _pct(self.tally.ttft, 0.5), "ttft_p99_s": _pct(self.tally.ttft, 0.99),
                   "tpot_p50_s": _pct(self.tally.tpot, 0.5), "tpot_p99_s": _pct(self.tally.tpot, 0.99),
                   "rank_peak_rss_mib_start": rss_start, "rank_peak_rss_mib_end": rss_end,
-                  "blocks_used_end": metrics.get("blocks_used"), "pinned_documents_end": self._pinned(),
+                  "blocks_used_end": metrics.get("blocks_used"), "pinned_documents_end": pinned,
+                  "blocks_left_after_deleting_every_document": leaked,
                   "restarts": metrics.get("restarts"), "faults": done_faults, "healthy_at_end": status == "ok",
                   "stop_noticed_s": self.stop_noticed_s, "timeout_s": self.a.timeout, "back_after_kill_s": self.back_s,
                   "disk_full_warnings": (self.work / "server.log").read_text(errors="replace").count(
@@ -465,6 +467,19 @@ class Soak:
             elif line.startswith("treeattn_rank_restarts_total "):
                 out["restarts"] = int(float(line.split()[-1]))
         return out
+
+    def leaked_blocks(self) -> int | None:
+        """Blocks the ranks' pools still hold for documents once every document is deleted (pinned
+        ones too) and one request without a document has run (the gauge is read as a batch ends):
+        0 unless a block leaked. Run when the soak is over, before SIGTERM."""
+        import httpx
+
+        ids = [d["id"] for d in httpx.get(f"{self.url}/v1/documents", headers=self._auth(), timeout=30).json()["data"]]
+        for key in ids:
+            httpx.delete(f"{self.url}/v1/documents/{key}", headers=self._auth(), timeout=ANSWER_S)
+        r = httpx.post(f"{self.url}/v1/completions", headers=self._auth(), timeout=ANSWER_S,
+                       json={"model": self.name, "prompt": "hi", "max_tokens": 1})
+        return self._metrics()["blocks_used"] if r.status_code == 200 else None
 
     def _pinned(self) -> int:
         import httpx
@@ -509,6 +524,7 @@ def passed(rec: dict) -> bool:
     return (not rec["differ"] and not rec["undocumented"] and not rec["hangs"] and rec["checked"] > 0
             and (stop is None or stop <= rec["timeout_s"] + STOP_GRACE_S)
             and rec["checked"] == rec["equal"] and rec["healthy_at_end"]
+            and rec.get("blocks_left_after_deleting_every_document", 0) == 0
             and term["exit"] in (143, -signal.SIGTERM) and not term["processes_left"])
 
 
@@ -521,7 +537,8 @@ def table(rec: dict) -> str:
               f"  first token p50 {ms(rec['ttft_p50_s'])}, p99 {ms(rec['ttft_p99_s'])}; per token p50 "
               f"{ms(rec['tpot_p50_s'])}, p99 {ms(rec['tpot_p99_s'])}",
               f"  rank peak RSS MiB at start {rec['rank_peak_rss_mib_start']}, at end {rec['rank_peak_rss_mib_end']}",
-              f"  pool blocks in use at end {rec['blocks_used_end']} (pinned documents: {rec['pinned_documents_end']})",
+              f"  pool blocks in use at end {rec['blocks_used_end']} (pinned documents: {rec['pinned_documents_end']}); "
+              f"after deleting every document {rec.get('blocks_left_after_deleting_every_document')}",
               f"  restarts {rec['restarts']}, hangs {len(rec['hangs'])}, healthy at end {rec['healthy_at_end']}, "
               f"disk-full warnings {rec.get('disk_full_warnings', 0)}, serving again after a kill in "
               f"{rec.get('back_after_kill_s') or '-'} s"]
