@@ -108,6 +108,7 @@ class Soak:
         self.stop_at = 0.0
         self.work = Path(tempfile.mkdtemp(prefix="treeattn-soak-"))
         self.cache = Path(a.cache_dir) / f"soak-{os.getpid()}" if a.cache_dir else self.work / "cache"
+        self.start_s = None  # seconds from the server's launch to its serving
         self.ballast: Path | None = None  # the full fault's file, removed before the soak ends
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -135,8 +136,10 @@ class Soak:
         if self.a.dtype:
             cmd += ["--dtype", self.a.dtype]
         self.log = open(self.work / "server.log", "wb")
+        t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, stdin=subprocess.DEVNULL)
         wait_until_serving(self.proc, self.url, (self.work / "server.log").read_text)
+        self.start_s = round(time.monotonic() - t0, 1)  # the server's start: the model's load, the ranks'
         self.name = httpx.get(f"{self.url}/v1/models", headers=self._auth()).json()["data"][0]["id"]
 
     def _auth(self) -> dict:
@@ -438,6 +441,7 @@ class Soak:
                   "blocks_left_after_deleting_every_document": leaked,
                   "restarts": metrics.get("restarts"), "faults": done_faults, "healthy_at_end": status == "ok",
                   "stop_noticed_s": self.stop_noticed_s, "timeout_s": self.a.timeout, "back_after_kill_s": self.back_s,
+                  "server_start_s": self.start_s,
                   "disk_full_warnings": (self.work / "server.log").read_text(errors="replace").count(
                       "cannot write to the cache directory")}
         if "term" in self.a.faults.split(","):
@@ -541,7 +545,7 @@ def table(rec: dict) -> str:
               f"after deleting every document {rec.get('blocks_left_after_deleting_every_document')}",
               f"  restarts {rec['restarts']}, hangs {len(rec['hangs'])}, healthy at end {rec['healthy_at_end']}, "
               f"disk-full warnings {rec.get('disk_full_warnings', 0)}, serving again after a kill in "
-              f"{rec.get('back_after_kill_s') or '-'} s"]
+              f"{rec.get('back_after_kill_s') or '-'} s (the server started in {rec.get('server_start_s')} s)"]
     if "term" in rec:
         lines.append(f"  SIGTERM: exit {rec['term']['exit']}, processes left {rec['term']['processes_left']}")
     for k in ("differ", "undocumented", "hangs"):
