@@ -33,6 +33,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from treeattn_cli.engine.host_tier import RESTORE_BYTES_PER_ROUND as RESTORE_DEFAULT
+
 FAMILIES = {"llama": 3, "gemma2": 4, "gpt_oss": 5}  # plain GQA; window + soft-capping; sinks + windows
 ORDER = [(3, 1), (1, 1), (2, 1), (2, 2)]  # (cp, tp) rank sets, in the order they run (saves come first)
 LOGPROBS = 3  # alternatives compared per token
@@ -68,6 +70,7 @@ class Config:
     budget: int | None = None  # mixed: bytes of resident documents per rank (tiny: evicted to disk, loaded back)
     tight: bool = False  # mixed: the block pool holds the largest document alone (the others wait their turn)
     host: bool = True  # mixed with a budget: documents that leave memory keep a copy in the host tier (else: disk)
+    restore_parts: bool = False  # host: a copy comes back a layer per round of the step loop (else: at once)
     page: int | None = None  # mixed: tokens per block of the pool (16: tiny documents fill blocks, share prefixes)
     qchunk: int | None = None  # batch, serve: question tokens prefilled per round (the batch's piece; mixed: chunk)
     graphs: bool = False  # steps replayed from (stand-in) CUDA graphs, over the GPU's kernels (graph_standin)
@@ -290,6 +293,7 @@ def d_host(rng, c, fx):
     Drawn last, so what was drawn before stays as it was."""
     if c.budget is not None:
         c.host = rng.random() < 0.5
+        c.restore_parts = c.host and rng.random() < 0.5
 
 
 DIMENSIONS = [d_family, d_mesh, d_scheme, d_kv, d_route, d_document, d_questions, d_slots, d_speculate,
@@ -537,7 +541,10 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
 
     import os
 
+    from treeattn_cli.engine import host_tier
+
     answers, events, alone = {}, {}, {}
+    host_tier.RESTORE_BYTES_PER_ROUND = 1 if c.restore_parts else RESTORE_DEFAULT  # (one layer a round)
     eng = Engine(ctx, _job(c, fx, c.graphs))
     stand_in = None
     if c.graphs:
@@ -742,6 +749,8 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("document evicted to disk and loaded back")
     if "host" in r["events"].get("sources", []):
         out.add("document evicted to host memory and copied back")
+        if c.restore_parts:
+            out.add("document copied back a layer per round")
     if "pool" in r["events"].get("sources", []):
         out.add("document found whole in the pool's cached blocks")
     if any(n and s == "prefill" for n, s in zip(r["events"].get("reused", []), r["events"].get("sources", []))):

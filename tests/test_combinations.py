@@ -95,7 +95,7 @@ def test_the_configurations_meet_where_defects_live(outcome):
     on other ranks, a document from the server's memory, short questions and a document shorter
     than the shards, rows of several documents in one step, a document prefilled while others decode, a long question prefilled in
     chunks between the other answers' steps, documents evicted to disk
-    and loaded back or to host memory and copied back, a document waiting for blocks of a full pool, a question waiting for its
+    and loaded back or to host memory and copied back (at once or a layer per round), a document waiting for blocks of a full pool, a question waiting for its
     tail's blocks (the batch's tail lives in the pool), documents found in the pool's
     cached blocks (whole, or a prefix of them), a batch's steps and its verifies replayed from
     (stand-in) CUDA graphs (every answer, the alone reference's too, runs on the one step loop),
@@ -110,7 +110,7 @@ def test_the_configurations_meet_where_defects_live(outcome):
             "cancelled", "reloaded on other ranks", "document from memory", "question shorter than the shards",
             "sampling", "chunked prefill", "kv:fp8", "kv:auto", "documents mixed in a step",
             "document prefilled while others decode", "document evicted to disk and loaded back",
-            "document evicted to host memory and copied back",
+            "document evicted to host memory and copied back", "document copied back a layer per round",
             "a document waited for blocks", "document found whole in the pool's cached blocks",
             "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode",
             "cited", "cited with drafts accepted", "cited beside answers that do not",

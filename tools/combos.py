@@ -37,9 +37,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the ranks load a model per configuration
-    from treeattn_cli.parallel import launch
+    from treeattn_cli.parallel import forkserver
 
-    launch.MANY_LAUNCHES["on"] = True  # ranks start once per rank set and configuration
+    forkserver.MANY_LAUNCHES["on"] = True  # ranks start once per rank set and configuration
     seeds = a.seed or list(range(a.first, a.first + a.seeds))
     root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="treeattn-combos-"))
     if a.show:

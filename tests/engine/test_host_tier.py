@@ -97,6 +97,37 @@ def host_round_trip(ctx, job, small, big, q, new, host_memory):
     return out
 
 
+def restore_in_parts(ctx, job, small, big, q, new):
+    """``small`` then ``big`` answered in a pool with room for both; ``small`` sent to the host
+    tier (``Documents.evict(0)``: all but the newest out) and its cached blocks forgotten; then one batch of two questions, one
+    over ``big`` (resident) and one over ``small`` (in host memory), with a restore of one layer
+    per round. Rank 0 returns the batch's answers, how each document was made resident, the
+    restore's rounds and the document rounds run while an answer was under way."""
+    from treeattn_cli.engine import host_tier
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.sampling import Sampling
+
+    host_tier.RESTORE_BYTES_PER_ROUND = 1  # one layer a round (the least a round copies)
+    base = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
+            "eos_ids": [], "speculate": "off", "slots": 2, "pool_blocks": 16, "page": 16}
+    out = {}
+    with recording(ctx) as rec:
+        eng = Engine(ctx, job)
+        for name, ids in (("small", small), ("big", big)):
+            eng.serve([{**base, "questions": [{"ids": q, "doc": {"key": name, "ids": ids}}]}])
+        keys = eng.documents.resident["small"].keys
+        eng.documents.evict(0)
+        eng.documents.pool.forget(keys)  # (its cached blocks reused since, as a busy pool's would be)
+        out["hosted"] = "small" in eng.documents.host and "big" in eng.documents.resident
+        rec.clear()
+        eng.serve([{**base, "questions": [{"ids": q, "doc": {"key": "big", "ids": big}},
+                                          {"ids": q, "doc": {"key": "small", "ids": small}}]}])
+        out["answers"], out["sources"] = [rec.answers.get(i) for i in (0, 1)], [rec.sources.get(i) for i in (0, 1)]
+        out["parts"], out["alongside"] = eng.documents.restore_parts, eng.bd.segments_while_decoding
+        eng.serve([{"op": "stop"}])
+    return out if ctx.rank == 0 else None
+
+
 @pytest.fixture(scope="module")
 def llama(tiny):
     path = tiny("llama", seed=3)
@@ -132,3 +163,17 @@ def test_without_a_tier_or_past_its_budget_the_document_is_prefilled_again(llama
     lead = run_local(host_round_trip, 2, job, SMALL, BIG, Q, NEW, host_memory, timeout_s=180)[0]
     assert lead["sources"] == ["prefill", "prefill", "prefill"] and not lead["hosted"], lead
     assert lead["answers"] == [want[0], want[1], want[0]]
+
+
+def test_a_restore_comes_a_part_per_round_while_other_answers_step(tiny):
+    """Issue 52, item 1: a document coming back from host memory is copied a few layers per round
+    of the step loop (here one), and the answers under way keep stepping meanwhile: the question
+    over the resident document answers while the other's document comes back (rounds of it run
+    alongside), and both answers are transformers'."""
+    path = tiny("llama", seed=5, num_hidden_layers=4)
+    want = [tiny_models.hf_greedy(path, doc + Q, NEW) for doc in (BIG, SMALL)]
+    job = EngineJob(str(path), [], dtype="float32", max_new_tokens=NEW)
+    lead = run_local(restore_in_parts, 2, job, SMALL, BIG, Q, NEW, timeout_s=180)[0]
+    assert lead["hosted"], lead
+    assert lead["sources"] == ["memory", "host"] and lead["answers"] == want, lead
+    assert lead["parts"] == 4 and lead["alongside"] >= 2, lead  # 4 layers, one a round; some while `big` answered

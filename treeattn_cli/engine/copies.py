@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from .host_tier import copy_in
+from .host_tier import copy_in, layers_per_round
 
 
 def saved_manifest(docs, saved: Path | None, ref: dict, ids: list) -> dict | None:
@@ -64,19 +64,24 @@ def refuse(docs, saved: Path, key: str | None, why: str | None) -> None:
 def load(docs, doc, evict: bool = True) -> bool:
     """Load ``doc``'s copy (in host memory, else saved) into its blocks if every rank has
     them (``evict``: making room first, as for a prefill segment); False: it waits, nothing
-    changed."""
+    changed. A copy in host memory comes a part at a time (``doc.restored``: the layers copied;
+    the document is ready once ``doc.restore`` is None); a saved one at once."""
     from . import kvstore
 
     eng = docs.engine
+    under_way = doc.restore is not None and doc.restored > 0  # (the same on every rank) its blocks are held
     if doc.restore is not None:
         need = int(doc.restore.pos.numel())
     else:
         need = kvstore.shard_counts(doc.load[1], eng.mesh.cp)[eng.mesh.cp_index]
-    if not docs.room(doc, need, evict=evict):
+    if not under_way and not docs.room(doc, need, evict=evict):  # (a collective: every rank asks, 0 or not)
         return False
-    if doc.restore is not None:
-        copy_in(doc.restore, doc.cache)
-        doc.restore = None
+    if doc.restore is not None:  # a part of its layers this round (host_tier.RESTORE_BYTES_PER_ROUND)
+        doc.restored = copy_in(doc.restore, doc.cache, doc.restored, layers_per_round(doc.restore))
+        docs.restore_parts += 1
+        if doc.restored < len(doc.restore.layers):
+            return True
+        doc.restore, doc.restored = None, 0
     else:
         saved, manifest = doc.load
         why = None

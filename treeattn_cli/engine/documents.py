@@ -76,6 +76,7 @@ class Document:
     owned: bool = True  # that copy is the cache directory's (a damaged one is removed), not the user's --load-kv
     piece: int | None = None  # tokens per rank of its prefill segments as asked (None: documents.PIECE)
     restore: object = None  # a host_tier.HostCopy of it to copy in once every rank has the blocks
+    restored: int = 0  # of its layers, those copied in so far (a restore comes a part per round)
     pending: int | None = None  # a kept answer's last token: sampled, not in the cache (the next kept question's first)
     logits: object = None  # rank 0, when asked (``last_logits``): its last token's ``[1, V]`` from its prefill
     want_logits: bool = False
@@ -124,6 +125,7 @@ class Documents:
         self.pool: BlockPool | None = None  # made at start (serve) or at the first paged document
         self.pool_free: int | None = None  # bytes free for KV on this rank when the pool was made
         self.waits = 0  # segments a document waited for blocks (the pool was full of documents in use)
+        self.restore_parts = 0  # rounds that copied a part of a document back from the host tier
         self.writes_off = False  # a write to the cache directory failed (a full disk): no more this run
 
     def _pool(self, ref: dict) -> BlockPool:
@@ -275,10 +277,15 @@ class Documents:
         """Prefill the next segment of a pending document (or load its saved copy); returns the
         tokens it took (0: it waits, the pool being full of documents in use)."""
         if doc.load is not None or doc.restore is not None:  # a copy, once every rank has the blocks
+            copy = doc.restore
+            before = doc.restored
             if not copies.load(self, doc):
                 self.waits += 1
                 return 0
             self._ready(doc)
+            if copy is not None:  # (a part of a restore: the tokens its layers are worth)
+                done = doc.restored or len(copy.layers)
+                return max(1, len(doc.ids) * (done - before) // len(copy.layers))
             return max(1, len(doc.ids))
         if doc.keys is not None and doc.todo == doc.segs:  # not begun: documents prefilled
             block_reuse.reuse(self.engine, self.pool, doc)  # since it was asked for (or before a reset) may hold its prefix
@@ -400,14 +407,14 @@ class Documents:
         """``key`` out of the pool: saved first when a cache directory is known and it is not
         there yet, and (``to_host``) a copy kept in the host tier; its blocks given back."""
         doc = self.resident.pop(key)
-        if doc.restore is not None:  # never copied in: the copy goes back where it was
-            self.host.add(key, doc.restore)
-            doc.restore = None
-        if not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None and \
+        restoring, doc.restore = doc.restore, None
+        if restoring is not None:  # not (all) copied in: the copy goes back where it was, whole; what
+            self.host.add(key, restoring)  # its blocks hold is no copy of anything (not saved, not kept)
+        elif not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None and \
                 copies.write(self, doc.cache, doc.ids, Path(self.spill_dir) / key, {**self.spill_meta, "nonce": key[:8]}, soft=True):
             doc.on_disk = True
             self.changes["spilled"].append(key)
-        if to_host and doc.ids and doc.ready:
+        if to_host and doc.ids and doc.ready and restoring is None:
             self.host.put(key, doc.cache, doc.ids, self.rank_bytes(doc))
         doc.cache.free()
         doc.evicted = True

@@ -5,7 +5,8 @@ rank's shard here: its rows exactly as the pool stored them (fp8 rows with their
 global positions and every rank's token counts, in host memory (pinned on a GPU, so a restore is
 one DMA per tensor). Coming back (:meth:`documents.Documents.get`) the copy is written into fresh
 blocks, not prefilled: the same bytes at the same positions on the same ranks, so every answer
-over it is the one it gave before.
+over it is the one it gave before. It is written a few layers per round of the step loop
+(:data:`RESTORE_BYTES_PER_ROUND`), so answers under way keep stepping while it comes back.
 
 The tier is bounded by ``budget`` bytes per rank, counted from the documents' token counts (the
 same on every rank, as :meth:`documents.Documents.nbytes` counts: every rank keeps and drops the
@@ -63,13 +64,35 @@ def copy_out(shard, ids, charge: int) -> HostCopy:
     return HostCopy(list(ids), shard.pos[0].to("cpu").clone(), shard.counts[0].clone(), layers, charge)
 
 
-def copy_in(copy: HostCopy, shard) -> None:
-    """``copy`` into ``shard`` (empty, in a pool with room for it: :meth:`documents.Documents.room`
-    agreed): its positions, every rank's counts, each layer's rows as they were stored."""
-    shard.begin_fill(copy.pos, copy.counts)
+# Bytes per rank a restore copies per round of the step loop (``batch.BatchDecoder.loop``): a
+# document coming back from host memory is copied a few layers at a time, one part per round, so
+# the answers under way keep stepping meanwhile instead of waiting for the whole shard (~3 ms of
+# an H100's PCIe 5 link per part; ~0.1 s of a CPU's memory).
+RESTORE_BYTES_PER_ROUND = 128 << 20
+
+
+def layers_per_round(copy: HostCopy, budget: int | None = None) -> int:
+    """How many of ``copy``'s layers one round copies: as many as ``budget`` bytes hold, at least
+    one. Counted from ``copy.charge`` (the same on every rank), so every rank copies the same
+    layers in the same round."""
+    per_layer = max(1, copy.charge // max(1, len(copy.layers)))
+    return max(1, (RESTORE_BYTES_PER_ROUND if budget is None else budget) // per_layer)
+
+
+def copy_in(copy: HostCopy, shard, start: int = 0, count: int | None = None) -> int:
+    """``copy`` into ``shard`` (in a pool with room for it: :meth:`documents.Documents.room`
+    agreed), layers ``start .. start + count - 1`` (default: all): at ``start == 0`` its
+    positions and every rank's counts first (the shard emptied), then each layer's rows as they
+    were stored (from pinned memory on a GPU: queued, the host does not wait). Returns the next
+    layer to copy (``len(copy.layers)``: done)."""
+    if start == 0:
+        shard.begin_fill(copy.pos, copy.counts)
     raw = shard.quant is not None
-    for layer, t in enumerate(copy.layers):
+    end = len(copy.layers) if count is None else min(len(copy.layers), start + count)
+    for layer in range(start, end):
+        t = copy.layers[layer]
         shard.fill_layer(layer, t[0], t[1], scales=(t[2], t[3]) if raw else None)
+    return end
 
 
 class HostTier:
