@@ -277,15 +277,10 @@ class Documents:
         """Prefill the next segment of a pending document (or load its saved copy); returns the
         tokens it took (0: it waits, the pool being full of documents in use)."""
         if doc.load is not None or doc.restore is not None:  # a copy, once every rank has the blocks
-            copy = doc.restore
-            before = doc.restored
-            if not copies.load(self, doc):
+            if not copies.load(self, doc):  # (a restore: a part of its layers this round)
                 self.waits += 1
                 return 0
             self._ready(doc)
-            if copy is not None:  # (a part of a restore: the tokens its layers are worth)
-                done = doc.restored or len(copy.layers)
-                return max(1, len(doc.ids) * (done - before) // len(copy.layers))
             return max(1, len(doc.ids))
         if doc.keys is not None and doc.todo == doc.segs:  # not begun: documents prefilled
             block_reuse.reuse(self.engine, self.pool, doc)  # since it was asked for (or before a reset) may hold its prefix
