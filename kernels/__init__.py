@@ -17,10 +17,23 @@ import torch
 from .paged_ref import gather_pages, partial_attention_paged_ref
 from .partial_ref import add_sink, dequantize, partial_attention_ref
 
-__all__ = ["partial_attention", "partial_attention_paged", "partial_attention_ref", "partial_attention_paged_ref",
-           "gather_pages", "gpu_path", "gpu_branches",
-           "add_sink", "dequantize", "triton_available", "gpu_route",
-           "triton_problem", "use_reference", "reference_only", "TRITON_FLOOR"]
+__all__ = [
+    "partial_attention",
+    "partial_attention_paged",
+    "partial_attention_ref",
+    "partial_attention_paged_ref",
+    "gather_pages",
+    "gpu_path",
+    "gpu_branches",
+    "add_sink",
+    "dequantize",
+    "triton_available",
+    "gpu_route",
+    "triton_problem",
+    "use_reference",
+    "reference_only",
+    "TRITON_FLOOR",
+]
 
 _REFERENCE = {"on": False}
 _GPU_BRANCHES = {"on": False}
@@ -75,8 +88,10 @@ def triton_problem() -> str | None:
     v = getattr(triton, "__version__", "0")
     if _version_tuple(v) < TRITON_FLOOR:
         need = ".".join(map(str, TRITON_FLOOR))
-        return (f"Triton {v} is older than {need}, the oldest with every feature the decode kernel uses "
-                f"(pip install 'triton>={need}')")
+        return (
+            f"Triton {v} is older than {need}, the oldest with every feature the decode kernel uses "
+            f"(pip install 'triton>={need}')"
+        )
     return None
 
 
@@ -115,10 +130,27 @@ def gpu_path(q) -> bool:
     return q.is_cuda or _GPU_BRANCHES["on"] or os.environ.get("TREEATTN_KERNEL") == "triton"
 
 
-def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None, pos_pool=None,
-                            window=None, softcap=None, k_scale=None, v_scale=None, out_dtype=None,
-                            block_lse=None, lse_block: int = 1, lse_rows=None, impl: str = "auto",
-                            fixed_splits: bool = False):
+def partial_attention_paged(
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    kv_len,
+    *,
+    scale=None,
+    q_pos=None,
+    pos_pool=None,
+    window=None,
+    softcap=None,
+    k_scale=None,
+    v_scale=None,
+    out_dtype=None,
+    block_lse=None,
+    lse_block: int = 1,
+    lse_rows=None,
+    impl: str = "auto",
+    fixed_splits: bool = False,
+):
     """Partial attention of ``q [B, H, Q, d]`` to the shards ``block_tables [B, nb]`` name in a
     layer's pool ``k_pool, v_pool [blocks, H_kv, page, d]`` (row b: the first ``kv_len[b]``
     tokens of its blocks; ``pos_pool [blocks, page]`` their positions, for ``q_pos [B, Q]``
@@ -137,24 +169,67 @@ def partial_attention_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=No
         from .partial_triton import partial_attention_triton_paged
 
         out = torch.empty(*q.shape, dtype=out_dtype or q.dtype, device=q.device)
-        return partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, scale=scale, q_pos=q_pos,
-                                              pos_pool=pos_pool, window=window, softcap=softcap, k_scale=k_scale,
-                                              v_scale=v_scale, out=out, fixed_splits=fixed_splits, **blocks)
+        return partial_attention_triton_paged(
+            q,
+            k_pool,
+            v_pool,
+            block_tables,
+            kv_len,
+            scale=scale,
+            q_pos=q_pos,
+            pos_pool=pos_pool,
+            window=window,
+            softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            out=out,
+            fixed_splits=fixed_splits,
+            **blocks,
+        )
     kw = dict(blocks)
     if k_scale is not None:
         kw.update(k_scale=gather_pages(k_scale, block_tables), v_scale=gather_pages(v_scale, block_tables))
     if q_pos is not None:
         kw.update(q_pos=q_pos, k_pos=gather_pages(pos_pool, block_tables), k_pos_sorted=True)
-    return partial_attention(q, gather_pages(k_pool, block_tables), gather_pages(v_pool, block_tables), scale=scale,
-                             kv_len=kv_len, window=window, softcap=softcap, out_dtype=out_dtype, impl=impl,
-                             fixed_splits=fixed_splits, **kw)
+    return partial_attention(
+        q,
+        gather_pages(k_pool, block_tables),
+        gather_pages(v_pool, block_tables),
+        scale=scale,
+        kv_len=kv_len,
+        window=window,
+        softcap=softcap,
+        out_dtype=out_dtype,
+        impl=impl,
+        fixed_splits=fixed_splits,
+        **kw,
+    )
 
 
-def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                      window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
-                      k_pos_sorted: bool = False, out=None, lse_out=None, out_dtype=None,
-                      block_lse=None, lse_block: int = 1, lse_rows=None, impl: str = "auto",
-                      fixed_splits: bool = False):
+def partial_attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    q_pos=None,
+    k_pos=None,
+    kv_len=None,
+    window=None,
+    softcap=None,
+    sink=None,
+    k_scale=None,
+    v_scale=None,
+    k_pos_sorted: bool = False,
+    out=None,
+    lse_out=None,
+    out_dtype=None,
+    block_lse=None,
+    lse_block: int = 1,
+    lse_rows=None,
+    impl: str = "auto",
+    fixed_splits: bool = False,
+):
     """Partial attention of ``q [B, H, Q, d]`` to one KV shard ``k, v [B, H_kv, N, d]``.
 
     Returns ``(o [B, H, Q, d] in q.dtype, lse [B, H, Q] fp32, natural log)``; rows with no
@@ -186,8 +261,17 @@ def partial_attention(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=Non
     """
     if out is None and out_dtype is not None:
         out = torch.empty(*q.shape, dtype=out_dtype, device=q.device)
-    kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
-              softcap=softcap, sink=sink, out=out, lse_out=lse_out)
+    kw = dict(
+        scale=scale,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        kv_len=kv_len,
+        window=window,
+        softcap=softcap,
+        sink=sink,
+        out=out,
+        lse_out=lse_out,
+    )
     if block_lse is not None:
         kw.update(block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows)
     if impl == "auto" and _REFERENCE["on"]:

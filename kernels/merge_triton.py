@@ -34,8 +34,9 @@ def _weigh_kernel(O, LSE, M, P, so_r, so_d, D: tl.constexpr, BLOCK_D: tl.constex
 
 
 @triton.jit
-def _unweigh_kernel(P, M, OUT, LSE_OUT, sb, sh, sq, sd, H, NQ, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    WRITE_LSE: tl.constexpr):
+def _unweigh_kernel(
+    P, M, OUT, LSE_OUT, sb, sh, sq, sd, H, NQ, D: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr
+):
     r = tl.program_id(0).to(tl.int64)
     b = r // (H * NQ)
     h = (r // NQ) % H
@@ -53,8 +54,23 @@ def _unweigh_kernel(P, M, OUT, LSE_OUT, sb, sh, sq, sd, H, NQ, D: tl.constexpr, 
 
 
 @triton.jit
-def _gathered_kernel(P, OUT, LSE_OUT, sp, sb, sh, sq, sd, H, NQ, WORLD, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_W: tl.constexpr, WRITE_LSE: tl.constexpr):
+def _gathered_kernel(
+    P,
+    OUT,
+    LSE_OUT,
+    sp,
+    sb,
+    sh,
+    sq,
+    sd,
+    H,
+    NQ,
+    WORLD,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)  # one (b, h, q) row of every rank's partial
     b = r // (H * NQ)
     h = (r // NQ) % H
@@ -85,9 +101,23 @@ def merge_gathered_fused(every, *, out=None, dtype=torch.float32):
     every = every.contiguous()
     out = torch.empty(B, H, Q, d, dtype=dtype, device=every.device) if out is None else out
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=every.device)
-    launch(_gathered_kernel, (B * H * Q,), every, out, lse, every.stride(0), *out.stride(), H, Q, W, D=d,
-           BLOCK_D=triton.next_power_of_2(d), BLOCK_W=triton.next_power_of_2(max(W, 2)), WRITE_LSE=True,
-           num_warps=1)
+    launch(
+        _gathered_kernel,
+        (B * H * Q,),
+        every,
+        out,
+        lse,
+        every.stride(0),
+        *out.stride(),
+        H,
+        Q,
+        W,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_W=triton.next_power_of_2(max(W, 2)),
+        WRITE_LSE=True,
+        num_warps=1,
+    )
     return out, lse
 
 
@@ -96,8 +126,19 @@ def weigh_fused(o, lse, m):
     B, H, Q, d = o.shape
     rows = o.reshape(B * H * Q, d)
     packed = torch.empty(B, H, Q, d + 1, dtype=torch.float32, device=o.device)
-    launch(_weigh_kernel, (B * H * Q,), rows, lse.contiguous().float(), m.contiguous().float(), packed,
-           rows.stride(0), rows.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+    launch(
+        _weigh_kernel,
+        (B * H * Q,),
+        rows,
+        lse.contiguous().float(),
+        m.contiguous().float(),
+        packed,
+        rows.stride(0),
+        rows.stride(1),
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=1,
+    )
     return packed
 
 
@@ -108,6 +149,19 @@ def unweigh_fused(packed, m, *, out=None, dtype=torch.float32, want_lse=True):
     d = d1 - 1
     out = torch.empty(B, H, Q, d, dtype=dtype, device=packed.device) if out is None else out
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=packed.device) if want_lse else packed
-    launch(_unweigh_kernel, (B * H * Q,), packed.contiguous(), m.contiguous().float(), out, lse,
-           *out.stride(), H, Q, D=d, BLOCK_D=triton.next_power_of_2(d), WRITE_LSE=want_lse, num_warps=1)
+    launch(
+        _unweigh_kernel,
+        (B * H * Q,),
+        packed.contiguous(),
+        m.contiguous().float(),
+        out,
+        lse,
+        *out.stride(),
+        H,
+        Q,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        WRITE_LSE=want_lse,
+        num_warps=1,
+    )
     return out, (lse if want_lse else None)

@@ -79,14 +79,19 @@ BASELINE_CTAS = {"sm_80": (4, 2), "sm_90": (3, 2), "gfx942": (1, 4)}
 RULES = {
     "tiles": "CUDA: >= 2 K/V tiles in flight per CTA, at no fewer CTAs per SM than before",
     "grid": "a full wave (CTAs >= SMs), or every split within its pipeline (the whole shard "
-            "requested in the first round trip); under a CUDA graph planned on 2x the length, "
-            "every split has work",
+    "requested in the first round trip); under a CUDA graph planned on 2x the length, "
+    "every split has work",
     "littles_law": "bytes in flight >= bandwidth x latency (or the whole shard)",
     "lds": "gfx942: <= 32 KiB of LDS, >= 2 workgroups per CU",
     "spills": "no spills",
 }
-NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-         torch.float8_e4m3fn: "fp8_e4m3fn", torch.float8_e4m3fnuz: "fp8_e4m3fnuz"}
+NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8_e4m3fn",
+    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
+}
 # The fp8 flavour each target's engine stores (kvquant.fp8_dtype); sm_80 has no fp8 loads and
 # the engine refuses fp8 there, so its kernels are not built for it.
 FP8_KV = {"sm_90": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
@@ -140,25 +145,46 @@ def fp8_calls(target: Target):
         for N in (1, 131072):
             for window, softcap in ((None, None), (1024, 30.0)):
                 q = _meta(1, H_kv * G, 1, d, dtype=dt)
-                kw = dict(kv_len=_meta(1, dtype=torch.int64), window=window, softcap=softcap,
-                          **_cache_scales(1, H_kv, N, d))
+                kw = dict(
+                    kv_len=_meta(1, dtype=torch.int64), window=window, softcap=softcap, **_cache_scales(1, H_kv, N, d)
+                )
                 if window is not None:
-                    kw.update(q_pos=_meta(1, 1, dtype=torch.int64), k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N],
-                              k_pos_sorted=True)
-                yield (f"decode-fp8 d={d} G={G} {NAMES[dt]} {NAMES[f8]} N={N} window={window} softcap={softcap}",
-                       dict(q=q, k=_cache_kv(1, H_kv, N, d, f8), v=_cache_kv(1, H_kv, N, d, f8), **kw))
+                    kw.update(
+                        q_pos=_meta(1, 1, dtype=torch.int64),
+                        k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N],
+                        k_pos_sorted=True,
+                    )
+                yield (
+                    f"decode-fp8 d={d} G={G} {NAMES[dt]} {NAMES[f8]} N={N} window={window} softcap={softcap}",
+                    dict(q=q, k=_cache_kv(1, H_kv, N, d, f8), v=_cache_kv(1, H_kv, N, d, f8), **kw),
+                )
         for Q in (8, 301):  # a verify block, and a block sliced into the tile's rows
             N = 4096
             q = _meta(1, H_kv * G, Q, d, dtype=dt)
-            yield (f"verify-fp8 d={d} G={G} {NAMES[dt]} {NAMES[f8]} Q={Q}",
-                   dict(q=q, k=_cache_kv(1, H_kv, N, d, f8), v=_cache_kv(1, H_kv, N, d, f8),
-                        kv_len=_meta(1, dtype=torch.int64), q_pos=_meta(1, Q, dtype=torch.int64),
-                        k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N], k_pos_sorted=True,
-                        **_cache_scales(1, H_kv, N, d)))
+            yield (
+                f"verify-fp8 d={d} G={G} {NAMES[dt]} {NAMES[f8]} Q={Q}",
+                dict(
+                    q=q,
+                    k=_cache_kv(1, H_kv, N, d, f8),
+                    v=_cache_kv(1, H_kv, N, d, f8),
+                    kv_len=_meta(1, dtype=torch.int64),
+                    q_pos=_meta(1, Q, dtype=torch.int64),
+                    k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N],
+                    k_pos_sorted=True,
+                    **_cache_scales(1, H_kv, N, d),
+                ),
+            )
     q = _meta(1, 8, 1, 128, dtype=torch.float32)
-    yield (f"decode-fp8 d=128 G=4 fp32 {NAMES[f8]} N=4096 (dequantized up front)",
-           dict(q=q, k=_cache_kv(1, 2, 4096, 128, f8), v=_cache_kv(1, 2, 4096, 128, f8),
-                kv_len=_meta(1, dtype=torch.int64), **_cache_scales(1, 2, 4096, 128)))
+    yield (
+        f"decode-fp8 d=128 G=4 fp32 {NAMES[f8]} N=4096 (dequantized up front)",
+        dict(
+            q=q,
+            k=_cache_kv(1, 2, 4096, 128, f8),
+            v=_cache_kv(1, 2, 4096, 128, f8),
+            kv_len=_meta(1, dtype=torch.int64),
+            **_cache_scales(1, 2, 4096, 128),
+        ),
+    )
 
 
 def decode_calls():
@@ -171,13 +197,14 @@ def decode_calls():
             kw = dict(kv_len=_meta(B, dtype=torch.int64), window=window, softcap=softcap)
             if window is not None:
                 kw.update(q_pos=_meta(B, 1, dtype=torch.int64), k_pos=_meta(B, N + 1, dtype=torch.int64)[:, :N])
-            yield (f"decode d={d} G={G} {NAMES[dt]} N={N} window={window} softcap={softcap}",
-                   dict(q=q, k=k, v=v, **kw))
+            yield (f"decode d={d} G={G} {NAMES[dt]} N={N} window={window} softcap={softcap}", dict(q=q, k=k, v=v, **kw))
     for d, dt in itertools.product(HEAD_DIMS, DTYPES):  # learned attention sinks (gpt-oss): the reduce folds them
         q = _meta(1, 8, 1, d, dtype=dt)
         k, v = _cache_kv(1, 2, 4096, d, dt), _cache_kv(1, 2, 4096, d, dt)
-        yield (f"decode d={d} G=4 {NAMES[dt]} N=4096 sink",
-               dict(q=q, k=k, v=v, kv_len=_meta(1, dtype=torch.int64), sink=_meta(8, dtype=torch.float32)))
+        yield (
+            f"decode d={d} G=4 {NAMES[dt]} N=4096 sink",
+            dict(q=q, k=k, v=v, kv_len=_meta(1, dtype=torch.int64), sink=_meta(8, dtype=torch.float32)),
+        )
 
 
 def prefill_calls():
@@ -195,8 +222,10 @@ def prefill_calls():
                     kw.update(pos)
                 if kind == "pass-q":
                     kw["kv_len"] = _meta(1, dtype=torch.int64)
-                yield (f"prefill-{kind} d={d} G={G} {NAMES[dt]} window={window} softcap={softcap}",
-                       dict(q=q, k=k, v=v, **kw))
+                yield (
+                    f"prefill-{kind} d={d} G={G} {NAMES[dt]} window={window} softcap={softcap}",
+                    dict(q=q, k=k, v=v, **kw),
+                )
 
 
 PAGE = 64  # the paged launches' block of keys: a multiple of every target's tile (32 or 64 keys)
@@ -209,29 +238,48 @@ def paged_calls(target: Target):
     slots, 8 tokens each, causal by the pool's positions, 4K keys a slot's table); an fp8 pool
     where the target stores fp8."""
     B, nb = 8, 131072 // PAGE
-    yield (f"paged-verify d=128 G=4 Q=8 causal bf16 page={PAGE}",
-           dict(q=_meta(B, 8, 8, 128, dtype=torch.bfloat16), k_pool=_meta(4096, 2, PAGE, 128, dtype=torch.bfloat16),
-                v_pool=_meta(4096, 2, PAGE, 128, dtype=torch.bfloat16),
-                block_tables=_meta(B, 4096 // PAGE, dtype=torch.int32), kv_len=_meta(B, dtype=torch.int64),
-                q_pos=_meta(B, 8, dtype=torch.int64), pos_pool=_meta(4096, PAGE, dtype=torch.int64)))
+    yield (
+        f"paged-verify d=128 G=4 Q=8 causal bf16 page={PAGE}",
+        dict(
+            q=_meta(B, 8, 8, 128, dtype=torch.bfloat16),
+            k_pool=_meta(4096, 2, PAGE, 128, dtype=torch.bfloat16),
+            v_pool=_meta(4096, 2, PAGE, 128, dtype=torch.bfloat16),
+            block_tables=_meta(B, 4096 // PAGE, dtype=torch.int32),
+            kv_len=_meta(B, dtype=torch.int64),
+            q_pos=_meta(B, 8, dtype=torch.int64),
+            pos_pool=_meta(4096, PAGE, dtype=torch.int64),
+        ),
+    )
     for d, G in itertools.product(HEAD_DIMS, (1, 4, 8)):
         H_kv = 8 // G
         for window, softcap in ((None, None), (1024, 30.0)):
-            kw = dict(q=_meta(B, H_kv * G, 1, d, dtype=torch.bfloat16), k_pool=_meta(4096, H_kv, PAGE, d,
-                      dtype=torch.bfloat16), v_pool=_meta(4096, H_kv, PAGE, d, dtype=torch.bfloat16),
-                      block_tables=_meta(B, nb, dtype=torch.int32), kv_len=_meta(B, dtype=torch.int64),
-                      window=window, softcap=softcap)
+            kw = dict(
+                q=_meta(B, H_kv * G, 1, d, dtype=torch.bfloat16),
+                k_pool=_meta(4096, H_kv, PAGE, d, dtype=torch.bfloat16),
+                v_pool=_meta(4096, H_kv, PAGE, d, dtype=torch.bfloat16),
+                block_tables=_meta(B, nb, dtype=torch.int32),
+                kv_len=_meta(B, dtype=torch.int64),
+                window=window,
+                softcap=softcap,
+            )
             if window is not None:
                 kw.update(q_pos=_meta(B, 1, dtype=torch.int64), pos_pool=_meta(4096, PAGE, dtype=torch.int64))
             yield f"paged d={d} G={G} bf16 page={PAGE} window={window} softcap={softcap}", kw
     f8 = FP8_KV.get(target.name)
     if f8 is not None:
         G = scale_groups(128)
-        yield (f"paged-fp8 d=128 G=4 bf16 {NAMES[f8]} page={PAGE}",
-               dict(q=_meta(B, 8, 1, 128, dtype=torch.bfloat16), k_pool=_meta(4096, 2, PAGE, 128, dtype=f8),
-                    v_pool=_meta(4096, 2, PAGE, 128, dtype=f8), block_tables=_meta(B, nb, dtype=torch.int32),
-                    kv_len=_meta(B, dtype=torch.int64), k_scale=_meta(4096, 2, PAGE, G, dtype=torch.bfloat16),
-                    v_scale=_meta(4096, 2, PAGE, G, dtype=torch.bfloat16)))
+        yield (
+            f"paged-fp8 d=128 G=4 bf16 {NAMES[f8]} page={PAGE}",
+            dict(
+                q=_meta(B, 8, 1, 128, dtype=torch.bfloat16),
+                k_pool=_meta(4096, 2, PAGE, 128, dtype=f8),
+                v_pool=_meta(4096, 2, PAGE, 128, dtype=f8),
+                block_tables=_meta(B, nb, dtype=torch.int32),
+                kv_len=_meta(B, dtype=torch.int64),
+                k_scale=_meta(4096, 2, PAGE, G, dtype=torch.bfloat16),
+                v_scale=_meta(4096, 2, PAGE, G, dtype=torch.bfloat16),
+            ),
+        )
 
 
 LSE_BLOCKS_COMPILED = (1, 16)  # block_lse's runs of keys compiled: one key, and the widest run
@@ -248,15 +296,26 @@ def _block_lse_launches(target: Target):
     H, H_kv, d, N = 32, 8, 128, 32768
 
     def dense(kv_dtype, window=None, Q=1):
-        q = _meta(1, 1, H, d, dtype=torch.bfloat16).transpose(1, 2) if Q == 1 else \
-            _meta(1, H, Q, d, dtype=torch.bfloat16)
-        kw = dict(q=q, k=_cache_kv(1, H_kv, N, d, kv_dtype), v=_cache_kv(1, H_kv, N, d, kv_dtype),
-                  kv_len=_meta(1, dtype=torch.int64))
+        q = (
+            _meta(1, 1, H, d, dtype=torch.bfloat16).transpose(1, 2)
+            if Q == 1
+            else _meta(1, H, Q, d, dtype=torch.bfloat16)
+        )
+        kw = dict(
+            q=q,
+            k=_cache_kv(1, H_kv, N, d, kv_dtype),
+            v=_cache_kv(1, H_kv, N, d, kv_dtype),
+            kv_len=_meta(1, dtype=torch.int64),
+        )
         if kv_dtype.itemsize == 1:
             kw.update(_cache_scales(1, H_kv, N, d))
         if window or Q > 1:
-            kw.update(window=window, k_pos_sorted=True, q_pos=_meta(1, Q, dtype=torch.int64),
-                      k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N])
+            kw.update(
+                window=window,
+                k_pos_sorted=True,
+                q_pos=_meta(1, Q, dtype=torch.int64),
+                k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N],
+            )
         return kw
 
     yield f"dense d={d} G=4 bf16 N={N}", partial_attention_triton, dense(torch.bfloat16)
@@ -267,10 +326,17 @@ def _block_lse_launches(target: Target):
         yield f"fp8 d={d} G=4 bf16 {NAMES[f8]} N={N}", partial_attention_triton, dense(f8)
         yield f"fp8 d={d} G=4 bf16 {NAMES[f8]} N={N} window=4096", partial_attention_triton, dense(f8, 4096)
     B, nb = 8, 131072 // PAGE
-    yield (f"paged d={d} G=4 bf16 page={PAGE}", partial_attention_triton_paged,
-           dict(q=_meta(B, 8, 1, d, dtype=torch.bfloat16), k_pool=_meta(4096, 2, PAGE, d, dtype=torch.bfloat16),
-                v_pool=_meta(4096, 2, PAGE, d, dtype=torch.bfloat16), block_tables=_meta(B, nb, dtype=torch.int32),
-                kv_len=_meta(B, dtype=torch.int64)))
+    yield (
+        f"paged d={d} G=4 bf16 page={PAGE}",
+        partial_attention_triton_paged,
+        dict(
+            q=_meta(B, 8, 1, d, dtype=torch.bfloat16),
+            k_pool=_meta(4096, 2, PAGE, d, dtype=torch.bfloat16),
+            v_pool=_meta(4096, 2, PAGE, d, dtype=torch.bfloat16),
+            block_tables=_meta(B, nb, dtype=torch.int32),
+            kv_len=_meta(B, dtype=torch.int64),
+        ),
+    )
 
 
 def _with_block_lse(kw: dict, lse_block: int, rows: bool) -> dict:
@@ -299,6 +365,7 @@ def block_lse_report(target: Target) -> list[dict]:
     flight, shared memory within the target's limit, and lse_rows compiling no other kernel."""
     out = []
     with compile_only(target) as compiled:
+
         def split_of(fn, kw):
             before = len(compiled)
             fn(**kw)
@@ -314,8 +381,13 @@ def block_lse_report(target: Target) -> list[dict]:
             for lb in LSE_BLOCKS_COMPILED:
                 ck, lse = split_of(fn, _with_block_lse(kw, lb, rows=False))
                 ck_rows, _ = split_of(fn, _with_block_lse(kw, lb, rows=True))
-                rec = {"kind": kind, "lse_block": lb, "plain": plain, "lse": lse,
-                       "same_kernel_with_lse_rows": ck_rows is ck}
+                rec = {
+                    "kind": kind,
+                    "lse_block": lb,
+                    "plain": plain,
+                    "lse": lse,
+                    "same_kernel_with_lse_rows": ck_rows is ck,
+                }
                 rec["checks"] = {
                     "spills": plain["spill_bytes"] <= SPILL_BOUND and lse["spill_bytes"] <= SPILL_BOUND,
                     "tiles": lse["tiles_in_flight"] == plain["tiles_in_flight"],
@@ -337,13 +409,19 @@ def _step_launch(H, H_kv, d, Q, causal, kv_dtype, N=STEP_KEYS):
     keys: decode (HF's transposed query), B sequences' rows of a cascade (``[1, H, B, d]``,
     without positions) or a verify block (causal: the step's and the cache's sorted positions)."""
     q = _meta(1, 1, H, d, dtype=torch.bfloat16).transpose(1, 2) if Q == 1 else _meta(1, H, Q, d, dtype=torch.bfloat16)
-    kw = dict(q=q, k=_cache_kv(1, H_kv, N, d, kv_dtype), v=_cache_kv(1, H_kv, N, d, kv_dtype),
-              kv_len=_meta(1, dtype=torch.int64), out=_meta(1, H, Q, d, dtype=torch.float32))
+    kw = dict(
+        q=q,
+        k=_cache_kv(1, H_kv, N, d, kv_dtype),
+        v=_cache_kv(1, H_kv, N, d, kv_dtype),
+        kv_len=_meta(1, dtype=torch.int64),
+        out=_meta(1, H, Q, d, dtype=torch.float32),
+    )
     if kv_dtype.itemsize == 1:
         kw.update(_cache_scales(1, H_kv, N, d))
     if causal:
-        kw.update(k_pos_sorted=True, q_pos=_meta(1, Q, dtype=torch.int64),
-                  k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N])
+        kw.update(
+            k_pos_sorted=True, q_pos=_meta(1, Q, dtype=torch.int64), k_pos=_meta(1, N + 1, dtype=torch.int64)[:, :N]
+        )
     return kw
 
 
@@ -358,10 +436,13 @@ def loop_bytes_per_key(ck) -> float:
 
     dot = next(i for i, line in enumerate(lines) if "tt.dot" in line)
     head = next(i for i in range(dot, -1, -1) if "scf.for" in lines[i] and indent(lines[i]) < indent(lines[dot]))
-    end = next(i for i in range(head + 1, len(lines)) if indent(lines[i]) == indent(lines[head])
-               and lines[i].lstrip().startswith("}"))
+    end = next(
+        i
+        for i in range(head + 1, len(lines))
+        if indent(lines[i]) == indent(lines[head]) and lines[i].lstrip().startswith("}")
+    )
     total = 0
-    for line in lines[head + 1:end]:
+    for line in lines[head + 1 : end]:
         m = re.search(r"tt\.load .*: (?:tensor<([\dx]+)x)?!tt\.ptr<(\w+)>", line)
         if m:
             elems = math.prod(map(int, (m.group(1) or "1").split("x")))
@@ -386,8 +467,9 @@ def step_report(target: Target) -> list[dict]:
     out, bf16 = [], {}
     kv_dtypes = (torch.bfloat16,) + ((FP8_KV[target.name],) if target.name in FP8_KV else ())
     with compile_only(target) as compiled:
-        for (model, (H, H_kv, d)), (kind, Q, causal), kv_dtype in itertools.product(MODELS.items(), STEP_KINDS,
-                                                                                    kv_dtypes):
+        for (model, (H, H_kv, d)), (kind, Q, causal), kv_dtype in itertools.product(
+            MODELS.items(), STEP_KINDS, kv_dtypes
+        ):
             before = len(compiled)
             partial_attention_triton(**_step_launch(H, H_kv, d, Q, causal, kv_dtype))
             splits = [ck for name, ck, _ in compiled[before:] if name == "_split_kernel"]
@@ -398,15 +480,28 @@ def step_report(target: Target) -> list[dict]:
             if kv_dtype == torch.bfloat16:
                 bf16[(model, kind)] = step
             c = _constexprs(ck)
-            rec = {"model": model, "kind": kind, "rows": H // H_kv * Q, "kv_dtype": NAMES[kv_dtype],
-                   "launches": len(splits), "block_m": c["BLOCK_M"], "block_n": c["BLOCK_N"],
-                   "num_warps": res["num_warps"], "regs": res["regs"], "spill_bytes": res["spill_bytes"],
-                   "shared_bytes": res["shared_bytes"], "tiles_in_flight": pipeline_depth(ck),
-                   "ctas_per_sm": occupancy(target, res["regs"], res["shared_bytes"], res["num_warps"])["ctas"],
-                   "bytes_per_key": round(per_key, 2), "bytes_per_step": round(step),
-                   "vs_bf16": round(step / bf16[(model, kind)], 4)}
-            rec["checks"] = {"spills": res["spill_bytes"] <= SPILL_BOUND,
-                             "bytes": kv_dtype == torch.bfloat16 or rec["vs_bf16"] <= STEP_BYTES_BOUND}
+            rec = {
+                "model": model,
+                "kind": kind,
+                "rows": H // H_kv * Q,
+                "kv_dtype": NAMES[kv_dtype],
+                "launches": len(splits),
+                "block_m": c["BLOCK_M"],
+                "block_n": c["BLOCK_N"],
+                "num_warps": res["num_warps"],
+                "regs": res["regs"],
+                "spill_bytes": res["spill_bytes"],
+                "shared_bytes": res["shared_bytes"],
+                "tiles_in_flight": pipeline_depth(ck),
+                "ctas_per_sm": occupancy(target, res["regs"], res["shared_bytes"], res["num_warps"])["ctas"],
+                "bytes_per_key": round(per_key, 2),
+                "bytes_per_step": round(step),
+                "vs_bf16": round(step / bf16[(model, kind)], 4),
+            }
+            rec["checks"] = {
+                "spills": res["spill_bytes"] <= SPILL_BOUND,
+                "bytes": kv_dtype == torch.bfloat16 or rec["vs_bf16"] <= STEP_BYTES_BOUND,
+            }
             out.append(rec)
     return out
 
@@ -430,11 +525,19 @@ def resources(ck, target: Target) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(ck.asm["cubin"])
             f.flush()
-            text = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                                  capture_output=True, text=True, timeout=60, check=True).stdout
+            text = subprocess.run(
+                [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
         use = dict((k, int(v)) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
-        out.update(regs=use.get("REG"), spill_bytes=use.get("STACK", 0) + use.get("LOCAL", 0),
-                   shared_bytes=shared + use.get("SHARED", 0))
+        out.update(
+            regs=use.get("REG"),
+            spill_bytes=use.get("STACK", 0) + use.get("LOCAL", 0),
+            shared_bytes=shared + use.get("SHARED", 0),
+        )
     else:
         asm = ck.asm["amdgcn"]
 
@@ -444,9 +547,12 @@ def resources(ck, target: Target) -> dict:
 
         # VGPR spills go to scratch memory (the private segment); SGPR spills go to VGPR lanes,
         # which costs no memory traffic and is reported apart
-        out.update(regs=field("vgpr_count"), sgpr_spills=field("sgpr_spill_count"),
-                   spill_bytes=max(4 * field("vgpr_spill_count"), field("private_segment_fixed_size")),
-                   shared_bytes=max(shared, field("group_segment_fixed_size")))
+        out.update(
+            regs=field("vgpr_count"),
+            sgpr_spills=field("sgpr_spill_count"),
+            spill_bytes=max(4 * field("vgpr_spill_count"), field("private_segment_fixed_size")),
+            shared_bytes=max(shared, field("group_segment_fixed_size")),
+        )
     out["max_shared"] = target.max_shared
     out["ok"] = out["spill_bytes"] <= SPILL_BOUND and out["shared_bytes"] <= target.max_shared
     return out
@@ -497,8 +603,9 @@ def sass_pipeline(ck) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
-        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
-                              timeout=60, check=True).stdout
+        sass = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
     waits = [int(x, 16) for x in re.findall(r"DEPBAR\.LE\s+SB0,\s*0x([0-9a-f]+)", sass)]
     return {"async_copies": sass.count("LDGSTS"), "max_outstanding_groups": max(waits, default=0)}
 
@@ -527,10 +634,15 @@ def _decode_launch(H, H_kv, d, capacity, dtype=torch.bfloat16, window=None, kv_d
     k, v = _cache_kv(1, H_kv, capacity, d, kv_dtype), _cache_kv(1, H_kv, capacity, d, kv_dtype)
     kw = _cache_scales(1, H_kv, capacity, d) if kv_dtype.itemsize == 1 else {}
     if window:
-        kw.update(window=window, k_pos_sorted=True, q_pos=_meta(1, 1, dtype=torch.int64),
-                  k_pos=_meta(1, capacity + 1, dtype=torch.int64)[:, :capacity])
-    partial_attention_triton(q, k, v, kv_len=_meta(1, dtype=torch.int64),
-                             out=_meta(1, H, 1, d, dtype=torch.float32), **kw)
+        kw.update(
+            window=window,
+            k_pos_sorted=True,
+            q_pos=_meta(1, 1, dtype=torch.int64),
+            k_pos=_meta(1, capacity + 1, dtype=torch.int64)[:, :capacity],
+        )
+    partial_attention_triton(
+        q, k, v, kv_len=_meta(1, dtype=torch.int64), out=_meta(1, H, 1, d, dtype=torch.float32), **kw
+    )
 
 
 def decode_report(target: Target, dtype=torch.bfloat16) -> list[dict]:
@@ -544,6 +656,7 @@ def decode_report(target: Target, dtype=torch.bfloat16) -> list[dict]:
     need = target.bytes_in_flight_needed
     out, judged, plain = [], {}, {}
     with compile_only(target) as compiled:
+
         def split_of(fn):
             before = len(compiled)
             fn()
@@ -579,32 +692,57 @@ def decode_report(target: Target, dtype=torch.bfloat16) -> list[dict]:
             key = (model, tp, N, window)
             if kv_dtype == dtype:
                 plain[key] = (ctas_sm, resident)
-            floor = plain.get(key, (0, 0))[0] if kv_dtype != dtype else \
-                BASELINE_CTAS.get(target.name, (1, 1))[bool(window)]
+            floor = (
+                plain.get(key, (0, 0))[0] if kv_dtype != dtype else BASELINE_CTAS.get(target.name, (1, 1))[bool(window)]
+            )
             # fp8: the CTAs of this launch resident at once, against the bf16 kernel's at the same
             # shape (a grid that fits in one wave at fewer CTAs per SM loses nothing; nor does a
             # shorter grid whose runs put the whole shard in flight at once)
             resident_floor = plain.get(key, (0, 0))[1] if kv_dtype != dtype else min(ctas, floor * target.n_sms)
             rec = {
-                "model": model, "tp": tp, "keys": N, "heads": H, "kv_heads": H_kv, "head_dim": d,
-                "window": window, "kv_dtype": NAMES[kv_dtype], "block_n": bn, "num_stages": res["num_stages"],
+                "model": model,
+                "tp": tp,
+                "keys": N,
+                "heads": H,
+                "kv_heads": H_kv,
+                "head_dim": d,
+                "window": window,
+                "kv_dtype": NAMES[kv_dtype],
+                "block_n": bn,
+                "num_stages": res["num_stages"],
                 "num_warps": res["num_warps"],
-                "regs": res["regs"], "spill_bytes": res["spill_bytes"], "shared_bytes": res["shared_bytes"],
-                "tiles_in_flight": depth, "ctas_per_sm": ctas_sm, "ctas_floor": floor, "resident_ctas": resident,
-                "resident_floor": resident_floor, "occupancy": res["occupancy"],
-                "async_copies": res.get("async_copies"), "max_outstanding_groups": res.get("max_outstanding_groups"),
+                "regs": res["regs"],
+                "spill_bytes": res["spill_bytes"],
+                "shared_bytes": res["shared_bytes"],
+                "tiles_in_flight": depth,
+                "ctas_per_sm": ctas_sm,
+                "ctas_floor": floor,
+                "resident_ctas": resident,
+                "resident_floor": resident_floor,
+                "occupancy": res["occupancy"],
+                "async_copies": res.get("async_copies"),
+                "max_outstanding_groups": res.get("max_outstanding_groups"),
                 "keys_walked": min(N, window + bn) if window else N,
-                "splits": splits, "grid_ctas": ctas, "n_sms": target.n_sms, "blocks_per_split": per_split,
+                "splits": splits,
+                "grid_ctas": ctas,
+                "n_sms": target.n_sms,
+                "blocks_per_split": per_split,
                 "waves": round(ctas / (target.n_sms * max(1, ctas_sm)), 3),
-                "graph_splits": graph_grid[1], "graph_live_splits": live,
-                "bytes_per_key": 2 * row, "bytes_per_key_vs_bf16": round(row / kv_row_bytes(d, torch.bfloat16), 4),
-                "tile_bytes": tile, "shard_bytes": shard,
-                "bytes_in_flight": in_flight, "bytes_in_flight_per_sm": round(in_flight / target.n_sms),
-                "bytes_needed": round(need), "bytes_needed_per_sm": round(need / target.n_sms),
+                "graph_splits": graph_grid[1],
+                "graph_live_splits": live,
+                "bytes_per_key": 2 * row,
+                "bytes_per_key_vs_bf16": round(row / kv_row_bytes(d, torch.bfloat16), 4),
+                "tile_bytes": tile,
+                "shard_bytes": shard,
+                "bytes_in_flight": in_flight,
+                "bytes_in_flight_per_sm": round(in_flight / target.n_sms),
+                "bytes_needed": round(need),
+                "bytes_needed_per_sm": round(need / target.n_sms),
                 "littles_margin": round(in_flight / min(need, shard), 2) if need else None,
             }
             rec["checks"] = {
-                "tiles": (target.backend != "cuda" or (depth >= 2 and ctas_sm >= floor)) if kv_dtype == dtype
+                "tiles": (target.backend != "cuda" or (depth >= 2 and ctas_sm >= floor))
+                if kv_dtype == dtype
                 else depth >= 2 and (resident >= resident_floor or in_flight >= shard),
                 "grid": (ctas >= target.n_sms or per_split <= depth) and live == min(graph_grid[1], blocks),
                 "littles_law": need == 0 or in_flight >= min(need, shard),
@@ -634,9 +772,12 @@ def launches(target: Target, calls=None):
     from .merge_triton import merge_gathered_fused, unweigh_fused, weigh_fused
     from .partial_triton import partial_attention_triton, partial_attention_triton_paged
 
-    for label, kw in itertools.chain(calls or (), decode_calls() if calls is None else (),
-                                     prefill_calls() if calls is None else (),
-                                     fp8_calls(target) if calls is None else ()):
+    for label, kw in itertools.chain(
+        calls or (),
+        decode_calls() if calls is None else (),
+        prefill_calls() if calls is None else (),
+        fp8_calls(target) if calls is None else (),
+    ):
         yield label, lambda kw=kw: partial_attention_triton(**kw)
     if calls is not None:
         return
@@ -645,12 +786,14 @@ def launches(target: Target, calls=None):
     for label, fn, kw in block_lse_calls(target):
         yield label, lambda fn=fn, kw=kw: fn(**kw)
     for label, d, dt in merge_calls():
+
         def merge(d=d, dt=dt):
             o, lse = _meta(1, 32, 1, d, dtype=torch.float32), _meta(1, 32, 1, dtype=torch.float32)
             packed = weigh_fused(o, lse, lse)
             unweigh_fused(packed, lse, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
             every = _meta(8, 1, 32, 1, d + 1, dtype=torch.float32)  # an all-gather of 8 ranks' [o, lse]
             merge_gathered_fused(every, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
+
         yield label, merge
 
 
@@ -677,14 +820,30 @@ def start_warming(target: Target, workers: int | None = None) -> list:
     each of ``target``'s configurations into Triton's cache (:func:`warm_share`); returns them
     (``subprocess.Popen``, output discarded), or ``[]`` for a target not in :data:`TARGETS` or one
     worker. Wait for them before :func:`compile_all`, which then compiles little itself."""
-    workers = workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    workers = workers or min(
+        8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     if workers < 2 or TARGETS.get(target.name) is None:
         return []
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    return [subprocess.Popen([sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", target.name,
-                              "--warm", f"{w}/{workers}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=env) for w in range(workers)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "treeattn_kernels.offline_compile",
+                "--target",
+                target.name,
+                "--warm",
+                f"{w}/{workers}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        for w in range(workers)
+    ]
 
 
 def compile_all(target: Target, calls=None) -> dict:
@@ -694,6 +853,7 @@ def compile_all(target: Target, calls=None) -> dict:
     t0 = time.perf_counter()
     kernels, errors, seen, n = [], [], {}, 0
     with compile_only(target) as compiled:
+
         def record(label, fn):
             nonlocal n
             n += 1
@@ -707,8 +867,13 @@ def compile_all(target: Target, calls=None) -> dict:
                 if id(ck) in seen:
                     continue
                 seen[id(ck)] = ck
-                rec = {"kernel": name, "target": target.name, "first_config": label, "grid": list(grid),
-                       "constexprs": _constexprs(ck)}
+                rec = {
+                    "kernel": name,
+                    "target": target.name,
+                    "first_config": label,
+                    "grid": list(grid),
+                    "constexprs": _constexprs(ck),
+                }
                 rec.update(resources(ck, target))
                 rec["tiles_in_flight"] = pipeline_depth(ck)
                 rec["ctas_per_sm"] = occupancy(target, rec["regs"], rec["shared_bytes"], rec["num_warps"])["ctas"]
@@ -721,9 +886,17 @@ def compile_all(target: Target, calls=None) -> dict:
     decode = decode_report(target) if calls is None else None
     lse = block_lse_report(target) if calls is None else None
     steps = step_report(target) if calls is None else None
-    return {"target": target.name, "configs": n, "kernels": kernels, "errors": errors,
-            "decode_growth_kernels": growth, "decode": decode, "block_lse": lse, "steps": steps,
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "target": target.name,
+        "configs": n,
+        "kernels": kernels,
+        "errors": errors,
+        "decode_growth_kernels": growth,
+        "decode": decode,
+        "block_lse": lse,
+        "steps": steps,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def _constexprs(ck) -> dict:
@@ -739,12 +912,18 @@ def _constexprs(ck) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Compile treeattn's Triton kernels for a GPU target "
-                                             "without a GPU; report registers, spills, shared memory.")
+    ap = argparse.ArgumentParser(
+        description="Compile treeattn's Triton kernels for a GPU target "
+        "without a GPU; report registers, spills, shared memory."
+    )
     ap.add_argument("--target", required=True, choices=sorted(TARGETS))
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    ap.add_argument("--warm", default=None, metavar="I/N",
-                    help="only compile share I of N of the configurations into Triton's cache (start_warming)")
+    ap.add_argument(
+        "--warm",
+        default=None,
+        metavar="I/N",
+        help="only compile share I of N of the configurations into Triton's cache (start_warming)",
+    )
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("offline_compile: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
@@ -761,21 +940,26 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(res))
     else:
-        print(f"{res['target']}: {res['configs']} configurations, {len(res['kernels'])} kernels, "
-              f"{len(res['errors'])} errors, {res['seconds']} s; eager decode from 1 to 8192 keys "
-              f"compiles {res['decode_growth_kernels']} kernel(s)")
+        print(
+            f"{res['target']}: {res['configs']} configurations, {len(res['kernels'])} kernels, "
+            f"{len(res['errors'])} errors, {res['seconds']} s; eager decode from 1 to 8192 keys "
+            f"compiles {res['decode_growth_kernels']} kernel(s)"
+        )
         for k in res["kernels"]:
-            print(f"  {'ok ' if k['ok'] else 'BAD'} {k['kernel']:<16} regs={k['regs']} spill={k['spill_bytes']} "
-                  f"shared={k['shared_bytes']}/{k['max_shared']} warps={k['num_warps']} "
-                  f"stages={k['num_stages']} tiles={k['tiles_in_flight']} ctas/sm={k['ctas_per_sm']}  "
-                  f"{k['first_config']}")
+            print(
+                f"  {'ok ' if k['ok'] else 'BAD'} {k['kernel']:<16} regs={k['regs']} spill={k['spill_bytes']} "
+                f"shared={k['shared_bytes']}/{k['max_shared']} warps={k['num_warps']} "
+                f"stages={k['num_stages']} tiles={k['tiles_in_flight']} ctas/sm={k['ctas_per_sm']}  "
+                f"{k['first_config']}"
+            )
         for e in res["errors"]:
             print(f"  ERROR {e['config']}: {e['error']}")
         print_decode(res)
         print_block_lse(res)
         print_steps(res)
-    decode_ok = all(all(r["checks"].values()) for r in (res["decode"] or []) + (res["block_lse"] or [])
-                    + (res["steps"] or []))
+    decode_ok = all(
+        all(r["checks"].values()) for r in (res["decode"] or []) + (res["block_lse"] or []) + (res["steps"] or [])
+    )
     return 0 if not res["errors"] and all(k["ok"] for k in res["kernels"]) and decode_ok else 1
 
 
@@ -783,22 +967,32 @@ def print_decode(res) -> None:
     """The decode report as a table: one line per model, tp and keys per rank."""
     t = TARGETS.get(res["target"])
     sm = "CU" if t and t.is_hip else "SM"
-    print(f"\ndecode split kernel on {res['target']}"
-          + (f" ({t.n_sms} {sm}s; Little's law: {t.mem_bw / 1e12:.2f} TB/s x {t.mem_latency_s * 1e6:.1f} us = "
-             f"{t.bytes_in_flight_needed / 1e6:.2f} MB in flight, {t.bytes_in_flight_needed / t.n_sms / 1024:.1f} "
-             f"KiB per {sm})" if t and t.mem_bw else ""))
-    print(f"  {'model':<14} {'tp':>2} {'keys':>7} {'win':>5} {'KV':>12} {'B/key':>5} {'BN':>3} {'st':>2} "
-          f"{'regs':>4} {'shared':>7} {'tiles':>5} {'CTA/SM':>6} {'splits':>6} {'grid':>5} {'graph':>9} "
-          f"{'KiB/SM':>7} {'need':>5} {'margin':>6}  checks")
+    print(
+        f"\ndecode split kernel on {res['target']}"
+        + (
+            f" ({t.n_sms} {sm}s; Little's law: {t.mem_bw / 1e12:.2f} TB/s x {t.mem_latency_s * 1e6:.1f} us = "
+            f"{t.bytes_in_flight_needed / 1e6:.2f} MB in flight, {t.bytes_in_flight_needed / t.n_sms / 1024:.1f} "
+            f"KiB per {sm})"
+            if t and t.mem_bw
+            else ""
+        )
+    )
+    print(
+        f"  {'model':<14} {'tp':>2} {'keys':>7} {'win':>5} {'KV':>12} {'B/key':>5} {'BN':>3} {'st':>2} "
+        f"{'regs':>4} {'shared':>7} {'tiles':>5} {'CTA/SM':>6} {'splits':>6} {'grid':>5} {'graph':>9} "
+        f"{'KiB/SM':>7} {'need':>5} {'margin':>6}  checks"
+    )
     for r in res["decode"] or ():
         bad = [k for k, ok in r["checks"].items() if not ok]
-        print(f"  {r['model']:<14} {r['tp']:>2} {r['keys']:>7} {str(r['window'] or '-'):>5} {r['kv_dtype']:>12} "
-              f"{r['bytes_per_key']:>5} {r['block_n']:>3} "
-              f"{r['num_stages']:>2} {r['regs']:>4} {r['shared_bytes']:>7} {r['tiles_in_flight']:>5} "
-              f"{r['ctas_per_sm']:>6} {r['splits']:>6} {r['grid_ctas']:>5} "
-              f"{str(r['graph_live_splits']) + '/' + str(r['graph_splits']):>9} "
-              f"{r['bytes_in_flight_per_sm'] / 1024:>7.1f} {r['bytes_needed_per_sm'] / 1024:>5.1f} "
-              f"{str(r['littles_margin']):>6}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}")
+        print(
+            f"  {r['model']:<14} {r['tp']:>2} {r['keys']:>7} {str(r['window'] or '-'):>5} {r['kv_dtype']:>12} "
+            f"{r['bytes_per_key']:>5} {r['block_n']:>3} "
+            f"{r['num_stages']:>2} {r['regs']:>4} {r['shared_bytes']:>7} {r['tiles_in_flight']:>5} "
+            f"{r['ctas_per_sm']:>6} {r['splits']:>6} {r['grid_ctas']:>5} "
+            f"{str(r['graph_live_splits']) + '/' + str(r['graph_splits']):>9} "
+            f"{r['bytes_in_flight_per_sm'] / 1024:>7.1f} {r['bytes_needed_per_sm'] / 1024:>5.1f} "
+            f"{str(r['littles_margin']):>6}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}"
+        )
 
 
 def print_block_lse(res) -> None:
@@ -808,23 +1002,29 @@ def print_block_lse(res) -> None:
     for r in res["block_lse"] or ():
         p, v = r["plain"], r["lse"]
         bad = [k for k, ok in r["checks"].items() if not ok]
-        print(f"  {r['kind']:<50} {r['lse_block']:>3} {str(p['regs']) + '->' + str(v['regs']):>9} "
-              f"{v['spill_bytes']:>5} {str(p['shared_bytes']) + '->' + str(v['shared_bytes']):>14} "
-              f"{str(p['tiles_in_flight']) + '->' + str(v['tiles_in_flight']):>6} "
-              f"{str(p['ctas_per_sm']) + '->' + str(v['ctas_per_sm']):>6}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}")
+        print(
+            f"  {r['kind']:<50} {r['lse_block']:>3} {str(p['regs']) + '->' + str(v['regs']):>9} "
+            f"{v['spill_bytes']:>5} {str(p['shared_bytes']) + '->' + str(v['shared_bytes']):>14} "
+            f"{str(p['tiles_in_flight']) + '->' + str(v['tiles_in_flight']):>6} "
+            f"{str(p['ctas_per_sm']) + '->' + str(v['ctas_per_sm']):>6}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}"
+        )
 
 
 def print_steps(res) -> None:
     """The step report as a table: launches and bytes a step reads, per model, kind and KV dtype."""
     print(f"\nbytes a step reads from a document's shard on {res['target']} ({STEP_KEYS} keys, 8 KV heads)")
-    print(f"  {'model':<14} {'step':<9} {'rows':>4} {'KV':>12} {'launch':>6} {'BM':>3} {'BN':>3} {'regs':>4} "
-          f"{'spill':>5} {'shared':>6} {'tiles':>5} {'B/key':>6} {'MiB/step':>8} {'vs bf16':>7}  checks")
+    print(
+        f"  {'model':<14} {'step':<9} {'rows':>4} {'KV':>12} {'launch':>6} {'BM':>3} {'BN':>3} {'regs':>4} "
+        f"{'spill':>5} {'shared':>6} {'tiles':>5} {'B/key':>6} {'MiB/step':>8} {'vs bf16':>7}  checks"
+    )
     for r in res["steps"] or ():
         bad = [k for k, ok in r["checks"].items() if not ok]
-        print(f"  {r['model']:<14} {r['kind']:<9} {r['rows']:>4} {r['kv_dtype']:>12} {r['launches']:>6} "
-              f"{r['block_m']:>3} {r['block_n']:>3} {r['regs']:>4} {r['spill_bytes']:>5} {r['shared_bytes']:>6} "
-              f"{r['tiles_in_flight']:>5} {r['bytes_per_key']:>6} {r['bytes_per_step'] / 2 ** 20:>8.1f} "
-              f"{r['vs_bf16']:>7}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}")
+        print(
+            f"  {r['model']:<14} {r['kind']:<9} {r['rows']:>4} {r['kv_dtype']:>12} {r['launches']:>6} "
+            f"{r['block_m']:>3} {r['block_n']:>3} {r['regs']:>4} {r['spill_bytes']:>5} {r['shared_bytes']:>6} "
+            f"{r['tiles_in_flight']:>5} {r['bytes_per_key']:>6} {r['bytes_per_step'] / 2**20:>8.1f} "
+            f"{r['vs_bf16']:>7}  {'ok' if not bad else 'FAIL ' + ','.join(bad)}"
+        )
 
 
 if __name__ == "__main__":

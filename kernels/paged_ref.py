@@ -27,9 +27,24 @@ def gather_pages(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor
     return g.permute(0, 2, 1, 3, 4).reshape(B, H, nb * page, X)
 
 
-def partial_attention_paged_ref(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None, pos_pool=None,
-                                window=None, softcap=None, sink=None, k_scale=None, v_scale=None, out=None,
-                                lse_out=None):
+def partial_attention_paged_ref(
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    kv_len,
+    *,
+    scale=None,
+    q_pos=None,
+    pos_pool=None,
+    window=None,
+    softcap=None,
+    sink=None,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    lse_out=None,
+):
     """Partial attention of ``q [B, H, Q, d]`` to the shards ``block_tables [B, nb]`` name.
 
     ``k_pool, v_pool [num_blocks, H_kv, page, d]``: a layer's pool; row b's keys are the first
@@ -53,5 +68,6 @@ def partial_attention_paged_ref(q, k_pool, v_pool, block_tables, kv_len, *, scal
         kw.update(k_scale=gather_pages(k_scale, block_tables), v_scale=gather_pages(v_scale, block_tables))
     if q_pos is not None:
         kw.update(q_pos=q_pos, k_pos=gather_pages(pos_pool, block_tables))
-    return partial_attention_ref(q, k, v, scale=scale, kv_len=kv_len, window=window, softcap=softcap, sink=sink,
-                                 out=out, lse_out=lse_out, **kw)
+    return partial_attention_ref(
+        q, k, v, scale=scale, kv_len=kv_len, window=window, softcap=softcap, sink=sink, out=out, lse_out=lse_out, **kw
+    )

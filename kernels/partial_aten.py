@@ -34,9 +34,11 @@ def _raw_op(device):
     if device.type == "cpu" and _OP_CPU is not None:
         return lambda q, k, v, causal, scale: _OP_CPU(q, k, v, 0.0, causal, scale=scale)[:2]
     if device.type == "cuda" and _OP_CUDA is not None:
+
         def cuda(q, k, v, causal, scale):
             res = _OP_CUDA(q, k, v, 0.0, causal, False, scale=scale)
             return res[0], res[1][..., : q.shape[2]]
+
         return cuda
     return None
 
@@ -112,9 +114,27 @@ def _one(op, q, k, v, scale, causal):
     return o, lse
 
 
-def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                           window=None, softcap=None, sink=None, k_scale=None, v_scale=None, out=None,
-                           lse_out=None, fallback=None, block_lse=None, lse_block: int = 1, lse_rows=None):
+def partial_attention_aten(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    q_pos=None,
+    k_pos=None,
+    kv_len=None,
+    window=None,
+    softcap=None,
+    sink=None,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    lse_out=None,
+    fallback=None,
+    block_lse=None,
+    lse_block: int = 1,
+    lse_rows=None,
+):
     """Fused-kernel version of :func:`partial_attention_ref` (same arguments and outputs).
     ``fallback``: what runs the cases the fused kernel cannot (default: the reference), fp8
     rows and their scales as given. The fused kernel writes no scores: ``block_lse`` is
@@ -123,10 +143,31 @@ def partial_attention_aten(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_le
     takes dequantized to q's dtype one block of keys at a time (:func:`_fp8_blocks`)."""
     B, H, Q, _, _, N = check_inputs(q, k, v, q_pos, k_pos, kv_len)
     if block_lse is not None:
-        block_lse_ref(q, k, block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows, scale=scale, q_pos=q_pos,
-                      k_pos=k_pos, kv_len=kv_len, window=window, softcap=softcap, k_scale=k_scale)
-    kw = dict(scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
-              softcap=softcap, sink=sink, out=out, lse_out=lse_out)
+        block_lse_ref(
+            q,
+            k,
+            block_lse=block_lse,
+            lse_block=lse_block,
+            lse_rows=lse_rows,
+            scale=scale,
+            q_pos=q_pos,
+            k_pos=k_pos,
+            kv_len=kv_len,
+            window=window,
+            softcap=softcap,
+            k_scale=k_scale,
+        )
+    kw = dict(
+        scale=scale,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        kv_len=kv_len,
+        window=window,
+        softcap=softcap,
+        sink=sink,
+        out=out,
+        lse_out=lse_out,
+    )
     slow = fallback or partial_attention_ref
     fp8 = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
     if not supports(q) or window is not None or softcap is not None or N == 0 or Q == 0 or B * H == 0:
@@ -174,12 +215,21 @@ def _fp8_blocks(q, k8, v8, k_scale, v_scale, kw, fallback):
     o = lse = None
     for n0 in range(0, N, nb):
         n1 = min(N, n0 + nb)
-        part = dict(kw, k_pos=None if k_pos is None else k_pos[..., n0:n1], sink=None, lse_out=None,
-                    kv_len=None if kv_len is None else (kv_len - n0).clamp(0, n1 - n0),
-                    out=torch.empty(B, H, Q, d, dtype=torch.float32, device=q.device))
-        bo, bl = partial_attention_aten(q, dequantize(k8[:, :, n0:n1], k_scale[:, :, n0:n1], q.dtype),
-                                        dequantize(v8[:, :, n0:n1], v_scale[:, :, n0:n1], q.dtype),
-                                        fallback=fallback, **part)
+        part = dict(
+            kw,
+            k_pos=None if k_pos is None else k_pos[..., n0:n1],
+            sink=None,
+            lse_out=None,
+            kv_len=None if kv_len is None else (kv_len - n0).clamp(0, n1 - n0),
+            out=torch.empty(B, H, Q, d, dtype=torch.float32, device=q.device),
+        )
+        bo, bl = partial_attention_aten(
+            q,
+            dequantize(k8[:, :, n0:n1], k_scale[:, :, n0:n1], q.dtype),
+            dequantize(v8[:, :, n0:n1], v_scale[:, :, n0:n1], q.dtype),
+            fallback=fallback,
+            **part,
+        )
         o, lse = (bo, bl) if o is None else _merge(o, lse, bo, bl)
     if kw["sink"] is not None:
         o, lse = add_sink(o, lse, kw["sink"])
@@ -206,7 +256,9 @@ def _fused(op, q, k, v, scale, causal, kv_len, kw, slow, out, lse_out, sink):
             if n > 0:
                 if causal and n < Q:
                     return slow(q, k, v, **kw)
-                o[b:b + 1], lse[b:b + 1] = _one(op, q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], scale, causal)
+                o[b : b + 1], lse[b : b + 1] = _one(
+                    op, q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], scale, causal
+                )
     o, lse = o.float(), lse.float()
     if sink is not None:
         o, lse = add_sink(o, lse, sink)

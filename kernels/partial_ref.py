@@ -26,8 +26,10 @@ LSE_BLOCKS = (1, 2, 4, 8, 16)  # keys per block of ``block_lse``: at most the sm
 def check_inputs(q, k, v, q_pos, k_pos, kv_len):
     """Validate shapes of a partial-attention call; returns (B, H, Q, d, H_kv, N)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D [B, H, Q, d] / [B, H_kv, N, d]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be 4-D [B, H, Q, d] / [B, H_kv, N, d]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, H, Q, d = q.shape
     Bk, H_kv, N, dk = k.shape
     if k.shape != v.shape:
@@ -95,15 +97,34 @@ def check_block_lse(block_lse, lse_block: int, lse_rows, B: int, H: int, Q: int,
         raise ValueError(f"lse_block must be one of {LSE_BLOCKS}, got {lse_block}")
     want = (B, H, Q, -(-N // lse_block))
     if tuple(block_lse.shape) != want or block_lse.dtype != torch.float32:
-        raise ValueError(f"block_lse must be fp32 {list(want)} ({N} keys in blocks of {lse_block}); "
-                         f"got {block_lse.dtype} {tuple(block_lse.shape)}")
+        raise ValueError(
+            f"block_lse must be fp32 {list(want)} ({N} keys in blocks of {lse_block}); "
+            f"got {block_lse.dtype} {tuple(block_lse.shape)}"
+        )
     if lse_rows is not None and (tuple(lse_rows.shape) != (B, Q) or lse_rows.dtype != torch.bool):
         raise ValueError(f"lse_rows must be bool [{B}, {Q}], got {lse_rows.dtype} {tuple(lse_rows.shape)}")
 
 
-def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                          window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
-                          out=None, lse_out=None, block_lse=None, lse_block: int = 1, lse_rows=None):
+def partial_attention_ref(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    q_pos=None,
+    k_pos=None,
+    kv_len=None,
+    window=None,
+    softcap=None,
+    sink=None,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    lse_out=None,
+    block_lse=None,
+    lse_block: int = 1,
+    lse_rows=None,
+):
     """Attention of ``q`` to one KV shard, returning the un-merged partial ``(o, lse)``.
 
     Args:
@@ -165,10 +186,29 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
                 kb, vb = k[:, :, n0:n1], v[:, :, n0:n1]
                 if k_scale is not None:
                     kb, vb = dequantize(kb, k_scale[:, :, n0:n1]), dequantize(vb, v_scale[:, :, n0:n1])
-                bo, bl, s = _block(rows, kb, vb, scale, softcap,
-                                   key_mask(B, q1 - q0, n1 - n0, q.device, qp,
-                                            None if k_pos is None else k_pos[..., n0:n1], kv_len, window, k_start=n0),
-                                   B, H_kv, G, q1 - q0, scores=block_lse is not None)
+                bo, bl, s = _block(
+                    rows,
+                    kb,
+                    vb,
+                    scale,
+                    softcap,
+                    key_mask(
+                        B,
+                        q1 - q0,
+                        n1 - n0,
+                        q.device,
+                        qp,
+                        None if k_pos is None else k_pos[..., n0:n1],
+                        kv_len,
+                        window,
+                        k_start=n0,
+                    ),
+                    B,
+                    H_kv,
+                    G,
+                    q1 - q0,
+                    scores=block_lse is not None,
+                )
                 if block_lse is not None:
                     _write_blocks(block_lse, lse_rows, s, q0, q1, n0, lse_block, B, H)
                 acc_o, acc_l = (bo, bl) if acc_o is None else _merge(acc_o, acc_l, bo, bl)
@@ -179,8 +219,21 @@ def partial_attention_ref(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len
     return _emit(o, lse, q.dtype, out, lse_out)
 
 
-def block_lse_ref(q, k, *, block_lse, lse_block: int = 1, lse_rows=None, scale=None, q_pos=None, k_pos=None,
-                  kv_len=None, window=None, softcap=None, k_scale=None):
+def block_lse_ref(
+    q,
+    k,
+    *,
+    block_lse,
+    lse_block: int = 1,
+    lse_rows=None,
+    scale=None,
+    q_pos=None,
+    k_pos=None,
+    kv_len=None,
+    window=None,
+    softcap=None,
+    k_scale=None,
+):
     """Only the ``block_lse`` of :func:`partial_attention_ref` (same arguments; no values read):
     what a path that gets ``(o, lse)`` from a fused kernel, which never writes scores, runs for
     the rows that ask. Sequences none of whose rows ask are skipped."""
@@ -193,9 +246,20 @@ def block_lse_ref(q, k, *, block_lse, lse_block: int = 1, lse_rows=None, scale=N
             return
         pick = lambda t: t if t is None or t.dim() < 2 else t.index_select(0, idx.to(t.device))  # noqa: E731
         part = block_lse.index_select(0, idx.to(block_lse.device))
-        block_lse_ref(pick(q), pick(k), block_lse=part, lse_block=lse_block, lse_rows=pick(lse_rows), scale=scale,
-                      q_pos=pick(q_pos), k_pos=pick(k_pos), kv_len=None if kv_len is None else pick(kv_len[:, None])[:, 0],
-                      window=window, softcap=softcap, k_scale=pick(k_scale))
+        block_lse_ref(
+            pick(q),
+            pick(k),
+            block_lse=part,
+            lse_block=lse_block,
+            lse_rows=pick(lse_rows),
+            scale=scale,
+            q_pos=pick(q_pos),
+            k_pos=pick(k_pos),
+            kv_len=None if kv_len is None else pick(kv_len[:, None])[:, 0],
+            window=window,
+            softcap=softcap,
+            k_scale=pick(k_scale),
+        )
         block_lse.index_copy_(0, idx.to(block_lse.device), part)
         return
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -212,9 +276,27 @@ def block_lse_ref(q, k, *, block_lse, lse_block: int = 1, lse_rows=None, scale=N
         for n0 in range(0, N, nb):
             n1 = min(N, n0 + nb)
             kb = k[:, :, n0:n1] if k_scale is None else dequantize(k[:, :, n0:n1], k_scale[:, :, n0:n1])
-            s = _scores(rows, kb, scale, softcap, key_mask(B, q1 - q0, n1 - n0, q.device, qp, None if k_pos is None
-                                                           else k_pos[..., n0:n1], kv_len, window, k_start=n0),
-                        B, H_kv, G, q1 - q0)
+            s = _scores(
+                rows,
+                kb,
+                scale,
+                softcap,
+                key_mask(
+                    B,
+                    q1 - q0,
+                    n1 - n0,
+                    q.device,
+                    qp,
+                    None if k_pos is None else k_pos[..., n0:n1],
+                    kv_len,
+                    window,
+                    k_start=n0,
+                ),
+                B,
+                H_kv,
+                G,
+                q1 - q0,
+            )
             _write_blocks(block_lse, lse_rows, s, q0, q1, n0, lse_block, B, H)
 
 
@@ -264,7 +346,7 @@ def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq, scores: bool = Fals
         m = m.expand(B, H_kv, G, nq, ns, SPLIT).permute(0, 1, 4, 2, 3, 5).reshape(BH, ns, R, SPLIT)
         s[:, :, :R].masked_fill_(~m, -math.inf)
     elif pad:
-        s[:, -1, :, SPLIT - pad:] = -math.inf  # the last split's padding
+        s[:, -1, :, SPLIT - pad :] = -math.inf  # the last split's padding
     lowest = torch.finfo(torch.float32).min  # (a split that sees no key: its -inf maximum made finite)
     mx = s.amax(dim=-1)  # (BH, ns, Rp): each split's largest score
     p = torch.exp(s - mx.clamp(min=lowest)[..., None])  # masked keys: 0
@@ -279,7 +361,12 @@ def _block(rows, k, v, scale, softcap, mask, B, H_kv, G, nq, scores: bool = Fals
     o = num / tot.clamp(min=1.0)[..., None]  # (a row that sees a key has tot >= 1; one that sees none: 0 / 1)
     lse = (top[:, 0, :R] + torch.log(tot)).view(B, H_kv, G, nq)  # -inf where no key
     if scores:  # (B, H_kv, G, q, n), as _scores gives them
-        s = s[:, :, :R].reshape(B, H_kv, ns, G, nq, SPLIT).permute(0, 1, 3, 4, 2, 5).reshape(B, H_kv, G, nq, ns * SPLIT)[..., :n]
+        s = (
+            s[:, :, :R]
+            .reshape(B, H_kv, ns, G, nq, SPLIT)
+            .permute(0, 1, 3, 4, 2, 5)
+            .reshape(B, H_kv, G, nq, ns * SPLIT)[..., :n]
+        )
     return o.view(B, H_kv, R, d), lse, s if scores else None
 
 
@@ -294,7 +381,7 @@ def _write_blocks(block_lse, lse_rows, s, q0, q1, n0, cb, B, H):
             s = torch.nn.functional.pad(s, (0, pad), value=-math.inf)
         blk = torch.logsumexp(s.unflatten(-1, (-1, cb)), dim=-1).reshape(B, H, q1 - q0, -1)  # (B, H, q, nb)
     j0 = n0 // cb
-    dst = block_lse[:, :, q0:q1, j0:j0 + blk.shape[-1]]
+    dst = block_lse[:, :, q0:q1, j0 : j0 + blk.shape[-1]]
     if lse_rows is None:
         dst.copy_(blk)
     else:

@@ -60,11 +60,31 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Runtime integers that change from call to call (lengths, split counts, group sizes) are
 # never specialised: one compiled kernel serves every N, so eager decode does not recompile as
 # the cache grows. Strides stay specialised (a unit stride gives vectorised loads).
-_RUNTIME_INTS = ["N", "H_KV", "G", "NQ", "NSPLIT", "SPLIT_LEN", "SPLIT_MIN", "SPLIT_CAP", "window", "has_len",
-                 "sorted_pos",
-                 "sqpb", "sqpq", "skpb", "skpn", "stb",  # position strides: 0 or 1 either way
-                 # block_lse's outer strides follow N and Q; lse_rows' are 0 without it (one kernel)
-                 "sbb", "sbh", "sbq", "srb", "srq", "has_rows"]
+_RUNTIME_INTS = [
+    "N",
+    "H_KV",
+    "G",
+    "NQ",
+    "NSPLIT",
+    "SPLIT_LEN",
+    "SPLIT_MIN",
+    "SPLIT_CAP",
+    "window",
+    "has_len",
+    "sorted_pos",
+    "sqpb",
+    "sqpq",
+    "skpb",
+    "skpn",
+    "stb",  # position strides: 0 or 1 either way
+    # block_lse's outer strides follow N and Q; lse_rows' are 0 without it (one kernel)
+    "sbb",
+    "sbh",
+    "sbq",
+    "srb",
+    "srq",
+    "has_rows",
+]
 SEARCH_FANOUT = 256  # positions one round of the window search reads: 3 rounds reach 16M keys
 
 
@@ -160,8 +180,9 @@ def _dequantize(x8, scale, BLOCK_G: tl.constexpr, dt):
 
 
 @triton.jit
-def _tile_bases(K, V, TABLE, tb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb, svh, svn, skpb, skpn,
-                PAGE: tl.constexpr):
+def _tile_bases(
+    K, V, TABLE, tb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb, svh, svn, skpb, skpn, PAGE: tl.constexpr
+):
     """``(position base, K tile pointer, V tile pointer)`` of the key tile starting at ``n0``:
     in this (batch, KV head)'s rows, or, paged, in the block the table names for it (its
     positions at ``base + offs * skpn``)."""
@@ -268,8 +289,7 @@ def _store_block_lse(bl_row, sbj, ask, s, n0, NB, BLOCK_N: tl.constexpr, LSE_BLO
 
 
 @triton.jit
-def _fill_block_lse(bl_row, sbj, ask, lo, cover_end, NB, pid_s, NSPLIT, BLOCK_N: tl.constexpr,
-                    LSE_BLOCK: tl.constexpr):
+def _fill_block_lse(bl_row, sbj, ask, lo, cover_end, NB, pid_s, NSPLIT, BLOCK_N: tl.constexpr, LSE_BLOCK: tl.constexpr):
     """``-inf`` in the runs no program's tiles reach: before ``lo`` (out of the window) and
     from ``cover_end`` (past the live length, or the causal end) to the shard's end; each of
     the NSPLIT programs takes an equal share, ``BLOCK_N`` runs a store."""
@@ -282,29 +302,88 @@ def _fill_block_lse(bl_row, sbj, ask, lo, cover_end, NB, pid_s, NSPLIT, BLOCK_N:
     for u in range(u0, u1, BLOCK_N):
         uu = u + uu0  # (BLOCK_N,) the share's runs, counted over the two ranges
         j = tl.where(uu < j_lo, uu, uu - j_lo + j_hi)
-        tl.store(bl_row[:, None] + j[None, :] * sbj, tl.full((ask.shape[0], BLOCK_N), float("-inf"), tl.float32),
-                 mask=ask[:, None] & (uu < u1)[None, :])
+        tl.store(
+            bl_row[:, None] + j[None, :] * sbj,
+            tl.full((ask.shape[0], BLOCK_N), float("-inf"), tl.float32),
+            mask=ask[:, None] & (uu < u1)[None, :],
+        )
 
 
 # Position and length arrays, block_lse and lse_rows are sliced at any offset (query slices):
 # no alignment variants.
-@triton.jit(do_not_specialize=_RUNTIME_INTS,
-            do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN", "TABLE", "BL", "LR"])
+@triton.jit(
+    do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=["QPOS", "KPOS", "KVLEN", "TABLE", "BL", "LR"]
+)
 def _split_kernel(
-    Q, K, V, QPOS, KPOS, KVLEN, OP, LP, KS, VS, TABLE,
+    Q,
+    K,
+    V,
+    QPOS,
+    KPOS,
+    KVLEN,
+    OP,
+    LP,
+    KS,
+    VS,
+    TABLE,
     stb,
-    sqb, sqh, sqq, sqd,
-    skb, skh, skn, skd,
-    svb, svh, svn, svd,
-    sqpb, sqpq, skpb, skpn,
-    sksb, sksh, sksn, sksg,
-    svsb, svsh, svsn, svsg,
-    N, H_KV, G, NQ, NSPLIT, qk_scale, window, softcap, has_len, sorted_pos,
-    BL, LR, sbb, sbh, sbq, sbj, srb, srq, has_rows,  # last: the other arguments keep their places
-    SPLIT_LEN, SPLIT_MIN, SPLIT_CAP,
-    HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_POS: tl.constexpr, UPCAST: tl.constexpr, FANOUT: tl.constexpr,
-    SCALE_G: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, LSE_BLOCK: tl.constexpr,
+    sqb,
+    sqh,
+    sqq,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sqpb,
+    sqpq,
+    skpb,
+    skpn,
+    sksb,
+    sksh,
+    sksn,
+    sksg,
+    svsb,
+    svsh,
+    svsn,
+    svsg,
+    N,
+    H_KV,
+    G,
+    NQ,
+    NSPLIT,
+    qk_scale,
+    window,
+    softcap,
+    has_len,
+    sorted_pos,
+    BL,
+    LR,
+    sbb,
+    sbh,
+    sbq,
+    sbj,
+    srb,
+    srq,
+    has_rows,  # last: the other arguments keep their places
+    SPLIT_LEN,
+    SPLIT_MIN,
+    SPLIT_CAP,
+    HEAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FANOUT: tl.constexpr,
+    SCALE_G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    PAGE: tl.constexpr,
+    LSE_BLOCK: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     # PAGE > 0: a paged shard (issue 35): K, V, KPOS, KS and VS are pools of blocks of PAGE keys
@@ -332,8 +411,11 @@ def _split_kernel(
     d_ok = dd < HEAD_D
     head = hk * G + g  # (BLOCK_M,) int64
 
-    q = tl.load(Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqq + dd[None, :] * sqd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = tl.load(
+        Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqq + dd[None, :] * sqd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -390,26 +472,31 @@ def _split_kernel(
         # pipeliner's asynchronous copies: each is loaded one block ahead by hand and carried
         # in registers (two ahead would stop the pipelining of the K/V tiles).
         o1 = start + nn
-        ks1 = _scale_tile(KS, ks_base, TABLE, b * stb, start, o1, N, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg,
-                          PAGE)
-        vs1 = _scale_tile(VS, vs_base, TABLE, b * stb, start, o1, N, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg,
-                          PAGE)
+        ks1 = _scale_tile(
+            KS, ks_base, TABLE, b * stb, start, o1, N, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg, PAGE
+        )
+        vs1 = _scale_tile(
+            VS, vs_base, TABLE, b * stb, start, o1, N, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg, PAGE
+        )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         offs = n0 + nn
-        kp_b, k_t, v_t = _tile_bases(K, V, TABLE, b * stb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb,
-                                     svh, svn, skpb, skpn, PAGE)  # paged: the tile's block
+        kp_b, k_t, v_t = _tile_bases(
+            K, V, TABLE, b * stb, b, hk, n0, N, k_base, v_base, skb, skh, skn, svb, svh, svn, skpb, skpn, PAGE
+        )  # paged: the tile's block
         n_ok, kpos = _live_keys(KPOS, kp_b, skpn, offs, offs < stop, nn, q_lo, q_hi, window, HAS_POS)
         if SCALE_G > 0:  # this tile's scales, and the next tile's requested
             kst = ks1
             vst = vs1
             o2 = offs + BLOCK_N
-            ks1 = _scale_tile(KS, ks_base, TABLE, b * stb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, sksb, sksh,
-                              sksn, sksg, PAGE)
-            vs1 = _scale_tile(VS, vs_base, TABLE, b * stb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, svsb, svsh,
-                              svsn, svsg, PAGE)
+            ks1 = _scale_tile(
+                KS, ks_base, TABLE, b * stb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, sksb, sksh, sksn, sksg, PAGE
+            )
+            vs1 = _scale_tile(
+                VS, vs_base, TABLE, b * stb, n0 + BLOCK_N, o2, N, hk, gg, g_ok, nn, stop, svsb, svsh, svsn, svsg, PAGE
+            )
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_t + nn[:, None] * skn + dd[None, :] * skd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_t + nn[:, None] * svn + dd[None, :] * svd, mask=kv_mask, other=0.0)
@@ -440,8 +527,9 @@ def _split_kernel(
 
     if LSE_BLOCK > 0:  # the programs' tiles cover the runs of [lo, lo + nblk * BLOCK_N): the rest
         nblk = tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0).to(tl.int64)
-        _fill_block_lse(bl_row, sbj, ask, lo, lo + nblk * BLOCK_N, tl.cdiv(N, LSE_BLOCK), pid_s, NSPLIT, BLOCK_N,
-                        LSE_BLOCK)
+        _fill_block_lse(
+            bl_row, sbj, ask, lo, lo + nblk * BLOCK_N, tl.cdiv(N, LSE_BLOCK), pid_s, NSPLIT, BLOCK_N, LSE_BLOCK
+        )
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -453,8 +541,27 @@ def _split_kernel(
 
 
 @triton.jit(do_not_specialize=["H", "NQ", "NSPLIT"], do_not_specialize_on_alignment=["LSE", "SINK"])
-def _reduce_kernel(OP, LP, O, LSE, SINK, sob, soh, soq, sod, slb, slh, slq, H, NQ, NSPLIT,
-                   HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
+def _reduce_kernel(
+    OP,
+    LP,
+    O,
+    LSE,
+    SINK,
+    sob,
+    soh,
+    soq,
+    sod,
+    slb,
+    slh,
+    slq,
+    H,
+    NQ,
+    NSPLIT,
+    HEAD_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)  # flattened (b, h, qi)
     b = r // (H * NQ)
     h = (r // NQ) % H
@@ -477,8 +584,9 @@ def _reduce_kernel(OP, LP, O, LSE, SINK, sob, soh, soq, sod, slb, slh, slq, H, N
     for s0 in range(0, NSPLIT, BLOCK_S):
         s_ok = s0 + ss < NSPLIT
         w = tl.exp(tl.load(LP + r * NSPLIT + s0 + ss, mask=s_ok, other=float("-inf")) - m_safe)  # 0: empty
-        o = tl.load(OP + (r * NSPLIT + s0 + ss[:, None]) * HEAD_D + dd[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
+        o = tl.load(
+            OP + (r * NSPLIT + s0 + ss[:, None]) * HEAD_D + dd[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+        )  # (BLOCK_S, BLOCK_D)
         acc += tl.sum(o * w[:, None], 0)
         wv += w
     den = tl.sum(wv, 0)
@@ -486,12 +594,15 @@ def _reduce_kernel(OP, LP, O, LSE, SINK, sob, soh, soq, sod, slb, slh, slq, H, N
         den += tl.exp(sink - m_safe)
     out = acc / tl.where(den > 0.0, den, 1.0)
     tl.store(O + b * sob + h * soh + qi * soq + dd * sod, out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(LSE + b * slb + h * slh + qi * slq,
-             tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")))
+    tl.store(
+        LSE + b * slb + h * slh + qi * slq,
+        tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")),
+    )
 
 
-def kv_tile(target: Target, block_m: int, block_d: int, esize: int, upcast: bool,
-            p_size: int | None = None) -> tuple[int, int]:
+def kv_tile(
+    target: Target, block_m: int, block_d: int, esize: int, upcast: bool, p_size: int | None = None
+) -> tuple[int, int]:
     """``(BLOCK_N, num_stages)`` of the split kernel's K/V tiles on ``target``.
 
     Tiles are software-pipelined with ``num_stages=3``: two K/V tiles in flight per CTA (the
@@ -574,9 +685,24 @@ class SplitPlan:
         return max(1, self.num_stages - 1)
 
 
-def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target: Target, *,
-               num_splits=None, block_n=None, num_warps=None, num_stages=None, kv_dtype=None,
-               scale_groups: int = 0, fixed_splits: bool = False) -> SplitPlan:
+def plan_split(
+    B: int,
+    H_kv: int,
+    G: int,
+    Q: int,
+    N: int,
+    d: int,
+    dtype,
+    target: Target,
+    *,
+    num_splits=None,
+    block_n=None,
+    num_warps=None,
+    num_stages=None,
+    kv_dtype=None,
+    scale_groups: int = 0,
+    fixed_splits: bool = False,
+) -> SplitPlan:
     """The launch parameters the runtime uses for ``q [B, H_kv·G, Q, d]`` against ``N`` keys on
     ``target`` (``Q`` at most one slice of :func:`tile_rows`). ``kv_dtype``: K/V's dtype when it
     is not q's (fp8), with ``scale_groups`` scales per row. The offline compile checks exactly
@@ -611,18 +737,61 @@ def plan_split(B: int, H_kv: int, G: int, Q: int, N: int, d: int, dtype, target:
     n = max(N, 1)
     least = block_n * (1 if num_splits else max(1, num_stages - 1))
     if fixed_splits and not num_splits:
-        return SplitPlan(triton.cdiv(n, least), least, block_m, block_n, block_d, num_warps, num_stages, upcast,
-                         block_g, split_min=least, split_cap=triton.cdiv(n, least))
+        return SplitPlan(
+            triton.cdiv(n, least),
+            least,
+            block_m,
+            block_n,
+            block_d,
+            num_warps,
+            num_stages,
+            upcast,
+            block_g,
+            split_min=least,
+            split_cap=triton.cdiv(n, least),
+        )
     cap = num_splits or 2 * target.n_sms
-    return SplitPlan(min(cap, triton.cdiv(n, least)), 0, block_m, block_n, block_d, num_warps, num_stages, upcast,
-                     block_g, split_min=least, split_cap=cap)
+    return SplitPlan(
+        min(cap, triton.cdiv(n, least)),
+        0,
+        block_m,
+        block_n,
+        block_d,
+        num_warps,
+        num_stages,
+        upcast,
+        block_g,
+        split_min=least,
+        split_cap=cap,
+    )
 
 
-def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_len=None,
-                             window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
-                             out=None, lse_out=None, num_splits=None, block_n=None, num_warps=None,
-                             num_stages=None, k_pos_sorted=False, block_lse=None, lse_block: int = 1, lse_rows=None,
-                             fixed_splits: bool = False):
+def partial_attention_triton(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    q_pos=None,
+    k_pos=None,
+    kv_len=None,
+    window=None,
+    softcap=None,
+    sink=None,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    lse_out=None,
+    num_splits=None,
+    block_n=None,
+    num_warps=None,
+    num_stages=None,
+    k_pos_sorted=False,
+    block_lse=None,
+    lse_block: int = 1,
+    lse_rows=None,
+    fixed_splits: bool = False,
+):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
     The kernel is built for decode (a group's ``G·Q`` query rows in one tile); more rows than
@@ -669,11 +838,31 @@ def partial_attention_triton(q, k, v, *, scale=None, q_pos=None, k_pos=None, kv_
     o, lse, done = _outputs(q, N, out, lse_out, sink)
     if done:  # no rows, or no keys: block_lse has no entry
         return o, lse
-    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                  fixed_splits=fixed_splits)
-    return _attend(q, k, v, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len,
-                   window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
-                   k_pos_sorted=k_pos_sorted, tuning=tuning, blocks=_blocks(block_lse, lse_block, lse_rows))
+    tuning = dict(
+        num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fixed_splits=fixed_splits
+    )
+    return _attend(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        N,
+        H_kv,
+        groups,
+        scale=scale,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        kv_len=kv_len,
+        window=window,
+        softcap=softcap,
+        sink=sink,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_pos_sorted=k_pos_sorted,
+        tuning=tuning,
+        blocks=_blocks(block_lse, lse_block, lse_rows),
+    )
 
 
 def _blocks(block_lse, lse_block, lse_rows):
@@ -707,8 +896,31 @@ def _outputs(q, N, out, lse_out, sink):
     return o, lse, False
 
 
-def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, window, softcap, sink, k_scale,
-            v_scale, k_pos_sorted, tuning, table=None, page=0, blocks=None):
+def _attend(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    N,
+    H_kv,
+    groups,
+    *,
+    scale,
+    q_pos,
+    k_pos,
+    kv_len,
+    window,
+    softcap,
+    sink,
+    k_scale,
+    v_scale,
+    k_pos_sorted,
+    tuning,
+    table=None,
+    page=0,
+    blocks=None,
+):
     """The launches of a validated call (``table``, ``page``: a paged shard; ``blocks``:
     ``(block_lse, lse_block, lse_rows)`` or None), query rows in slices the tile holds."""
     B, H, Q, d = q.shape
@@ -718,22 +930,46 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
     if Q > step:  # longer query blocks (a verify, a batch's rows of one document): slices of them
         for a in range(0, Q, step):
             b = min(Q, a + step)
-            part = None if blocks is None else \
-                (blocks[0][:, :, a:b], blocks[1], None if blocks[2] is None else blocks[2][:, a:b])
-            _attend(q[:, :, a:b], k, v, o[:, :, a:b], lse[:, :, a:b], N, H_kv, groups, scale=scale,
-                    q_pos=None if q_pos is None else q_pos[..., a:b], k_pos=k_pos, kv_len=kv_len, window=window,
-                    softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale, k_pos_sorted=k_pos_sorted,
-                    tuning=tuning, table=table, page=page, blocks=part)
+            part = (
+                None
+                if blocks is None
+                else (blocks[0][:, :, a:b], blocks[1], None if blocks[2] is None else blocks[2][:, a:b])
+            )
+            _attend(
+                q[:, :, a:b],
+                k,
+                v,
+                o[:, :, a:b],
+                lse[:, :, a:b],
+                N,
+                H_kv,
+                groups,
+                scale=scale,
+                q_pos=None if q_pos is None else q_pos[..., a:b],
+                k_pos=k_pos,
+                kv_len=kv_len,
+                window=window,
+                softcap=softcap,
+                sink=sink,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                k_pos_sorted=k_pos_sorted,
+                tuning=tuning,
+                table=table,
+                page=page,
+                blocks=part,
+            )
         return o, lse
 
     if page:  # a tile never straddles two blocks
-        bn = tuning.get("block_n") or plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype,
-                                                 scale_groups=groups).block_n
+        bn = (
+            tuning.get("block_n")
+            or plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups).block_n
+        )
         if page % min(bn, page):
             raise ValueError(f"a page of {page} keys is no multiple of the kernel's {bn}-key tile")
         tuning = {**tuning, "block_n": min(bn, page)}
-    plan = plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups,
-                      **tuning)
+    plan = plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups, **tuning)
     op = torch.empty(B, H, Q, plan.splits, d, dtype=torch.float32, device=dev)
     lp = torch.empty(B, H, Q, plan.splits, dtype=torch.float32, device=dev)
     has_pos = q_pos is not None
@@ -745,8 +981,13 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
     else:  # unused placeholders, of the same type (a pointer's type is part of the kernel)
         qp = kp = torch.empty(1, dtype=torch.int64, device=dev)
         sqpb = sqpq = skpb = skpn = 0
-    kvl = kv_len.to(device=dev, dtype=torch.int64) if kv_len is not None else qp if not has_pos \
+    kvl = (
+        kv_len.to(device=dev, dtype=torch.int64)
+        if kv_len is not None
+        else qp
+        if not has_pos
         else torch.empty(1, dtype=torch.int64, device=dev)
+    )
     if groups:
         ks, vs = k_scale.to(device=dev), v_scale.to(device=dev)
         s_strides = (*ks.stride(), *vs.stride())
@@ -762,22 +1003,67 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
         b_strides = (*bl.stride(), *(lr.stride() if has_rows else (0, 0)))
 
     LAST_LAUNCH["split"] = launch(
-        _split_kernel, (B * H_kv, plan.splits),
-        q, k, v, qp, kp, kvl, op, lp, ks, vs, table if table is not None else kvl,
+        _split_kernel,
+        (B * H_kv, plan.splits),
+        q,
+        k,
+        v,
+        qp,
+        kp,
+        kvl,
+        op,
+        lp,
+        ks,
+        vs,
+        table if table is not None else kvl,
         table.stride(0) if table is not None else 0,
-        *q.stride(), *k.stride(), *v.stride(),
-        sqpb, sqpq, skpb, skpn, *s_strides,
-        N, H_kv, G, Q, plan.splits, scale * LOG2E,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        sqpb,
+        sqpq,
+        skpb,
+        skpn,
+        *s_strides,
+        N,
+        H_kv,
+        G,
+        Q,
+        plan.splits,
+        scale * LOG2E,
         int(window) if window is not None else 0,
-        float(softcap) if softcap is not None else 0.0, int(kv_len is not None), int(bool(k_pos_sorted)),
-        bl, lr, *b_strides, int(has_rows), plan.split_len, plan.split_min, plan.split_cap,
-        HEAD_D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        HAS_POS=has_pos, UPCAST=plan.upcast, FANOUT=SEARCH_FANOUT, SCALE_G=groups, BLOCK_G=max(1, plan.block_g),
-        PAGE=page, LSE_BLOCK=lse_block, SOFTCAP=softcap_mode(softcap), num_warps=plan.num_warps,
+        float(softcap) if softcap is not None else 0.0,
+        int(kv_len is not None),
+        int(bool(k_pos_sorted)),
+        bl,
+        lr,
+        *b_strides,
+        int(has_rows),
+        plan.split_len,
+        plan.split_min,
+        plan.split_cap,
+        HEAD_D=d,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
+        HAS_POS=has_pos,
+        UPCAST=plan.upcast,
+        FANOUT=SEARCH_FANOUT,
+        SCALE_G=groups,
+        BLOCK_G=max(1, plan.block_g),
+        PAGE=page,
+        LSE_BLOCK=lse_block,
+        SOFTCAP=softcap_mode(softcap),
+        num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    if (plan.splits == 1 and sink is None and o.dtype == torch.float32 and ONE_SPLIT_COPY["on"]
-            and target_of(dev).backend == "interpreter"):
+    if (
+        plan.splits == 1
+        and sink is None
+        and o.dtype == torch.float32
+        and ONE_SPLIT_COPY["on"]
+        and target_of(dev).backend == "interpreter"
+    ):
         # one split: the reduce is the identity (a weight of exp(0) = 1, a sum of one term, + 0.0
         # as its sum starts; fp32 out: the interpreter rounds to 16 bits its own way). Triton's
         # interpreter (the tests' CPU) runs a Python program per row for it, most of an
@@ -786,17 +1072,54 @@ def _attend(q, k, v, o, lse, N, H_kv, groups, *, scale, q_pos, k_pos, kv_len, wi
         lse.copy_(lp[:, :, :, 0])
         return o, lse
     sk = sink.to(device=dev, dtype=torch.float32).contiguous() if sink is not None else lp  # placeholder: unused
-    launch(_reduce_kernel, (B * H * Q,),
-           op, lp, o, lse, sk, *o.stride(), *lse.stride(), H, Q, plan.splits, HEAD_D=d,
-           BLOCK_S=REDUCE_BLOCK_S, BLOCK_D=plan.block_d, HAS_SINK=sink is not None, num_warps=4)
+    launch(
+        _reduce_kernel,
+        (B * H * Q,),
+        op,
+        lp,
+        o,
+        lse,
+        sk,
+        *o.stride(),
+        *lse.stride(),
+        H,
+        Q,
+        plan.splits,
+        HEAD_D=d,
+        BLOCK_S=REDUCE_BLOCK_S,
+        BLOCK_D=plan.block_d,
+        HAS_SINK=sink is not None,
+        num_warps=4,
+    )
     return o, lse
 
 
-def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, scale=None, q_pos=None,
-                                   pos_pool=None, window=None, softcap=None, sink=None, k_scale=None, v_scale=None,
-                                   out=None, lse_out=None, num_splits=None, block_n=None, num_warps=None,
-                                   num_stages=None, block_lse=None, lse_block: int = 1, lse_rows=None,
-                                   fixed_splits: bool = False):
+def partial_attention_triton_paged(
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    kv_len,
+    *,
+    scale=None,
+    q_pos=None,
+    pos_pool=None,
+    window=None,
+    softcap=None,
+    sink=None,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    lse_out=None,
+    num_splits=None,
+    block_n=None,
+    num_warps=None,
+    num_stages=None,
+    block_lse=None,
+    lse_block: int = 1,
+    lse_rows=None,
+    fixed_splits: bool = False,
+):
     """Triton version of :func:`paged_ref.partial_attention_paged_ref` (same arguments and
     outputs; tuning as :func:`partial_attention_triton`): the split kernel reads each row's keys
     through its block table, one block id per tile (the page a multiple of the tile), so rows of
@@ -808,9 +1131,15 @@ def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, s
     ceil(nb·page / lse_block)]``, ``lse_rows``: as :func:`partial_attention_triton`'s, over each
     row's keys in table order."""
     if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"k_pool and v_pool must be [blocks, H_kv, page, d]; got {tuple(k_pool.shape)}, "
-                         f"{tuple(v_pool.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or kv_len is None or kv_len.shape != (q.shape[0],):
+        raise ValueError(
+            f"k_pool and v_pool must be [blocks, H_kv, page, d]; got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}"
+        )
+    if (
+        block_tables.dim() != 2
+        or block_tables.shape[0] != q.shape[0]
+        or kv_len is None
+        or kv_len.shape != (q.shape[0],)
+    ):
         raise ValueError(f"block_tables [B, blocks] and kv_len [B] are needed with B = {q.shape[0]}")
     if (q_pos is None) != (pos_pool is None):
         raise ValueError("causal masking needs both q_pos and pos_pool")
@@ -834,21 +1163,54 @@ def partial_attention_triton_paged(q, k_pool, v_pool, block_tables, kv_len, *, s
 
             k = dequantize(gather_pages(k_pool, block_tables), gather_pages(k_scale, block_tables), q.dtype)
             v = dequantize(gather_pages(v_pool, block_tables), gather_pages(v_scale, block_tables), q.dtype)
-            return partial_attention_triton(q, k, v, scale=scale, q_pos=q_pos, kv_len=kv_len, window=window,
-                                            softcap=softcap, sink=sink, out=out, lse_out=lse_out,
-                                            k_pos=None if pos_pool is None else gather_pages(pos_pool, block_tables),
-                                            fixed_splits=fixed_splits, **lse_kw)
+            return partial_attention_triton(
+                q,
+                k,
+                v,
+                scale=scale,
+                q_pos=q_pos,
+                kv_len=kv_len,
+                window=window,
+                softcap=softcap,
+                sink=sink,
+                out=out,
+                lse_out=lse_out,
+                k_pos=None if pos_pool is None else gather_pages(pos_pool, block_tables),
+                fixed_splits=fixed_splits,
+                **lse_kw,
+            )
     dev = q.device
     o, lse, done = _outputs(q, N, out, lse_out, sink)
     if done:  # no rows, or no blocks: block_lse has no entry
         return o, lse
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    tuning = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                  fixed_splits=fixed_splits)
-    return _attend(q, k_pool, v_pool, o, lse, N, H_kv, groups, scale=scale, q_pos=q_pos, k_pos=pos_pool,
-                   kv_len=kv_len, window=window, softcap=softcap, sink=sink, k_scale=k_scale, v_scale=v_scale,
-                   k_pos_sorted=False, tuning=tuning, table=block_tables.to(device=dev).contiguous(), page=page,
-                   blocks=_blocks(block_lse, lse_block, lse_rows))
+    tuning = dict(
+        num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fixed_splits=fixed_splits
+    )
+    return _attend(
+        q,
+        k_pool,
+        v_pool,
+        o,
+        lse,
+        N,
+        H_kv,
+        groups,
+        scale=scale,
+        q_pos=q_pos,
+        k_pos=pos_pool,
+        kv_len=kv_len,
+        window=window,
+        softcap=softcap,
+        sink=sink,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_pos_sorted=False,
+        tuning=tuning,
+        table=block_tables.to(device=dev).contiguous(),
+        page=page,
+        blocks=_blocks(block_lse, lse_block, lse_rows),
+    )
 
 
 def _check_scales(k, v, k_scale, v_scale) -> int:
@@ -861,8 +1223,10 @@ def _check_scales(k, v, k_scale, v_scale) -> int:
     S = k_scale.shape[-1]
     want = (*k.shape[:3], S)
     if k_scale.shape != want or v_scale.shape != want or S < 1 or k.shape[-1] % S:
-        raise ValueError(f"k_scale and v_scale must be {list(want)} with {k.shape[-1]} channels a multiple "
-                         f"of their groups; got {tuple(k_scale.shape)}, {tuple(v_scale.shape)}")
+        raise ValueError(
+            f"k_scale and v_scale must be {list(want)} with {k.shape[-1]} channels a multiple "
+            f"of their groups; got {tuple(k_scale.shape)}, {tuple(v_scale.shape)}"
+        )
     return S
 
 

@@ -75,12 +75,22 @@ class Target:
 # as the pessimistic side (more bytes needed in flight); ``python -m
 # treeattn_cli.bench.gpu_report`` measures the kernel against the copy bandwidth on a real GPU.
 TARGETS = {
-    "sm_80": Target("sm_80", "cuda", 80, 32, 108, 166912, shared_per_sm=167936,
-                    mem_bw=2.039e12, mem_latency_s=0.6e-6),
-    "sm_90": Target("sm_90", "cuda", 90, 32, 132, 232448, shared_per_sm=233472,
-                    mem_bw=3.35e12, mem_latency_s=0.7e-6),
-    "gfx942": Target("gfx942", "hip", "gfx942", 64, 304, 65536, shared_per_sm=65536, regs_per_sm=512 * 4,
-                     max_warps_per_sm=32, max_ctas_per_sm=32, mem_bw=5.3e12, mem_latency_s=1.0e-6),
+    "sm_80": Target("sm_80", "cuda", 80, 32, 108, 166912, shared_per_sm=167936, mem_bw=2.039e12, mem_latency_s=0.6e-6),
+    "sm_90": Target("sm_90", "cuda", 90, 32, 132, 232448, shared_per_sm=233472, mem_bw=3.35e12, mem_latency_s=0.7e-6),
+    "gfx942": Target(
+        "gfx942",
+        "hip",
+        "gfx942",
+        64,
+        304,
+        65536,
+        shared_per_sm=65536,
+        regs_per_sm=512 * 4,
+        max_warps_per_sm=32,
+        max_ctas_per_sm=32,
+        mem_bw=5.3e12,
+        mem_latency_s=1.0e-6,
+    ),
 }
 INTERPRETER = Target("interpreter", "interpreter", None, 32, 4, 1 << 30)
 RESERVED_SHARED_CUDA = 1024  # bytes of shared memory the system reserves per block (cc >= 8.0)
@@ -128,21 +138,40 @@ def target_of(device) -> Target:
         if torch.version.hip:
             arch = props.gcnArchName.split(":")[0]
             known = TARGETS.get(arch)
-            t = replace(known, n_sms=props.multi_processor_count) if known else \
-                Target(arch, "hip", arch, 64, props.multi_processor_count, 65536, shared_per_sm=65536,
-                       regs_per_sm=512 * 4, max_warps_per_sm=32)
+            t = (
+                replace(known, n_sms=props.multi_processor_count)
+                if known
+                else Target(
+                    arch,
+                    "hip",
+                    arch,
+                    64,
+                    props.multi_processor_count,
+                    65536,
+                    shared_per_sm=65536,
+                    regs_per_sm=512 * 4,
+                    max_warps_per_sm=32,
+                )
+            )
         else:
             cc = props.major * 10 + props.minor
             known = TARGETS.get(f"sm_{cc}")
             if known:  # the same chip family: its limits; this board's SMs and memory (H100 PCIe, H200)
                 t = replace(known, n_sms=props.multi_processor_count, mem_bw=_board_bandwidth(props) or known.mem_bw)
             else:
-                t = Target(f"sm_{cc}", "cuda", cc, 32, props.multi_processor_count,
-                           getattr(props, "shared_memory_per_block_optin", 49152),
-                           shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", 0),
-                           regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
-                           max_warps_per_sm=getattr(props, "max_threads_per_multi_processor", 2048) // 32,
-                           mem_bw=_board_bandwidth(props), mem_latency_s=0.7e-6)
+                t = Target(
+                    f"sm_{cc}",
+                    "cuda",
+                    cc,
+                    32,
+                    props.multi_processor_count,
+                    getattr(props, "shared_memory_per_block_optin", 49152),
+                    shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", 0),
+                    regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+                    max_warps_per_sm=getattr(props, "max_threads_per_multi_processor", 2048) // 32,
+                    mem_bw=_board_bandwidth(props),
+                    mem_latency_s=0.7e-6,
+                )
         _cuda_targets[idx] = t
     return _cuda_targets[idx]
 

@@ -88,24 +88,40 @@ class Config:
 
     def line(self) -> str:
         """The configuration in one line (what a failure prints)."""
-        qs = ",".join(f"{q['kind']}{len(q['ids'])}" + (f"/{q['speculate']}" if q.get("speculate") else "")
-                      + (f"/d{q['doc']}" if "doc" in q else "") + ("/cite" if q.get("cite") else "")
-                      + (f"/new{q['new']}" if "new" in q else "") for q in self.questions)
-        extra = [f"chunk={self.chunk}" if self.chunk else "", f"reload<-cp{self.reload_cp}" if self.reload_cp else "",
-                 f"joins={self.joins}" if self.joins else "", f"cancels={self.cancels}" if self.cancels else "",
-                 "again" if self.again else "", f"docs={self.docs}" if self.docs else "",
-                 f"budget={self.budget}" if self.budget is not None else "",
-                 "" if self.budget is None else "host" if self.host else "no-host", "tight" if self.tight else "",
-                 f"page={self.page}" if self.page else "", f"qchunk={self.qchunk}" if self.qchunk else "",
-                 "graphs" if self.graphs else "",
-                 "" if self.greedy else f"T={self.sampling['temperature']},k={self.sampling['top_k']},"
-                                        f"seed={self.sampling['seed']}"]
-        return (f"seed={self.seed} {self.family} cp={self.cp} tp={self.tp} {self.scheme} kv={self.kv} "
-                f"{self.route} slots={self.slots} spec={self.speculate} new={self.new} doc={self.doc_len} "
-                f"q=[{qs}] " + " ".join(x for x in extra if x)).strip()
+        qs = ",".join(
+            f"{q['kind']}{len(q['ids'])}"
+            + (f"/{q['speculate']}" if q.get("speculate") else "")
+            + (f"/d{q['doc']}" if "doc" in q else "")
+            + ("/cite" if q.get("cite") else "")
+            + (f"/new{q['new']}" if "new" in q else "")
+            for q in self.questions
+        )
+        extra = [
+            f"chunk={self.chunk}" if self.chunk else "",
+            f"reload<-cp{self.reload_cp}" if self.reload_cp else "",
+            f"joins={self.joins}" if self.joins else "",
+            f"cancels={self.cancels}" if self.cancels else "",
+            "again" if self.again else "",
+            f"docs={self.docs}" if self.docs else "",
+            f"budget={self.budget}" if self.budget is not None else "",
+            "" if self.budget is None else "host" if self.host else "no-host",
+            "tight" if self.tight else "",
+            f"page={self.page}" if self.page else "",
+            f"qchunk={self.qchunk}" if self.qchunk else "",
+            "graphs" if self.graphs else "",
+            ""
+            if self.greedy
+            else f"T={self.sampling['temperature']},k={self.sampling['top_k']},seed={self.sampling['seed']}",
+        ]
+        return (
+            f"seed={self.seed} {self.family} cp={self.cp} tp={self.tp} {self.scheme} kv={self.kv} "
+            f"{self.route} slots={self.slots} spec={self.speculate} new={self.new} doc={self.doc_len} "
+            f"q=[{qs}] " + " ".join(x for x in extra if x)
+        ).strip()
 
 
 # ---------------------------------------------------------------- the dimensions
+
 
 def d_family(rng, c, fx):
     c.family = rng.choice(["llama", "llama", "gemma2", "gpt_oss"])
@@ -138,7 +154,7 @@ def d_questions(rng, c, fx):
     """Questions that copy the document (drafts get accepted), that do not (drafts get
     rejected), and ones shorter than the sequence shards."""
     f = fx[c.family]
-    doc = f["doc"][:c.doc_len]
+    doc = f["doc"][: c.doc_len]
     n = rng.randint(2, 6 if c.route == "serve" else 5)
     qs = []
     for _ in range(n):
@@ -172,8 +188,12 @@ def d_speculate(rng, c, fx):
 
 def d_sampling(rng, c, fx):
     if rng.random() < 0.25:
-        c.sampling = {"temperature": rng.choice([0.7, 1.0]), "top_k": rng.choice([0, 20]), "top_p": 1.0,
-                      "seed": rng.randrange(1000)}
+        c.sampling = {
+            "temperature": rng.choice([0.7, 1.0]),
+            "top_k": rng.choice([0, 20]),
+            "top_p": 1.0,
+            "seed": rng.randrange(1000),
+        }
 
 
 def d_new(rng, c, fx):
@@ -190,7 +210,7 @@ def new_of(c: Config, i: int) -> int:
 
 
 def d_reload(rng, c, fx):
-    earlier = [cp for cp, tp in ORDER[:ORDER.index((c.cp, c.tp))] if tp == 1 and cp != c.cp]
+    earlier = [cp for cp, tp in ORDER[: ORDER.index((c.cp, c.tp))] if tp == 1 and cp != c.cp]
     if earlier and c.route != "conversation" and rng.random() < 0.25:
         c.reload_cp = rng.choice(earlier)
 
@@ -238,8 +258,8 @@ def doc_of(c: Config, fx: dict, i: int) -> list:
     doc = fx[c.family]["doc"]
     if c.docs:
         start, n = c.docs[c.questions[i]["doc"]]
-        return doc[start:start + n]
-    return doc[:c.doc_len]
+        return doc[start : start + n]
+    return doc[: c.doc_len]
 
 
 def d_qchunk(rng, c, fx):
@@ -296,8 +316,27 @@ def d_host(rng, c, fx):
         c.restore_parts = c.host and rng.random() < 0.5
 
 
-DIMENSIONS = [d_family, d_mesh, d_scheme, d_kv, d_route, d_document, d_questions, d_slots, d_speculate,
-              d_sampling, d_new, d_reload, d_serve, d_mixed, d_qchunk, d_cite, d_graphs, d_short, d_host]
+DIMENSIONS = [
+    d_family,
+    d_mesh,
+    d_scheme,
+    d_kv,
+    d_route,
+    d_document,
+    d_questions,
+    d_slots,
+    d_speculate,
+    d_sampling,
+    d_new,
+    d_reload,
+    d_serve,
+    d_mixed,
+    d_qchunk,
+    d_cite,
+    d_graphs,
+    d_short,
+    d_host,
+]
 
 
 def draw(seed: int, fx: dict) -> Config:
@@ -309,6 +348,7 @@ def draw(seed: int, fx: dict) -> Config:
 
 
 # ---------------------------------------------------------------- fixtures (parent process)
+
 
 def fixtures(root: Path) -> dict:
     """Tiny models of each family under ``root`` and, per family, a document that holds two
@@ -347,43 +387,69 @@ class Oracle:
         if key not in self.memo:
             if family not in self.models:
                 self.models[family] = AutoModelForCausalLM.from_pretrained(
-                    self.fx[family]["model"], dtype=torch.float32, attn_implementation="eager")
+                    self.fx[family]["model"], dtype=torch.float32, attn_implementation="eager"
+                )
             x = torch.tensor([ids])
-            out = self.models[family].generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
-                                               do_sample=False, min_new_tokens=new, pad_token_id=0)
-            self.memo[key] = out[0, len(ids):].tolist()
+            out = self.models[family].generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new,
+                do_sample=False,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
+            self.memo[key] = out[0, len(ids) :].tolist()
         return self.memo[key]
 
 
 # ---------------------------------------------------------------- on the ranks
 
+
 def requests_of(c: Config, fx: dict, save_root: str, alone: bool = False) -> list:
     """The engine requests of the configuration under test (after the document is in place);
     ``alone``: each question by itself on the same path (see :func:`alone_requests`)."""
-    q_common = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS,
-                "digest": True}
+    q_common = {
+        "max_new_tokens": c.new,
+        "sampling": c.sampling,
+        "stop": [],
+        "eos_ids": [],
+        "logprobs": LOGPROBS,
+        "digest": True,
+    }
     if c.route in ("batch", "sequential", "conversation"):  # as chat asks: the document in the ranks'
-        doc = fx[c.family]["doc"][:c.doc_len]  # pool, named by every question (--batch S at a time)
+        doc = fx[c.family]["doc"][: c.doc_len]  # pool, named by every question (--batch S at a time)
         spec = {"key": f"chat-{c.seed}", "ids": doc, "piece": c.chunk or -(-len(doc) // c.cp)}
         if c.reload_cp:
             d = Path(save_root) / c.save_key()
             spec.update(load_from=str(d), manifest=json.loads((d / "manifest.json").read_text()))
-        qs = [{"ids": q["ids"], "max_new_tokens": new_of(c, i), "cite": q.get("cite"), "doc": spec}
-              for i, q in enumerate(c.questions)]
-        common = {"speculate": alone_speculate(c, {}) if alone else c.speculate, **q_common, "pool_for": len(doc),
-                  **({"piece": c.qchunk} if c.qchunk else {})}
+        qs = [
+            {"ids": q["ids"], "max_new_tokens": new_of(c, i), "cite": q.get("cite"), "doc": spec}
+            for i, q in enumerate(c.questions)
+        ]
+        common = {
+            "speculate": alone_speculate(c, {}) if alone else c.speculate,
+            **q_common,
+            "pool_for": len(doc),
+            **({"piece": c.qchunk} if c.qchunk else {}),
+        }
         if c.route == "conversation":  # --conversation: each question and its answer join the document
-            return [{"op": "batch", "questions": [{**q, "keep": True}], "slots": 1, **common, "grow": True}
-                    for q in qs]
+            return [{"op": "batch", "questions": [{**q, "keep": True}], "slots": 1, **common, "grow": True} for q in qs]
         if c.route == "sequential" or alone:  # one request per question (chat --batch 1, typed questions)
             return [{"op": "batch", "questions": [q], "slots": 1, **common} for q in qs]
         return [{"op": "batch", "questions": qs, "slots": c.slots, **common}]
     if c.route in ("serve", "mixed") and alone:  # each request alone, as the server would have it
         spec, the_doc = serve_spec(c, fx, save_root)
-        return [{"op": "batch", "slots": 1, **spec,
-                 "questions": [{**serve_question(c, fx, spec, the_doc, i),
-                                "speculate": alone_speculate(c, c.questions[i])}]}
-                for i in range(len(c.questions))]
+        return [
+            {
+                "op": "batch",
+                "slots": 1,
+                **spec,
+                "questions": [
+                    {**serve_question(c, fx, spec, the_doc, i), "speculate": alone_speculate(c, c.questions[i])}
+                ],
+            }
+            for i in range(len(c.questions))
+        ]
     raise ValueError(f"no requests for route {c.route}")
 
 
@@ -397,8 +463,17 @@ def alone_speculate(c: Config, q: dict) -> str:
 def _job(c: Config, fx: dict, graphs: bool = False):
     from treeattn_cli.engine.job import EngineJob
 
-    return EngineJob(fx[c.family]["model"], [], dtype="float32", kv_dtype=c.kv, tp=c.tp, scheme=c.scheme,
-                       max_new_tokens=c.new, reserve=256, static=True if graphs else None)
+    return EngineJob(
+        fx[c.family]["model"],
+        [],
+        dtype="float32",
+        kv_dtype=c.kv,
+        tp=c.tp,
+        scheme=c.scheme,
+        max_new_tokens=c.new,
+        reserve=256,
+        static=True if graphs else None,
+    )
 
 
 def _save(ctx, key: str, c: Config, fx: dict, save_root: str) -> None:
@@ -408,21 +483,38 @@ def _save(ctx, key: str, c: Config, fx: dict, save_root: str) -> None:
     d = Path(save_root) / key
     if (d / "manifest.json").exists():
         return
-    Engine(ctx, _job(c, fx)).serve([{"op": "append", "ids": fx[c.family]["doc"][:c.doc_len]},
-                                    {"op": "save", "dir": str(d), "nonce": f"{c.seed:08x}",
-                                     "identity": model_identity(fx[c.family]["model"]), "composition": {}}])
+    Engine(ctx, _job(c, fx)).serve(
+        [
+            {"op": "append", "ids": fx[c.family]["doc"][: c.doc_len]},
+            {
+                "op": "save",
+                "dir": str(d),
+                "nonce": f"{c.seed:08x}",
+                "identity": model_identity(fx[c.family]["model"]),
+                "composition": {},
+            },
+        ]
+    )
 
 
 def serve_spec(c: Config, fx: dict, save_root: str) -> tuple[dict, dict]:
     """What the server's requests of the configuration share: ``(spec, the document)``."""
-    doc = fx[c.family]["doc"][:c.doc_len]
+    doc = fx[c.family]["doc"][: c.doc_len]
     key = c.save_key() if c.reload_cp else f"doc-{c.seed}"
     the_doc = {"key": key, "ids": doc, "piece": c.chunk}
     if c.reload_cp:
-        the_doc.update(load_from=str(Path(save_root) / key),
-                       manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()))
-    spec = {"max_new_tokens": c.new, "sampling": c.sampling, "stop": [], "eos_ids": [], "logprobs": LOGPROBS,
-            "digest": True}
+        the_doc.update(
+            load_from=str(Path(save_root) / key),
+            manifest=json.loads((Path(save_root) / key / "manifest.json").read_text()),
+        )
+    spec = {
+        "max_new_tokens": c.new,
+        "sampling": c.sampling,
+        "stop": [],
+        "eos_ids": [],
+        "logprobs": LOGPROBS,
+        "digest": True,
+    }
     if c.qchunk:  # a long question goes in chunks of this many tokens, a round each
         spec["piece"] = c.qchunk
     if c.route == "mixed":  # each question names its document; the batch makes them resident
@@ -441,8 +533,12 @@ def serve_spec(c: Config, fx: dict, save_root: str) -> tuple[dict, dict]:
             from treeattn_cli.engine.kvstore import model_identity
 
             spill = Path(save_root) / f"spill-{c.seed}"
-            spec.update(budget=c.budget, dir=str(spill), **({} if c.host else {"host_memory": 0}),
-                        save_meta={"identity": model_identity(fx[c.family]["model"]), "composition": {}})
+            spec.update(
+                budget=c.budget,
+                dir=str(spill),
+                **({} if c.host else {"host_memory": 0}),
+                save_meta={"identity": model_identity(fx[c.family]["model"]), "composition": {}},
+            )
     return spec, the_doc
 
 
@@ -454,11 +550,14 @@ def serve_question(c: Config, fx: dict, spec: dict, the_doc: dict, i: int) -> di
     from treeattn_cli.engine.requests import Ask
 
     own = {f.name for f in fields(Ask)}
-    q = {"ids": c.questions[i]["ids"], "speculate": c.questions[i].get("speculate", c.speculate),
-         **{k: v for k, v in spec.items() if k in own},
-         "max_new_tokens": new_of(c, i), "cite": c.questions[i].get("cite")}
-    q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)} \
-        if c.route == "mixed" else the_doc
+    q = {
+        "ids": c.questions[i]["ids"],
+        "speculate": c.questions[i].get("speculate", c.speculate),
+        **{k: v for k, v in spec.items() if k in own},
+        "max_new_tokens": new_of(c, i),
+        "cite": c.questions[i].get("cite"),
+    }
+    q["doc"] = {"key": f"d{c.seed}-{c.questions[i]['doc']}", "ids": doc_of(c, fx, i)} if c.route == "mixed" else the_doc
     return q
 
 
@@ -470,7 +569,7 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
     was served (the first document then comes from the ranks' pools)."""
     from treeattn_cli.parallel import comm as C
 
-    doc = fx[c.family]["doc"][:c.doc_len]
+    doc = fx[c.family]["doc"][: c.doc_len]
     spec, the_doc = serve_spec(c, fx, save_root)
 
     def question(i):
@@ -513,11 +612,21 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
 
         real, ctx.emit = ctx.emit, emit
         try:
-            eng.serve([{"op": "batch", "seq": seq, "open": True, "questions": [question(i) for i in order],
-                        "slots": c.slots, **spec}])
+            eng.serve(
+                [
+                    {
+                        "op": "batch",
+                        "seq": seq,
+                        "open": True,
+                        "questions": [question(i) for i in order],
+                        "slots": c.slots,
+                        **spec,
+                    }
+                ]
+            )
         finally:
             ctx.emit = real
-        left = joined[done[0]["joins"]:] + [i for _, i in joins] if ctx.rank == 0 else None
+        left = joined[done[0]["joins"] :] + [i for _, i in joins] if ctx.rank == 0 else None
         return eng.world.broadcast_object(left, src=0)  # every rank runs the next batch alike
 
     late = {i for _, i in c.joins}
@@ -529,8 +638,17 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
     if c.again:  # another document, then this one again: from the engine's memory (or disk: a budget)
         if c.route != "mixed":  # (a request with nothing to answer makes it resident, as POST /v1/documents)
             other = {"key": f"other-{c.seed}", "ids": doc[: max(3, len(doc) // 2)], "piece": c.chunk}
-            eng.serve([{"op": "batch", "slots": 1, "max_new_tokens": 0, "sampling": {},
-                        "questions": [{"ids": [], "doc": other, "max_new_tokens": 0}]}])
+            eng.serve(
+                [
+                    {
+                        "op": "batch",
+                        "slots": 1,
+                        "max_new_tokens": 0,
+                        "sampling": {},
+                        "questions": [{"ids": [], "doc": other, "max_new_tokens": 0}],
+                    }
+                ]
+            )
         events["again"] = {}
         run_batch(seq + 2, list(range(len(c.questions))), events["again"], posts=False)
 
@@ -619,6 +737,7 @@ def run_set(ctx, configs: list, fx: dict, save_root: str, saves: list) -> list |
 
 # ---------------------------------------------------------------- checking (parent process)
 
+
 def _first_difference(a: list, b: list) -> int | None:
     """The first index at which ``a`` and ``b`` differ over their common length, or None."""
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -635,7 +754,7 @@ def check(c: Config, r: dict, fx: dict, oracle: Oracle, notes: list | None = Non
     answers = {int(k): v for k, v in r["answers"].items()}
     alone = {int(k): v for k, v in r["alone"].items()}
     cancelled = set(r["events"].get("cancel_posted", []))
-    context = list(fx[c.family]["doc"][:c.doc_len])
+    context = list(fx[c.family]["doc"][: c.doc_len])
     for i, q in enumerate(c.questions):
         doc = doc_of(c, fx, i)
         got, want = answers.get(i), alone.get(i)
@@ -673,7 +792,7 @@ def _differs(what: str, got: dict, want: dict, prefix: bool = False) -> list[str
         return [f"{what}: no digest of each token's logits"]
     out = []
     if prefix:
-        if g != w[:len(g)]:
+        if g != w[: len(g)]:
             out.append(f"{what} (cancelled): {g} is not a prefix of {w}")
     elif g != w:
         out.append(f"{what}: tokens {g} != alone {w} (first difference at {_first_difference(g, w)})")
@@ -758,8 +877,9 @@ def features(c: Config, r: dict) -> set[str]:
     if r["events"].get("graph_replays_checked"):
         if any(b.get("graph_replays") for b in batches + r["events"].get("batch_done", [])):
             out.add("batched steps replayed from graphs")
-        if r["events"].get("verify_replays") or any(b.get("verify_graph_replays")
-                                                     for b in batches + r["events"].get("batch_done", [])):
+        if r["events"].get("verify_replays") or any(
+            b.get("verify_graph_replays") for b in batches + r["events"].get("batch_done", [])
+        ):
             out.add("verifies replayed from graphs")
     cited = [a for a in answers if a.get("cite") is not None and len(a["cite"])]
     if cited:

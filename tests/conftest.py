@@ -73,14 +73,18 @@ def pytest_addoption(parser):
 
 
 def pytest_report_header(config):
-    return [f"treeattn: session seed {SESSION_SEED} (TREEATTN_TEST_SEED={SESSION_SEED} reproduces it); "
-            f"TREEATTN_CACHE={os.environ['TREEATTN_CACHE']}"]
+    return [
+        f"treeattn: session seed {SESSION_SEED} (TREEATTN_TEST_SEED={SESSION_SEED} reproduces it); "
+        f"TREEATTN_CACHE={os.environ['TREEATTN_CACHE']}"
+    ]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The seed again at the end (``-q`` hides the header): a failing run says how to repeat it."""
-    terminalreporter.write_line(f"treeattn: session seed {SESSION_SEED} (TREEATTN_TEST_SEED={SESSION_SEED} "
-                                f"reproduces every random case of this run)")
+    terminalreporter.write_line(
+        f"treeattn: session seed {SESSION_SEED} (TREEATTN_TEST_SEED={SESSION_SEED} "
+        f"reproduces every random case of this run)"
+    )
 
 
 def _registry() -> dict:
@@ -95,8 +99,11 @@ def _registry() -> dict:
 
 def _early(item) -> list[str]:
     """The fixtures of ``item`` that wait for work started at collection (``helpers.EARLY``)."""
-    return [f for f, (module, _) in _registry().items()
-            if item.nodeid.startswith(module) and f in getattr(item, "fixturenames", ())]
+    return [
+        f
+        for f, (module, _) in _registry().items()
+        if item.nodeid.startswith(module) and f in getattr(item, "fixturenames", ())
+    ]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -152,11 +159,17 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     if rep.failed:
-        rep.sections.append(("treeattn seed", f"session seed {SESSION_SEED}, this test's {seed_of(item.nodeid)}: "
-                                              f"TREEATTN_TEST_SEED={SESSION_SEED} pytest '{item.nodeid}'"))
+        rep.sections.append(
+            (
+                "treeattn seed",
+                f"session seed {SESSION_SEED}, this test's {seed_of(item.nodeid)}: "
+                f"TREEATTN_TEST_SEED={SESSION_SEED} pytest '{item.nodeid}'",
+            )
+        )
 
 
 # ---------------------------------------------------------------- shared fixtures
+
 
 class TinyModels:
     """Tiny random models saved once per session and shared by every test module (building one

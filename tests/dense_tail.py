@@ -45,9 +45,21 @@ class DenseTail:
     capacity-long views (fixed shapes, for CUDA graphs); the valid length is ``kv_len``.
     """
 
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, *,
-                 dtype=torch.float32, device="cpu", rank: int = 0, world: int = 1,
-                 capacity: int = 0, static: bool = False, quant=None):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        dtype=torch.float32,
+        device="cpu",
+        rank: int = 0,
+        world: int = 1,
+        capacity: int = 0,
+        static: bool = False,
+        quant=None,
+    ):
         self.num_layers, self.batch, self.kv_heads, self.head_dim = num_layers, batch, kv_heads, head_dim
         self.device = torch.device(device)
         self.quant = quant  # kvquant.KVQuant: keys and values stored as fp8 with per-token scales, rotated
@@ -171,13 +183,15 @@ class DenseTail:
         lengths advance after the last layer."""
         C = k.shape[2]
         if layer == 0 and self.batch > 1 and bool((self.host_length != self.host_length[0]).any()):
-            raise ValueError("append_chunk appends to every sequence at once: their lengths must be equal "
-                             f"(they are {self.host_length.tolist()}); extend sequences of their own with begin_extend")
+            raise ValueError(
+                "append_chunk appends to every sequence at once: their lengths must be equal "
+                f"(they are {self.host_length.tolist()}); extend sequences of their own with begin_extend"
+            )
         start = self.max_len
         self.reserve(start + C)
         self._put(layer, (slice(None), slice(None), slice(start, start + C)), k, v)
         if layer == self.num_layers - 1:
-            self.pos[:, start:start + C] = torch.as_tensor(positions, device=self.device).expand(self.batch, C)
+            self.pos[:, start : start + C] = torch.as_tensor(positions, device=self.device).expand(self.batch, C)
             self.length += C
             self.host_length += C
             self._ext_owners = [None] * self.batch
@@ -201,8 +215,10 @@ class DenseTail:
         and ``host.Staging`` sent them (the step's one copy); else they are copied here."""
         store = self.plan_step(active)
         if staged is None:
-            staged = (store.to(torch.int64).to(self.device, non_blocking=True),
-                      torch.as_tensor(positions, dtype=torch.int64).expand(self.batch).to(self.device, non_blocking=True))
+            staged = (
+                store.to(torch.int64).to(self.device, non_blocking=True),
+                torch.as_tensor(positions, dtype=torch.int64).expand(self.batch).to(self.device, non_blocking=True),
+            )
         self.start_step(store, *staged)
         return store
 
@@ -229,8 +245,7 @@ class DenseTail:
         self._store.copy_(store_dev, non_blocking=True)
         self.step_positions.copy_(positions_dev, non_blocking=True)
         # where each sequence's K/V goes: its next slot here, or the write-off slot
-        torch.where(self._store.bool(), self.length, torch.full_like(self.length, self.capacity),
-                    out=self._slot)
+        torch.where(self._store.bool(), self.length, torch.full_like(self.length, self.capacity), out=self._slot)
         torch.add(self.length, self._store, out=self._kv_len)
         self.pos[self._rows, self._slot] = self.step_positions  # masks of this step need them
         self._store_host = store
@@ -291,8 +306,11 @@ class DenseTail:
         self._ext_host = (b_idx, i_idx, t_idx, slot_idx)
         if b_idx:
             self.pos[self._ext[0], self._ext[3]] = positions.to(dev)[self._ext[1], self._ext[2]]
-        self._ext_added = torch.bincount(torch.tensor(b_idx, dtype=torch.int64), minlength=self.batch) \
-            if b_idx else torch.zeros(self.batch, dtype=torch.int64)
+        self._ext_added = (
+            torch.bincount(torch.tensor(b_idx, dtype=torch.int64), minlength=self.batch)
+            if b_idx
+            else torch.zeros(self.batch, dtype=torch.int64)
+        )
 
     def extend(self, layer: int, k_new, v_new) -> None:
         """This rank's share of the extension's K/V, ``k_new, v_new [len(rows), H_kv, T, d]``
@@ -320,8 +338,12 @@ class DenseTail:
         row; the write-off slot for tokens kept elsewhere, and for padding)."""
         B, H, T, d = k.shape
         rows = self._rows.repeat_interleave(T)
-        self._put(layer, (rows, slice(None), slots), k.transpose(1, 2).reshape(B * T, H, d),
-                  v.transpose(1, 2).reshape(B * T, H, d))
+        self._put(
+            layer,
+            (rows, slice(None), slots),
+            k.transpose(1, 2).reshape(B * T, H, d),
+            v.transpose(1, 2).reshape(B * T, H, d),
+        )
 
     def end_extend(self) -> None:
         """After the last layer: the extension's tokens count."""
@@ -333,13 +355,16 @@ class DenseTail:
         """``(k, v [1, H_kv, m, d], pos [m])``: the tokens of the extension under way that this
         rank keeps for sequence ``b`` (written by :meth:`extend`, not yet counted)."""
         start, m = int(self.host_length[b]), int(self._ext_added[b])
-        return (self.k[layer][b:b + 1, :, start:start + m], self.v[layer][b:b + 1, :, start:start + m],
-                self.pos[b, start:start + m])
+        return (
+            self.k[layer][b : b + 1, :, start : start + m],
+            self.v[layer][b : b + 1, :, start : start + m],
+            self.pos[b, start : start + m],
+        )
 
     def extension_scales(self, layer: int, b: int):
         """The fp8 scales of :meth:`extension_view`'s tokens: ``(k_scale, v_scale [1, H_kv, m, G])``."""
         start, m = int(self.host_length[b]), int(self._ext_added[b])
-        return self.ks[layer][b:b + 1, :, start:start + m], self.vs[layer][b:b + 1, :, start:start + m]
+        return self.ks[layer][b : b + 1, :, start : start + m], self.vs[layer][b : b + 1, :, start : start + m]
 
     def view_rows(self, layer: int, rows, extended: bool = False):
         """``(k, v [R, H_kv, L, d], kv_len [R], pos [R, L])`` of sequences ``rows``, including
@@ -360,8 +385,10 @@ class DenseTail:
         are no longer the extension's: cutting lengths back would drop the wrong ones)."""
         owners = self._ext_owners[b]
         if owners is None or bool(self._ext_added[b]):
-            raise RuntimeError(f"truncate_extension: sequence {b} has no ended extension to cut back "
-                               "(a decode token, a reset or a rollback came after it)")
+            raise RuntimeError(
+                f"truncate_extension: sequence {b} has no ended extension to cut back "
+                "(a decode token, a reset or a rollback came after it)"
+            )
         if not 0 <= keep <= len(owners):
             raise ValueError(f"truncate_extension: keep={keep} of an extension of {len(owners)} tokens")
         for owner in owners[keep:]:
@@ -375,7 +402,7 @@ class DenseTail:
         """The tokens this rank keeps of sequence ``b``, as stored: ``k, v`` (and fp8 ``ks, vs``)
         ``[1, H_kv, m, X]`` (a kept answer folded into its document: ``append_stored``)."""
         m = int(self.host_length[b])
-        return [t[layer][b:b + 1, :, :m] for t in (self.k, self.v, self.ks, self.vs) if t]
+        return [t[layer][b : b + 1, :, :m] for t in (self.k, self.v, self.ks, self.vs) if t]
 
     def append_stored(self, positions, counts, layers) -> None:
         """Append tokens already in this cache's storage form (another cache's
@@ -387,8 +414,8 @@ class DenseTail:
         self.reserve(max(n + m, int(self.counts.max())))
         for layer, t in enumerate(layers):
             for x, store in zip(t, (self.k, self.v, self.ks, self.vs)):
-                store[layer][:, :, n:n + m] = x
-        self.pos[0, n:n + m] = torch.as_tensor(positions, device=self.device)
+                store[layer][:, :, n : n + m] = x
+        self.pos[0, n : n + m] = torch.as_tensor(positions, device=self.device)
         self.length += m
         self.host_length += m
         self._ext_owners = [None] * self.batch

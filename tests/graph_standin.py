@@ -40,8 +40,9 @@ class _Trace(TorchDispatchMode):
                 return ("made", tuple(a.shape), a.dtype)
             self.read.add(p)
             return ("buffer", p, a.storage_offset(), tuple(a.shape), tuple(a.stride()), a.dtype)
-        if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
-                          torch.layout)):
+        if isinstance(
+            a, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+        ):
             return a
         return type(a).__name__
 
@@ -91,8 +92,10 @@ class StandIn:
             raise RuntimeError("operation not permitted when stream is capturing (simulated)")
         read = next((i for i, (op, _) in enumerate(ops) if "_local_scalar_dense" in op), None)
         if read is not None:  # a capture cannot wait for the device: CUDA refuses the step
-            raise RuntimeError(f"operation not permitted when stream is capturing: the step reads the device "
-                               f"({ops[read][0]} at {where[read]}, simulated)")
+            raise RuntimeError(
+                f"operation not permitted when stream is capturing: the step reads the device "
+                f"({ops[read][0]} at {where[read]}, simulated)"
+            )
         return Graph(fn, ops, out, where), out
 
     def replay(self, g) -> None:
@@ -102,8 +105,10 @@ class StandIn:
             got = ops[i] if i < len(ops) else "nothing"
             want = g.ops[i] if i < len(g.ops) else "nothing"
             at = f"{g.where[i] if i < len(g.where) else '-'} / {where[i] if i < len(where) else '-'}"
-            raise AssertionError(f"a replay would differ from its capture at operation {i} of {len(g.ops)} "
-                                 f"({at}): captured {want}, the step now runs {got}")
+            raise AssertionError(
+                f"a replay would differ from its capture at operation {i} of {len(g.ops)} "
+                f"({at}): captured {want}, the step now runs {got}"
+            )
         if out is not None:
             g.out.copy_(out)
         self.checked += 1

@@ -97,6 +97,7 @@ def peak_anon_growth(fn, probes=()):
                 sample()
                 yield x
             sample()
+
         return pieces
 
     def wrap(real):
@@ -105,6 +106,7 @@ def peak_anon_growth(fn, probes=()):
             out = real(*a, **kw)
             sample()
             return sampled_gen(out) if callable(out) else out
+
         return probe
 
     saved = [(obj, name, getattr(obj, name)) for obj, name in probes]
@@ -129,6 +131,7 @@ def peak_anon_growth(fn, probes=()):
 
 
 # ---------------------------------------------------------------- processes
+
 
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (children first, then theirs)."""
@@ -178,8 +181,10 @@ def kernel_view(pids) -> str:
             stat = read("stat")
             state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
             stack = " < ".join(ln.split()[-1] for ln in read("stack").splitlines()[:6])
-            lines.append(f"  {tid} {read('comm').strip()!r} {state} wchan={read('wchan').strip() or '-'}"
-                         + (f" stack: {stack}" if stack else ""))
+            lines.append(
+                f"  {tid} {read('comm').strip()!r} {state} wchan={read('wchan').strip() or '-'}"
+                + (f" stack: {stack}" if stack else "")
+            )
     return "\n".join(lines)
 
 
@@ -211,6 +216,7 @@ def still_running(pids, within=10.0):
 
 # ---------------------------------------------------------------- drafting premises
 
+
 def copying_question(model_dir, doc: list[int], *, kv_round=None, tries: int = 64) -> list[int]:
     """A question whose greedy answer after ``doc`` repeats an earlier bigram at once, so that
     n-gram drafting drafts at its first verify and greedy keeps the draft: the premise of a test
@@ -238,7 +244,7 @@ def stop_string_in(text: str, ids: list[int], decode, start: int = 2) -> tuple[s
     ASCII characters at or after ``start`` (else before it) that occur there first, and ``n``,
     the tokens after which the answer holds it (where a stop must end it). Asserts there is one."""
     for i in [*range(start, len(text) - 1), *range(min(start, len(text) - 1))]:
-        s = text[i:i + 2]
+        s = text[i : i + 2]
         if s.isascii() and s.isprintable() and text.find(s) == i:
             n = next(k for k in range(1, len(ids) + 1) if s in decode(ids[:k]))
             return s, n
@@ -246,6 +252,7 @@ def stop_string_in(text: str, ids: list[int], decode, start: int = 2) -> tuple[s
 
 
 # ---------------------------------------------------------------- work started early
+
 
 class Background:
     """Subprocesses started when the session is collected, at the lowest CPU priority, and
@@ -262,8 +269,7 @@ class Background:
 
         root.mkdir(parents=True, exist_ok=True)
         out, err = open(root / f"{name}.out", "w+"), open(root / f"{name}.err", "w+")
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, text=True,
-                                preexec_fn=lambda: os.nice(nice))
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, text=True, preexec_fn=lambda: os.nice(nice))
         cls.jobs[name] = (proc, out, err)
 
     @classmethod
@@ -304,14 +310,20 @@ def start_offline_install(root: Path) -> None:
     if "offline-install" in Background.jobs:
         return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    Background.start("offline-install", [sys.executable, "-m", "treeattn_cli.bench.wheelhouse", "--out",
-                                         str(root / "wheelhouse"), "--check-install"], env, root)
+    Background.start(
+        "offline-install",
+        [sys.executable, "-m", "treeattn_cli.bench.wheelhouse", "--out", str(root / "wheelhouse"), "--check-install"],
+        env,
+        root,
+    )
 
 
 # Work a test module's fixture waits for, started when the session is collected: fixture name ->
 # (the module whose tests use it, what starts it).
-EARLY = {"compiled": ("tests/kernel/test_offline_compile.py::", lambda root: start_offline_compiles(root / "offline")),
-         "offline_install": ("tests/test_packaging.py::", lambda root: start_offline_install(root / "install"))}
+EARLY = {
+    "compiled": ("tests/kernel/test_offline_compile.py::", lambda root: start_offline_compiles(root / "offline")),
+    "offline_install": ("tests/test_packaging.py::", lambda root: start_offline_install(root / "install")),
+}
 
 
 def start_offline_compiles(root: Path) -> None:
@@ -329,8 +341,12 @@ def start_offline_compiles(root: Path) -> None:
         if f"compile-{t}" in Background.jobs:
             continue
         cache = root / f"triton-{t}"
-        Background.start(f"compile-{t}", [sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", t,
-                                          "--json"], {**env, "TRITON_CACHE_DIR": str(cache)}, root)
+        Background.start(
+            f"compile-{t}",
+            [sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", t, "--json"],
+            {**env, "TRITON_CACHE_DIR": str(cache)},
+            root,
+        )
 
 
 def begin_step(tail, positions, active=None):
@@ -340,6 +356,9 @@ def begin_step(tail, positions, active=None):
     import torch
 
     store = tail.plan_step(active)
-    tail.start_step(store, store.to(torch.int64).to(tail.device),
-                    torch.as_tensor(positions, dtype=torch.int64).expand(tail.batch).to(tail.device))
+    tail.start_step(
+        store,
+        store.to(torch.int64).to(tail.device),
+        torch.as_tensor(positions, dtype=torch.int64).expand(tail.batch).to(tail.device),
+    )
     return store

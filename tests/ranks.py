@@ -157,11 +157,24 @@ def engine_batch(ctx, job, doc, questions, slots, new, speculate="off", extra=No
         eng = Engine(ctx, job)
         if graphs:
             fake_cuda_graphs(eng.dec, ctx.rank, graphs if isinstance(graphs, str) else None)
-        eng.serve([{"op": "append", "ids": doc}]
-                  + [{"op": "batch", "questions": questions, "slots": slots, "max_new_tokens": new,
-                      "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": speculate,
-                      **(extra or {})}] * repeat
-                  + [{"op": "stop"}])
+        eng.serve(
+            [{"op": "append", "ids": doc}]
+            + [
+                {
+                    "op": "batch",
+                    "questions": questions,
+                    "slots": slots,
+                    "max_new_tokens": new,
+                    "sampling": vars(Sampling()),
+                    "stop": [],
+                    "eos_ids": [],
+                    "speculate": speculate,
+                    **(extra or {}),
+                }
+            ]
+            * repeat
+            + [{"op": "stop"}]
+        )
     finally:
         ctx.emit = real
         os.environ.pop("TREEATTN_KERNEL", None)
@@ -211,8 +224,11 @@ def engine_mixed(ctx, job, docs, questions, slots, new, extra=None, graphs=False
         if kind == "banswer":
             got[p[0]] = p[1]["token_ids"]
             # (an answer with no token has no first-token time: the record must not make one up)
-            reasons[p[0]] = p[1]["stop_reason"] if p[1]["new_tokens"] or p[1]["ttft_s"] is None \
+            reasons[p[0]] = (
+                p[1]["stop_reason"]
+                if p[1]["new_tokens"] or p[1]["ttft_s"] is None
                 else "no token, yet a first-token time"
+            )
         elif kind == "batch_done":
             done.append(p)
 
@@ -221,11 +237,23 @@ def engine_mixed(ctx, job, docs, questions, slots, new, extra=None, graphs=False
         eng = Engine(ctx, job)
         if graphs:
             fake_cuda_graphs(eng.dec, ctx.rank)
-        eng.serve([{"op": "batch", "slots": slots, "max_new_tokens": new, "piece": 8,
-                    "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off",
-                    "questions": [{"ids": q, "doc": {"key": f"d{d}", "ids": docs[d]}}
-                                  for d, q in questions], **(extra or {})},
-                   {"op": "stop"}])
+        eng.serve(
+            [
+                {
+                    "op": "batch",
+                    "slots": slots,
+                    "max_new_tokens": new,
+                    "piece": 8,
+                    "sampling": vars(Sampling()),
+                    "stop": [],
+                    "eos_ids": [],
+                    "speculate": "off",
+                    "questions": [{"ids": q, "doc": {"key": f"d{d}", "ids": docs[d]}} for d, q in questions],
+                    **(extra or {}),
+                },
+                {"op": "stop"},
+            ]
+        )
     finally:
         ctx.emit = real
         os.environ.pop("TREEATTN_KERNEL", None)

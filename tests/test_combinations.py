@@ -20,17 +20,17 @@ import combos
 # Seeds that found a defect once: they run in CI whatever the count (seed: what they found).
 REGRESSIONS = {
     2: "a slot refilled while another slot's rejected drafts were cut back (ShardedKVCache.begin_extend reset "
-       "every row's extension owners): tokens differ",
+    "every row's extension owners): tokens differ",
     47: "the same, through the server's open batch with a late join: tokens differ from the 4th on",
     175: "the n-gram drafter never matched across its base and its own tokens, so a batch's slot and the "
-         "question alone drafted differently and speculative sampling drew other tokens",
+    "question alone drafted differently and speculative sampling drew other tokens",
     48: "a document that took a cached block of its prefix in part copied it before writing, so a pool "
-        "holding the document alone needed one block more than it had: the batch gave up on it",
+    "holding the document alone needed one block more than it had: the batch gave up on it",
     2521: "a document sharing its last, partial block with another it then evicted to make room still "
-          "counted the copy that sharing had needed (the need was not counted again): the pool, holding the "
-          "document alone, refused it, and its questions ended empty (no_room)",
+    "counted the copy that sharing had needed (the need was not counted again): the pool, holding the "
+    "document alone, refused it, and its questions ended empty (no_room)",
     21: "under --tp 2 the LM head's rows (the last positions, strided) took another route beside a second row: "
-        "the first token's logits of a batched question differed from alone's in their bits (issue 49)",
+    "the first token's logits of a batched question differed from alone's in their bits (issue 49)",
 }
 
 
@@ -39,7 +39,7 @@ COVERAGE = {
     27: "a saved cache reloaded on other ranks (the first 40 reach it here only)",
     134: "documents evicted to disk at once (a budget of one byte) and loaded back when asked again",
     658: "a document found whole in the pool's cached blocks (134 found one while a saved copy was loaded "
-         "beside a full pool; loads now wait for blocks inside it, and take the cached ones)",
+    "beside a full pool; loads now wait for blocks inside it, and take the cached ones)",
     37: "documents that begin alike on 3 ranks: a later one takes the earlier one's blocks and prefills the rest",
     231: "a conversation's verifies replayed from (stand-in) CUDA graphs (a batch of one over its pooled document)",
     13: "a conversation's question of one token on 2 ranks (shorter than the shards: every rank computes it)",
@@ -106,24 +106,48 @@ def test_the_configurations_meet_where_defects_live(outcome):
     seen = set()
     for seed, c in configs.items():
         seen |= combos.features(c, results[seed])
-    need = {"drafts accepted", "drafts rejected", "slots refilled while drafting", "joined a running batch",
-            "cancelled", "reloaded on other ranks", "document from memory", "question shorter than the shards",
-            "sampling", "chunked prefill", "kv:fp8", "kv:auto", "documents mixed in a step",
-            "document prefilled while others decode", "document evicted to disk and loaded back",
-            "document evicted to host memory and copied back", "document copied back a layer per round",
-            "a document waited for blocks", "document found whole in the pool's cached blocks",
-            "document prefilled after a prefix found in the pool", "question prefilled in chunks while others decode",
-            "cited", "cited with drafts accepted", "cited beside answers that do not",
-            "batched steps replayed from graphs", "verifies replayed from graphs", "document shorter than the shards",
-            "a question waited for its tail's blocks"}
+    need = {
+        "drafts accepted",
+        "drafts rejected",
+        "slots refilled while drafting",
+        "joined a running batch",
+        "cancelled",
+        "reloaded on other ranks",
+        "document from memory",
+        "question shorter than the shards",
+        "sampling",
+        "chunked prefill",
+        "kv:fp8",
+        "kv:auto",
+        "documents mixed in a step",
+        "document prefilled while others decode",
+        "document evicted to disk and loaded back",
+        "document evicted to host memory and copied back",
+        "document copied back a layer per round",
+        "a document waited for blocks",
+        "document found whole in the pool's cached blocks",
+        "document prefilled after a prefix found in the pool",
+        "question prefilled in chunks while others decode",
+        "cited",
+        "cited with drafts accepted",
+        "cited beside answers that do not",
+        "batched steps replayed from graphs",
+        "verifies replayed from graphs",
+        "document shorter than the shards",
+        "a question waited for its tail's blocks",
+    }
     need |= {f"route:{r}" for r in ("batch", "serve", "mixed", "conversation", "sequential")}
     need |= {f"mesh:{cp}x{tp}" for cp, tp in combos.ORDER} | {f"family:{f}" for f in combos.FAMILIES}
     assert need <= seen, sorted(need - seen)
 
 
 def _rec(tokens, digests, reason="length"):
-    return {"token_ids": tokens, "stop_reason": reason, "digests": digests,
-            "logprobs": [{"id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in tokens]}
+    return {
+        "token_ids": tokens,
+        "stop_reason": reason,
+        "digests": digests,
+        "logprobs": [{"id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in tokens],
+    }
 
 
 def test_the_check_fails_on_what_it_guards_against():
@@ -140,8 +164,9 @@ def test_the_check_fails_on_what_it_guards_against():
             return [9, 4]
 
     def problems(answer, cancelled=()):
-        return combos.check(c, {"answers": {0: answer}, "alone": alone, "events": {"cancel_posted": list(cancelled)}},
-                            fx, NoOracle())
+        return combos.check(
+            c, {"answers": {0: answer}, "alone": alone, "events": {"cancel_posted": list(cancelled)}}, fx, NoOracle()
+        )
 
     assert problems(_rec([9, 4], ["aa", "bb"])) == []
     assert any("in their bits" in p for p in problems(_rec([9, 4], ["aa", "bc"])))

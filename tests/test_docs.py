@@ -19,7 +19,7 @@ COMMANDS = ("generate", "chat", "serve", "topo", "bench", "check")
 SHELL = {"bash", "sh", "shell", "console"}
 
 FENCE = re.compile(r"^\s*```(\S*)\s*$")
-TREEATTN = re.compile(r"(?<![\w./-])treeattn\)?\s+([a-z][\w-]*)")    # also `$(which treeattn) generate`
+TREEATTN = re.compile(r"(?<![\w./-])treeattn\)?\s+([a-z][\w-]*)")  # also `$(which treeattn) generate`
 FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 INLINE = re.compile(r"`([^`]+)`")
@@ -87,7 +87,7 @@ def _uses(text: str):
     for segment in re.split(r"\|\||&&|[|;]", text):
         m = TREEATTN.search(segment)
         if m:
-            found.append((m.group(1), FLAG.findall(segment[m.end():])))
+            found.append((m.group(1), FLAG.findall(segment[m.end() :])))
     return found
 
 
@@ -108,7 +108,7 @@ def _command_problems(path: Path):
 def test_documented_commands_use_flags_their_help_lists():
     problems, seen = [], set()
     for path in DOCS:
-        if path.name == "benchmarks-history.md":   # the diary: what was run on its day
+        if path.name == "benchmarks-history.md":  # the diary: what was run on its day
             continue
         p, s = _command_problems(path)
         problems += p
@@ -122,16 +122,20 @@ def test_every_flag_is_documented(command):
     """docs/usage.md describes every flag of every command but serve's, docs/serving.md serve's."""
     page = REPO / "docs" / ("serving.md" if command == "serve" else "usage.md")
     text = page.read_text(encoding="utf-8")
-    missing = sorted(f for f in _help_flags(command) - {"--help"}
-                     if not re.search(re.escape(f) + r"(?![\w-])", text)
-                     and not (f.startswith("--no-") and "--" + f[5:] in text))
+    missing = sorted(
+        f
+        for f in _help_flags(command) - {"--help"}
+        if not re.search(re.escape(f) + r"(?![\w-])", text) and not (f.startswith("--no-") and "--" + f[5:] in text)
+    )
     assert not missing, f"{page.name} does not mention treeattn {command}'s {missing}"
 
 
 def test_the_check_catches_a_wrong_flag(tmp_path):
     doc = tmp_path / "planted.md"
-    doc.write_text("```bash\ntreeattn chat --prompt-file a.txt \\\n    --questionz q.txt   # one typo\n```\n"
-                   "and inline, `treeattn generate --no-such-flag`.\n")
+    doc.write_text(
+        "```bash\ntreeattn chat --prompt-file a.txt \\\n    --questionz q.txt   # one typo\n```\n"
+        "and inline, `treeattn generate --no-such-flag`.\n"
+    )
     problems, _ = _command_problems(doc)
     assert len(problems) == 2 and "--questionz" in problems[0] and "--no-such-flag" in problems[1], problems
 
@@ -181,8 +185,10 @@ def _anchors(path: Path) -> frozenset:
 
 
 def test_slug_is_githubs():
-    assert slug("One document, many questions: `treeattn chat` and saved caches") == \
-        "one-document-many-questions-treeattn-chat-and-saved-caches"
+    assert (
+        slug("One document, many questions: `treeattn chat` and saved caches")
+        == "one-document-many-questions-treeattn-chat-and-saved-caches"
+    )
     assert slug("7. Tests and measurements") == "7-tests-and-measurements"
     assert slug("Contexts that do not fit: `--kv-dtype fp8`") == "contexts-that-do-not-fit---kv-dtype-fp8"
 
@@ -206,5 +212,5 @@ def test_relative_links_point_to_files_and_headings_that_exist(path):
 def test_readme_is_a_landing_page():
     text = (REPO / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 150
-    assert "make test   # the test suite" in text      # .ci/run runs the README's test command
+    assert "make test   # the test suite" in text  # .ci/run runs the README's test command
     assert "make demo" in text

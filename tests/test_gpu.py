@@ -57,10 +57,16 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     runs = {}
     for graph in (False, True):
         toks = []
-        res = run_local(rank_generate, 1, EngineJob(str(d), ids, max_new_tokens=12, dtype="float32",
-                                                      cuda_graph=graph, speculate="off"),  # drafts skip the graph
-                        backend="nccl", devices=["cuda:0"],
-                        on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
+        res = run_local(
+            rank_generate,
+            1,
+            EngineJob(
+                str(d), ids, max_new_tokens=12, dtype="float32", cuda_graph=graph, speculate="off"
+            ),  # drafts skip the graph
+            backend="nccl",
+            devices=["cuda:0"],
+            on_event=lambda r, k, v: toks.append(v) if k == "token" else None,
+        )
         runs[graph] = toks
         assert res[0]["cuda_graph"] == graph, res[0].get("note")
         replays = res[0]["cuda_graph_replays"]
@@ -112,8 +118,15 @@ def test_check_passes_on_this_gpu(tmp_path, monkeypatch):
     recs = json.loads(r.stdout)
     assert r.exit_code == 0, [x for x in recs if x["verdict"] == "FAIL"]
     paths = {x["path"] for x in recs}
-    assert {"partial/triton", "partial/aten", "merge/fused", "generate/eager", "generate/cuda-graph", "batch/eager",
-            "batch/cuda-graph"} <= paths
+    assert {
+        "partial/triton",
+        "partial/aten",
+        "merge/fused",
+        "generate/eager",
+        "generate/cuda-graph",
+        "batch/eager",
+        "batch/cuda-graph",
+    } <= paths
     assert any(p.startswith("compile/sm_") for p in paths)
 
 

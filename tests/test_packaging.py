@@ -32,8 +32,7 @@ def test_transformers_does_not_import_our_kernels(tmp_path):
         "sys.exit(1 if bad or ours else 0)\n"
     )
     for cwd in (tmp_path, REPO / "tests"):
-        r = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
     import treeattn_kernels
 
@@ -48,9 +47,23 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
         shutil.copy(REPO / name, src / name)
     for name in ("treeattn_cli", "kernels", "profiles"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                        "-q", "-w", str(tmp_path / "dist"), str(src)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = (tmp_path / "dist").glob("treeattn-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -60,8 +73,11 @@ def test_wheel_has_no_top_level_kernels(tmp_path):
     assert "treeattn_kernels/partial_triton.py" in names
     assert "treeattn_cli/main.py" in names
     # every module of the tree is in the wheel (a package missing from pyproject's list is not)
-    tree = {f"treeattn_cli/{f.relative_to(REPO / 'treeattn_cli').as_posix()}"
-            for f in (REPO / "treeattn_cli").rglob("*.py") if "__pycache__" not in f.parts}
+    tree = {
+        f"treeattn_cli/{f.relative_to(REPO / 'treeattn_cli').as_posix()}"
+        for f in (REPO / "treeattn_cli").rglob("*.py")
+        if "__pycache__" not in f.parts
+    }
     assert tree <= set(names), sorted(tree - set(names))
     assert "treeattn_cli/profiles/dgx-h100.yaml" in names and "treeattn_cli/data/demo_document.txt" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))

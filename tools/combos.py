@@ -25,15 +25,19 @@ def main(argv=None) -> int:
     import os
     import tempfile
 
-    ap = argparse.ArgumentParser(description="The combination test: random configurations, each answer "
-                                             "against the same request alone.")
+    ap = argparse.ArgumentParser(
+        description="The combination test: random configurations, each answer against the same request alone."
+    )
     ap.add_argument("--seed", type=int, action="append", help="run this configuration (repeatable)")
     ap.add_argument("--seeds", type=int, default=40, help="how many configurations (default 40)")
     ap.add_argument("--first", type=int, default=0, help="the first seed of --seeds")
     ap.add_argument("--root", default=None, help="where models, documents and saved caches go (default: a temp dir)")
     ap.add_argument("--show", action="store_true", help="print the configurations and exit")
-    ap.add_argument("--by-feature", action="store_true",
-                    help="also list the seeds that covered each feature, and the slowest configurations")
+    ap.add_argument(
+        "--by-feature",
+        action="store_true",
+        help="also list the seeds that covered each feature, and the slowest configurations",
+    )
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the ranks load a model per configuration
@@ -48,8 +52,13 @@ def main(argv=None) -> int:
             print(draw(s, fx).line())
         return 0
     t0 = time.perf_counter()
-    configs, results, problems, notes = run(seeds, root, progress=lambda m, n, s: print(
-        f"rank set {m[0]}x{m[1]}: {n} configurations in {s:.1f} s", file=sys.stderr, flush=True))
+    configs, results, problems, notes = run(
+        seeds,
+        root,
+        progress=lambda m, n, s: print(
+            f"rank set {m[0]}x{m[1]}: {n} configurations in {s:.1f} s", file=sys.stderr, flush=True
+        ),
+    )
     seen: dict = {}
     by: dict = {}
     for s, c in configs.items():

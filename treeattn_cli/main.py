@@ -14,8 +14,16 @@ from typing import Optional
 import typer
 
 from . import __version__
-from .cli.options import (ANSWER_FLAGS, CACHE_FLAGS, CITE_FLAGS, MODEL_FLAGS, REPORT_FLAGS, RUN_FLAGS,
-                          SERVE_FLAGS, SPECULATE_FLAGS)
+from .cli.options import (
+    ANSWER_FLAGS,
+    CACHE_FLAGS,
+    CITE_FLAGS,
+    MODEL_FLAGS,
+    REPORT_FLAGS,
+    RUN_FLAGS,
+    SERVE_FLAGS,
+    SPECULATE_FLAGS,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -33,8 +41,11 @@ def _version(value: bool):
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")):
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+):
     """Exact long-context decoding across GPUs with Tree Attention."""
 
 
@@ -65,9 +76,16 @@ def with_flags(*blocks):
     def deco(fn):
         sig = inspect.signature(fn)
         own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
-                                   default=typer.Option(f.default, *f.decls, help=f.help))
-                 for block in blocks for f in block]
+        extra = [
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=f.type,
+                default=typer.Option(f.default, *f.decls, help=f.help),
+            )
+            for block in blocks
+            for f in block
+        ]
 
         @functools.wraps(fn)
         def command(**kw):
@@ -119,7 +137,9 @@ def _run(name: str, opts, *, terminated_message: bool) -> None:
 def generate(
     prompt: Optional[str] = typer.Option(None, help="The prompt text."),
     prompt_file: Optional[str] = typer.Option(None, help="Read the prompt from a file ('-': standard input)."),
-    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: on for the demo)."),
+    chat: Optional[bool] = typer.Option(
+        None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: on for the demo)."
+    ),
     output: Optional[str] = typer.Option(None, help="Also write the generated text to this file (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON record at the end instead of streaming."),
     **flags,
@@ -127,8 +147,9 @@ def generate(
     """Load a model, shard a long prompt's KV cache across ranks, stream tokens."""
     from .cli.options import GenerateOptions
 
-    opts = _check_first(GenerateOptions(prompt=prompt, prompt_file=prompt_file, chat=chat, output=output,
-                                        json=json_out, **flags))
+    opts = _check_first(
+        GenerateOptions(prompt=prompt, prompt_file=prompt_file, chat=chat, output=output, json=json_out, **flags)
+    )
     _run("generate", opts, terminated_message=True)
 
 
@@ -185,12 +206,23 @@ def _report(e: BaseException) -> int:
 
 @app.command()
 def topo(
-    from_file: Optional[str] = typer.Option(None, help="Parse a saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output instead of probing."),
-    profile: Optional[str] = typer.Option(None, help="Link figures for the cost model: a built-in name (dgx-h100, mi300x, rtx4090-pcie, cpu-gloo) or a YAML path."),
-    measure: bool = typer.Option(False, help="Measure per-pair latency/bandwidth and group all_reduce latency on this machine's ranks."),
-    save: Optional[str] = typer.Option(None, help="With --measure: write the measured profile here (for generate --layout / bench)."),
+    from_file: Optional[str] = typer.Option(
+        None, help="Parse a saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output instead of probing."
+    ),
+    profile: Optional[str] = typer.Option(
+        None,
+        help="Link figures for the cost model: a built-in name (dgx-h100, mi300x, rtx4090-pcie, cpu-gloo) or a YAML path.",
+    ),
+    measure: bool = typer.Option(
+        False, help="Measure per-pair latency/bandwidth and group all_reduce latency on this machine's ranks."
+    ),
+    save: Optional[str] = typer.Option(
+        None, help="With --measure: write the measured profile here (for generate --layout / bench)."
+    ),
     nproc: Optional[int] = typer.Option(None, help="Ranks to plan (and measure) for (default: all GPUs; 2 CPU ranks)."),
-    tp: int = typer.Option(1, help="Tensor-parallel ranks per sequence shard: plan the merge over the cp groups of --nproc / T ranks."),
+    tp: int = typer.Option(
+        1, help="Tensor-parallel ranks per sequence shard: plan the merge over the cp groups of --nproc / T ranks."
+    ),
     batch: int = typer.Option(1, help="Batch size of the merges the layout is priced for."),
     heads: int = typer.Option(32, help="Query heads (default: Llama-3.1-8B)."),
     head_dim: int = typer.Option(128, help="Head dimension."),
@@ -203,13 +235,29 @@ def topo(
     from .cli.topo import TopoOptions, topo_command
 
     try:
-        for flag, v in (("--nproc", nproc if nproc is not None else 1), ("--batch", batch),
-                        ("--heads", heads), ("--head-dim", head_dim), ("--layers", layers)):
+        for flag, v in (
+            ("--nproc", nproc if nproc is not None else 1),
+            ("--batch", batch),
+            ("--heads", heads),
+            ("--head-dim", head_dim),
+            ("--layers", layers),
+        ):
             if v < 1:
                 raise ValueError(f"{flag} must be >= 1, got {v}")
-        rec = topo_command(TopoOptions(from_file=from_file, profile=profile, measure=measure, save=save,
-                                       nproc=nproc, batch=batch, heads=heads, head_dim=head_dim,
-                                       layers=layers, tp=tp))
+        rec = topo_command(
+            TopoOptions(
+                from_file=from_file,
+                profile=profile,
+                measure=measure,
+                save=save,
+                nproc=nproc,
+                batch=batch,
+                heads=heads,
+                head_dim=head_dim,
+                layers=layers,
+                tp=tp,
+            )
+        )
     except Exception as e:
         if debug:
             raise
@@ -223,33 +271,61 @@ def bench(
     scheme: str = typer.Option("auto", help="Tree merge scheme(s): auto (the layout's), all, or a comma list."),
     seq_len: str = typer.Option("16384", help="Comma list of total KV lengths (16K, 1M allowed)."),
     batch: str = typer.Option("1", help="Batch size, or a comma list (the decode sweep and --simulate run each)."),
-    shared: bool = typer.Option(False, help="The batch's sequences share one document (chat --batch): B query rows against one cache."),
+    shared: bool = typer.Option(
+        False, help="The batch's sequences share one document (chat --batch): B query rows against one cache."
+    ),
     heads: int = typer.Option(32, help="Query heads (default: Llama-3.1-8B)."),
     kv_heads: int = typer.Option(8, help="KV heads."),
     head_dim: int = typer.Option(128, help="Head dimension."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 on GPUs, float32 on CPU) | float32 | bfloat16 | float16."),
-    nproc: Optional[str] = typer.Option(None, help="Ranks, or a comma list of rank counts (default: visible GPUs, 2 on a CPU-only machine)."),
+    nproc: Optional[str] = typer.Option(
+        None, help="Ranks, or a comma list of rank counts (default: visible GPUs, 2 on a CPU-only machine)."
+    ),
     backend: str = typer.Option("auto", help="auto | nccl | gloo."),
     device: str = typer.Option("auto", help="auto | cuda | cpu."),
     layers: int = typer.Option(1, help="Layers per timed decode step."),
     iters: int = typer.Option(10, help="Timed iterations per case."),
     warmup: int = typer.Option(3, help="Untimed iterations per case."),
     layout: Optional[str] = typer.Option(None, help="Profile for the layout choice (name or YAML path)."),
-    simulate: Optional[str] = typer.Option(None, help="Project with the α–β model for a profile (e.g. dgx-h100) instead of running."),
+    simulate: Optional[str] = typer.Option(
+        None, help="Project with the α–β model for a profile (e.g. dgx-h100) instead of running."
+    ),
     gpus: str = typer.Option("8,64,128,1024", help="With --simulate: cluster sizes."),
     kernel: bool = typer.Option(False, help="Time the local partial-attention kernel against SDPA and flex_attention."),
-    model: Optional[str] = typer.Option(None, help="Model-level mode: decode ms/token of generate per method on this model."),
-    tp: str = typer.Option("1", help="Tensor-parallel ranks per sequence shard (model mode: one value; --simulate: a comma list to compare)."),
-    model_shape: Optional[str] = typer.Option(None, help="With --simulate: project a whole model's decode step on a (cp x tp) mesh: llama-3.1-8b | llama-3.1-70b | llama-3.1-405b."),
-    prefill: bool = typer.Option(False, help="Causal prefill attention per sharding (balanced, contiguous, single) instead of decode; with --simulate, a whole model's prefill."),
-    mfu: float = typer.Option(0.5, help="With --simulate --prefill: the fraction of the profile's peak FLOP/s that compute runs at."),
-    acceptance: Optional[float] = typer.Option(None, help="With --simulate --model-shape: also price speculative decoding, each draft kept with this probability (e.g. 0.7, as `generate --json` reports)."),
+    model: Optional[str] = typer.Option(
+        None, help="Model-level mode: decode ms/token of generate per method on this model."
+    ),
+    tp: str = typer.Option(
+        "1",
+        help="Tensor-parallel ranks per sequence shard (model mode: one value; --simulate: a comma list to compare).",
+    ),
+    model_shape: Optional[str] = typer.Option(
+        None,
+        help="With --simulate: project a whole model's decode step on a (cp x tp) mesh: llama-3.1-8b | llama-3.1-70b | llama-3.1-405b.",
+    ),
+    prefill: bool = typer.Option(
+        False,
+        help="Causal prefill attention per sharding (balanced, contiguous, single) instead of decode; with --simulate, a whole model's prefill.",
+    ),
+    mfu: float = typer.Option(
+        0.5, help="With --simulate --prefill: the fraction of the profile's peak FLOP/s that compute runs at."
+    ),
+    acceptance: Optional[float] = typer.Option(
+        None,
+        help="With --simulate --model-shape: also price speculative decoding, each draft kept with this probability (e.g. 0.7, as `generate --json` reports).",
+    ),
     draft_k: int = typer.Option(8, help="With --acceptance: drafts per verify step."),
     new_tokens: int = typer.Option(16, help="Model-level mode: tokens decoded per run."),
-    kv_dtype: str = typer.Option("auto", help="KV cache storage: auto | bfloat16 | float16 | float32 | fp8 (the decode "
-                                 "sweep, model mode and --simulate read the cache as stored)."),
-    max_context: bool = typer.Option(False, help="With --simulate: the longest context that fits --gpus GPUs for "
-                                     "--model-shape (default 8B and 70B) with bf16 and fp8 KV (or --kv-dtype)."),
+    kv_dtype: str = typer.Option(
+        "auto",
+        help="KV cache storage: auto | bfloat16 | float16 | float32 | fp8 (the decode "
+        "sweep, model mode and --simulate read the cache as stored).",
+    ),
+    max_context: bool = typer.Option(
+        False,
+        help="With --simulate: the longest context that fits --gpus GPUs for "
+        "--model-shape (default 8B and 70B) with bf16 and fp8 KV (or --kv-dtype).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the records as a JSON list."),
     csv: Optional[str] = typer.Option(None, help="Also write the records as CSV."),
     plot: Optional[str] = typer.Option(None, help="Also write a PNG: step time vs sequence length per method."),
@@ -264,14 +340,40 @@ def bench(
         if prefill and simulate and tp == "1":
             tp = "8"  # the whole-model prefill projection: tensor parallel inside each 8-GPU node
         with report.sweep_progress(enabled=sys.stderr.isatty() and not (simulate or kernel or model)) as progress:
-            recs = bench_command(BenchOptions(
-                methods=methods, scheme=scheme, seq_len=seq_len, batch=batch, shared=shared, heads=heads,
-                kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, nproc=nproc, backend=backend,
-                device=device, layers=layers, iters=iters, warmup=warmup, simulate=simulate, gpus=gpus,
-                kernel=kernel, model=model, new_tokens=new_tokens, layout=layout, tp=tp,
-                model_shape=model_shape, prefill=prefill, mfu=mfu, acceptance=acceptance, draft_k=draft_k,
-                kv_dtype=kv_dtype, max_context=max_context),
-                on_progress=progress)
+            recs = bench_command(
+                BenchOptions(
+                    methods=methods,
+                    scheme=scheme,
+                    seq_len=seq_len,
+                    batch=batch,
+                    shared=shared,
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    head_dim=head_dim,
+                    dtype=dtype,
+                    nproc=nproc,
+                    backend=backend,
+                    device=device,
+                    layers=layers,
+                    iters=iters,
+                    warmup=warmup,
+                    simulate=simulate,
+                    gpus=gpus,
+                    kernel=kernel,
+                    model=model,
+                    new_tokens=new_tokens,
+                    layout=layout,
+                    tp=tp,
+                    model_shape=model_shape,
+                    prefill=prefill,
+                    mfu=mfu,
+                    acceptance=acceptance,
+                    draft_k=draft_k,
+                    kv_dtype=kv_dtype,
+                    max_context=max_context,
+                ),
+                on_progress=progress,
+            )
         if max_context:
             report.print_max_context(recs, as_json=json_out)
         elif prefill:
@@ -297,13 +399,31 @@ def bench(
 @app.command()
 @with_flags(MODEL_FLAGS, ANSWER_FLAGS, CITE_FLAGS, SPECULATE_FLAGS, RUN_FLAGS, CACHE_FLAGS, REPORT_FLAGS)
 def chat(
-    prompt_file: Optional[str] = typer.Option(None, help="The document ('-': standard input), prefilled once; questions follow."),
-    questions: Optional[str] = typer.Option(None, help="Answer each line of this file in order, then exit ('-': standard input)."),
-    conversation: bool = typer.Option(False, help="Keep the turns (default: each question against the document alone)."),
-    chat_template: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Wrap document and question in the chat template (default: if the tokenizer has one)."),
-    json_out: bool = typer.Option(False, "--json", help="One JSON record per answer (generate's fields and the question)."),
-    output: Optional[str] = typer.Option(None, help="Also write the answers to this file, each followed by a newline, in the order shown (rewritten atomically after each answer)."),
-    batch: int = typer.Option(8, help="Questions from --questions or a pipe that decode together over the shared document (typed ones and --conversation: one at a time); each answer is bit for bit the one it gets alone."),
+    prompt_file: Optional[str] = typer.Option(
+        None, help="The document ('-': standard input), prefilled once; questions follow."
+    ),
+    questions: Optional[str] = typer.Option(
+        None, help="Answer each line of this file in order, then exit ('-': standard input)."
+    ),
+    conversation: bool = typer.Option(
+        False, help="Keep the turns (default: each question against the document alone)."
+    ),
+    chat_template: Optional[bool] = typer.Option(
+        None,
+        "--chat/--no-chat",
+        help="Wrap document and question in the chat template (default: if the tokenizer has one).",
+    ),
+    json_out: bool = typer.Option(
+        False, "--json", help="One JSON record per answer (generate's fields and the question)."
+    ),
+    output: Optional[str] = typer.Option(
+        None,
+        help="Also write the answers to this file, each followed by a newline, in the order shown (rewritten atomically after each answer).",
+    ),
+    batch: int = typer.Option(
+        8,
+        help="Questions from --questions or a pipe that decode together over the shared document (typed ones and --conversation: one at a time); each answer is bit for bit the one it gets alone.",
+    ),
     **flags,
 ):
     """Prefill a long document once, then answer many questions about it.
@@ -313,8 +433,18 @@ def chat(
     its tokens are transformers' greedy generate's. --digest shows the bits."""
     from .cli.options import ChatOptions
 
-    opts = _check_first(ChatOptions(prompt_file=prompt_file, questions=questions, conversation=conversation,
-                                    chat=chat_template, json=json_out, output=output, batch=batch, **flags))
+    opts = _check_first(
+        ChatOptions(
+            prompt_file=prompt_file,
+            questions=questions,
+            conversation=conversation,
+            chat=chat_template,
+            json=json_out,
+            output=output,
+            batch=batch,
+            **flags,
+        )
+    )
     _run("chat", opts, terminated_message=False)
 
 
@@ -330,19 +460,25 @@ def serve(**flags):
 
 @app.command()
 def check(
-    nproc: Optional[int] = typer.Option(None, help="Ranks for the multi-rank checks (default: visible GPUs, 2 on a CPU-only machine)."),
+    nproc: Optional[int] = typer.Option(
+        None, help="Ranks for the multi-rank checks (default: visible GPUs, 2 on a CPU-only machine)."
+    ),
     device: str = typer.Option("auto", help="auto | cuda | cpu."),
     backend: str = typer.Option("auto", help="auto | nccl | gloo."),
     kernels_only: bool = typer.Option(False, help="Only the kernel checks (what generate runs once per machine)."),
-    kv_dtype: Optional[str] = typer.Option(None, help="Instead: measure how storing the KV cache as this dtype "
-                                           "(fp8, bfloat16, float16) moves the model's predictions on --prompt-file "
-                                           "against its own dtype (top-1 agreement, mean KL, greedy agreement)."),
+    kv_dtype: Optional[str] = typer.Option(
+        None,
+        help="Instead: measure how storing the KV cache as this dtype "
+        "(fp8, bfloat16, float16) moves the model's predictions on --prompt-file "
+        "against its own dtype (top-1 agreement, mean KL, greedy agreement).",
+    ),
     prompt_file: Optional[str] = typer.Option(None, help="With --kv-dtype: the document to measure on."),
     model: Optional[str] = typer.Option(None, help="With --kv-dtype: the model (default: the embedded demo model)."),
     dtype: str = typer.Option("auto", help="With --kv-dtype: the model's dtype (auto | float32 | bfloat16 | float16)."),
     max_new_tokens: int = typer.Option(32, help="With --kv-dtype: greedy tokens compared after the document."),
-    max_tokens: Optional[int] = typer.Option(None, help="With --kv-dtype: measure the document's first N tokens "
-                                             "(one device holds both caches)."),
+    max_tokens: Optional[int] = typer.Option(
+        None, help="With --kv-dtype: measure the document's first N tokens (one device holds both caches)."
+    ),
     trust_remote_code: bool = typer.Option(False, help="Allow a model's own Python code from its repository."),
     allow_pickle: bool = typer.Option(False, help="Allow pickled .bin weights (they can run code)."),
     json_out: bool = typer.Option(False, "--json", help="Print the records as JSON."),
@@ -356,14 +492,27 @@ def check(
 
     _quiet_libraries()
     if kv_dtype is not None:
-        raise typer.Exit(_fidelity(kv_dtype, prompt_file, model, dtype, device, max_new_tokens, max_tokens,
-                                   trust_remote_code, allow_pickle, json_out, quiet, debug))
+        raise typer.Exit(
+            _fidelity(
+                kv_dtype,
+                prompt_file,
+                model,
+                dtype,
+                device,
+                max_new_tokens,
+                max_tokens,
+                trust_remote_code,
+                allow_pickle,
+                json_out,
+                quiet,
+                debug,
+            )
+        )
     try:
         if nproc is not None and nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
         say = None if quiet else (lambda what: typer.echo(f"treeattn check: {what}", err=True))
-        recs = check_command(nproc=nproc, device=device, backend=backend, kernels_only=kernels_only,
-                             on_progress=say)
+        recs = check_command(nproc=nproc, device=device, backend=backend, kernels_only=kernels_only, on_progress=say)
     except Exception as e:
         if debug:
             raise
@@ -373,17 +522,38 @@ def check(
     raise typer.Exit(1 if any(r["verdict"] == "FAIL" for r in recs) else 0)
 
 
-def _fidelity(kv_dtype, prompt_file, model, dtype, device, max_new_tokens, max_tokens, trust_remote_code,
-              allow_pickle, json_out, quiet, debug) -> int:
+def _fidelity(
+    kv_dtype,
+    prompt_file,
+    model,
+    dtype,
+    device,
+    max_new_tokens,
+    max_tokens,
+    trust_remote_code,
+    allow_pickle,
+    json_out,
+    quiet,
+    debug,
+) -> int:
     """``check --kv-dtype``: 0 when the lossy cache stays within the thresholds, 1 when it drifts."""
     from . import report
     from .cli.check import fidelity_command
 
     try:
         say = None if quiet else (lambda what: typer.echo(f"treeattn check: {what}", err=True))
-        rec = fidelity_command(kv_dtype=kv_dtype, prompt_file=prompt_file, model=model, dtype=dtype, device=device,
-                               new_tokens=max_new_tokens, max_tokens=max_tokens, trust_remote_code=trust_remote_code,
-                               allow_pickle=allow_pickle, on_progress=say)
+        rec = fidelity_command(
+            kv_dtype=kv_dtype,
+            prompt_file=prompt_file,
+            model=model,
+            dtype=dtype,
+            device=device,
+            new_tokens=max_new_tokens,
+            max_tokens=max_tokens,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            on_progress=say,
+        )
     except Exception as e:
         if debug:
             raise

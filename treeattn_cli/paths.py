@@ -12,7 +12,8 @@ def cache_root() -> Path:
     """``$TREEATTN_CACHE``, else ``$XDG_CACHE_HOME/treeattn``, else ``~/.cache/treeattn``:
     converted models, kernel verdicts, model probes, the server's document cache."""
     base = os.environ.get("TREEATTN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "treeattn")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "treeattn"
+    )
     return Path(base)
 
 

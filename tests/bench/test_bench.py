@@ -26,16 +26,48 @@ def run(*args):
 
 def test_sweep_json_csv_png_and_formulas(tmp_path):
     out_csv, out_png = tmp_path / "b.csv", tmp_path / "b.png"
-    r = run("--nproc", "2", "--seq-len", "300,1000", "--scheme", "all", "--layers", "2", *SHAPE,
-            "--json", "--csv", str(out_csv), "--plot", str(out_png))
+    r = run(
+        "--nproc",
+        "2",
+        "--seq-len",
+        "300,1000",
+        "--scheme",
+        "all",
+        "--layers",
+        "2",
+        *SHAPE,
+        "--json",
+        "--csv",
+        str(out_csv),
+        "--plot",
+        str(out_png),
+    )
     recs = json.loads(r.stdout)
-    need = {"method", "scheme", "nproc", "seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype",
-            "step_ms_median", "bytes_per_step", "collectives_per_step", "peak_mem_bytes"}
+    need = {
+        "method",
+        "scheme",
+        "nproc",
+        "seq_len",
+        "batch",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "dtype",
+        "step_ms_median",
+        "bytes_per_step",
+        "collectives_per_step",
+        "peak_mem_bytes",
+    }
     assert all(need <= set(x) for x in recs)
     got = {(x["method"], x["scheme"], x["seq_len"]) for x in recs}
     for n in (300, 1000):
-        assert {("tree", "allreduce", n), ("tree", "allgather", n), ("tree", "tree", n),
-                ("ring", "ring", n), ("single", "none", n)} <= got
+        assert {
+            ("tree", "allreduce", n),
+            ("tree", "allgather", n),
+            ("tree", "tree", n),
+            ("ring", "ring", n),
+            ("single", "none", n),
+        } <= got
     spec = BenchSpec(heads=8, kv_heads=2, head_dim=32, layers=2)
     for x in recs:
         assert x["step_ms_median"] > 0 and x["step_ms_p10"] <= x["step_ms_median"] <= x["step_ms_p90"]
@@ -68,8 +100,10 @@ def test_the_one_rank_row_is_compared_with_the_widest_ring():
 
     from treeattn_cli.report import print_bench
 
-    recs = [{"seq_len": 1024, "batch": 1, "nproc": p, "method": m, "step_ms_median": ms}
-            for p, m, ms in ((2, "tree", 1.0), (2, "ring", 3.0), (4, "tree", 0.5), (4, "ring", 2.0), (1, "single", 4.0))]
+    recs = [
+        {"seq_len": 1024, "batch": 1, "nproc": p, "method": m, "step_ms_median": ms}
+        for p, m, ms in ((2, "tree", 1.0), (2, "ring", 3.0), (4, "tree", 0.5), (4, "ring", 2.0), (1, "single", 4.0))
+    ]
     buf = io.StringIO()
     print_bench(recs, file=buf)
     rows = {tuple(c.strip() for c in line.split("│")[3:5]): line for line in buf.getvalue().splitlines() if "│" in line}
@@ -79,8 +113,10 @@ def test_the_one_rank_row_is_compared_with_the_widest_ring():
 
 def test_simulator_matches_hand_computed_alpha_beta(tmp_path):
     prof = tmp_path / "toy.yaml"
-    prof.write_text("name: toy\ngpus_per_node: 4\nmemory_bandwidth_gbps: 1000\nlinks:\n"
-                    "  NVSWITCH: {alpha_us: 2, bandwidth_gbps: 100}\n  NET: {alpha_us: 10, bandwidth_gbps: 10}\n")
+    prof.write_text(
+        "name: toy\ngpus_per_node: 4\nmemory_bandwidth_gbps: 1000\nlinks:\n"
+        "  NVSWITCH: {alpha_us: 2, bandwidth_gbps: 100}\n  NET: {alpha_us: 10, bandwidth_gbps: 10}\n"
+    )
     spec = BenchSpec(seq_lens=[4096], batch=1, heads=8, kv_heads=2, head_dim=64, dtype="bfloat16", layers=1)
     recs = simulate(str(prof), [4], spec)
     tree, ring = recs[0], recs[1]
@@ -90,8 +126,9 @@ def test_simulator_matches_hand_computed_alpha_beta(tmp_path):
     # one node of 4: allgather (3 hops) beats the binary tree (2 rounds each way) in this model
     tree_merge = 3 * (2e-6 + m / 100e9)
     assert tree["scheme"] == "allgather"
-    assert L.scheme_cost_s("tree", 4, L.message_bytes(1, 8, 64), L.Link(2e-6, 1 / 100e9)) == \
-        pytest.approx(2 * 2 * (2e-6 + m / 100e9))
+    assert L.scheme_cost_s("tree", 4, L.message_bytes(1, 8, 64), L.Link(2e-6, 1 / 100e9)) == pytest.approx(
+        2 * 2 * (2e-6 + m / 100e9)
+    )
     assert tree["step_ms_median"] == pytest.approx((t_attn + tree_merge) * 1e3)
     xfer = 2e-6 + shard / 100e9
     assert ring["step_ms_median"] == pytest.approx((t_attn + 3 * max(t_attn, xfer)) * 1e3)
@@ -133,17 +170,20 @@ def test_model_mode_on_tiny_model(tmp_path):
     assert all(x["decode_ms_per_token"] > 0 for x in recs)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--heads", "6", "--kv-heads", "4"], "multiple"),
-    (["--seq-len", "0"], "--seq-len"),
-    (["--seq-len", "abc"], "--seq-len"),
-    (["--methods", "tree,warp"], "--methods"),
-    (["--scheme", "bogus"], "--scheme"),
-    (["--nproc", "0"], "--nproc"),
-    (["--layers", "0"], "--layers"),
-    (["--simulate", "no-such-profile"], "profile not found"),
-    (["--dtype", "int8"], "--dtype"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--heads", "6", "--kv-heads", "4"], "multiple"),
+        (["--seq-len", "0"], "--seq-len"),
+        (["--seq-len", "abc"], "--seq-len"),
+        (["--methods", "tree,warp"], "--methods"),
+        (["--scheme", "bogus"], "--scheme"),
+        (["--nproc", "0"], "--nproc"),
+        (["--layers", "0"], "--layers"),
+        (["--simulate", "no-such-profile"], "profile not found"),
+        (["--dtype", "int8"], "--dtype"),
+    ],
+)
 def test_bench_bad_input(args, needle):
     assert_usage_error(cli("bench", *args), needle)
 
@@ -171,8 +211,15 @@ def test_gpu_decode_floor_counts_the_bytes_a_step_reads(tied):
 
     from treeattn_cli.bench.gpu_decode import cache_bytes, floor_ms, step_weight_bytes
 
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     m = LlamaForCausalLM(cfg).to(torch.bfloat16)
     table = 1000 * 64 * 2
     every = sum(p.numel() * p.element_size() for p in m.parameters())
@@ -192,12 +239,21 @@ def test_gpu_decode_times_the_pooled_step_commands_run(monkeypatch):
     from treeattn_cli.engine import attention
 
     attention.register()
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="treeattn")
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="treeattn",
+    )
     m = LlamaForCausalLM(cfg).eval()
     calls = []
     real = attention._cascade
-    monkeypatch.setattr(attention, "_cascade", lambda ctx, *a: calls.append(ctx.tail.counts[0].tolist()) or real(ctx, *a))
+    monkeypatch.setattr(
+        attention, "_cascade", lambda ctx, *a: calls.append(ctx.tail.counts[0].tolist()) or real(ctx, *a)
+    )
     ms, replayed, note = gpu_decode.ours(m, 100, 5, device="cpu")
     assert ms > 0 and not replayed and note is None
     assert len(calls) == 5 * 2 and calls[0] == [1] and calls[-1] == [5]  # the tail grew a token a step
@@ -209,11 +265,29 @@ def test_model_bench_on_a_random_model_prints_records_as_measured(capsys):
     is exactly transformers' greedy answer."""
     from treeattn_cli.bench import model as bm
 
-    bm.main(["--device", "cpu", "--random", "tiny", "--prompt-tokens", "48", "--nproc", "1", "--new-tokens", "3",
-             "--kv-dtypes", "auto,fp8", "--json"])
+    bm.main(
+        [
+            "--device",
+            "cpu",
+            "--random",
+            "tiny",
+            "--prompt-tokens",
+            "48",
+            "--nproc",
+            "1",
+            "--new-tokens",
+            "3",
+            "--kv-dtypes",
+            "auto,fp8",
+            "--json",
+        ]
+    )
     recs = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [(r["method"], r.get("kv_dtype")) for r in recs] == [
-        ("treeattn nproc=1", "float32"), ("treeattn nproc=1", "fp8_e4m3fn"), ("transformers sdpa", None)]
+        ("treeattn nproc=1", "float32"),
+        ("treeattn nproc=1", "fp8_e4m3fn"),
+        ("transformers sdpa", None),
+    ]
     assert recs[0]["same_tokens_as_transformers"] is True
     assert all(r["device"] == "cpu" and r["dtype"] == "float32" and r["decode_ms_per_token"] > 0 for r in recs)
     with pytest.raises(SystemExit):
@@ -225,8 +299,11 @@ def test_batched_decode_over_a_shared_document():
     B times the bytes of one query; the ring still moves the document once per step, whatever
     B; the projection reads the document's cache once per step for all B, so tokens/s grows
     almost linearly with B (8B, 128K keys, 8 H100s)."""
-    recs = json.loads(run("--nproc", "2", "--seq-len", "600", "--shared", "--batch", "1,8", "--scheme", "allreduce",
-                          *SHAPE, "--json").stdout)
+    recs = json.loads(
+        run(
+            "--nproc", "2", "--seq-len", "600", "--shared", "--batch", "1,8", "--scheme", "allreduce", *SHAPE, "--json"
+        ).stdout
+    )
     spec = BenchSpec(heads=8, kv_heads=2, head_dim=32, layers=1, shared=True)
     by = {(x["method"], x["batch"]): x for x in recs}
     assert set(by) == {(m, b) for m in ("tree", "ring", "single") for b in (1, 8)} and all(x["shared"] for x in recs)
@@ -235,13 +312,44 @@ def test_batched_decode_over_a_shared_document():
         assert by["ring", b]["bytes_per_step"] == expected_bytes("ring", "ring", 2, spec, 600, batch=b)
     assert by["tree", 8]["bytes_per_step"] == 8 * by["tree", 1]["bytes_per_step"]
     assert by["ring", 8]["bytes_per_step"] == by["ring", 1]["bytes_per_step"]  # the document, once
-    sim = json.loads(run("--simulate", "dgx-h100", "--model-shape", "llama-3.1-8b", "--gpus", "8", "--seq-len", "128K",
-                         "--tp", "1", "--batch", "1,8,64", "--shared", "--json").stdout)
+    sim = json.loads(
+        run(
+            "--simulate",
+            "dgx-h100",
+            "--model-shape",
+            "llama-3.1-8b",
+            "--gpus",
+            "8",
+            "--seq-len",
+            "128K",
+            "--tp",
+            "1",
+            "--batch",
+            "1,8,64",
+            "--shared",
+            "--json",
+        ).stdout
+    )
     kv = {r["batch"]: r["kv_ms"] for r in sim}
     rate = {r["batch"]: r["tokens_per_s"] for r in sim}
     assert kv[1] == kv[8] == kv[64] and rate[64] > 40 * rate[1]
-    alone = json.loads(run("--simulate", "dgx-h100", "--model-shape", "llama-3.1-8b", "--gpus", "8", "--seq-len", "128K",
-                           "--tp", "1", "--batch", "8", "--json").stdout)
+    alone = json.loads(
+        run(
+            "--simulate",
+            "dgx-h100",
+            "--model-shape",
+            "llama-3.1-8b",
+            "--gpus",
+            "8",
+            "--seq-len",
+            "128K",
+            "--tp",
+            "1",
+            "--batch",
+            "8",
+            "--json",
+        ).stdout
+    )
     assert alone[0]["kv_ms"] == 8 * kv[8]  # eight documents of their own: eight times the reads
 
 

@@ -26,8 +26,10 @@ from treeattn_cli.engine.model import load_tokenizer
 from helpers import assert_usage_error, descendants, kernel_view, rank_pids
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 QUESTIONS = ["what comes first?", "and then", "name the last word"]
 NEW = 6
 
@@ -67,12 +69,14 @@ def _expected(model, doc, questions, *, chat, conversation=False, answers=None):
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_answers_equal_transformers_on_document_plus_question(setup, nproc):
     model, doc, qs, _ = setup
-    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
-                 "--nproc", str(nproc))
+    recs = _chat(
+        "--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat", "--nproc", str(nproc)
+    )
     assert [r["question"] for r in recs] == QUESTIONS
     assert [r["token_ids"] for r in recs] == _expected(model, doc, QUESTIONS, chat=False)
-    assert all(r["context_tokens"] == recs[0]["context_tokens"] - recs[0]["prompt_tokens"] + r["prompt_tokens"]
-               for r in recs)  # every question against the document alone
+    assert all(
+        r["context_tokens"] == recs[0]["context_tokens"] - recs[0]["prompt_tokens"] + r["prompt_tokens"] for r in recs
+    )  # every question against the document alone
 
 
 def test_a_question_longer_than_the_pools_room_per_slot_is_answered(setup, tmp_path):
@@ -90,8 +94,19 @@ def test_a_question_longer_than_the_pools_room_per_slot_is_answered(setup, tmp_p
     turn = P.question_ids(tok, question, comp)
     assert len(turn) > QUESTION_ROOM + NEW and len(ids) + len(turn) + NEW < 2048, (len(ids), len(turn))
     (tmp_path / "q.txt").write_text(question + "\n")
-    recs = _chat("--model", str(long_ctx), "--prompt-file", str(doc), "--questions", str(tmp_path / "q.txt"),
-                 "--no-chat", "--nproc", "2", "--batch", "1")
+    recs = _chat(
+        "--model",
+        str(long_ctx),
+        "--prompt-file",
+        str(doc),
+        "--questions",
+        str(tmp_path / "q.txt"),
+        "--no-chat",
+        "--nproc",
+        "2",
+        "--batch",
+        "1",
+    )
     assert [r["stop_reason"] for r in recs] == ["length"], recs
     assert [r["token_ids"] for r in recs] == [tiny_models.hf_greedy(long_ctx, ids + turn, NEW)]
 
@@ -105,9 +120,28 @@ def test_a_refused_question_is_one_error_line_the_others_are_answered_and_the_ex
     good = [QUESTIONS[0], QUESTIONS[2]]
     qs = tmp_path / "q.txt"
     qs.write_text(f"{good[0]}\n{'the towers and the clocks ' * 120}\n{good[1]}\n")
-    r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(qs),
-                                 "--no-chat", "--nproc", "2", "--batch", batch, "--dtype", "float32",
-                                 "--max-new-tokens", str(NEW), "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "chat",
+            "--model",
+            str(model),
+            "--prompt-file",
+            str(doc),
+            "--questions",
+            str(qs),
+            "--no-chat",
+            "--nproc",
+            "2",
+            "--batch",
+            batch,
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            str(NEW),
+            "--json",
+        ],
+    )
     assert r.exit_code == 2, r.output
     errors = [x for x in r.stderr.splitlines() if x.startswith("treeattn: error: ")]
     assert len(errors) == 1 and "exceeds the model's context" in errors[0], r.stderr
@@ -123,22 +157,49 @@ def test_chat_template_composition_equals_generate(setup, tmp_path):
     recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--nproc", "2")
     tok = load_tokenizer(model)
     for q, r in zip(QUESTIONS, recs):
-        whole = tok.apply_chat_template([{"role": "user", "content": f"{doc.read_text()}\n\n{q}"}],
-                                        add_generation_prompt=True, tokenize=True)
+        whole = tok.apply_chat_template(
+            [{"role": "user", "content": f"{doc.read_text()}\n\n{q}"}], add_generation_prompt=True, tokenize=True
+        )
         whole = whole["input_ids"] if isinstance(whole, dict) or hasattr(whole, "input_ids") else whole
         assert r["token_ids"] == tiny_models.hf_greedy(model, list(whole), NEW), q
     one = tmp_path / "one.txt"
     one.write_text(f"{doc.read_text()}\n\n{QUESTIONS[1]}")
-    g = CliRunner().invoke(app, ["generate", "--model", str(model), "--prompt-file", str(one), "--chat",
-                                 "--dtype", "float32", "--max-new-tokens", str(NEW), "--json", "--nproc", "2"])
+    g = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--prompt-file",
+            str(one),
+            "--chat",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            str(NEW),
+            "--json",
+            "--nproc",
+            "2",
+        ],
+    )
     assert g.exit_code == 0, g.output
     assert json.loads(g.stdout.strip().splitlines()[-1])["token_ids"] == recs[1]["token_ids"]
 
 
 def test_conversation_equals_transformers_on_the_whole_conversation(setup):
     model, doc, qs, _ = setup
-    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
-                 "--nproc", "2", "--conversation")
+    recs = _chat(
+        "--model",
+        str(model),
+        "--prompt-file",
+        str(doc),
+        "--questions",
+        str(qs),
+        "--no-chat",
+        "--nproc",
+        "2",
+        "--conversation",
+    )
     answers = [r["token_ids"] for r in recs]
     assert answers == _expected(model, doc, QUESTIONS, chat=False, conversation=True, answers=answers)
 
@@ -149,8 +210,18 @@ def test_reset_in_a_conversation_returns_to_the_document(setup, tmp_path):
     model, doc, _, _ = setup
     qs = tmp_path / "qs.txt"
     qs.write_text(f"{QUESTIONS[0]}\n{QUESTIONS[1]}\n/reset\n{QUESTIONS[0]}\n")
-    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
-                 "--nproc", "2", "--conversation")
+    recs = _chat(
+        "--model",
+        str(model),
+        "--prompt-file",
+        str(doc),
+        "--questions",
+        str(qs),
+        "--no-chat",
+        "--nproc",
+        "2",
+        "--conversation",
+    )
     answers = [r["token_ids"] for r in recs]
     assert len(recs) == 3 and answers[2] == answers[0], answers
     assert answers[:2] == _expected(model, doc, QUESTIONS[:2], chat=False, conversation=True, answers=answers)
@@ -163,21 +234,51 @@ def test_save_then_load_on_other_meshes(setup, tmp_path):
     (re-sharded by position and by KV head), with the same answers."""
     model, doc, qs, _ = setup
     kv = tmp_path / "kv"
-    first = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
-                  "--nproc", "3", "--save-kv", str(kv))
+    first = _chat(
+        "--model",
+        str(model),
+        "--prompt-file",
+        str(doc),
+        "--questions",
+        str(qs),
+        "--no-chat",
+        "--nproc",
+        "3",
+        "--save-kv",
+        str(kv),
+    )
     m = json.loads((kv / "manifest.json").read_text())
     assert m["mesh"] == {"nproc": 3, "tp": 1, "cp": 3} and len(m["shards"]) == 3
     kv2 = tmp_path / "kv2"  # loaded and saved again elsewhere in one run: re-sharded for 2 ranks
-    again = _chat("--model", str(model), "--load-kv", str(kv), "--questions", str(qs), "--nproc", "2",
-                  "--save-kv", str(kv2))
+    again = _chat(
+        "--model", str(model), "--load-kv", str(kv), "--questions", str(qs), "--nproc", "2", "--save-kv", str(kv2)
+    )
     assert [r["token_ids"] for r in again] == [r["token_ids"] for r in first]
     m2 = json.loads((kv2 / "manifest.json").read_text())
     assert m2["mesh"] == {"nproc": 2, "tp": 1, "cp": 2} and m2["tokens"] == m["tokens"], m2
     third = _chat("--model", str(model), "--load-kv", str(kv2), "--questions", str(qs), "--nproc", "1")
     assert [r["token_ids"] for r in third] == [r["token_ids"] for r in first]
-    g = CliRunner().invoke(app, ["generate", "--model", str(model), "--load-kv", str(kv), "--prompt", QUESTIONS[2],
-                                 "--nproc", "4", "--tp", "2", "--dtype", "float32", "--max-new-tokens", str(NEW),
-                                 "--json"])
+    g = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--load-kv",
+            str(kv),
+            "--prompt",
+            QUESTIONS[2],
+            "--nproc",
+            "4",
+            "--tp",
+            "2",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            str(NEW),
+            "--json",
+        ],
+    )
     assert g.exit_code == 0, g.output
     assert json.loads(g.stdout.strip().splitlines()[-1])["token_ids"] == first[2]["token_ids"]
 
@@ -189,27 +290,78 @@ def test_bad_saved_caches_are_refused(setup, tmp_path):
 
     model, doc, qs, root = setup
     kv = tmp_path / "kv"
-    r = CliRunner().invoke(app, ["generate", "--model", str(model), "--prompt-file", str(doc), "--no-chat",
-                                 "--nproc", "2", "--dtype", "float32", "--max-new-tokens", "1", "--save-kv", str(kv)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--prompt-file",
+            str(doc),
+            "--no-chat",
+            "--nproc",
+            "2",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "1",
+            "--save-kv",
+            str(kv),
+        ],
+    )
     assert r.exit_code == 0, r.output
     other = tiny_models.make_model("llama", tmp_path / "other", seed=99)
     cases = {"another model": (other, kv)}
-    for name, damage in (("truncated", lambda d: os.truncate(d / "kv-c1-t0.safetensors", 100)),
-                         ("corrupt", lambda d: (d / "kv-c0-t0.safetensors").write_bytes(b"\xff" * 64)),
-                         ("no manifest", lambda d: (d / "manifest.json").unlink())):
+    for name, damage in (
+        ("truncated", lambda d: os.truncate(d / "kv-c1-t0.safetensors", 100)),
+        ("corrupt", lambda d: (d / "kv-c0-t0.safetensors").write_bytes(b"\xff" * 64)),
+        ("no manifest", lambda d: (d / "manifest.json").unlink()),
+    ):
         bad = tmp_path / name.replace(" ", "-")
         shutil.copytree(kv, bad)
         damage(bad)
         cases[name] = (model, bad)
     for name, (m, d) in cases.items():
-        p = CliRunner().invoke(app, ["generate", "--model", str(m), "--load-kv", str(d), "--prompt", "hi",
-                                     "--dtype", "float32", "--nproc", "2"])
+        p = CliRunner().invoke(
+            app,
+            [
+                "generate",
+                "--model",
+                str(m),
+                "--load-kv",
+                str(d),
+                "--prompt",
+                "hi",
+                "--dtype",
+                "float32",
+                "--nproc",
+                "2",
+            ],
+        )
         err = p.stderr.strip().splitlines()
         assert p.exit_code == 2 and len(err) == 1 and err[0].startswith("treeattn: error:"), (name, p.stderr)
-        assert {"another model": "another model", "truncated": "truncated", "corrupt": "corrupt",
-                "no manifest": "manifest"}[name] in err[0], (name, err)
-    r = CliRunner().invoke(app, ["generate", "--model", str(model), "--load-kv", str(kv), "--prompt", "hi",
-                                 "--dtype", "bfloat16", "--nproc", "2"])
+        assert {
+            "another model": "another model",
+            "truncated": "truncated",
+            "corrupt": "corrupt",
+            "no manifest": "manifest",
+        }[name] in err[0], (name, err)
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--load-kv",
+            str(kv),
+            "--prompt",
+            "hi",
+            "--dtype",
+            "bfloat16",
+            "--nproc",
+            "2",
+        ],
+    )
     assert_usage_error(r, "float32")
 
 
@@ -218,12 +370,34 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_pat
     a moment and the prompt returns with the engine alive; the next question is answered in
     full; Ctrl-D leaves with exit status 0."""
     model, doc, _, _ = setup
-    slow = tiny_models.make_model("llama", tmp_path / "slow", hidden_size=256, intermediate_size=1024,
-                                  num_hidden_layers=8, max_position_embeddings=4096)
+    slow = tiny_models.make_model(
+        "llama",
+        tmp_path / "slow",
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        max_position_embeddings=4096,
+    )
     pid, fd = pty.fork()
     if pid == 0:  # the child: treeattn chat on a terminal
-        os.execv(TREEATTN, [TREEATTN, "chat", "--model", str(slow), "--prompt-file", str(doc), "--no-chat",
-                            "--nproc", "2", "--max-new-tokens", "200", "--dtype", "float32"])
+        os.execv(
+            TREEATTN,
+            [
+                TREEATTN,
+                "chat",
+                "--model",
+                str(slow),
+                "--prompt-file",
+                str(doc),
+                "--no-chat",
+                "--nproc",
+                "2",
+                "--max-new-tokens",
+                "200",
+                "--dtype",
+                "float32",
+            ],
+        )
     buf = bytearray()
 
     def until(pred, timeout=60):
@@ -273,8 +447,9 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_is_answered(setup, tmp_pat
                     pass
             until(lambda b: False, 3)
         # (as text: a bytes repr is one line pytest cuts short, and the stacks are what to read)
-        assert done and os.waitstatus_to_exitcode(status) == 0, \
+        assert done and os.waitstatus_to_exitcode(status) == 0, (
             bytes(buf[-12000:]).decode(errors="replace") + "\n" + kernel
+        )
     finally:
         try:
             os.kill(pid, 9)
@@ -292,14 +467,41 @@ def test_sigterm_keeps_the_answer_so_far_and_leaves_nothing(setup, tmp_path):
     from helpers import descendants, still_running
 
     model, doc, qs, _ = setup
-    slow = tiny_models.make_model("llama", tmp_path / "slow", hidden_size=256, intermediate_size=1024,
-                                  num_hidden_layers=8, max_position_embeddings=4096)
-    p = subprocess.Popen([TREEATTN, "chat", "--model", str(slow), "--prompt-file", str(doc), "--questions", str(qs),
-                          "--no-chat", "--nproc", "2", "--max-new-tokens", "3000", "--dtype", "float32"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    slow = tiny_models.make_model(
+        "llama",
+        tmp_path / "slow",
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        max_position_embeddings=4096,
+    )
+    p = subprocess.Popen(
+        [
+            TREEATTN,
+            "chat",
+            "--model",
+            str(slow),
+            "--prompt-file",
+            str(doc),
+            "--questions",
+            str(qs),
+            "--no-chat",
+            "--nproc",
+            "2",
+            "--max-new-tokens",
+            "3000",
+            "--dtype",
+            "float32",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     out, err = [], []  # read both pipes as they come: the signal goes once the answer has begun
-    readers = [threading.Thread(target=lambda f=f, acc=acc: acc.extend(iter(lambda: f.read1(4096), b"")),
-                                daemon=True) for f, acc in ((p.stdout, out), (p.stderr, err))]
+    readers = [
+        threading.Thread(target=lambda f=f, acc=acc: acc.extend(iter(lambda: f.read1(4096), b"")), daemon=True)
+        for f, acc in ((p.stdout, out), (p.stderr, err))
+    ]
     for r in readers:
         r.start()
     t0 = time.monotonic()  # the event: the first answer streams, however slow the machine
@@ -329,10 +531,11 @@ def test_a_closed_pipe_ends_the_run_quietly(setup, tmp_path):
     many = tmp_path / "many.txt"  # answers keep coming long after the reader has gone
     many.write_text("\n".join(QUESTIONS * 20) + "\n")
     common = ["--model", str(model), "--prompt-file", str(doc), "--no-chat", "--nproc", "2", "--dtype", "float32"]
-    for cmd in (["chat", *common, "--questions", str(many), "--batch", "2", "--json", "--max-new-tokens", str(NEW)],
-                ["generate", *common, "--max-new-tokens", "200", "--output", str(tmp_path / "out.txt")]):
-        p = subprocess.Popen([TREEATTN, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             stdin=subprocess.DEVNULL)
+    for cmd in (
+        ["chat", *common, "--questions", str(many), "--batch", "2", "--json", "--max-new-tokens", str(NEW)],
+        ["generate", *common, "--max-new-tokens", "200", "--output", str(tmp_path / "out.txt")],
+    ):
+        p = subprocess.Popen([TREEATTN, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         head = p.stdout.read(50 if cmd[0] == "chat" else 5)
         p.stdout.close()  # what `head -c N` does once it has its bytes
         err = p.stderr.read().decode()
@@ -351,14 +554,41 @@ def test_output_holds_every_answer_in_the_order_shown(setup, tmp_path):
 
     model, doc, qs, _ = setup
     out = tmp_path / "answers.txt"
-    recs = _chat("--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
-                 "--nproc", "2", "--batch", "2", "--output", str(out))
+    recs = _chat(
+        "--model",
+        str(model),
+        "--prompt-file",
+        str(doc),
+        "--questions",
+        str(qs),
+        "--no-chat",
+        "--nproc",
+        "2",
+        "--batch",
+        "2",
+        "--output",
+        str(out),
+    )
     assert [r["question"] for r in recs] == QUESTIONS
     assert out.read_bytes() == "".join(r["text"] + "\n" for r in recs).encode()  # bytes: a "\r" stays
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".treeattn-")]
-    assert_usage_error(CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc),
-                                                "--questions", str(qs), "--output", str(tmp_path / "no" / "a.txt")]),
-                       "no such directory")
+    assert_usage_error(
+        CliRunner().invoke(
+            app,
+            [
+                "chat",
+                "--model",
+                str(model),
+                "--prompt-file",
+                str(doc),
+                "--questions",
+                str(qs),
+                "--output",
+                str(tmp_path / "no" / "a.txt"),
+            ],
+        ),
+        "no such directory",
+    )
 
 
 def test_no_questions_is_said_not_silent(setup, tmp_path):
@@ -369,9 +599,27 @@ def test_no_questions_is_said_not_silent(setup, tmp_path):
     empty.write_text("\n\n")
     for batch in ("1", "4"):
         kv = tmp_path / f"kv{batch}"
-        r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(empty),
-                                     "--no-chat", "--nproc", "1", "--dtype", "float32", "--batch", batch,
-                                     "--save-kv", str(kv)])
+        r = CliRunner().invoke(
+            app,
+            [
+                "chat",
+                "--model",
+                str(model),
+                "--prompt-file",
+                str(doc),
+                "--questions",
+                str(empty),
+                "--no-chat",
+                "--nproc",
+                "1",
+                "--dtype",
+                "float32",
+                "--batch",
+                batch,
+                "--save-kv",
+                str(kv),
+            ],
+        )
         assert r.exit_code == 0, r.output
         assert f"no questions in {empty}" in r.stderr and r.stdout == "", (batch, r.stderr)
         assert json.loads((kv / "manifest.json").read_text())["tokens"]["count"] > 0, batch  # saved all the same
@@ -385,9 +633,27 @@ def test_questions_from_a_file_are_shown_before_their_answers(setup):
     its answer streams (stdout stays the answers alone), one at a time and batched (issue 39)."""
     model, doc, qs, _ = setup
     for batch in ("1", "2"):
-        r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(qs),
-                                     "--no-chat", "--nproc", "1", "--dtype", "float32", "--max-new-tokens", str(NEW),
-                                     "--batch", batch])
+        r = CliRunner().invoke(
+            app,
+            [
+                "chat",
+                "--model",
+                str(model),
+                "--prompt-file",
+                str(doc),
+                "--questions",
+                str(qs),
+                "--no-chat",
+                "--nproc",
+                "1",
+                "--dtype",
+                "float32",
+                "--max-new-tokens",
+                str(NEW),
+                "--batch",
+                batch,
+            ],
+        )
         assert r.exit_code == 0, r.output
         shown = [line[2:] for line in r.stderr.splitlines() if line.startswith("> ")]
         assert shown == QUESTIONS, (batch, r.stderr)
@@ -402,9 +668,27 @@ def test_save_at_the_prompt_saves_the_pooled_document(setup, tmp_path):
     qs = tmp_path / "qs.txt"
     kv = tmp_path / "kv"
     qs.write_text(f"{QUESTIONS[0]}\n/save {kv}\n")
-    r = CliRunner().invoke(app, ["chat", "--model", str(model), "--prompt-file", str(doc), "--questions", str(qs),
-                                 "--nproc", "2", "--dtype", "float32", "--max-new-tokens", str(NEW), "--json",
-                                 "--batch", "1"])  # (with --batch, /commands are refused)
+    r = CliRunner().invoke(
+        app,
+        [
+            "chat",
+            "--model",
+            str(model),
+            "--prompt-file",
+            str(doc),
+            "--questions",
+            str(qs),
+            "--nproc",
+            "2",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            str(NEW),
+            "--json",
+            "--batch",
+            "1",
+        ],
+    )  # (with --batch, /commands are refused)
     assert r.exit_code == 0, r.output
     assert f"cached tokens to {kv}" in r.stderr, r.stderr
     from treeattn_cli.engine.kvstore import load_ids

@@ -30,11 +30,24 @@ def test_check_on_cpu_ranks_passes(cache):
     assert r.exit_code == 0, r.output
     recs = json.loads(r.stdout)
     paths = {x["path"] for x in recs}
-    assert {"partial/cpu", "merge/allreduce", "merge/allgather", "merge/tree", "merge/hierarchical",
-            "ring-decode", "generate/eager", "generate/fp8", "batch/eager"} <= paths
+    assert {
+        "partial/cpu",
+        "merge/allreduce",
+        "merge/allgather",
+        "merge/tree",
+        "merge/hierarchical",
+        "ring-decode",
+        "generate/eager",
+        "generate/fp8",
+        "batch/eager",
+    } <= paths
     assert all(x["verdict"] in ("pass", "skipped") for x in recs)
-    assert {x["path"] for x in recs if x["verdict"] == "skipped"} == {"merge/fused", "compile/<gpu>",
-                                                                      "generate/cuda-graph", "batch/cuda-graph"}
+    assert {x["path"] for x in recs if x["verdict"] == "skipped"} == {
+        "merge/fused",
+        "compile/<gpu>",
+        "generate/cuda-graph",
+        "batch/cuda-graph",
+    }
     graph = next(x for x in recs if x["path"] == "generate/cuda-graph")
     assert "no GPU" in graph["note"]  # a GPU row is listed with why it did not run (issue 39 item 7)
     assert max(x["case"].count("N=65543") for x in recs)  # long shards are checked too
@@ -65,9 +78,28 @@ def test_broken_kernel_fails_check_and_generate_falls_back(cache, tmp_path, monk
     d = tiny_models.make_model("llama", tmp_path / "m")
     prompt = "the quick brown fox jumps over the lazy dog, twice: the quick brown fox"
     want = tiny_models.hf_greedy(d, load_tokenizer(d)(prompt)["input_ids"], 8)
-    p = subprocess.run([TREEATTN, "generate", "--model", str(d), "--prompt", prompt, "--no-chat",
-                        "--nproc", "2", "--max-new-tokens", "8", "--dtype", "float32", "--json"],
-                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [
+            TREEATTN,
+            "generate",
+            "--model",
+            str(d),
+            "--prompt",
+            prompt,
+            "--no-chat",
+            "--nproc",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--dtype",
+            "float32",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0, p.stderr
     warn = [ln for ln in p.stderr.splitlines() if "warning" in ln]
     assert len(warn) == 1 and "partial/cpu" in warn[0] and "reference path" in warn[0], p.stderr
@@ -127,8 +159,17 @@ def test_the_check_covers_every_launch_the_runtime_makes():
 
     cases = list(_kernel_cases(full=False))
     kinds = {c[0] for c in cases}
-    assert {"decode-fp8", "decode-window-sorted", "verify", "verify-causal", "cascade", "cascade-window",
-            "verify-fp8", "cascade-fp8", "decode-fp8-window-sorted"} <= kinds
+    assert {
+        "decode-fp8",
+        "decode-window-sorted",
+        "verify",
+        "verify-causal",
+        "cascade",
+        "cascade-window",
+        "verify-fp8",
+        "cascade-fp8",
+        "decode-fp8-window-sorted",
+    } <= kinds
     fp8 = {(c[2], c[6]) for c in cases if c[0] == "decode-fp8"}
     assert fp8 == {(G, d) for G in (1, 4, 8) for d in (64, 96, 128)}  # head dims x GQA groups
     assert all(c[8].get("ragged") for c in cases if c[0] == "decode-fp8")
@@ -145,8 +186,9 @@ def test_triton_launches_pass_and_a_wrong_one_is_caught(monkeypatch):
 
     monkeypatch.setenv("TREEATTN_KERNEL", "triton")
     recs = kernel_checks(torch.device("cpu"), full=False, kinds=LAUNCHES)
-    assert {(r["path"], r["case"].split()[0]) for r in recs} == {(p, k) for p in ("partial/cpu", "partial/triton")
-                                                                 for k in LAUNCHES}
+    assert {(r["path"], r["case"].split()[0]) for r in recs} == {
+        (p, k) for p in ("partial/cpu", "partial/triton") for k in LAUNCHES
+    }
     assert all(r["verdict"] == "pass" for r in recs), [r for r in recs if r["verdict"] != "pass"]
 
     real = pt.partial_attention_triton
@@ -167,8 +209,10 @@ def test_the_verdict_survives_stray_lines_on_stdout(monkeypatch):
 
     from treeattn_cli.verify import kernels as K
 
-    recs = [{"path": "partial/triton", "case": "decode", "verdict": "pass"},
-            {"path": "partial/aten", "case": "prefill [x]", "verdict": "FAIL"}]
+    recs = [
+        {"path": "partial/triton", "case": "decode", "verdict": "pass"},
+        {"path": "partial/aten", "case": "prefill [x]", "verdict": "FAIL"},
+    ]
     text = "[W] a warning\n[1, 2]\n" + json.dumps(recs, indent=1) + "\nbye [done]\n"
     assert K.records_in(text) == recs
     assert K.records_in("no records [at all]\n") is None
@@ -185,7 +229,10 @@ def test_fp8_generate_agrees_with_the_reference_or_names_a_near_tie():
     from treeattn_cli.verify.ranks import NEAR_TIE, _fp8_agreement
 
     def run(ids, top=None, kv="fp8_e4m3fn"):
-        return {"kv_dtype": kv, "logprobs": [{"id": t, "top": (top or {}).get(i, [[t, -0.1]])} for i, t in enumerate(ids)]}
+        return {
+            "kv_dtype": kv,
+            "logprobs": [{"id": t, "top": (top or {}).get(i, [[t, -0.1]])} for i, t in enumerate(ids)],
+        }
 
     assert _fp8_agreement(run([5, 6, 7]), run([5, 6, 7])) == ("", True)
     tie = {1: [[9, -0.70], [6, -0.70 - NEAR_TIE / 2]]}
@@ -206,15 +253,23 @@ def test_the_compile_row_fails_on_what_cannot_launch_and_notes_a_spill(monkeypat
     from treeattn_cli.verify import kernels as vk
 
     def kernel(spill=0, shared=1000):
-        return {"kernel": "_split_kernel", "first_config": "decode x", "spill_bytes": spill, "shared_bytes": shared,
-                "max_shared": 2000, "ok": spill == 0 and shared <= 2000}
+        return {
+            "kernel": "_split_kernel",
+            "first_config": "decode x",
+            "spill_bytes": spill,
+            "shared_bytes": shared,
+            "max_shared": 2000,
+            "ok": spill == 0 and shared <= 2000,
+        }
 
     monkeypatch.setattr(tg, "target_of", lambda device: tg.TARGETS["sm_90"])
-    for kernels, errors, verdict, note in (([kernel(), kernel(spill=8)], [], "pass", "spill 8 B"),
-                                           ([kernel(shared=4000)], [], "FAIL", "shared 4000 B of 2000"),
-                                           ([kernel()], [{"config": "prefill y", "error": "RuntimeError: x"}], "FAIL",
-                                            "prefill y")):
-        monkeypatch.setattr(oc, "compile_all", lambda target, k=kernels, e=errors: {
-            "configs": 3, "kernels": k, "errors": e})
+    for kernels, errors, verdict, note in (
+        ([kernel(), kernel(spill=8)], [], "pass", "spill 8 B"),
+        ([kernel(shared=4000)], [], "FAIL", "shared 4000 B of 2000"),
+        ([kernel()], [{"config": "prefill y", "error": "RuntimeError: x"}], "FAIL", "prefill y"),
+    ):
+        monkeypatch.setattr(
+            oc, "compile_all", lambda target, k=kernels, e=errors: {"configs": 3, "kernels": k, "errors": e}
+        )
         rec = vk._compile_check(torch.device("cpu"))
         assert rec["verdict"] == verdict and note in rec["note"], rec

@@ -27,11 +27,14 @@ def test_version():
     assert r.returncode == 0 and r.stdout.startswith("treeattn ")
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["frobnicate"], "No such command 'frobnicate'. (see 'treeattn --help')"),
-    (["generate", "--frobnicate"], "No such option: --frobnicate"),
-    (["generate", "--nproc", "many"], "Invalid value for '--nproc'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["frobnicate"], "No such command 'frobnicate'. (see 'treeattn --help')"),
+        (["generate", "--frobnicate"], "No such option: --frobnicate"),
+        (["generate", "--nproc", "many"], "Invalid value for '--nproc'"),
+    ],
+)
 def test_unknown_command_is_one_line_usage_error(args, needle):
     """Click's own usage errors (unknown command or flag, a value of the wrong type) read like
     every other bad input: one line, ``treeattn: error: ...``, exit 2, nothing on stdout."""
@@ -45,10 +48,13 @@ def test_kernel_bench_runs_on_cpu():
     """The GPU kernel-timing script stays runnable (tiny CPU shapes; numbers are meaningless here)."""
     from treeattn_cli.bench.kernel import kernel_bench
 
-    recs = kernel_bench([64, 300], heads=4, kv_heads=2, head_dim=64, dtype="float32", iters=2,
-                        warmup=1, copy_bw=1e10)
+    recs = kernel_bench([64, 300], heads=4, kv_heads=2, head_dim=64, dtype="float32", iters=2, warmup=1, copy_bw=1e10)
     assert [(r["seq_len"], r["method"]) for r in recs] == [
-        (64, "treeattn"), (64, "sdpa"), (300, "treeattn"), (300, "sdpa")]
+        (64, "treeattn"),
+        (64, "sdpa"),
+        (300, "treeattn"),
+        (300, "sdpa"),
+    ]
     assert all(r["kv_bytes"] == 2 * 2 * r["seq_len"] * 64 * 4 and r["gbps"] > 0 for r in recs)
 
 
@@ -57,8 +63,18 @@ def test_kernel_bench_times_an_fp8_cache_beside():
     bytes the fp8 rows plus their bf16 scales (one per 32 channels)."""
     from treeattn_cli.bench.kernel import kernel_bench
 
-    recs = kernel_bench([100], heads=4, kv_heads=2, head_dim=64, dtype="float32", iters=1, warmup=0,
-                        copy_bw=1e10, baselines=(), kv_dtype="fp8")
+    recs = kernel_bench(
+        [100],
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        dtype="float32",
+        iters=1,
+        warmup=0,
+        copy_bw=1e10,
+        baselines=(),
+        kv_dtype="fp8",
+    )
     assert [r["method"] for r in recs] == ["treeattn", "treeattn-fp8"]
     assert recs[1]["kv_bytes"] == 2 * 2 * 100 * (64 + 2 * 2) and recs[1]["kv_dtype"] == "fp8"
 

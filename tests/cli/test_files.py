@@ -55,10 +55,17 @@ def test_a_saved_cache_is_readable_as_a_whole(tmp_path, umask):
     tmp, target = tmp_path / "saving", tmp_path / "saved"
     tmp.mkdir()
     kvstore.save_shard(tmp, c, cp_index=0, tp_index=0, head0=0)
-    kvstore.finish_save(tmp, target, ids=[1, 2, 3, 4, 5], identity={"name": "m"}, dtype="float32",
-                        shapes={"layers": 2}, mesh={"cp": 1, "tp": 1}, composition={"kind": "raw"})
+    kvstore.finish_save(
+        tmp,
+        target,
+        ids=[1, 2, 3, 4, 5],
+        identity={"name": "m"},
+        dtype="float32",
+        shapes={"layers": 2},
+        mesh={"cp": 1, "tp": 1},
+        composition={"kind": "raw"},
+    )
     files = sorted(p.name for p in target.iterdir())
     assert kvstore.TOKENS in files and kvstore.MANIFEST in files and any(f.startswith("kv-c0-t0") for f in files)
     modes = {f: _mode(target / f) for f in files}
     assert set(modes.values()) == {0o666 & ~umask}, {f: oct(m) for f, m in modes.items()}
-

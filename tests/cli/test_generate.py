@@ -50,8 +50,20 @@ def test_greedy_token_ids_equal_transformers(models, kind, n):
     assert len(prompt_ids) == n
     ref = tiny_models.hf_greedy(models[kind], prompt_ids, 10)
     for p in (1, 2, 3):
-        rec = run_json("--model", str(models[kind]), "--prompt", prompt, "--nproc", str(p),
-                       "--temperature", "0", "--dtype", "float32", "--max-new-tokens", "10")
+        rec = run_json(
+            "--model",
+            str(models[kind]),
+            "--prompt",
+            prompt,
+            "--nproc",
+            str(p),
+            "--temperature",
+            "0",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "10",
+        )
         assert rec["token_ids"] == ref, (kind, n, p)
         assert rec["nproc"] == p and rec["prompt_tokens"] == n and rec["new_tokens"] == 10
         assert sum(rec["shard_tokens"]) == n + 9 and max(rec["shard_tokens"]) - min(rec["shard_tokens"]) <= 1 + (n < p)
@@ -77,16 +89,54 @@ def test_a_loaded_cache_continued_and_saved_again_holds_the_prompt_too(models, t
     tok = load_tokenizer(m)
     doc, p1, p2 = text_of(90, seed=1), text_of(7, seed=2), text_of(5, seed=3)
     ids = lambda t: tok(t)["input_ids"]  # noqa: E731
-    first = run_json("--model", str(m), "--prompt", doc, "--nproc", "3", "--dtype", "float32",
-                     "--max-new-tokens", "2", "--save-kv", str(tmp_path / "a"))
+    first = run_json(
+        "--model",
+        str(m),
+        "--prompt",
+        doc,
+        "--nproc",
+        "3",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "2",
+        "--save-kv",
+        str(tmp_path / "a"),
+    )
     assert first["token_ids"] == tiny_models.hf_greedy(m, ids(doc), 2)
-    second = run_json("--model", str(m), "--load-kv", str(tmp_path / "a"), "--prompt", p1, "--nproc", "2",
-                      "--dtype", "float32", "--max-new-tokens", "4", "--save-kv", str(tmp_path / "b"))
+    second = run_json(
+        "--model",
+        str(m),
+        "--load-kv",
+        str(tmp_path / "a"),
+        "--prompt",
+        p1,
+        "--nproc",
+        "2",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "4",
+        "--save-kv",
+        str(tmp_path / "b"),
+    )
     assert second["token_ids"] == tiny_models.hf_greedy(m, ids(doc) + ids(p1), 4)
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["tokens"]["count"] == len(ids(doc)) + len(ids(p1)), manifest["tokens"]
-    third = run_json("--model", str(m), "--load-kv", str(tmp_path / "b"), "--prompt", p2, "--nproc", "1",
-                     "--dtype", "float32", "--max-new-tokens", "4")
+    third = run_json(
+        "--model",
+        str(m),
+        "--load-kv",
+        str(tmp_path / "b"),
+        "--prompt",
+        p2,
+        "--nproc",
+        "1",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "4",
+    )
     assert third["token_ids"] == tiny_models.hf_greedy(m, ids(doc) + ids(p1) + ids(p2), 4)
 
 
@@ -103,7 +153,18 @@ def test_cache_dir_keeps_the_prompt_and_the_next_run_loads_it(models, tmp_path):
     tok = load_tokenizer(m)
     prompt = text_of(60, seed=4)
     want = tiny_models.hf_greedy(m, tok(prompt)["input_ids"], 4)
-    flags = ("--model", str(m), "--prompt", prompt, "--dtype", "float32", "--max-new-tokens", "4", "--cache-dir", str(d))
+    flags = (
+        "--model",
+        str(m),
+        "--prompt",
+        prompt,
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "4",
+        "--cache-dir",
+        str(d),
+    )
     first = run_json(*flags, "--nproc", "2")
     assert first["token_ids"] == want and first["document"]["source"] == "prefill", first["document"]
     assert first["prefill_segments"] and len(list(d.iterdir())) == 1
@@ -112,18 +173,40 @@ def test_cache_dir_keeps_the_prompt_and_the_next_run_loads_it(models, tmp_path):
     assert second["prefill_segments"] == []  # nothing of the document prefilled
     other = run_json(*flags[:3], text_of(50, seed=5), *flags[4:], "--nproc", "2")
     assert other["document"]["source"] == "prefill" and len(list(d.iterdir())) == 2
-    for extra, needle in ((["--load-kv", str(tmp_path / "x")], "--cache-dir"), (["--save-kv", str(tmp_path / "y")], "--cache-dir")):
+    for extra, needle in (
+        (["--load-kv", str(tmp_path / "x")], "--cache-dir"),
+        (["--save-kv", str(tmp_path / "y")], "--cache-dir"),
+    ):
         assert_usage_error(cli("generate", *flags, *extra), needle)
     (tmp_path / "file").write_text("x")
     assert_usage_error(cli("generate", *flags[:-1], str(tmp_path / "file")), "--cache-dir")
     (tmp_path / "doc.txt").write_text(text_of(70, seed=6))
     (tmp_path / "qs.txt").write_text("abc\nxyz\n")
-    runs = [cli("chat", "--model", str(m), "--prompt-file", str(tmp_path / "doc.txt"), "--no-chat", "--nproc", "2",
-                "--dtype", "float32", "--max-new-tokens", "3", "--questions", str(tmp_path / "qs.txt"),
-                "--cache-dir", str(tmp_path / "chats")) for _ in range(2)]
+    runs = [
+        cli(
+            "chat",
+            "--model",
+            str(m),
+            "--prompt-file",
+            str(tmp_path / "doc.txt"),
+            "--no-chat",
+            "--nproc",
+            "2",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "3",
+            "--questions",
+            str(tmp_path / "qs.txt"),
+            "--cache-dir",
+            str(tmp_path / "chats"),
+        )
+        for _ in range(2)
+    ]
     assert all(r.exit_code == 0 for r in runs), runs[-1].output
     assert "prefilled" in runs[0].stderr and f"[loaded 70 cached tokens from {tmp_path / 'chats'}" in runs[1].stderr
     assert runs[0].stdout == runs[1].stdout
+
 
 def test_logprobs_are_the_models_own(models):
     """--logprobs K: each token's log-probability and its K most likely alternatives, the
@@ -138,13 +221,35 @@ def test_logprobs_are_the_models_own(models):
     ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
     m = AutoModelForCausalLM.from_pretrained(models["gemma2"], dtype=torch.float32, attn_implementation="eager")
     x = torch.tensor([ids])
-    out = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, min_new_tokens=6,
-                     pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    out = m.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=6,
+        do_sample=False,
+        min_new_tokens=6,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     want = torch.log_softmax(torch.cat(out.scores).float(), -1)  # [6, V]
     for p, spec in ((1, "off"), (3, "ngram:3")):
-        rec = run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--nproc", str(p), "--dtype", "float32",
-                       "--max-new-tokens", "6", "--logprobs", "3", "--speculate", spec)
-        assert rec["token_ids"] == out.sequences[0, len(ids):].tolist()
+        rec = run_json(
+            "--model",
+            str(models["gemma2"]),
+            "--prompt",
+            prompt,
+            "--nproc",
+            str(p),
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "6",
+            "--logprobs",
+            "3",
+            "--speculate",
+            spec,
+        )
+        assert rec["token_ids"] == out.sequences[0, len(ids) :].tolist()
         assert len(rec["logprobs"]) == 6 and (spec == "off") == (rec["speculation"]["drafted"] == 0)
         for row, lp in zip(want, rec["logprobs"]):
             top = torch.topk(row, 3)
@@ -158,11 +263,33 @@ def test_logprobs_are_the_models_own(models):
 
 def test_chunked_prefill_is_exact(models):
     prompt = text_of(53, seed=3)
-    base = run_json("--model", str(models["llama"]), "--prompt", prompt, "--nproc", "1",
-                    "--dtype", "float32", "--max-new-tokens", "8")
+    base = run_json(
+        "--model",
+        str(models["llama"]),
+        "--prompt",
+        prompt,
+        "--nproc",
+        "1",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "8",
+    )
     for p, chunk in ((2, 4), (3, 5), (2, 100)):
-        rec = run_json("--model", str(models["llama"]), "--prompt", prompt, "--nproc", str(p),
-                       "--dtype", "float32", "--max-new-tokens", "8", "--prefill-chunk", str(chunk))
+        rec = run_json(
+            "--model",
+            str(models["llama"]),
+            "--prompt",
+            prompt,
+            "--nproc",
+            str(p),
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "8",
+            "--prefill-chunk",
+            str(chunk),
+        )
         assert rec["token_ids"] == base["token_ids"], (p, chunk)
         # the prompt was prefilled in segments of `chunk` tokens per rank (one segment when it fits)
         n, sizes = rec["prompt_tokens"], [seg["tokens"] for seg in rec["prefill_segments"]]
@@ -171,8 +298,20 @@ def test_chunked_prefill_is_exact(models):
         # the record's method is the segments' (it said null beside segments saying pass-kv)
         assert rec["prefill_method"] == "+".join(sorted({seg["method"] for seg in rec["prefill_segments"]}))
     assert base["prefill_method"] and base["prefill_method"] == base["prefill_segments"][0]["method"]
-    rec = run_json("--model", str(models["gemma2"]), "--prompt", prompt, "--nproc", "3",
-                   "--dtype", "float32", "--max-new-tokens", "8", "--prefill-chunk", "3")
+    rec = run_json(
+        "--model",
+        str(models["gemma2"]),
+        "--prompt",
+        prompt,
+        "--nproc",
+        "3",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "8",
+        "--prefill-chunk",
+        "3",
+    )
     from treeattn_cli.engine.model import load_tokenizer
 
     ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
@@ -182,17 +321,53 @@ def test_chunked_prefill_is_exact(models):
 @pytest.mark.parametrize("scheme", ["allgather", "tree", "hierarchical"])
 def test_every_scheme_generates_the_same_tokens(models, scheme):
     prompt = text_of(20, seed=5)
-    base = run_json("--model", str(models["qwen2"]), "--prompt", prompt, "--nproc", "1",
-                    "--dtype", "float32", "--max-new-tokens", "6")
-    rec = run_json("--model", str(models["qwen2"]), "--prompt", prompt, "--nproc", "3",
-                   "--dtype", "float32", "--max-new-tokens", "6", "--scheme", scheme)
+    base = run_json(
+        "--model",
+        str(models["qwen2"]),
+        "--prompt",
+        prompt,
+        "--nproc",
+        "1",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+    )
+    rec = run_json(
+        "--model",
+        str(models["qwen2"]),
+        "--prompt",
+        prompt,
+        "--nproc",
+        "3",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+        "--scheme",
+        scheme,
+    )
     assert rec["token_ids"] == base["token_ids"] and rec["scheme"] == scheme
 
 
 def test_sampling_is_reproducible_for_every_nproc(models):
     prompt = text_of(25, seed=9)
-    args = ["--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
-            "--temperature", "1.0", "--top-k", "40", "--top-p", "0.9", "--max-new-tokens", "12"]
+    args = [
+        "--model",
+        str(models["llama"]),
+        "--prompt",
+        prompt,
+        "--dtype",
+        "float32",
+        "--temperature",
+        "1.0",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.9",
+        "--max-new-tokens",
+        "12",
+    ]
     runs = [run_json(*args, "--seed", "7", "--nproc", str(p))["token_ids"] for p in (1, 2, 3, 1)]
     assert all(r == runs[0] for r in runs), runs
     other = run_json(*args, "--seed", "8", "--nproc", "2")["token_ids"]
@@ -212,40 +387,107 @@ def test_eos_stops_like_transformers(models, tmp_path):
     cfg["eos_token_id"] = eos
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "generation_config.json").unlink(missing_ok=True)
-    rec = run_json("--model", str(d), "--prompt", prompt, "--nproc", "2", "--dtype", "float32",
-                   "--max-new-tokens", "10")
+    rec = run_json(
+        "--model", str(d), "--prompt", prompt, "--nproc", "2", "--dtype", "float32", "--max-new-tokens", "10"
+    )
     assert rec["token_ids"] == ref[: ref.index(eos) + 1] and rec["stop_reason"] == "eos"
 
 
 def test_stop_string_and_output_file(models, tmp_path):
     prompt = text_of(15, seed=12)
-    full = run_json("--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
-                    "--max-new-tokens", "12", "--nproc", "2")
+    full = run_json(
+        "--model",
+        str(models["llama"]),
+        "--prompt",
+        prompt,
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "12",
+        "--nproc",
+        "2",
+    )
     from treeattn_cli.engine.model import load_tokenizer
 
     stop, n = stop_string_in(full["text"], full["token_ids"], load_tokenizer(models["llama"]).decode, start=4)
     assert n < 12, (stop, n)  # the premise: the stop string ends the answer early
     out = tmp_path / "answer.txt"
-    rec = run_json("--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
-                   "--max-new-tokens", "12", "--nproc", "2", "--stop", stop, "--output", str(out))
+    rec = run_json(
+        "--model",
+        str(models["llama"]),
+        "--prompt",
+        prompt,
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "12",
+        "--nproc",
+        "2",
+        "--stop",
+        stop,
+        "--output",
+        str(out),
+    )
     assert rec["stop_reason"] == "stop" and stop in rec["text"] and rec["token_ids"] == full["token_ids"][:n]
     assert out.read_bytes() == rec["text"].encode()  # bytes: text mode would turn a generated "\r" into "\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".treeattn-")]
     # the command line's rule (docs/usage.md, --stop): the stop string is kept in stdout as in --output and the record
-    r = CliRunner().invoke(app, ["generate", "--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
-                                 "--max-new-tokens", "12", "--nproc", "2", "--stop", stop, "--no-chat"],
-                           catch_exceptions=False)
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(models["llama"]),
+            "--prompt",
+            prompt,
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "12",
+            "--nproc",
+            "2",
+            "--stop",
+            stop,
+            "--no-chat",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0 and stop.encode() in r.stdout_bytes
     assert r.stdout_bytes.rstrip(b"\n") == rec["text"].encode().rstrip(b"\n")
 
 
 def test_streams_text_to_stdout(models):
     prompt = text_of(12, seed=13)
-    rec = run_json("--model", str(models["llama"]), "--prompt", prompt, "--dtype", "float32",
-                   "--max-new-tokens", "6", "--nproc", "2")
-    r = CliRunner().invoke(app, ["generate", "--model", str(models["llama"]), "--prompt", prompt,
-                                 "--dtype", "float32", "--max-new-tokens", "6", "--nproc", "2",
-                                 "--no-chat"], catch_exceptions=False)
+    rec = run_json(
+        "--model",
+        str(models["llama"]),
+        "--prompt",
+        prompt,
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+        "--nproc",
+        "2",
+    )
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(models["llama"]),
+            "--prompt",
+            prompt,
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "6",
+            "--nproc",
+            "2",
+            "--no-chat",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0
     assert r.stdout_bytes.rstrip(b"\n") == rec["text"].encode().rstrip(b"\n")  # bytes: "\r\n" stays
 
@@ -254,11 +496,36 @@ def test_prompt_file_and_stdin(models, tmp_path):
     prompt = text_of(30, seed=14)
     f = tmp_path / "doc.txt"
     f.write_text(prompt)
-    a = run_json("--model", str(models["llama"]), "--prompt-file", str(f), "--dtype", "float32",
-                 "--max-new-tokens", "4", "--nproc", "1")
-    r = CliRunner().invoke(app, ["generate", "--model", str(models["llama"]), "--dtype", "float32",
-                                 "--max-new-tokens", "4", "--nproc", "1", "--json", "--no-chat"],
-                           input=prompt, catch_exceptions=False)
+    a = run_json(
+        "--model",
+        str(models["llama"]),
+        "--prompt-file",
+        str(f),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "4",
+        "--nproc",
+        "1",
+    )
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(models["llama"]),
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "4",
+            "--nproc",
+            "1",
+            "--json",
+            "--no-chat",
+        ],
+        input=prompt,
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == a["token_ids"]
 
@@ -284,40 +551,51 @@ BAD = [
 
 @pytest.mark.parametrize("extra,needle", BAD)
 def test_bad_flags_are_one_line_errors(models, extra, needle):
-    assert_usage_error(cli("generate", "--model", str(models["llama"]), "--prompt", "hi", "--no-chat", *extra),
-                       needle)
+    assert_usage_error(cli("generate", "--model", str(models["llama"]), "--prompt", "hi", "--no-chat", *extra), needle)
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_bad_flags_are_refused_before_torch_is_imported(command):
     """A mistyped flag costs a fraction of a second, not the seconds of importing torch."""
-    probe = ("import sys\nfrom treeattn_cli.main import app\n"
-             f"try:\n    app([{command!r}, '--prompt-file', 'x', '--top-p', '0'])\n"
-             "except SystemExit as e:\n    assert e.code == 2, e.code\n"
-             "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    probe = (
+        "import sys\nfrom treeattn_cli.main import app\n"
+        f"try:\n    app([{command!r}, '--prompt-file', 'x', '--top-p', '0'])\n"
+        "except SystemExit as e:\n    assert e.code == 2, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--top-p must be in (0, 1]" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("command,flag,needle", [("generate", "--prompt-file", "prompt file not found"),
-                                                  ("chat", "--prompt-file", "prompt file not found"),
-                                                  ("chat", "--questions", "--questions file not found")])
+@pytest.mark.parametrize(
+    "command,flag,needle",
+    [
+        ("generate", "--prompt-file", "prompt file not found"),
+        ("chat", "--prompt-file", "prompt file not found"),
+        ("chat", "--questions", "--questions file not found"),
+    ],
+)
 def test_a_missing_file_is_refused_before_torch_is_imported(command, flag, needle, tmp_path):
     """A mistyped path is named at once, not after the seconds torch takes to load (issue 39)."""
-    probe = ("import sys\nfrom treeattn_cli.main import app\n"
-             f"try:\n    app([{command!r}, {flag!r}, {str(tmp_path / 'nope.txt')!r}])\n"
-             "except SystemExit as e:\n    assert e.code == 2, e.code\n"
-             "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    probe = (
+        "import sys\nfrom treeattn_cli.main import app\n"
+        f"try:\n    app([{command!r}, {flag!r}, {str(tmp_path / 'nope.txt')!r}])\n"
+        "except SystemExit as e:\n    assert e.code == 2, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_missing_model_and_prompt_file(tmp_path, models):
-    for args, needle in ((["--model", str(tmp_path / "nope")], "not found"),
-                         (["--model", str(tmp_path)], "config.json"),
-                         (["--model", str(models["llama"]), "--prompt-file", str(tmp_path / "x.txt")], "not found")):
-        assert_usage_error(cli("generate", "--prompt", "hi", *args) if "--prompt-file" not in args
-                           else cli("generate", *args), needle)
+    for args, needle in (
+        (["--model", str(tmp_path / "nope")], "not found"),
+        (["--model", str(tmp_path)], "config.json"),
+        (["--model", str(models["llama"]), "--prompt-file", str(tmp_path / "x.txt")], "not found"),
+    ):
+        assert_usage_error(
+            cli("generate", "--prompt", "hi", *args) if "--prompt-file" not in args else cli("generate", *args), needle
+        )
 
 
 def test_embedded_demo_model_knows_paris():
@@ -347,9 +625,12 @@ def test_static_decode_step_is_exact(models):
         ref = tiny_models.hf_greedy(models[kind], ids, 9)
         for p in (1, 3):
             toks = []
-            res = run_local(rank_generate, p, EngineJob(str(models[kind]), ids, max_new_tokens=9, dtype="float32",
-                                                          static=True, speculate="off"),
-                            on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
+            res = run_local(
+                rank_generate,
+                p,
+                EngineJob(str(models[kind]), ids, max_new_tokens=9, dtype="float32", static=True, speculate="off"),
+                on_event=lambda r, k, v: toks.append(v) if k == "token" else None,
+            )
             assert toks == ref, (kind, p)
             assert res[0]["static_step"] is True, res[0]  # the fixed-shape step was the one taken
 
@@ -362,15 +643,48 @@ def test_under_torchrun_joins_its_group(models):
     if not torchrun.exists():
         pytest.skip("torchrun not installed")
     prompt = text_of(21, seed=31)
-    local = run_json("--model", str(models["qwen2"]), "--prompt", prompt, "--nproc", "2",
-                     "--dtype", "float32", "--max-new-tokens", "6")
+    local = run_json(
+        "--model",
+        str(models["qwen2"]),
+        "--prompt",
+        prompt,
+        "--nproc",
+        "2",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                        "--master-port", str(port), TREEATTN, "generate", "--model", str(models["qwen2"]),
-                        "--prompt", prompt, "--no-chat", "--dtype", "float32", "--max-new-tokens", "6",
-                        "--json"], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            TREEATTN,
+            "generate",
+            "--model",
+            str(models["qwen2"]),
+            "--prompt",
+            prompt,
+            "--no-chat",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(recs) == 1, r.stdout  # rank 0 alone prints
@@ -409,8 +723,9 @@ def test_a_torchrun_rank_leaves_its_group_with_no_gloo_thread_left():
     after, torch's FSDP modules keep the default group as a default argument, the group's gloo
     threads outlive ``destroy_process_group``, and one still freeing the last collective's work
     at interpreter exit aborts the process (1 run in ~10 on the CI machine)."""
-    r = subprocess.run([sys.executable, "-c", _LEAVES_NO_THREAD], capture_output=True, text=True,
-                       timeout=300, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, "-c", _LEAVES_NO_THREAD], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     during, after = eval(r.stdout.strip().splitlines()[-1])
     assert "pt_gloo_runloop" in during  # the group had its threads
@@ -429,7 +744,10 @@ def test_ring_decode_baseline_generates_the_same_tokens(models):
     ref = tiny_models.hf_greedy(models["llama"], ids, 8)
     for p in (2, 3):
         toks = []
-        run_local(rank_generate, p, EngineJob(str(models["llama"]), ids, max_new_tokens=8, dtype="float32",
-                                                decode_method="ring"),
-                  on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
+        run_local(
+            rank_generate,
+            p,
+            EngineJob(str(models["llama"]), ids, max_new_tokens=8, dtype="float32", decode_method="ring"),
+            on_event=lambda r, k, v: toks.append(v) if k == "token" else None,
+        )
         assert toks == ref, p

@@ -25,15 +25,33 @@ TREEATTN = str(Path(sys.executable).with_name("treeattn"))
 def slow_model(tmp_path_factory):
     """A tiny model made slow enough per token that a run lasts seconds (more layers, wider)."""
     d = tmp_path_factory.mktemp("rel") / "llama"
-    return tiny_models.make_model("llama", d, hidden_size=256, intermediate_size=1024,
-                                  num_hidden_layers=8, max_position_embeddings=4096)
+    return tiny_models.make_model(
+        "llama", d, hidden_size=256, intermediate_size=1024, num_hidden_layers=8, max_position_embeddings=4096
+    )
 
 
 def _start(model, *extra, nproc=2, tokens=3800):  # about a minute of work: never done before the event
-    return subprocess.Popen([TREEATTN, "generate", "--model", str(model), "--prompt", "hello world " * 20,
-                             "--no-chat", "--nproc", str(nproc), "--max-new-tokens", str(tokens),
-                             "--temperature", "0", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            TREEATTN,
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            "hello world " * 20,
+            "--no-chat",
+            "--nproc",
+            str(nproc),
+            "--max-new-tokens",
+            str(tokens),
+            "--temperature",
+            "0",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _wait_for_output(proc, nbytes=20, timeout=60):
@@ -201,8 +219,13 @@ def test_runs_in_a_row_leave_nothing_behind(tmp_path, monkeypatch):
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert shm_after <= shm_before, shm_after - shm_before
     for i in range(2):  # the console script: its whole process tree goes away
-        p = subprocess.Popen([TREEATTN, *args, "--prompt", f"cli {i}"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=dict(os.environ))
+        p = subprocess.Popen(
+            [TREEATTN, *args, "--prompt", f"cli {i}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ),
+        )
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode(errors="replace")[-3000:]
 
@@ -214,9 +237,15 @@ def test_runs_in_a_row_leave_nothing_behind(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- bad model files
 
+
 def _gen(*args):
-    return subprocess.run([TREEATTN, "generate", "--prompt", "hi", "--no-chat", "--max-new-tokens", "2",
-                           *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [TREEATTN, "generate", "--prompt", "hi", "--no-chat", "--max-new-tokens", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_truncated_safetensors(tmp_path):
@@ -261,14 +290,24 @@ def test_prompt_longer_than_context(tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    r = subprocess.run([TREEATTN, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x", "--debug"],
-                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [TREEATTN, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x", "--debug"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 1 and "Traceback" in r.stderr and "model path not found" in r.stderr  # raised, whole
 
 
 def test_nccl_without_gpus():
-    r = subprocess.run([TREEATTN, "generate", "--prompt", "x", "--backend", "nccl", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [TREEATTN, "generate", "--prompt", "x", "--backend", "nccl", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert_usage_error(r, "nccl")
 
 
@@ -283,12 +322,29 @@ def test_full_context_generation_is_exact(tmp_path):
     prompt = "".join(chr(97 + (i * 7) % 26) for i in range(90))
     ids = load_tokenizer(d)(prompt)["input_ids"]
     ref = tiny_models.hf_greedy(d, ids, 6)
-    r = CliRunner().invoke(app, ["generate", "--model", str(d), "--prompt", prompt, "--no-chat",
-                                 "--nproc", "3", "--max-new-tokens", "6", "--json", "--dtype", "float32"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(d),
+            "--prompt",
+            prompt,
+            "--no-chat",
+            "--nproc",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--dtype",
+            "float32",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == ref
-    r = CliRunner().invoke(app, ["generate", "--model", str(d), "--prompt", prompt, "--no-chat",
-                                 "--max-new-tokens", "7"])
+    r = CliRunner().invoke(
+        app, ["generate", "--model", str(d), "--prompt", prompt, "--no-chat", "--max-new-tokens", "7"]
+    )
     assert r.exit_code == 2
 
 
@@ -307,6 +363,7 @@ def test_dtype_the_device_cannot_run(monkeypatch):
 
 
 # ---------------------------------------------------------------- signals and failed ranks
+
 
 def test_sigterm_stops_everything_and_keeps_text(slow_model, tmp_path):
     """SIGTERM (Slurm, Kubernetes, systemd, `timeout`) behaves like Ctrl-C: every rank stops at
@@ -369,9 +426,11 @@ def test_endless_prompt_is_refused_quickly_with_flat_memory(tmp_path, source):
     # process forked from this one (pytest, maybe 1.5 GB by now) would count this one's memory
     # too, since Linux carries the old image's high-water mark across exec.
     peak_file = tmp_path / "maxrss"
-    wrap = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
-            "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
-            "sys.exit(rc)")
+    wrap = (
+        "import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+        "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+        "sys.exit(rc)"
+    )
     cmd = [sys.executable, "-c", wrap, str(peak_file), TREEATTN, "generate", "--model", str(d), "--no-chat"]
     out_f, err_f = open(tmp_path / "out", "wb"), open(tmp_path / "err", "wb")
     t0 = time.monotonic()
@@ -379,8 +438,13 @@ def test_endless_prompt_is_refused_quickly_with_flat_memory(tmp_path, source):
         fifo = tmp_path / "fifo"
         os.mkfifo(fifo)
         feeder = subprocess.Popen(f"exec yes 'all work and no play' > {fifo}", shell=True)
-        p = subprocess.Popen(cmd + ["--prompt-file", str(fifo)], stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            cmd + ["--prompt-file", str(fifo)],
+            stdout=out_f,
+            stderr=err_f,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     else:
         feeder = subprocess.Popen(["yes", "all work and no play"], stdout=subprocess.PIPE)
         p = subprocess.Popen(cmd, stdin=feeder.stdout, stdout=out_f, stderr=err_f, start_new_session=True)
@@ -421,10 +485,12 @@ def test_a_fork_server_started_early_is_gone_when_its_command_ends(tmp_path):
     one that ends before any rank ran must not leave it importing for seconds, holding the
     command's stdout open (`treeattn generate --model bad | cat` would wait): by the time the
     command's process has exited, the server has been killed and reaped."""
-    script = ("from treeattn_cli.parallel import forkserver as server\n"
-              "from multiprocessing import forkserver\n"
-              "server.warm_early()\n"
-              "print(forkserver._forkserver._forkserver_pid, flush=True)\n")
+    script = (
+        "from treeattn_cli.parallel import forkserver as server\n"
+        "from multiprocessing import forkserver\n"
+        "server.warm_early()\n"
+        "print(forkserver._forkserver._forkserver_pid, flush=True)\n"
+    )
     out = tmp_path / "out.txt"
     with open(out, "w") as f:  # a file, not a pipe: waiting for the process is not waiting for its pipe's readers
         r = subprocess.run([sys.executable, "-c", script], stdout=f, stderr=subprocess.DEVNULL, timeout=120)

@@ -30,16 +30,19 @@ def test_step_partials_reach_the_merge_in_fp32(monkeypatch):
     comm = Comm.single()
     seen = []
     real = comm.merge
-    monkeypatch.setattr(comm, "merge", lambda o, lse, out=None, **kw: seen.append(o.dtype) or real(o, lse, out=out, **kw))
+    monkeypatch.setattr(
+        comm, "merge", lambda o, lse, out=None, **kw: seen.append(o.dtype) or real(o, lse, out=out, **kw)
+    )
     q = torch.randn(1, H, 1, d).bfloat16()
     k1, v1 = torch.randn(1, H_kv, 1, d).bfloat16(), torch.randn(1, H_kv, 1, d).bfloat16()
     begin_step(tail, torch.tensor([N]))
-    ctx = AttentionContext(comm, phase="cascade", tail=tail, rows=[0], step=True, groups=[(doc, None, [0])],
-                           positions=torch.tensor([[N]]))
-    out, _ = treeattn_attention(types.SimpleNamespace(layer_idx=0), q, k1, v1, scaling=d ** -0.5, treeattn_ctx=ctx)
+    ctx = AttentionContext(
+        comm, phase="cascade", tail=tail, rows=[0], step=True, groups=[(doc, None, [0])], positions=torch.tensor([[N]])
+    )
+    out, _ = treeattn_attention(types.SimpleNamespace(layer_idx=0), q, k1, v1, scaling=d**-0.5, treeattn_ctx=ctx)
     tail.end_step()
     assert seen == [torch.float32]
-    o_ref, _ = partial_attention_ref(q, torch.cat([k0, k1], 2), torch.cat([v0, v1], 2), scale=d ** -0.5)
+    o_ref, _ = partial_attention_ref(q, torch.cat([k0, k1], 2), torch.cat([v0, v1], 2), scale=d**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == (1, 1, H, d)
     assert_close(out.transpose(1, 2), o_ref, torch.bfloat16, "o")
     assert tail.host_length.tolist() == [1]  # the step's token is in the tail

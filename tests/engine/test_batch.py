@@ -66,8 +66,7 @@ def test_long_questions_go_in_chunks_between_the_steps_of_other_answers(models, 
     still equals transformers' on document + question alone."""
     paths, want = models
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    got, done, _ = run_local(ranks.engine_batch, world, job, DOC, QS, 3, NEW, "off", {"piece": 4},
-                             timeout_s=120)[0]
+    got, done, _ = run_local(ranks.engine_batch, world, job, DOC, QS, 3, NEW, "off", {"piece": 4}, timeout_s=120)[0]
     assert got == want["llama"]
     chunks = sum(-(-len(q) // 4) for q in QS)  # each cut from its start: 1 + 2 + 1 + 6 + 1 + 1 + 3
     assert done[0]["question_chunks"] == chunks and done[0]["chunks_while_decoding"] >= 6, done[0]
@@ -94,8 +93,22 @@ def test_chat_batch_equals_one_at_a_time(models, tmp_path):
     doc.write_text("a ledger of seven bridges and the tolls each one asks, kept since the flood. " * 3)
     qs = tmp_path / "qs.txt"
     qs.write_text("x\nwhich bridge asks the most?\nab\nand why was the ledger kept at all, after the flood?\n")
-    common = ["--model", str(paths["llama"]), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
-              "--dtype", "float32", "--max-new-tokens", "8", "--nproc", "2", "--json"]
+    common = [
+        "--model",
+        str(paths["llama"]),
+        "--prompt-file",
+        str(doc),
+        "--questions",
+        str(qs),
+        "--no-chat",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "8",
+        "--nproc",
+        "2",
+        "--json",
+    ]
 
     def recs(*extra):
         r = cli("chat", *common, *extra)
@@ -114,11 +127,18 @@ def test_chat_batch_equals_one_at_a_time(models, tmp_path):
     assert [r["token_ids"] for r in many] == [r["token_ids"] for r in one]
     m = json.loads((tmp_path / "kv" / "manifest.json").read_text())
     assert m["tokens"]["count"] == many[0]["context_tokens"] - many[0]["prompt_tokens"]  # the document only
-    r = cli("chat", *[x for x in common if x not in ("--prompt-file", str(doc))], "--load-kv", str(tmp_path / "kv"),
-            "--batch", "3")
+    r = cli(
+        "chat",
+        *[x for x in common if x not in ("--prompt-file", str(doc))],
+        "--load-kv",
+        str(tmp_path / "kv"),
+        "--batch",
+        "3",
+    )
     assert r.exit_code == 0 and "[loaded " in r.stderr and "[KV pool: " in r.stderr, r.output
-    assert [json.loads(x)["token_ids"] for x in r.stdout.splitlines() if x.startswith("{")] == \
-        [x["token_ids"] for x in one]
+    assert [json.loads(x)["token_ids"] for x in r.stdout.splitlines() if x.startswith("{")] == [
+        x["token_ids"] for x in one
+    ]
     from treeattn_cli.engine.model import load_tokenizer
 
     # a stop string from the second answer ends it early (and any other that says it)
@@ -164,10 +184,28 @@ def test_chat_batch_with_drafts_refilling_slots_equals_one_at_a_time(tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("the east dome held the reflector; the west dome held the refractor. " * 4)
     qs = tmp_path / "qs.txt"
-    qs.write_text("the east dome held\nwest\nthe reflector; the west\nx\nheld the refractor. the east\ndome\n"
-                  "the west dome held the\n")
-    common = ["--model", str(model), "--prompt-file", str(doc), "--questions", str(qs), "--no-chat",
-              "--dtype", "float32", "--max-new-tokens", "20", "--nproc", "2", "--json", "--logprobs", "2"]
+    qs.write_text(
+        "the east dome held\nwest\nthe reflector; the west\nx\nheld the refractor. the east\ndome\n"
+        "the west dome held the\n"
+    )
+    common = [
+        "--model",
+        str(model),
+        "--prompt-file",
+        str(doc),
+        "--questions",
+        str(qs),
+        "--no-chat",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "20",
+        "--nproc",
+        "2",
+        "--json",
+        "--logprobs",
+        "2",
+    ]
 
     def recs(*extra):
         r = cli("chat", *common, *extra)
@@ -217,8 +255,9 @@ def test_a_document_the_pool_can_never_hold_ends_its_questions_alone(models):
     docs = [DOC[:40], big]
     qs = [(0, QS[0]), (1, QS[1]), (0, QS[2])]
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    got, done, reasons = run_local(ranks.engine_mixed, 2, job, docs, qs, 2, NEW,
-                                   {"pool_blocks": 4, "page": 16}, timeout_s=120)[0]
+    got, done, reasons = run_local(
+        ranks.engine_mixed, 2, job, docs, qs, 2, NEW, {"pool_blocks": 4, "page": 16}, timeout_s=120
+    )[0]
     assert reasons == ["length", "no_room", "length"] and got[1] == [], (reasons, got)
     assert [got[0], got[2]] == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in (qs[0], qs[2])]
 
@@ -235,8 +274,7 @@ def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(mo
     and answers the same."""
     paths, want = models
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW, static=True)
-    got, done, _ = run_local(ranks.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, True, 2,
-                             timeout_s=300)[0]
+    got, done, _ = run_local(ranks.engine_batch, 2, job, DOC, QS[:4], 2, NEW, "off", None, True, 2, timeout_s=300)[0]
     assert got == want["llama"][:4]
     d = done[0]
     assert d["graph_note"] is None and d["graph_captures"] == 1, d
@@ -245,8 +283,18 @@ def test_captured_batched_steps_replay_what_they_captured_and_answer_as_alone(mo
     assert again["batch_runs"] == 2 and again["graph_captures"] == 0 and again["graph_replays"] == 2 * (NEW - 1), again
     docs = [DOC[:24], DOC[::-1][:17]]
     qs = [(0, QS[0]), (1, QS[1]), (1, QS[2])]  # slot 1 waits for the second document; then mixed steps;
-    got, done = run_local(ranks.engine_mixed, 2, job, docs, qs, 2, NEW, None, True,  # then two rows of it
-                          timeout_s=300)[0]
+    got, done = run_local(
+        ranks.engine_mixed,
+        2,
+        job,
+        docs,
+        qs,
+        2,
+        NEW,
+        None,
+        True,  # then two rows of it
+        timeout_s=300,
+    )[0]
     assert got == [tiny_models.hf_greedy(paths["llama"], docs[d] + q, NEW) for d, q in qs]
     d = done[0]
     assert d["documents_per_step"] == 2, d  # rows of both documents shared steps
@@ -261,10 +309,12 @@ def test_every_document_lives_in_the_pool_short_ones_and_saved_ones_that_wait(mo
     paths, _ = models
     short = [[17], DOC[:50], [40, 41]]
     sq = [(0, QS[0]), (1, QS[1]), (2, QS[2]), (0, QS[3])]
-    saved, big = DOC[:60], [(7 * i + 3) % 200 + 30 for i in range(300)]  # 20 and 100 tokens a rank: 2 + 7 + a tail > 8 blocks
+    saved, big = (
+        DOC[:60],
+        [(7 * i + 3) % 200 + 30 for i in range(300)],
+    )  # 20 and 100 tokens a rank: 2 + 7 + a tail > 8 blocks
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    outs = run_local(documents_all_pooled, 3, job, short, sq, saved, big, QS[4], NEW, tmp_path,
-                     timeout_s=180)
+    outs = run_local(documents_all_pooled, 3, job, short, sq, saved, big, QS[4], NEW, tmp_path, timeout_s=180)
     lead = outs[0]
     assert lead["short"] == [tiny_models.hf_greedy(paths["llama"], short[d] + q, NEW) for d, q in sq]
     assert all(o["kinds"] == {"s0": "PagedShard", "s1": "PagedShard", "s2": "PagedShard"} for o in outs), outs
@@ -285,8 +335,9 @@ def test_questions_wait_for_their_tails_blocks_and_give_them_back(models):
     long_q = [(3 * i + 2) % 230 + 20 for i in range(60)]  # 33 tokens a rank with its answer: 3 blocks
     qs = [(0, QS[1]), (0, QS[2]), (0, long_q), (0, QS[4])]
     job = EngineJob(str(paths["llama"]), [], dtype="float32", max_new_tokens=NEW)
-    got, done, reasons = run_local(ranks.engine_mixed, 2, job, [DOC], qs, 2, NEW,
-                                   {"pool_blocks": 3, "page": 16}, timeout_s=120)[0]
+    got, done, reasons = run_local(
+        ranks.engine_mixed, 2, job, [DOC], qs, 2, NEW, {"pool_blocks": 3, "page": 16}, timeout_s=120
+    )[0]
     want = [tiny_models.hf_greedy(paths["llama"], DOC + q, NEW) for _, q in qs]
     assert got[:2] + got[3:] == want[:2] + want[3:] and got[2] == [], got
     assert reasons == ["length", "length", "no_room", "length"], reasons
@@ -318,10 +369,23 @@ def engine_batch_interrupted(ctx, job, doc, questions, slots, new, after):
 
     real, ctx.emit = ctx.emit, emit
     try:
-        Engine(ctx, job).serve([{"op": "append", "ids": doc},
-                                {"op": "batch", "seq": 7, "questions": questions, "slots": slots, "max_new_tokens": new,
-                                 "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "interruptible": True},
-                                {"op": "stop"}])
+        Engine(ctx, job).serve(
+            [
+                {"op": "append", "ids": doc},
+                {
+                    "op": "batch",
+                    "seq": 7,
+                    "questions": questions,
+                    "slots": slots,
+                    "max_new_tokens": new,
+                    "sampling": vars(Sampling()),
+                    "stop": [],
+                    "eos_ids": [],
+                    "interruptible": True,
+                },
+                {"op": "stop"},
+            ]
+        )
     finally:
         ctx.emit = real
     return (got, done) if ctx.rank == 0 else None
@@ -329,7 +393,7 @@ def engine_batch_interrupted(ctx, job, doc, questions, slots, new, after):
 
 def engine_batch_step_positions(ctx, job, doc, questions, slots, new):
     """:func:`engine_batch`, recording the query positions of every one-token-per-slot step of
-    the batch; rank 0 returns (answers, [per step: lowest position, how many slots]). """
+    the batch; rank 0 returns (answers, [per step: lowest position, how many slots])."""
     from treeattn_cli.engine import attention as A
 
     seen = []
@@ -363,9 +427,15 @@ def document_by_segments(ctx, job, doc, piece):
     complete_document(eng.documents, d)
     other = eng.documents.new_shard()
     eng.dec.prefill(other, torch.tensor([doc]), piece)
-    same = d.cache.max_len == other.max_len and torch.equal(d.cache.counts, other.counts) and all(
-        torch.equal(x, y) for layer in range(other.num_layers)
-        for x, y in zip(d.cache.view(layer), other.view(layer)))  # k, v, length, positions
+    same = (
+        d.cache.max_len == other.max_len
+        and torch.equal(d.cache.counts, other.counts)
+        and all(
+            torch.equal(x, y)
+            for layer in range(other.num_layers)
+            for x, y in zip(d.cache.view(layer), other.view(layer))
+        )
+    )  # k, v, length, positions
     every = eng.world.all_gather_values([int(same)])
     return (bool(every.min()), segs, type(d.cache).__name__) if ctx.rank == 0 else None
 
@@ -382,6 +452,7 @@ def engine_batch_merges(ctx, job, doc, questions, slots, new):
         def call(self, *a, **kw):
             counts[name] += 1
             return real[name](self, *a, **kw)
+
         return call
 
     for name in counts:
@@ -413,22 +484,45 @@ def documents_all_pooled(ctx, job, short_docs, short_qs, saved, big, q, new, roo
         elif kind == "bdoc":
             sources[p[0]] = p[1]["source"]
 
-    base = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
-            "eos_ids": [], "speculate": "off"}
+    base = {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+    }
     real, ctx.emit = ctx.emit, emit
     out = {}
     try:
         eng = Engine(ctx, job)
-        pool = {"pool_blocks": 8, "page": 16, "host_memory": 0}  # (the first document makes the pool; no host tier: from disk)
-        eng.serve([{**base, **pool, "slots": 2, "questions": [{"ids": qq, "doc": {"key": f"s{d}", "ids": short_docs[d]}}
-                                                              for d, qq in short_qs]}])
+        pool = {
+            "pool_blocks": 8,
+            "page": 16,
+            "host_memory": 0,
+        }  # (the first document makes the pool; no host tier: from disk)
+        eng.serve(
+            [
+                {
+                    **base,
+                    **pool,
+                    "slots": 2,
+                    "questions": [{"ids": qq, "doc": {"key": f"s{d}", "ids": short_docs[d]}} for d, qq in short_qs],
+                }
+            ]
+        )
         out["short"] = [got.get(i) for i in range(len(short_qs))]
         out["kinds"] = {k: type(d.cache).__name__ for k, d in eng.documents.resident.items()}
         out["short_counts"] = {k: d.cache.counts[0].tolist() for k, d in eng.documents.resident.items()}
         for k in list(eng.documents.resident):
             eng.documents._evict(k)
-        disk = {"dir": str(root), "save": True, **pool,
-                "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
+        disk = {
+            "dir": str(root),
+            "save": True,
+            **pool,
+            "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
+        }
         for name, ids in (("saved", saved), ("big", big), ("saved", saved)):
             got.clear()
             sources.clear()

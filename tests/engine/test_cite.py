@@ -46,8 +46,17 @@ def attention_masses(model_dir, ids: list, prompt: int, rows: int, spans, layers
 
 
 def _decode(ids, spec, cite=True, layers=None):
-    return {"op": "decode", "seq": 0, "max_new_tokens": NEW, "sampling": vars(Sampling()), "stop": [], "eos_ids": [],
-            "keep": False, "speculate": spec, **({"cite": {"spans": SPANS, "layers": layers}} if cite else {})}
+    return {
+        "op": "decode",
+        "seq": 0,
+        "max_new_tokens": NEW,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "keep": False,
+        "speculate": spec,
+        **({"cite": {"spans": SPANS, "layers": layers}} if cite else {}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +67,11 @@ def models(tmp_path_factory):
     llama = tiny_models.make_model("llama", root / "llama", seed=7)
     start = [(13 * i + 5) % 230 + 20 for i in range(17)]
     doc = (start + tiny_models.hf_greedy(llama, start, 40)) * 2  # 114 tokens: spans cover its first 53
-    return {"llama": (llama, doc, start),
-            "gemma2": (tiny_models.make_model("gemma2", root / "gemma2", seed=4), doc, start),
-            "gpt_oss": (tiny_models.make_model("gpt_oss", root / "gpt_oss", seed=5), doc, start)}
+    return {
+        "llama": (llama, doc, start),
+        "gemma2": (tiny_models.make_model("gemma2", root / "gemma2", seed=4), doc, start),
+        "gpt_oss": (tiny_models.make_model("gpt_oss", root / "gpt_oss", seed=5), doc, start),
+    }
 
 
 @pytest.mark.parametrize("world,tp", [(1, 1), (3, 1), (4, 2)], ids=["1-rank", "3-ranks", "tp2-cp2"])
@@ -77,19 +88,41 @@ def test_citation_masses_are_transformers_attention(models, world, tp):
     sessions.append((job, [{"op": "append", "ids": prompt}, _decode(prompt, "ngram:4"), {"op": "stop"}]))
     expect.append([("llama", prompt, None, True)])
     qs = [start[3:], [70, 71, 72, 73], start[5:]]
-    sessions.append((job, [{"op": "append", "ids": doc},
-                           {"op": "batch", "slots": 2, "max_new_tokens": NEW, "sampling": vars(Sampling()),
-                            "stop": [], "eos_ids": [], "speculate": "off",
-                            "questions": [{"ids": qs[0], "cite": {"spans": SPANS, "layers": [0, 1]}}, {"ids": qs[1]},
-                                          {"ids": qs[2], "cite": {"spans": SPANS}, "speculate": "ngram:3"}]},
-                           {"op": "stop"}]))
-    expect.append([("llama", doc + qs[0], [0, 1], False), ("llama", doc + qs[1], None, None),
-                   ("llama", doc + qs[2], None, False)])
+    sessions.append(
+        (
+            job,
+            [
+                {"op": "append", "ids": doc},
+                {
+                    "op": "batch",
+                    "slots": 2,
+                    "max_new_tokens": NEW,
+                    "sampling": vars(Sampling()),
+                    "stop": [],
+                    "eos_ids": [],
+                    "speculate": "off",
+                    "questions": [
+                        {"ids": qs[0], "cite": {"spans": SPANS, "layers": [0, 1]}},
+                        {"ids": qs[1]},
+                        {"ids": qs[2], "cite": {"spans": SPANS}, "speculate": "ngram:3"},
+                    ],
+                },
+                {"op": "stop"},
+            ],
+        )
+    )
+    expect.append(
+        [("llama", doc + qs[0], [0, 1], False), ("llama", doc + qs[1], None, None), ("llama", doc + qs[2], None, False)]
+    )
     if world == 3:
         for kind in ("gemma2", "gpt_oss"):
             m, _, _ = models[kind]
-            sessions.append((EngineJob(str(m), [], dtype="float32", max_new_tokens=NEW, reserve=256),
-                             [{"op": "append", "ids": prompt}, _decode(prompt, "ngram:4"), {"op": "stop"}]))
+            sessions.append(
+                (
+                    EngineJob(str(m), [], dtype="float32", max_new_tokens=NEW, reserve=256),
+                    [{"op": "append", "ids": prompt}, _decode(prompt, "ngram:4"), {"op": "stop"}],
+                )
+            )
             expect.append([(kind, prompt, None, False)])
     got = run_local(cite_sessions, world, sessions, timeout_s=300)[0]
     paths = {k: v[0] for k, v in models.items()}
@@ -102,8 +135,7 @@ def test_citation_masses_are_transformers_attention(models, world, tp):
                 continue
             cited = np.asarray(rec["cite"])
             assert cited.shape == (len(toks) - 1, len(SPANS))
-            oracle = attention_masses(paths[kind], ids + toks, len(ids), len(toks) - 1, SPANS,
-                                      layers or cite_layers(2))
+            oracle = attention_masses(paths[kind], ids + toks, len(ids), len(toks) - 1, SPANS, layers or cite_layers(2))
             assert np.abs(cited - oracle).max() < 1e-5, (kind, np.abs(cited - oracle).max())
             assert cited.sum() > 0.1 * cited.shape[0]  # the document's spans draw attention at all
             if drafts:  # the feature under test was on: drafts were verified, some kept and some not
@@ -114,12 +146,14 @@ def test_citation_masses_are_transformers_attention(models, world, tp):
 # ---------------------------------------------------------------- attention steered onto one sentence
 
 MAGIC = "Z"
-DOC = ("the quiet valley held a small farm and an old mill by the river. "
-       "every spring the water rose and the miller cleaned the wheel with care. "
-       "the children of the farm walked to school along the high road each day. "
-       "behind the mill stood a stone shed where the ZZZZ keys were kept. "
-       "in winter the road was closed and the farm sent its letters by boat. "
-       "the mill was sold in the end and the shed was pulled down for stone.")
+DOC = (
+    "the quiet valley held a small farm and an old mill by the river. "
+    "every spring the water rose and the miller cleaned the wheel with care. "
+    "the children of the farm walked to school along the high road each day. "
+    "behind the mill stood a stone shed where the ZZZZ keys were kept. "
+    "in winter the road was closed and the farm sent its letters by boat. "
+    "the mill was sold in the end and the shed was pulled down for stone."
+)
 QUESTION = "where were the Z keys kept?"
 
 
@@ -129,8 +163,9 @@ def steered_model(out) -> str:
     layer's keys read into the slowest-rotating RoPE pair, and every query's bias meets there."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_models.make_model("llama", out, seed=11, attention_bias=True,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    path = tiny_models.make_model(
+        "llama", out, seed=11, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+    )
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tok = tiny_models_tokenizer(path)
     z = tok.convert_tokens_to_ids(MAGIC)
@@ -141,8 +176,10 @@ def steered_model(out) -> str:
         emb[z, 0] = 30.0
         for layer in m.model.layers:
             at = layer.self_attn
-            for proj, heads, value in ((at.q_proj, m.config.num_attention_heads, None),
-                                       (at.k_proj, m.config.num_key_value_heads, 3.0)):
+            for proj, heads, value in (
+                (at.q_proj, m.config.num_attention_heads, None),
+                (at.k_proj, m.config.num_key_value_heads, 3.0),
+            ):
                 for h in range(heads):
                     for ch in (h * hd + hd // 2 - 1, h * hd + hd - 1):  # the slowest RoPE pair
                         proj.weight[ch] = 0.0
@@ -181,19 +218,50 @@ def test_citations_find_the_sentence_attention_is_steered_to(steered):
     want = text.index("behind the mill")
     recs = {}
     for n in (1, 3):
-        r = cli("generate", "--model", model, "--prompt-file", str(doc), "--no-chat", "--cite", "--json", "--nproc",
-                str(n), "--max-new-tokens", "6", "--dtype", "float32", "--quiet")
+        r = cli(
+            "generate",
+            "--model",
+            model,
+            "--prompt-file",
+            str(doc),
+            "--no-chat",
+            "--cite",
+            "--json",
+            "--nproc",
+            str(n),
+            "--max-new-tokens",
+            "6",
+            "--dtype",
+            "float32",
+            "--quiet",
+        )
         assert r.exit_code == 0, r.stderr
         recs[n] = json.loads(r.stdout)
-    plain = cli("generate", "--model", model, "--prompt-file", str(doc), "--no-chat", "--json", "--nproc", "3",
-                "--max-new-tokens", "6", "--dtype", "float32", "--quiet")
+    plain = cli(
+        "generate",
+        "--model",
+        model,
+        "--prompt-file",
+        str(doc),
+        "--no-chat",
+        "--json",
+        "--nproc",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--dtype",
+        "float32",
+        "--quiet",
+    )
     assert json.loads(plain.stdout)["token_ids"] == recs[3]["token_ids"]
     first = recs[1]["citations"][0]
-    assert first["start"] == want and text[first["start"]:first["end"]] == first["text"]
+    assert first["start"] == want and text[first["start"] : first["end"]] == first["text"]
     assert first["text"].startswith("behind the mill") and first["text"].endswith("were kept.")
     assert first["score"] > 0.5 and all(c["score"] < 0.1 for c in recs[1]["citations"][1:])
     assert all(c["end"] <= text.index(QUESTION) for c in recs[1]["citations"])  # the question is not cited
-    assert [(c["start"], c["end"]) for c in recs[3]["citations"]] == [(c["start"], c["end"]) for c in recs[1]["citations"]]
+    assert [(c["start"], c["end"]) for c in recs[3]["citations"]] == [
+        (c["start"], c["end"]) for c in recs[1]["citations"]
+    ]
     assert abs(recs[3]["citations"][0]["score"] - first["score"]) < 1e-5
     assert recs[1]["sentence_citations"] and all(s["citation"]["start"] == want for s in recs[1]["sentence_citations"])
 
@@ -206,8 +274,27 @@ def test_chat_cites_each_answer_of_a_batch(steered, tmp_path):
     only.write_text(DOC)
     qs = tmp_path / "q.txt"
     qs.write_text("where are the keys?\nwhat stood behind the mill?\nwho cleaned the wheel?\n")
-    r = cli("chat", "--model", model, "--prompt-file", str(only), "--questions", str(qs), "--no-chat", "--cite",
-            "--json", "--batch", "2", "--nproc", "2", "--max-new-tokens", "4", "--dtype", "float32", "--quiet")
+    r = cli(
+        "chat",
+        "--model",
+        model,
+        "--prompt-file",
+        str(only),
+        "--questions",
+        str(qs),
+        "--no-chat",
+        "--cite",
+        "--json",
+        "--batch",
+        "2",
+        "--nproc",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--dtype",
+        "float32",
+        "--quiet",
+    )
     assert r.exit_code == 0, r.stderr
     recs = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
     assert len(recs) == 3
@@ -222,22 +309,35 @@ def test_sources_name_lines_and_quote_the_sentence(steered):
     text = "first line of nothing much\n" + DOC
     spans = C.DocumentSpans(text, [(27, 27 + 60)], [(4, 60)])
     out = io.StringIO()
-    show({"text": "the keys were in the shed", "citations": [{"start": 27, "end": 87, "score": 0.42,
-                                                               "text": text[27:87]}]}, spans, file=out)
+    show(
+        {
+            "text": "the keys were in the shed",
+            "citations": [{"start": 27, "end": 87, "score": 0.42, "text": text[27:87]}],
+        },
+        spans,
+        file=out,
+    )
     s = out.getvalue()
     assert s.startswith("Sources") and " 1. line 2 (42.0% of the attention): \u201cthe quiet valley" in s
 
 
 # ---------------------------------------------------------------- placing text on tokens
 
+
 def test_spans_are_sentences_and_short_ones_join_the_next():
     text = "Title\n\nA first sentence of some length here. Dr. Who came. Then a longer one follows it.\n\nEnd."
     got = [text[a:b] for a, b in C.split_spans(text)]
-    assert got == ["Title", "A first sentence of some length here.", "Dr. Who came. Then a longer one follows it.",
-                   "End."]
+    assert got == [
+        "Title",
+        "A first sentence of some length here.",
+        "Dr. Who came. Then a longer one follows it.",
+        "End.",
+    ]
     text = "A first sentence of some length here. Short end.\nNext line is long enough to stand alone. Ok."
-    assert [text[a:b] for a, b in C.split_spans(text)] == ["A first sentence of some length here.",
-                                                           "Short end.\nNext line is long enough to stand alone. Ok."]
+    assert [text[a:b] for a, b in C.split_spans(text)] == [
+        "A first sentence of some length here.",
+        "Short end.\nNext line is long enough to stand alone. Ok.",
+    ]
     assert C.split_spans("A first sentence of some length here. Short end.") == [(0, 48)]
 
 
@@ -268,8 +368,10 @@ def test_spans_through_a_chat_template_sit_on_the_characters_of_the_text(steered
     m = tmp_path / "m"
     shutil.copytree(model, m)
     cfg = json.loads((m / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-                            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    cfg["chat_template"] = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     (m / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = tiny_models_tokenizer(m)
     text = f"{DOC}\n\n{QUESTION}"
@@ -283,10 +385,13 @@ def test_spans_through_a_chat_template_sit_on_the_characters_of_the_text(steered
         assert all((s, e) == (at + a, at + b) for (a, b), (s, e) in zip(sp.chars, sp.positions))
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--prompt", "too short.\n\nwhat?"], "too short to cite"),
-    (["--prompt", "x" * 40, "--load-kv", "/nonexistent"], "--cite needs the document's text"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--prompt", "too short.\n\nwhat?"], "too short to cite"),
+        (["--prompt", "x" * 40, "--load-kv", "/nonexistent"], "--cite needs the document's text"),
+    ],
+)
 def test_bad_cite_input_is_one_line(steered, args, needle):
     model, _ = steered
     r = cli("generate", "--model", model, "--no-chat", "--cite", "--nproc", "1", *args)
@@ -307,16 +412,38 @@ def test_the_gpu_path_cites_through_the_triton_kernels(tiny):
     new = 4
     common = {"max_new_tokens": new, "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"}
     job = EngineJob(str(llama), [], dtype="float32", max_new_tokens=new, reserve=64)
-    dense = (job, [{"op": "append", "ids": doc}, {"op": "mark", "name": "doc"}, {"op": "append", "ids": q},
-                   {"op": "decode", "seq": 0, "keep": False, "cite": cite, **common}, {"op": "rollback", "name": "doc"},
-                   {"op": "batch", "slots": 2, "questions": [{"ids": q, "cite": cite}, {"ids": q[:2]}], **common},
-                   {"op": "stop"}])
-    paged = (job, [{"op": "batch", "slots": 2, "piece": 8, **common,
-                    "questions": [{"ids": q, "doc": {"key": "a", "ids": doc}, "cite": cite},
-                                  {"ids": q[:3], "doc": {"key": "b", "ids": other}, "cite": {"spans": [[4, 20]]}}]},
-                   {"op": "stop"}])
-    for session, kernel, want in ((dense, "partial_attention_triton", [(doc + q, spans), (doc + q, spans), None]),
-                                  (paged, "partial_attention_triton_paged", [(doc + q, spans), (other + q[:3], [[4, 20]])])):
+    dense = (
+        job,
+        [
+            {"op": "append", "ids": doc},
+            {"op": "mark", "name": "doc"},
+            {"op": "append", "ids": q},
+            {"op": "decode", "seq": 0, "keep": False, "cite": cite, **common},
+            {"op": "rollback", "name": "doc"},
+            {"op": "batch", "slots": 2, "questions": [{"ids": q, "cite": cite}, {"ids": q[:2]}], **common},
+            {"op": "stop"},
+        ],
+    )
+    paged = (
+        job,
+        [
+            {
+                "op": "batch",
+                "slots": 2,
+                "piece": 8,
+                **common,
+                "questions": [
+                    {"ids": q, "doc": {"key": "a", "ids": doc}, "cite": cite},
+                    {"ids": q[:3], "doc": {"key": "b", "ids": other}, "cite": {"spans": [[4, 20]]}},
+                ],
+            },
+            {"op": "stop"},
+        ],
+    )
+    for session, kernel, want in (
+        (dense, "partial_attention_triton", [(doc + q, spans), (doc + q, spans), None]),
+        (paged, "partial_attention_triton_paged", [(doc + q, spans), (other + q[:3], [[4, 20]])]),
+    ):
         per_rank = run_local(triton_cite_sessions, 2, [session], kernel, timeout_s=600)
         answers = per_rank[0][0][0]
         assert all(n >= new - 1 for _, n in per_rank), per_rank  # the kernel ran on every rank

@@ -24,16 +24,30 @@ POOLED = [{"ids": QS[1], "doc": {"key": "a", "ids": DOC[::-1]}}, {"ids": QS[2], 
 # host tensors on purpose (every rank's token counts and lengths, where each token goes). A read
 # anywhere else is a new wait for the device: make it go through engine.transfers or keep the value on
 # the host, and add a site here only for a host tensor.
-HOST_BOOKKEEPING = {"paged_tail.py:plan_step", "paged_tail.py:max_len", "paged_tail.py:begin_extend",
-                    "paged_tail.py:fewest_first", "paged_tail.py:reset_rows", "documents.py:tokens",
-                    "decode.py:_prefill", "decode.py:_prefill_replicated",
-                    "pool.py:chain_key", "record.py:run_record", "record.py:<listcomp>",
-                    "paged_tail.py:view_rows", "paged_tail.py:rows_tables", "paged_tail.py:most_here",  # (the tail in
-                    # the pool: the same host lengths, gathered or as tables, and a question's admission reading
-                    # its document's counts)
-                    # rounds that make a document resident, not steps: the ranks agree on room and
-                    # segments (one collective each, read), and report their pools as questions begin
-                    "comm.py:all_true", "comm.py:all_min", "block_reuse.py:plan", "documents.py:pools"}
+HOST_BOOKKEEPING = {
+    "paged_tail.py:plan_step",
+    "paged_tail.py:max_len",
+    "paged_tail.py:begin_extend",
+    "paged_tail.py:fewest_first",
+    "paged_tail.py:reset_rows",
+    "documents.py:tokens",
+    "decode.py:_prefill",
+    "decode.py:_prefill_replicated",
+    "pool.py:chain_key",
+    "record.py:run_record",
+    "record.py:<listcomp>",
+    "paged_tail.py:view_rows",
+    "paged_tail.py:rows_tables",
+    "paged_tail.py:most_here",  # (the tail in
+    # the pool: the same host lengths, gathered or as tables, and a question's admission reading
+    # its document's counts)
+    # rounds that make a document resident, not steps: the ranks agree on room and
+    # segments (one collective each, read), and report their pools as questions begin
+    "comm.py:all_true",
+    "comm.py:all_min",
+    "block_reuse.py:plan",
+    "documents.py:pools",
+}
 
 
 def test_a_step_reads_the_device_once_and_copies_to_it_once(tiny):
@@ -117,8 +131,15 @@ def host_reads_per_step(ctx, job, doc, questions, new):
                 step_reads.record()
             return func(*args, **(kwargs or {}))
 
-    real = {"tolist": torch.Tensor.tolist, "numpy": torch.Tensor.numpy, "forward": Decoder._forward,
-            "tensor": torch.tensor, "read": transfers.read, "send": transfers.Staging.send, "broadcast": Comm.broadcast}
+    real = {
+        "tolist": torch.Tensor.tolist,
+        "numpy": torch.Tensor.numpy,
+        "forward": Decoder._forward,
+        "tensor": torch.tensor,
+        "read": transfers.read,
+        "send": transfers.Staging.send,
+        "broadcast": Comm.broadcast,
+    }
 
     def tolist(t):
         step_reads.record()
@@ -166,10 +187,17 @@ def host_reads_per_step(ctx, job, doc, questions, new):
     try:
         eng = Engine(ctx, job)
         eng.serve([{"op": "append", "ids": doc}, {"op": "mark", "name": "doc"}])
-        for name, reqs in (("batch", [{"op": "batch", "questions": questions, "slots": len(questions), **common}]),
-                           ("alone", [{"op": "append", "ids": questions[0]},
-                                      {"op": "decode", "seq": 0, "keep": False, **common},
-                                      {"op": "rollback", "name": "doc"}])):
+        for name, reqs in (
+            ("batch", [{"op": "batch", "questions": questions, "slots": len(questions), **common}]),
+            (
+                "alone",
+                [
+                    {"op": "append", "ids": questions[0]},
+                    {"op": "decode", "seq": 0, "keep": False, **common},
+                    {"op": "rollback", "name": "doc"},
+                ],
+            ),
+        ):
             events.clear()
             step_reads.on = True
             try:
@@ -189,7 +217,11 @@ def host_reads_per_step(ctx, job, doc, questions, new):
         out["step_reads"] = sorted(set(step_reads.sites))
     finally:
         torch.Tensor.tolist, torch.Tensor.numpy, torch.tensor, Decoder._forward = (
-            real["tolist"], real["numpy"], real["tensor"], real["forward"])
+            real["tolist"],
+            real["numpy"],
+            real["tensor"],
+            real["forward"],
+        )
         transfers.read, transfers.Staging.send, Comm.broadcast = real["read"], real["send"], real["broadcast"]
         os.environ.pop("TREEATTN_KERNEL", None)
         ctx.emit = sent

@@ -30,8 +30,11 @@ def _shard(pool: BlockPool, n: int, seed: int) -> PagedShard:
     sh = PagedShard(pool, rank=0, world=1)
     sh.begin_fill(torch.arange(n), [n])
     for layer in range(pool.num_layers):
-        sh.fill_layer(layer, torch.randn(1, pool.kv_heads, n, pool.head_dim, generator=g),
-                      torch.randn(1, pool.kv_heads, n, pool.head_dim, generator=g))
+        sh.fill_layer(
+            layer,
+            torch.randn(1, pool.kv_heads, n, pool.head_dim, generator=g),
+            torch.randn(1, pool.kv_heads, n, pool.head_dim, generator=g),
+        )
     return sh
 
 
@@ -70,8 +73,19 @@ def host_round_trip(ctx, job, small, big, q, new, host_memory):
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.sampling import Sampling
 
-    base = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
-            "eos_ids": [], "speculate": "off", "slots": 1, "pool_blocks": 8, "page": 16, "host_memory": host_memory}
+    base = {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+        "slots": 1,
+        "pool_blocks": 8,
+        "page": 16,
+        "host_memory": host_memory,
+    }
     out: dict = {"answers": [], "sources": []}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)
@@ -90,7 +104,8 @@ def host_round_trip(ctx, job, small, big, q, new, host_memory):
         sh = eng.documents.resident["small"].cache
         after = [t for layer in range(sh.num_layers) for t in sh.layer_tensors(layer)]
         out["same_bytes"] = len(after) == len(before) and all(
-            torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(before, after))
+            torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(before, after)
+        )
         out["host_after"] = list(eng.documents.host.copies)
         out["reports"] = rec.reports
         eng.serve([{"op": "stop"}])
@@ -108,8 +123,18 @@ def restore_in_parts(ctx, job, small, big, q, new):
     from treeattn_cli.engine.sampling import Sampling
 
     host_tier.RESTORE_BYTES_PER_ROUND = 1  # one layer a round (the least a round copies)
-    base = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
-            "eos_ids": [], "speculate": "off", "slots": 2, "pool_blocks": 16, "page": 16}
+    base = {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+        "slots": 2,
+        "pool_blocks": 16,
+        "page": 16,
+    }
     out = {}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)
@@ -120,8 +145,17 @@ def restore_in_parts(ctx, job, small, big, q, new):
         eng.documents.pool.forget(keys)  # (its cached blocks reused since, as a busy pool's would be)
         out["hosted"] = "small" in eng.documents.host and "big" in eng.documents.resident
         rec.clear()
-        eng.serve([{**base, "questions": [{"ids": q, "doc": {"key": "big", "ids": big}},
-                                          {"ids": q, "doc": {"key": "small", "ids": small}}]}])
+        eng.serve(
+            [
+                {
+                    **base,
+                    "questions": [
+                        {"ids": q, "doc": {"key": "big", "ids": big}},
+                        {"ids": q, "doc": {"key": "small", "ids": small}},
+                    ],
+                }
+            ]
+        )
         out["answers"], out["sources"] = [rec.answers.get(i) for i in (0, 1)], [rec.sources.get(i) for i in (0, 1)]
         out["parts"], out["alongside"] = eng.documents.restore_parts, eng.bd.segments_while_decoding
         eng.serve([{"op": "stop"}])

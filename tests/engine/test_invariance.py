@@ -27,11 +27,11 @@ def test_the_check_catches_a_matmul_that_sees_its_batch():
     with invariance.shared_rows():
         # (the library's on contiguous rows: fixed_linear hands every layer its rows so)
         assert invariance.rows_invariant(lambda x: F.linear(x.contiguous(), w), 64, "cpu", torch.float32)
-        seen = lambda x: F.linear(x.contiguous(), w) * (1 + 2 ** -20 * (x.reshape(-1, 64).shape[0] > 1))  # noqa: E731
+        seen = lambda x: F.linear(x.contiguous(), w) * (1 + 2**-20 * (x.reshape(-1, 64).shape[0] > 1))  # noqa: E731
         assert not invariance.rows_invariant(seen, 64, "cpu", torch.float32)
         # every layer gets its rows contiguous (a tensor-parallel LM head took another route for
         # the strided last positions): a layer that tells them apart sees no difference
-        strided = lambda x: F.linear(x.contiguous(), w) + (0 if x.is_contiguous() else 2 ** -20)  # noqa: E731
+        strided = lambda x: F.linear(x.contiguous(), w) + (0 if x.is_contiguous() else 2**-20)  # noqa: E731
         last = torch.randn(3, 5, 64)[:, -1:]  # the LM head's input: the last positions, strided
         assert not torch.equal(strided(last), strided(last.contiguous()))
         assert torch.equal(invariance.fixed_linear(strided, None)(last), strided(last.contiguous()))
@@ -77,9 +77,14 @@ def test_reference_rows_keep_their_bits_beside_other_rows_and_later_keys(H, H_kv
                 o, lse = partial_attention_ref(q, K, V, kv_len=lens)
                 assert torch.equal(o[-1, :, -1], base[0, :, 0]) and torch.equal(lse[-1, :, -1], base_lse[0, :, 0])
                 if Q <= n:  # a verify's rows: the last one sees the keys up to n - 1
-                    o, lse = partial_attention_ref(q, K, V, q_pos=torch.arange(n - Q, n).expand(B, Q),
-                                                   k_pos=torch.arange(n + extra).expand(B, -1),
-                                                   kv_len=torch.full((B,), n + extra))
+                    o, lse = partial_attention_ref(
+                        q,
+                        K,
+                        V,
+                        q_pos=torch.arange(n - Q, n).expand(B, Q),
+                        k_pos=torch.arange(n + extra).expand(B, -1),
+                        kv_len=torch.full((B,), n + extra),
+                    )
                     assert torch.equal(o[-1, :, -1], base[0, :, 0]), (n, extra, B, Q)
 
 
@@ -135,8 +140,9 @@ def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
     text = files("treeattn_cli.data").joinpath("demo_document.txt").read_text()[:DOC_CHARS]
     doc = tok(text)["input_ids"]
     questions = [tok(q)["input_ids"] for q in QUESTIONS]
-    job = EngineJob(str(model), [], dtype="float32", kv_dtype="fp8", max_new_tokens=10,
-                      reserve=len(doc) + 64, speculate="off")
+    job = EngineJob(
+        str(model), [], dtype="float32", kv_dtype="fp8", max_new_tokens=10, reserve=len(doc) + 64, speculate="off"
+    )
     runs = run_local(invariance_runs, 2, job, doc, questions, 10, timeout_s=600)[0]
     alone = runs["alone"]["answers"]
     for name in ("batch3", "ngram", "batch3+ngram"):
@@ -182,10 +188,13 @@ def invariance_runs(ctx, job, doc, questions, new):
 
     eng = Engine(ctx, job)
     spec = {"key": "doc", "ids": doc}
-    common = {"max_new_tokens": new, "sampling": {}, "stop": [], "eos_ids": [], "digest": True,
-              "pool_for": len(doc)}
-    runs = {"alone": [[i] for i in range(len(questions))], "batch3": [list(range(len(questions)))],
-            "ngram": [[i] for i in range(len(questions))], "batch3+ngram": [list(range(len(questions)))]}
+    common = {"max_new_tokens": new, "sampling": {}, "stop": [], "eos_ids": [], "digest": True, "pool_for": len(doc)}
+    runs = {
+        "alone": [[i] for i in range(len(questions))],
+        "batch3": [list(range(len(questions)))],
+        "ngram": [[i] for i in range(len(questions))],
+        "batch3+ngram": [list(range(len(questions)))],
+    }
     out = {}
     for name, groups in runs.items():
         answers, batches = {}, []
@@ -198,8 +207,16 @@ def invariance_runs(ctx, job, doc, questions, new):
 
         ctx.emit = emit
         for order in groups:
-            eng.serve([{"op": "batch", "questions": [{"ids": questions[i], "doc": spec} for i in order],
-                        "slots": min(3, len(order)), "speculate": "ngram:4" if "ngram" in name else "off",
-                        **common}])
+            eng.serve(
+                [
+                    {
+                        "op": "batch",
+                        "questions": [{"ids": questions[i], "doc": spec} for i in order],
+                        "slots": min(3, len(order)),
+                        "speculate": "ngram:4" if "ngram" in name else "off",
+                        **common,
+                    }
+                ]
+            )
         out[name] = {"answers": answers, "batches": batches}
     return out if ctx.rank == 0 else None

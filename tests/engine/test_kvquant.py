@@ -31,11 +31,14 @@ def _cont(k: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def models(tiny):
-    return {"llama": tiny("llama", seed=3, head_dim=64),  # 2 scales per row
-            "gemma2": tiny("gemma2", seed=4)}  # window + softcap, d 16: 1 scale
+    return {
+        "llama": tiny("llama", seed=3, head_dim=64),  # 2 scales per row
+        "gemma2": tiny("gemma2", seed=4),
+    }  # window + softcap, d 16: 1 scale
 
 
 # ---------------------------------------------------------------- the quantizer and the kernels
+
 
 @pytest.mark.parametrize("d", [64, 48, 16])
 def test_rotation_is_orthogonal_so_scores_are_unchanged(d):
@@ -62,10 +65,10 @@ def test_quantize_keeps_every_group_within_e4m3_precision(d, groups):
     assert x8.dtype == torch.float8_e4m3fn and s.dtype == torch.bfloat16 and s.shape == (3, 4, 50, groups)
     xr = (x.float() @ quant.r).unflatten(-1, (groups, -1))
     amax = xr.abs().amax(-1)
-    assert (s.float() * 448 >= amax * (1 - 2 ** -12)).all() and (s.float() * 448 <= amax * (1 + 2 ** -6)).all()
+    assert (s.float() * 448 >= amax * (1 - 2**-12)).all() and (s.float() * 448 <= amax * (1 + 2**-6)).all()
     got = dequantize(x8, s).unflatten(-1, (groups, -1))
-    step = s.float()[..., None] * 2 ** -9  # e4m3's smallest subnormal, in the group's scale
-    assert ((got - xr).abs() <= torch.maximum(xr.abs() * 2 ** -4, step)).all()
+    step = s.float()[..., None] * 2**-9  # e4m3's smallest subnormal, in the group's scale
+    assert ((got - xr).abs() <= torch.maximum(xr.abs() * 2**-4, step)).all()
     back = quant.restore(x8, s)  # [.., d] in the model's basis again
     assert torch.allclose(back, quant.roundtrip(x), atol=1e-6)
     assert (back - x).norm() <= 0.05 * x.norm()
@@ -83,11 +86,26 @@ def test_partial_attention_on_fp8_rows_is_attention_on_their_values(impl):
     (k8, ks), (v8, vs) = quant.quantize(torch.randn(B, Hk, N, d) * 3), quant.quantize(torch.randn(B, Hk, N, d))
     kv_len = torch.tensor([N, 20])
     q_pos, k_pos = torch.arange(40, 40 + Q), torch.arange(N).expand(B, N)
-    o, lse = partial_attention(q, k8, v8, k_scale=ks, v_scale=vs, kv_len=kv_len, q_pos=q_pos, k_pos=k_pos,
-                               window=25, softcap=20.0, impl=impl, out_dtype=torch.float32)
+    o, lse = partial_attention(
+        q,
+        k8,
+        v8,
+        k_scale=ks,
+        v_scale=vs,
+        kv_len=kv_len,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        window=25,
+        softcap=20.0,
+        impl=impl,
+        out_dtype=torch.float32,
+    )
     k, v = dequantize(k8, ks), dequantize(v8, vs)
-    mask = (torch.arange(N)[None, None] < kv_len[:, None, None]) & (k_pos[:, None] > q_pos[None, :, None] - 25) \
+    mask = (
+        (torch.arange(N)[None, None] < kv_len[:, None, None])
+        & (k_pos[:, None] > q_pos[None, :, None] - 25)
         & (k_pos[:, None] <= q_pos[None, :, None])
+    )
     want_o, want_l = attention_f64(q, k, v, mask=mask, softcap=20.0)
     assert torch.allclose(o.double(), want_o, atol=1e-4) and torch.allclose(lse.double(), want_l, atol=1e-4)
 
@@ -98,11 +116,14 @@ def test_fp8_kv_takes_at_most_055_of_bf16_scales_included(d):
     fp8 = BlockPool(4, 2, d, page=64, num_blocks=2, quant=KVQuant(d, "cpu"))
     bf16 = BlockPool(4, 2, d, page=64, num_blocks=2, dtype=torch.bfloat16)
     assert fp8.bytes_per_token() <= 0.55 * bf16.bytes_per_token()
-    assert fp8.bytes_per_token() == token_bytes("fp8", 4, 2, d) and bf16.bytes_per_token() == token_bytes("bfloat16", 4, 2, d)
+    assert fp8.bytes_per_token() == token_bytes("fp8", 4, 2, d) and bf16.bytes_per_token() == token_bytes(
+        "bfloat16", 4, 2, d
+    )
     assert fp8.nbytes() <= 0.55 * bf16.nbytes()
 
 
 # ---------------------------------------------------------------- one rank against transformers
+
 
 def _hf_logits(model_dir, ids, kv_round=None):
     from transformers import AutoModelForCausalLM
@@ -131,13 +152,24 @@ def test_one_rank_logits_are_transformers_on_rounded_kv(models, kind, kv):
     sh = shapes(load_model(model_dir, torch.float32, torch.device("cpu")).config)
     _, quant, _ = storage(kv, torch.float32, "cpu", sh["head_dim"])
     got = {}
-    ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
-                      emit=lambda kind, p: got.__setitem__("rec", p) if kind == "answer" else None)
+    ctx = RankContext(
+        rank=0,
+        world=1,
+        local_rank=0,
+        backend="gloo",
+        device="cpu",
+        timeout_s=60.0,
+        emit=lambda kind, p: got.__setitem__("rec", p) if kind == "answer" else None,
+    )
     job = EngineJob(str(model_dir), [], dtype="float32", kv_dtype=kv, speculate="off")
     ids = DOC[:24]
-    Engine(ctx, job).serve([{"op": "append", "ids": ids, "piece": 12},
-                            {"op": "decode", "max_new_tokens": 6, "sampling": vars(Sampling()), "logprobs": tiny_models.VOCAB},
-                            {"op": "stop"}])
+    Engine(ctx, job).serve(
+        [
+            {"op": "append", "ids": ids, "piece": 12},
+            {"op": "decode", "max_new_tokens": 6, "sampling": vars(Sampling()), "logprobs": tiny_models.VOCAB},
+            {"op": "stop"},
+        ]
+    )
     rec = got["rec"]
     ids = ids + rec["token_ids"][:5]
     out = torch.full((6, tiny_models.VOCAB), float("-inf"))
@@ -155,6 +187,7 @@ def test_one_rank_logits_are_transformers_on_rounded_kv(models, kind, kv):
 
 # ---------------------------------------------------------------- every route, several meshes
 
+
 def _session(model, kv: str, cp: int, route=None, speculate="off", batch=False, copying=None):
     """The requests of one engine session: the document, then each continuation decoded and
     rolled back (``copying``: one more, a question whose answer copies, so drafts are made and
@@ -162,14 +195,30 @@ def _session(model, kv: str, cp: int, route=None, speculate="off", batch=False, 
     reqs = [{"op": "append", "ids": DOC}, {"op": "mark", "name": "doc"}]
     conts = [_cont(k) for k in sorted({1, cp - 1 or 1, cp + 1, 9})]  # replicated appends, and ring routes
     for c in conts + ([copying] if copying else []):
-        reqs += [{"op": "append", "ids": c},
-                 {"op": "decode", "seq": 0, "max_new_tokens": NEW, "sampling": vars(Sampling()), "keep": False,
-                  "speculate": speculate},
-                 {"op": "rollback", "name": "doc"}]
+        reqs += [
+            {"op": "append", "ids": c},
+            {
+                "op": "decode",
+                "seq": 0,
+                "max_new_tokens": NEW,
+                "sampling": vars(Sampling()),
+                "keep": False,
+                "speculate": speculate,
+            },
+            {"op": "rollback", "name": "doc"},
+        ]
     if batch:
         qs = [_cont(3), _cont(9), _cont(1)] + ([copying] if copying else [])
-        reqs.append({"op": "batch", "questions": qs, "slots": 2, "max_new_tokens": NEW,
-                     "sampling": vars(Sampling()), "speculate": speculate})
+        reqs.append(
+            {
+                "op": "batch",
+                "questions": qs,
+                "slots": 2,
+                "max_new_tokens": NEW,
+                "sampling": vars(Sampling()),
+                "speculate": speculate,
+            }
+        )
     job = EngineJob(str(model), [], max_new_tokens=NEW, dtype="float32", kv_dtype=kv, reserve=len(DOC) + 64)
     return job, reqs + [{"op": "stop"}], route
 
@@ -190,8 +239,11 @@ def test_fp8_cache_is_exact_to_its_rounding_on_every_route(models, world):
     m = models["llama"]
     rnd = KVQuant(64, "cpu").roundtrip
     copying = copying_question(m, DOC, kv_round=rnd)
-    sessions = [_session(m, "fp8", world, None), _session(m, "fp8", world, "pass-kv"),
-                _session(m, "fp8", world, None, speculate="ngram:4", batch=True, copying=copying)]
+    sessions = [
+        _session(m, "fp8", world, None),
+        _session(m, "fp8", world, "pass-kv"),
+        _session(m, "fp8", world, None, speculate="ngram:4", batch=True, copying=copying),
+    ]
     if world == 3:
         sessions.append(_session(models["gemma2"], "fp8", world))
     got = run_local(ranks.engine_sessions_full, world, sessions, timeout_s=120)[0]
@@ -212,6 +264,7 @@ def test_fp8_cache_is_exact_to_its_rounding_on_every_route(models, world):
 
 # ---------------------------------------------------------------- the commands
 
+
 @pytest.fixture(scope="module")
 def doc(tmp_path_factory):
     f = tmp_path_factory.mktemp("kvdoc") / "doc.txt"
@@ -224,8 +277,9 @@ def _gen(*args):
 
     from treeattn_cli.main import app
 
-    r = CliRunner().invoke(app, ["generate", *args, "--dtype", "float32", "--max-new-tokens", str(NEW), "--json",
-                                 "--no-chat"])
+    r = CliRunner().invoke(
+        app, ["generate", *args, "--dtype", "float32", "--max-new-tokens", str(NEW), "--json", "--no-chat"]
+    )
     assert r.exit_code == 0, (r.output, r.stderr)
     return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
@@ -243,13 +297,18 @@ def test_saved_fp8_cache_reshards_and_converts(models, doc, tmp_path, monkeypatc
     monkeypatch.setenv("TREEATTN_CACHE", str(tmp_path / "cache"))
     m = models["llama"]
     kv = tmp_path / "kv"
-    rec, err = _gen("--model", str(m), "--prompt-file", str(doc), "--nproc", "2", "--kv-dtype", "fp8",
-                    "--save-kv", str(kv))
+    rec, err = _gen(
+        "--model", str(m), "--prompt-file", str(doc), "--nproc", "2", "--kv-dtype", "fp8", "--save-kv", str(kv)
+    )
     assert rec["kv_dtype"] == "fp8_e4m3fn" and rec["kv_bytes_per_token"] == token_bytes("fp8", 2, 2, 64)
     assert "no fidelity check is recorded" in err
     man = json.loads((kv / "manifest.json").read_text())
-    assert (man["kv_dtype"], man["rotation"], man["scale_groups"], man["dtype"]) == ("fp8_e4m3fn", "hadamard-64", 2,
-                                                                                     "float32")
+    assert (man["kv_dtype"], man["rotation"], man["scale_groups"], man["dtype"]) == (
+        "fp8_e4m3fn",
+        "hadamard-64",
+        2,
+        "float32",
+    )
     from safetensors import safe_open
 
     with safe_open(str(kv / "kv-c0-t0.safetensors"), "pt") as f:
@@ -260,8 +319,9 @@ def test_saved_fp8_cache_reshards_and_converts(models, doc, tmp_path, monkeypatc
     q_ids = P.question_ids(tok, " and then", man["composition"])
     quant = KVQuant(64, "cpu")
     n = len(doc_ids)
-    loaded, err = _gen("--model", str(m), "--load-kv", str(kv), "--prompt", " and then", "--nproc", "3",
-                       "--kv-dtype", "fp8")
+    loaded, err = _gen(
+        "--model", str(m), "--load-kv", str(kv), "--prompt", " and then", "--nproc", "3", "--kv-dtype", "fp8"
+    )
     assert "convert" not in err
     assert loaded["token_ids"] == tiny_models.hf_greedy(m, doc_ids + q_ids, NEW, kv_round=quant.roundtrip)
     qs = tmp_path / "qs.txt"
@@ -270,14 +330,35 @@ def test_saved_fp8_cache_reshards_and_converts(models, doc, tmp_path, monkeypatc
 
     from treeattn_cli.main import app
 
-    r = CliRunner().invoke(app, ["chat", "--model", str(m), "--load-kv", str(kv), "--questions", str(qs), "--nproc", "2",
-                                 "--kv-dtype", "fp8", "--dtype", "float32", "--max-new-tokens", str(NEW), "--json",
-                                 "--batch", "2"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "chat",
+            "--model",
+            str(m),
+            "--load-kv",
+            str(kv),
+            "--questions",
+            str(qs),
+            "--nproc",
+            "2",
+            "--kv-dtype",
+            "fp8",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            str(NEW),
+            "--json",
+            "--batch",
+            "2",
+        ],
+    )
     assert r.exit_code == 0, r.output
     chat = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert [c["token_ids"] for c in chat] == [
         tiny_models.hf_greedy(m, doc_ids + P.question_ids(tok, q, man["composition"]), NEW, kv_round=quant.roundtrip)
-        for q in (" and then", " who keeps it")]
+        for q in (" and then", " who keeps it")
+    ]
     assert chat[0]["kv_dtype"] == "fp8_e4m3fn" and chat[0]["kv_bytes_per_token"] == token_bytes("fp8", 2, 2, 64)
     converted, err = _gen("--model", str(m), "--load-kv", str(kv), "--prompt", " and then", "--nproc", "2")
     assert "holds fp8_e4m3fn KV; this run stores float32" in err and converted["kv_dtype"] == "float32"
@@ -288,8 +369,24 @@ def test_saved_fp8_cache_reshards_and_converts(models, doc, tmp_path, monkeypatc
     assert converted["token_ids"] == tiny_models.hf_greedy(m, doc_ids + q_ids, NEW, kv_round=doc_rounded)
     man["scale_groups"] = 3
     (kv / "manifest.json").write_text(json.dumps(man))
-    r = CliRunner().invoke(app, ["generate", "--model", str(m), "--load-kv", str(kv), "--prompt", "x",
-                                 "--dtype", "float32", "--kv-dtype", "fp8", "--nproc", "2"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(m),
+            "--load-kv",
+            str(kv),
+            "--prompt",
+            "x",
+            "--dtype",
+            "float32",
+            "--kv-dtype",
+            "fp8",
+            "--nproc",
+            "2",
+        ],
+    )
     assert_usage_error(r, "scale layout")
 
 
@@ -305,8 +402,22 @@ def test_check_measures_fidelity_and_records_it(models, doc, tmp_path, monkeypat
     m = models["llama"]
     recs = {}
     for kv in ("fp8", "float16"):
-        r = CliRunner().invoke(app, ["check", "--kv-dtype", kv, "--prompt-file", str(doc), "--model", str(m),
-                                     "--max-new-tokens", "8", "--json", "--quiet"])
+        r = CliRunner().invoke(
+            app,
+            [
+                "check",
+                "--kv-dtype",
+                kv,
+                "--prompt-file",
+                str(doc),
+                "--model",
+                str(m),
+                "--max-new-tokens",
+                "8",
+                "--json",
+                "--quiet",
+            ],
+        )
         recs[kv] = rec = json.loads(r.stdout)
         assert r.exit_code == (0 if rec["ok"] else 1), r.output
         assert rec["ok"] == (rec["top1_agreement"] >= 0.95 and rec["kl_mean"] <= 0.01)
@@ -324,13 +435,29 @@ def test_check_measures_fidelity_and_records_it(models, doc, tmp_path, monkeypat
     from treeattn_cli.verify import fidelity
 
     monkeypatch.setitem(fidelity.THRESHOLDS, "kl_mean", recs["fp8"]["kl_mean"] / 2)
-    r = CliRunner().invoke(app, ["check", "--kv-dtype", "fp8", "--prompt-file", str(doc), "--model", str(m),
-                                 "--max-new-tokens", "8", "--json", "--quiet"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "check",
+            "--kv-dtype",
+            "fp8",
+            "--prompt-file",
+            str(doc),
+            "--model",
+            str(m),
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--quiet",
+        ],
+    )
     strict = json.loads(r.stdout)
     assert r.exit_code == 1 and strict["ok"] is False and strict["kl_mean"] == recs["fp8"]["kl_mean"], r.output
-    for args, needle in ((["--kv-dtype", "fp8"], "--prompt-file"), (["--kv-dtype", "fp4", "--prompt-file", str(doc)],
-                                                                    "--kv-dtype"),
-                         (["--kv-dtype", "float32", "--prompt-file", str(doc)], "nothing to compare")):
+    for args, needle in (
+        (["--kv-dtype", "fp8"], "--prompt-file"),
+        (["--kv-dtype", "fp4", "--prompt-file", str(doc)], "--kv-dtype"),
+        (["--kv-dtype", "float32", "--prompt-file", str(doc)], "nothing to compare"),
+    ):
         assert_usage_error(CliRunner().invoke(app, ["check", "--model", str(m), *args]), needle)
     assert_usage_error(cli("generate", "--kv-dtype", "fp4", "--prompt", "x"), "--kv-dtype")
 
@@ -347,8 +474,20 @@ def test_bench_projects_what_fp8_fits_and_reads():
         assert f8["kv_bytes_per_token"] <= 0.55 * bf["kv_bytes_per_token"]
     rows = {}
     for kv in ("auto", "fp8"):
-        r = cli("bench", "--simulate", "dgx-h100", "--model-shape", "llama-3.1-8b", "--gpus", "8", "--seq-len", "1M",
-                "--kv-dtype", kv, "--json")
+        r = cli(
+            "bench",
+            "--simulate",
+            "dgx-h100",
+            "--model-shape",
+            "llama-3.1-8b",
+            "--gpus",
+            "8",
+            "--seq-len",
+            "1M",
+            "--kv-dtype",
+            kv,
+            "--json",
+        )
         assert r.exit_code == 0, r.output
         rows[kv] = {x["tp"]: x for x in json.loads(r.stdout)}
     assert 0.5 <= rows["fp8"][1]["kv_ms"] / rows["auto"][1]["kv_ms"] <= 0.55

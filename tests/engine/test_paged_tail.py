@@ -85,7 +85,7 @@ def test_a_pooled_tail_holds_what_a_dense_tail_holds(seed, fp8, static):
         T = max(feeds)
         pos = torch.full((len(rows), T), -1, dtype=torch.int64)
         for i, (b, n) in enumerate(zip(rows, feeds)):
-            pos[i, T - n:] = torch.arange(at[b], at[b] + n)  # left-padded, as a question's prefill
+            pos[i, T - n :] = torch.arange(at[b], at[b] + n)  # left-padded, as a question's prefill
             at[b] += n
             budget[b] -= n
         for c in caches:
@@ -130,7 +130,7 @@ def test_a_pooled_tail_holds_what_a_dense_tail_holds(seed, fp8, static):
                 tables, kv_len = paged.step_tables(layer, k, v)  # the GPU's read (the same writes again)
                 assert torch.equal(kv_len, la) and tables.shape[1] == -(-ka.shape[2] // PAGE)
                 sa = dense.scales(layer, ka.shape[2]) if fp8 else None
-                _tables_name(pool, layer, tables, la.tolist(), ka, va, dense.pos[:, :ka.shape[2]], sa)
+                _tables_name(pool, layer, tables, la.tolist(), ka, va, dense.pos[:, : ka.shape[2]], sa)
             for c in caches:
                 c.end_step()
         elif any(budget[b] > 4 for b in range(S)):  # drafts verified, some cut back

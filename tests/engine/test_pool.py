@@ -149,7 +149,11 @@ def test_tables_append_fork_with_copy_on_write_and_truncate():
     pa, pb = list(parts_doc), list(parts_doc)
     _fill(pool, a, [10, 11, 12], pa)  # copies the partial block, then one more block
     _fill(pool, b, [10], pb)
-    assert a.blocks[:2] == doc.blocks[:2] and a.blocks[2] != doc.blocks[2] and b.blocks[2] not in (a.blocks[2], doc.blocks[2])
+    assert (
+        a.blocks[:2] == doc.blocks[:2]
+        and a.blocks[2] != doc.blocks[2]
+        and b.blocks[2] not in (a.blocks[2], doc.blocks[2])
+    )
     _fill(pool, b, [11, 12, 13, 14, 15, 16], pb)  # drafts
     used = pool.used
     b.truncate(12)  # rejected drafts: lengths and tables only
@@ -212,15 +216,22 @@ def test_paged_reference_equals_the_dense_reference(seed, fp8, window):
     scales = dict(k_scale=pool.ks[0], v_scale=pool.vs[0]) if fp8 else {}
     o, lse = partial_attention_paged_ref(q, pool.k[0], pool.v[0], bt, kv_len, pos_pool=pool.pos, **kw, **scales)
     for b, t in enumerate(tables):
-        one = bt[b: b + 1, : max(1, len(t.blocks))]
+        one = bt[b : b + 1, : max(1, len(t.blocks))]
         k, v = gather_pages(pool.k[0], one), gather_pages(pool.v[0], one)
         dense = dict(k_scale=gather_pages(pool.ks[0], one), v_scale=gather_pages(pool.vs[0], one)) if fp8 else {}
-        wo, wl = partial_attention_ref(q[b: b + 1], k[:, :, : t.length], v[:, :, : t.length],
-                                       k_pos=gather_pages(pool.pos, one)[:, : t.length], window=window, softcap=20.0,
-                                       sink=sink, q_pos=q_pos[b: b + 1],
-                                       **{n: x[:, :, : t.length] for n, x in dense.items()})
-        assert_close(o[b: b + 1], wo, torch.float32, f"row {b}")
-        assert torch.allclose(lse[b: b + 1], wl, atol=1e-5)  # the empty shard's row: the sink alone
+        wo, wl = partial_attention_ref(
+            q[b : b + 1],
+            k[:, :, : t.length],
+            v[:, :, : t.length],
+            k_pos=gather_pages(pool.pos, one)[:, : t.length],
+            window=window,
+            softcap=20.0,
+            sink=sink,
+            q_pos=q_pos[b : b + 1],
+            **{n: x[:, :, : t.length] for n, x in dense.items()},
+        )
+        assert_close(o[b : b + 1], wo, torch.float32, f"row {b}")
+        assert torch.allclose(lse[b : b + 1], wl, atol=1e-5)  # the empty shard's row: the sink alone
     with pytest.raises(ValueError, match="exceeds"):
         partial_attention_paged_ref(q, pool.k[0], pool.v[0], bt[:, :1], kv_len)
 
@@ -272,14 +283,20 @@ def test_the_triton_kernel_reads_through_block_tables(seed, dtype, fp8, window):
     kw = dict(q_pos=q_pos, pos_pool=pool.pos, window=window, softcap=30.0, sink=torch.randn(H_kv * G))
     if fp8:
         kw.update(k_scale=pool.ks[0], v_scale=pool.vs[0])
-    o, lse = partial_attention_triton_paged(q, pool.k[0], pool.v[0], bt, kv_len, num_splits=3, block_n=16, **kw)  # 2 tiles a block
+    o, lse = partial_attention_triton_paged(
+        q, pool.k[0], pool.v[0], bt, kv_len, num_splits=3, block_n=16, **kw
+    )  # 2 tiles a block
     ro, rl = partial_attention_paged_ref(q.float(), pool.k[0], pool.v[0], bt, kv_len, **kw)
     assert_close(o, ro, dtype, "paged o")
     assert torch.equal(torch.isinf(lse), torch.isinf(rl))
-    assert torch.allclose(lse.nan_to_num(0, neginf=0), rl.nan_to_num(0, neginf=0), atol=1e-2 if dtype != torch.float32 else 1e-5)
+    assert torch.allclose(
+        lse.nan_to_num(0, neginf=0), rl.nan_to_num(0, neginf=0), atol=1e-2 if dtype != torch.float32 else 1e-5
+    )
     with pytest.raises(ValueError, match="power of two"):
         BlockPool_small = BlockPool(1, H_kv, d, page=12, num_blocks=2)
-        partial_attention_triton_paged(q, BlockPool_small.k[0], BlockPool_small.v[0], bt[:, :1], torch.zeros(4, dtype=torch.int64))
+        partial_attention_triton_paged(
+            q, BlockPool_small.k[0], BlockPool_small.v[0], bt[:, :1], torch.zeros(4, dtype=torch.int64)
+        )
 
 
 def test_a_later_request_reuses_the_longest_cached_prefix():
@@ -399,8 +416,12 @@ def test_a_shard_of_consecutive_blocks_is_read_in_place(fp8):
         start = 0
         for c in chunks:
             for layer in range(2):
-                shard.append_chunk(layer, k[:, :, start:start + c] * (layer + 1), -k[:, :, start:start + c],
-                                   torch.arange(start, start + c) + 100)
+                shard.append_chunk(
+                    layer,
+                    k[:, :, start : start + c] * (layer + 1),
+                    -k[:, :, start : start + c],
+                    torch.arange(start, start + c) + 100,
+                )
             start += c
     assert a.table.blocks == [0, 1, 2] and b.table.blocks == [3, 4]  # 6 + 4 tokens in order; 3 then 4
     for shard, n in ((a, 10), (b, 7)):

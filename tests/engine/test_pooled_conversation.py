@@ -62,8 +62,7 @@ def test_a_turn_the_pool_cannot_hold_leaves_the_conversation_as_it_was(model):
     first alone."""
     job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
     qs = [QUESTIONS[0], [(5 * i + 1) % 230 + 20 for i in range(40)], QUESTIONS[1]]
-    got = run_local(pooled_conversation, 1, job, DOC, qs, NEW, -(-len(DOC) // 16) + 1 + 3, 16,
-                    timeout_s=120)[0]
+    got = run_local(pooled_conversation, 1, job, DOC, qs, NEW, -(-len(DOC) // 16) + 1 + 3, 16, timeout_s=120)[0]
     first, second, third = got["turns"]
     assert first["kept"] and not second["kept"] and third["kept"], got
     assert second["doc_tokens"] == first["doc_tokens"] and second["used"] == first["used"], got
@@ -118,15 +117,26 @@ def pooled_conversation(ctx, job, doc, questions, new, pool_blocks=None, page=No
     def ask(q):
         eng.serve([{"op": "batch", "questions": [{"ids": list(q), "doc": spec, "keep": True}], **common}])
         d = eng.documents.resident["conv"]
-        consistent = int(d.cache.counts[0].sum()) == len(d.ids) and \
-            int(d.cache.counts[0][eng.mesh.cp_index]) == d.cache.max_len
-        return {"tokens": got[-1]["token_ids"] if eng.lead else None, "kept": got[-1].get("kept") if eng.lead else None,
-                "doc_tokens": len(d.ids), "used": eng.documents.pool.used,
-                "consistent": eng.world.all_true(consistent), "pending": d.pending, "counts": d.cache.counts[0].tolist()}
+        consistent = (
+            int(d.cache.counts[0].sum()) == len(d.ids) and int(d.cache.counts[0][eng.mesh.cp_index]) == d.cache.max_len
+        )
+        return {
+            "tokens": got[-1]["token_ids"] if eng.lead else None,
+            "kept": got[-1].get("kept") if eng.lead else None,
+            "doc_tokens": len(d.ids),
+            "used": eng.documents.pool.used,
+            "consistent": eng.world.all_true(consistent),
+            "pending": d.pending,
+            "counts": d.cache.counts[0].tolist(),
+        }
 
     try:
-        eng.serve([{"op": "batch", "questions": [{"ids": [], "doc": spec, "max_new_tokens": 0}], **common},
-                   {"op": "mark", "name": "doc", "doc": "conv"}])
+        eng.serve(
+            [
+                {"op": "batch", "questions": [{"ids": [], "doc": spec, "max_new_tokens": 0}], **common},
+                {"op": "mark", "name": "doc", "doc": "conv"},
+            ]
+        )
         start = {"doc_tokens": len(eng.documents.resident["conv"].ids), "used": eng.documents.pool.used}
         turns = [ask(q) for q in questions]
         eng.serve([{"op": "rollback", "name": "doc", "doc": "conv"}])
@@ -136,8 +146,18 @@ def pooled_conversation(ctx, job, doc, questions, new, pool_blocks=None, page=No
         ctx.emit = real
     own = len(eng.ids)
     del torch
-    return {"start": start, "turns": turns, "reset": reset, "again": again, "own_cache_tokens": own,
-            "pool_blocks": eng.documents.pool.num_blocks} if eng.lead else None
+    return (
+        {
+            "start": start,
+            "turns": turns,
+            "reset": reset,
+            "again": again,
+            "own_cache_tokens": own,
+            "pool_blocks": eng.documents.pool.num_blocks,
+        }
+        if eng.lead
+        else None
+    )
 
 
 def two_kept_questions(ctx, job, doc):
@@ -148,13 +168,30 @@ def two_kept_questions(ctx, job, doc):
 
     eng = Engine(ctx, job)
     spec = {"key": "conv", "ids": list(doc), "piece": len(doc)}
-    common = {"slots": 2, "sampling": {}, "stop": [], "eos_ids": [], "max_new_tokens": 3, "pool_for": len(doc),
-              "grow": True}
+    common = {
+        "slots": 2,
+        "sampling": {},
+        "stop": [],
+        "eos_ids": [],
+        "max_new_tokens": 3,
+        "pool_for": len(doc),
+        "grow": True,
+    }
     eng.serve([{"op": "batch", "questions": [{"ids": [], "doc": spec, "max_new_tokens": 0}], **common}])
     before = len(eng.documents.resident["conv"].ids)
     try:
-        eng.serve([{"op": "batch", "questions": [{"ids": [21, 22], "doc": spec, "keep": True},
-                                                 {"ids": [23], "doc": spec, "keep": True}], **common}])
+        eng.serve(
+            [
+                {
+                    "op": "batch",
+                    "questions": [
+                        {"ids": [21, 22], "doc": spec, "keep": True},
+                        {"ids": [23], "doc": spec, "keep": True},
+                    ],
+                    **common,
+                }
+            ]
+        )
         err = None
     except ValueError as e:
         err = str(e)

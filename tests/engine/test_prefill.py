@@ -14,8 +14,12 @@ from treeattn_cli.engine.job import EngineJob
 
 
 def test_balanced_shard_gives_each_rank_an_early_and_a_late_chunk():
-    assert shard(100, 16, 4) == [[(100, 102), (114, 116)], [(102, 104), (112, 114)],
-                                 [(104, 106), (110, 112)], [(106, 108), (108, 110)]]
+    assert shard(100, 16, 4) == [
+        [(100, 102), (114, 116)],
+        [(102, 104), (112, 114)],
+        [(104, 106), (110, 112)],
+        [(106, 108), (108, 110)],
+    ]
     assert shard(0, 10, 2, balanced=False) == [[(0, 5)], [(5, 10)]]
     for n in (1, 3, 7, 8, 37):  # shorter than 2p, not divisible by it: every token exactly once
         pieces = shard(5, n, 4)
@@ -60,8 +64,19 @@ def test_four_ranks_both_shardings_chunked_or_not_equal_transformers(llama):
     with and without --prefill-chunk, balanced and contiguous; both ways of meeting a cache
     (pass-KV and pass-Q) occur and are exact."""
     cases = [(n, c, s) for n in (3, 7, 37) for c in (None, 1) for s in ("balanced", "contiguous")]
-    jobs = [EngineJob(str(llama), _ids(n), max_new_tokens=6, dtype="float32", prefill_chunk=c,
-                        prefill_sharding=s, sampling=Sampling(), speculate="off") for n, c, s in cases]
+    jobs = [
+        EngineJob(
+            str(llama),
+            _ids(n),
+            max_new_tokens=6,
+            dtype="float32",
+            prefill_chunk=c,
+            prefill_sharding=s,
+            sampling=Sampling(),
+            speculate="off",
+        )
+        for n, c, s in cases
+    ]
     res = run_local(ranks.mesh_generate, 4, jobs, timeout_s=180)[0]
     want = {n: tiny_models.hf_greedy(llama, _ids(n), 6) for n in (3, 7, 37)}
     methods = set()
@@ -75,8 +90,18 @@ def test_four_ranks_both_shardings_chunked_or_not_equal_transformers(llama):
 def test_balanced_prefill_spreads_attention_flops_evenly(llama):
     """A segment of 64·p tokens: the slowest rank's attention FLOPs within 5 % of the mean
     (contiguous: the last rank does 1.6x the mean, a pipeline)."""
-    jobs = [EngineJob(str(llama), _ids(256), max_new_tokens=1, dtype="float32", prefill_sharding=s,
-                        sampling=Sampling(), speculate="off") for s in ("balanced", "contiguous")]
+    jobs = [
+        EngineJob(
+            str(llama),
+            _ids(256),
+            max_new_tokens=1,
+            dtype="float32",
+            prefill_sharding=s,
+            sampling=Sampling(),
+            speculate="off",
+        )
+        for s in ("balanced", "contiguous")
+    ]
     res = run_local(ranks.mesh_generate, 4, jobs, timeout_s=120)[0]
     ratio = {}
     for (toks, summary), s in zip(res, ("balanced", "contiguous")):
@@ -95,16 +120,40 @@ def test_bench_prefill_cli_and_its_projection():
 
     from treeattn_cli.main import app
 
-    r = CliRunner().invoke(app, ["bench", "--prefill", "--seq-len", "512", "--nproc", "2", "--heads", "4",
-                                 "--kv-heads", "2", "--head-dim", "16", "--iters", "2", "--warmup", "0", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--prefill",
+            "--seq-len",
+            "512",
+            "--nproc",
+            "2",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--iters",
+            "2",
+            "--warmup",
+            "0",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     recs = {x["method"]: x for x in json.loads(r.stdout)}
     assert set(recs) == {"balanced", "contiguous", "single"}
     assert recs["balanced"]["flops_max_over_mean"] <= 1.01 and recs["contiguous"]["flops_max_over_mean"] >= 1.45
-    assert sum(recs["balanced"]["flops_per_rank"]) == sum(recs["contiguous"]["flops_per_rank"]) \
-        == recs["single"]["flops_per_rank"][0]  # the same causal work, cut two ways
-    r = CliRunner().invoke(app, ["bench", "--prefill", "--simulate", "dgx-h100", "--gpus", "128",
-                                 "--seq-len", "1M", "--json"])
+    assert (
+        sum(recs["balanced"]["flops_per_rank"])
+        == sum(recs["contiguous"]["flops_per_rank"])
+        == recs["single"]["flops_per_rank"][0]
+    )  # the same causal work, cut two ways
+    r = CliRunner().invoke(
+        app, ["bench", "--prefill", "--simulate", "dgx-h100", "--gpus", "128", "--seq-len", "1M", "--json"]
+    )
     assert r.exit_code == 0, r.output
     sim = {x["method"]: x for x in json.loads(r.stdout)}
     assert sim["balanced"]["cp"] == 16 and sim["balanced"]["tp"] == 8 and sim["balanced"]["model"] == "llama-3.1-405b"

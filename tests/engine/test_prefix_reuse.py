@@ -37,7 +37,7 @@ def test_documents_take_the_cached_blocks_of_their_prefix_and_hold_the_same_numb
     segs_a, segs_b = segments(len(DOC), world, PIECE), segments(len(DOC) + len(EXTRA), world, PIECE)
     assert got["a"] == {"source": "prefill", "reused": 0, "segments": len(segs_a)}, got
     # B shares A's segments but A's last one (cut at A's end): those tokens are found, the rest prefilled
-    assert segs_b[:len(segs_a) - 1] == segs_a[:-1] and segs_b[len(segs_a) - 1] != segs_a[-1]
+    assert segs_b[: len(segs_a) - 1] == segs_a[:-1] and segs_b[len(segs_a) - 1] != segs_a[-1]
     j = found_segments(segs_a[:-1], world)
     assert 0 < j and got["b"] == {"source": "prefill", "reused": segs_a[j - 1][1], "segments": len(segs_b) - j}, got
     assert got["b_again"] == {"source": "pool", "reused": len(DOC) + len(EXTRA), "segments": 0}, got
@@ -51,7 +51,16 @@ def test_documents_take_the_cached_blocks_of_their_prefix_and_hold_the_same_numb
     assert got["c_copied"], got  # C's tail went into a private copy of the shared block
     # the last rank found B's first two blocks only: every rank takes what all of them found
     assert 0 < got["b_uneven"]["reused"] < len(DOC) + len(EXTRA) and got["b_uneven"]["segments"] > 0, got
-    for k in ("c_reads_its_table", "e_same", "b_uneven_same", "b_same", "b_again_same", "c_same", "a_again_same", "other_piece_same"):
+    for k in (
+        "c_reads_its_table",
+        "e_same",
+        "b_uneven_same",
+        "b_same",
+        "b_again_same",
+        "c_same",
+        "a_again_same",
+        "other_piece_same",
+    ):
         assert got[k], (k, got)
 
 
@@ -82,8 +91,15 @@ def document_prefix_reuse(ctx, job, doc_a, extra, piece):
 
     def same(doc, ids, pc=piece):
         ref = plain(ids, pc)
-        return bool(doc.cache.max_len == ref.max_len and torch.equal(doc.cache.counts, ref.counts) and all(
-            torch.equal(x, y) for layer in range(ref.num_layers) for x, y in zip(doc.cache.view(layer), ref.view(layer))))
+        return bool(
+            doc.cache.max_len == ref.max_len
+            and torch.equal(doc.cache.counts, ref.counts)
+            and all(
+                torch.equal(x, y)
+                for layer in range(ref.num_layers)
+                for x, y in zip(doc.cache.view(layer), ref.view(layer))
+            )
+        )
 
     def get(key, ids, pc=piece):
         d = D.get({"key": key, "ids": ids, "piece": pc, "host_memory": 0})  # (the pool alone: no host tier)
@@ -100,7 +116,7 @@ def document_prefix_reuse(ctx, job, doc_a, extra, piece):
     D._evict("b")
     b2, out["b_again"] = get("b", b_ids)
     out["b_again_same"] = same(b2, b_ids)
-    c_ids = doc_a[:len(doc_a) - 10]  # while B holds A's blocks: C's tail goes into a copy
+    c_ids = doc_a[: len(doc_a) - 10]  # while B holds A's blocks: C's tail goes into a copy
     copies = D.pool.copies
     c, out["c"] = get("c", c_ids)
     out["c_same"] = same(c, c_ids)
@@ -108,7 +124,7 @@ def document_prefix_reuse(ctx, job, doc_a, extra, piece):
     out["c_reads_its_table"] = set((c.cache._slots // D.pool.page).tolist()) == set(c.cache.table.blocks)
     for key in ("b", "c"):
         D._evict(key)
-    e_ids = doc_a[:len(doc_a) - 15]  # no table holds A's blocks now: E takes over the partial one
+    e_ids = doc_a[: len(doc_a) - 15]  # no table holds A's blocks now: E takes over the partial one
     copies = D.pool.copies
     e, out["e"] = get("e", e_ids)
     out["e_same"] = same(e, e_ids)

@@ -49,9 +49,21 @@ def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
     from treeattn_cli.engine.sampling import Sampling
 
     key = document_key(doc)
-    spec = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
-            "eos_ids": [], "speculate": "off", "slots": 1, "page": 16, "host_memory": 0,
-            "dir": str(root), "save": True, "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
+    spec = {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+        "slots": 1,
+        "page": 16,
+        "host_memory": 0,
+        "dir": str(root),
+        "save": True,
+        "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
+    }
     out: dict = {"answers": [], "sources": [], "saved": []}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)
@@ -73,11 +85,16 @@ def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
     return out
 
 
-@pytest.mark.parametrize("file,how,why", [("kv-c0-t0.safetensors", "flip", "do not match their checksum"),
-                                          ("kv-c0-t0.safetensors", "cut", "is truncated or corrupt"),
-                                          ("kv-c1-t0.safetensors", "flip", "damaged on another rank"),
-                                          ("kv-c0-t0.safetensors", "foreign", "was saved from another model")],
-                         ids=["flip-rank0", "cut-rank0", "flip-rank1", "foreign"])
+@pytest.mark.parametrize(
+    "file,how,why",
+    [
+        ("kv-c0-t0.safetensors", "flip", "do not match their checksum"),
+        ("kv-c0-t0.safetensors", "cut", "is truncated or corrupt"),
+        ("kv-c1-t0.safetensors", "flip", "damaged on another rank"),
+        ("kv-c0-t0.safetensors", "foreign", "was saved from another model"),
+    ],
+    ids=["flip-rank0", "cut-rank0", "flip-rank1", "foreign"],
+)
 def test_a_damaged_saved_copy_is_removed_and_the_document_prefilled(tiny, tmp_path, file, how, why):
     model = tiny("llama", seed=3)
     want = tiny_models.hf_greedy(model, DOC + Q, NEW)
@@ -109,12 +126,26 @@ def full_disk(ctx, job, docs, q, new, root):
     from treeattn_cli.engine.sampling import Sampling
 
     if ctx.rank == 1:
+
         def no_space(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
+
         kvstore.save_shard = no_space
-    spec = {"op": "batch", "max_new_tokens": new, "piece": 8, "sampling": vars(Sampling()), "stop": [],
-            "eos_ids": [], "speculate": "off", "slots": 1, "host_memory": 0, "budget": 1,
-            "dir": str(root), "save": True, "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
+    spec = {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+        "slots": 1,
+        "host_memory": 0,
+        "budget": 1,
+        "dir": str(root),
+        "save": True,
+        "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
+    }
     out: dict = {"answers": []}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)

@@ -34,9 +34,11 @@ def _cont(k: int) -> list[int]:
 def _session(model, cp: int, tp: int, route: str | None, lengths):
     reqs = [{"op": "append", "ids": DOC}, {"op": "mark", "name": "doc"}]
     for k in lengths:
-        reqs += [{"op": "append", "ids": _cont(k)},
-                 {"op": "decode", "seq": 0, "max_new_tokens": NEW, "sampling": vars(Sampling()), "keep": False},
-                 {"op": "rollback", "name": "doc"}]
+        reqs += [
+            {"op": "append", "ids": _cont(k)},
+            {"op": "decode", "seq": 0, "max_new_tokens": NEW, "sampling": vars(Sampling()), "keep": False},
+            {"op": "rollback", "name": "doc"},
+        ]
     job = EngineJob(str(model), [], max_new_tokens=NEW, dtype="float32", tp=tp, reserve=len(DOC) + 64)
     return job, reqs + [{"op": "stop"}], route
 
@@ -72,11 +74,24 @@ def test_generate_load_kv_and_chat_with_one_letter_questions(models, tmp_path):
     doc_ids = tok(doc.read_text())["input_ids"]
     kv = tmp_path / "kv"
     common = ["--model", str(m), "--no-chat", "--dtype", "float32", "--timeout", "30", "--json"]
-    r = cli("generate", *common, "--prompt-file", str(doc), "--nproc", "3", "--save-kv", str(kv),
-            "--max-new-tokens", "1")
+    r = cli(
+        "generate", *common, "--prompt-file", str(doc), "--nproc", "3", "--save-kv", str(kv), "--max-new-tokens", "1"
+    )
     assert r.exit_code == 0, r.output
-    r = cli("generate", *common, "--load-kv", str(kv), "--prompt", "x", "--nproc", "4", "--tp", "2",
-            "--max-new-tokens", str(NEW))
+    r = cli(
+        "generate",
+        *common,
+        "--load-kv",
+        str(kv),
+        "--prompt",
+        "x",
+        "--nproc",
+        "4",
+        "--tp",
+        "2",
+        "--max-new-tokens",
+        str(NEW),
+    )
     assert r.exit_code == 0, r.output
     rec = json.loads(r.stdout.splitlines()[-1])
     assert rec["token_ids"] == tiny_models.hf_greedy(m, doc_ids + tok("x")["input_ids"], NEW)
@@ -85,12 +100,14 @@ def test_generate_load_kv_and_chat_with_one_letter_questions(models, tmp_path):
     assert rec["prefill_method"] == "batched" and rec["prefill_segments"] == [], rec
     qs = tmp_path / "qs.txt"
     qs.write_text("a\nbc\n")
-    r = cli("chat", *common, "--prompt-file", str(doc), "--questions", str(qs), "--nproc", "3",
-            "--max-new-tokens", str(NEW))
+    r = cli(
+        "chat", *common, "--prompt-file", str(doc), "--questions", str(qs), "--nproc", "3", "--max-new-tokens", str(NEW)
+    )
     assert r.exit_code == 0, r.output
     recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert [x["token_ids"] for x in recs] == [tiny_models.hf_greedy(m, doc_ids + tok(q)["input_ids"], NEW)
-                                               for q in ("a", "bc")]
+    assert [x["token_ids"] for x in recs] == [
+        tiny_models.hf_greedy(m, doc_ids + tok(q)["input_ids"], NEW) for q in ("a", "bc")
+    ]
 
 
 def test_a_decode_keeps_no_answer_and_a_keep_is_refused(models):
@@ -101,8 +118,15 @@ def test_a_decode_keeps_no_answer_and_a_keep_is_refused(models):
     from treeattn_cli.parallel.launch import RankContext
 
     got = []
-    ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
-                      emit=lambda kind, p: got.append(p["token_ids"]) if kind == "answer" else None)
+    ctx = RankContext(
+        rank=0,
+        world=1,
+        local_rank=0,
+        backend="gloo",
+        device="cpu",
+        timeout_s=60.0,
+        emit=lambda kind, p: got.append(p["token_ids"]) if kind == "answer" else None,
+    )
     eng = Engine(ctx, EngineJob(str(models["llama"]), [], dtype="float32", speculate="off"))
     decode = {"op": "decode", "max_new_tokens": NEW, "sampling": vars(Sampling())}
     eng.serve([{"op": "append", "ids": DOC[:20]}, decode])

@@ -52,8 +52,18 @@ def test_speculation_equals_greedy(copy_heavy, world, tp):
     for kind in kinds:
         m, prompt, greedy = copy_heavy[kind]
         for spec, chunk in (("off", None), ("auto", None), ("ngram:6", 7)):
-            jobs.append(EngineJob(str(m), prompt, max_new_tokens=NEW, dtype="float32", tp=tp, speculate=spec,
-                                    prefill_chunk=chunk, sampling=Sampling()))
+            jobs.append(
+                EngineJob(
+                    str(m),
+                    prompt,
+                    max_new_tokens=NEW,
+                    dtype="float32",
+                    tp=tp,
+                    speculate=spec,
+                    prefill_chunk=chunk,
+                    sampling=Sampling(),
+                )
+            )
             want.append((kind, spec, greedy))
     # the same jobs' drafts verified on the engine's own cache too (a single answer's path: the
     # reference the pooled answers are checked against, and the ring baseline's)
@@ -225,8 +235,9 @@ def test_captured_verifies_replay_and_keep_the_greedy_tokens(copy_heavy):
     m, prompt, greedy = copy_heavy["llama"]
     for world in (2,):
         job = EngineJob(str(m), [], max_new_tokens=NEW, dtype="float32", static=True)
-        toks, spec, steps, verifies, captures, note = run_local(graph_speculate, world, job, prompt, [],
-                                                                NEW, "ngram:4", timeout_s=300)[0]
+        toks, spec, steps, verifies, captures, note = run_local(
+            graph_speculate, world, job, prompt, [], NEW, "ngram:4", timeout_s=300
+        )[0]
         assert toks == greedy, world
         assert note is None, note
         assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"], spec  # kept and rejected
@@ -241,8 +252,7 @@ def test_captured_batched_verifies_keep_each_questions_tokens(copy_heavy):
     doc, qs = prompt[:-17], [prompt[-17:], prompt[-17:-5], prompt[3:9]]
     want = [tiny_models.hf_greedy(m, doc + q, 12) for q in qs]
     job = EngineJob(str(m), [], dtype="float32", max_new_tokens=12, static=True)
-    got, done, spec = run_local(ranks.engine_batch, 2, job, doc, qs, 2, 12, "ngram:4", None, True,
-                                timeout_s=300)[0]
+    got, done, spec = run_local(ranks.engine_batch, 2, job, doc, qs, 2, 12, "ngram:4", None, True, timeout_s=300)[0]
     assert got == want
     assert sum(s["accepted"] for s in spec) > 0 and any(s["drafted"] > s["accepted"] for s in spec), spec
     d = done[0]
@@ -266,14 +276,31 @@ def graph_speculate(ctx, job, doc, question, new, speculate):
     real = ctx.emit
     ctx.emit = lambda kind, payload: answers.append(payload) if kind == "answer" else None
     try:
-        eng.serve([{"op": "append", "ids": doc + question},
-                   {"op": "decode", "seq": 0, "max_new_tokens": new, "sampling": vars(Sampling()), "keep": False,
-                    "speculate": speculate}, {"op": "stop"}])
+        eng.serve(
+            [
+                {"op": "append", "ids": doc + question},
+                {
+                    "op": "decode",
+                    "seq": 0,
+                    "max_new_tokens": new,
+                    "sampling": vars(Sampling()),
+                    "keep": False,
+                    "speculate": speculate,
+                },
+                {"op": "stop"},
+            ]
+        )
     finally:
         ctx.emit = real
         os.environ.pop("TREEATTN_KERNEL", None)
     if ctx.rank != 0:
         return None
     a, bd = answers[0], eng.bd  # (the batch loop's graphs: a single answer is a batch of one)
-    return (a["token_ids"], a.get("speculation"), bd.graphs.replays, bd.verify_graphs.replays,
-            (bd.graphs.captures, bd.verify_graphs.captures), bd.graphs.note or bd.verify_graphs.note)
+    return (
+        a["token_ids"],
+        a.get("speculation"),
+        bd.graphs.replays,
+        bd.verify_graphs.replays,
+        (bd.graphs.captures, bd.verify_graphs.captures),
+        bd.graphs.note or bd.verify_graphs.note,
+    )

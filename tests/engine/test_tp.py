@@ -43,9 +43,20 @@ def _prompt_ids(model, n):
 
 
 def _jobs(models, tp, n, chunks):
-    return [EngineJob(str(models[k]), _prompt_ids(models[k], n), max_new_tokens=NEW, dtype="float32",
-                        tp=tp, prefill_chunk=c, sampling=Sampling(), speculate="off")
-            for k in FAMILIES for c in chunks]
+    return [
+        EngineJob(
+            str(models[k]),
+            _prompt_ids(models[k], n),
+            max_new_tokens=NEW,
+            dtype="float32",
+            tp=tp,
+            prefill_chunk=c,
+            sampling=Sampling(),
+            speculate="off",
+        )
+        for k in FAMILIES
+        for c in chunks
+    ]
 
 
 @pytest.mark.parametrize("world,tp", [(2, 2), (2, 1), (4, 2)], ids=["tp2-cp1", "tp1-cp2", "tp2-cp2"])
@@ -56,8 +67,9 @@ def test_mesh_tokens_equal_transformers(models, world, tp):
     n = 37
     want = {k: tiny_models.hf_greedy(models[k], _prompt_ids(models[k], n), NEW) for k in FAMILIES}
     chunks = (None, 5)
-    full_bytes = {k: sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(models[k]).parameters())
-                  for k in FAMILIES}
+    full_bytes = {
+        k: sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(models[k]).parameters()) for k in FAMILIES
+    }
     res = run_local(ranks.mesh_generate, world, _jobs(models, tp, n, chunks), timeout_s=180)[0]
     i = 0
     for k in FAMILIES:
@@ -94,8 +106,21 @@ def test_bad_tp_is_refused(models, nproc, tp):
 
     from treeattn_cli.main import app
 
-    r = CliRunner().invoke(app, ["generate", "--model", str(models["llama"]), "--prompt", "hi", "--no-chat",
-                                 "--nproc", str(nproc), "--tp", str(tp)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(models["llama"]),
+            "--prompt",
+            "hi",
+            "--no-chat",
+            "--nproc",
+            str(nproc),
+            "--tp",
+            str(tp),
+        ],
+    )
     assert_usage_error(r, "H = 4")
     err = r.stderr.strip().splitlines()
     assert "H_kv = 2" in err[0], err
@@ -117,8 +142,18 @@ def test_tp_hook_is_feature_tested_and_a_missing_one_refuses_only_tp(models, mon
     assert "changed it" in tp.hook_problem()
     monkeypatch.delattr(mixin, "initialize_distributed_mesh")
     assert "absent" in tp.hook_problem()
-    common = ["generate", "--model", str(models["llama"]), "--prompt", "hi", "--no-chat", "--dtype", "float32",
-              "--max-new-tokens", "2"]
+    common = [
+        "generate",
+        "--model",
+        str(models["llama"]),
+        "--prompt",
+        "hi",
+        "--no-chat",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "2",
+    ]
     assert_usage_error(cli(*common, "--nproc", "2", "--tp", "2"), "--tp needs transformers")
     r = cli(*common, "--nproc", "2", "--json")
     assert r.exit_code == 0 and _json.loads(r.stdout.splitlines()[-1])["token_ids"], r.output
@@ -135,12 +170,42 @@ def test_two_nodes_under_torchrun(models):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    agents = [subprocess.Popen([str(torchrun), "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
-                                "--master-addr", "127.0.0.1", "--master-port", str(port), TREEATTN, "generate",
-                                "--model", str(models["llama"]), "--prompt", prompt, "--no-chat", "--tp", "2",
-                                "--dtype", "float32", "--max-new-tokens", "6", "--json"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-              for i in range(2)]
+    agents = [
+        subprocess.Popen(
+            [
+                str(torchrun),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                TREEATTN,
+                "generate",
+                "--model",
+                str(models["llama"]),
+                "--prompt",
+                prompt,
+                "--no-chat",
+                "--tp",
+                "2",
+                "--dtype",
+                "float32",
+                "--max-new-tokens",
+                "6",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for i in range(2)
+    ]
     outs = [a.communicate(timeout=300) for a in agents]
     for a, (_, err) in zip(agents, outs):
         assert a.returncode == 0, err[-2000:]
@@ -156,8 +221,7 @@ def test_cross_node_cp_groups_plan_hierarchical():
     from treeattn_cli.parallel.mesh import Mesh
     from treeattn_cli.topology.layout import cp_layout
 
-    two = cp_layout(Mesh(16, 1), ["a"] * 8 + ["b"] * 8, "dgx-h100", heads=64, head_dim=128, layers=80,
-                    intra="NVSWITCH")
+    two = cp_layout(Mesh(16, 1), ["a"] * 8 + ["b"] * 8, "dgx-h100", heads=64, head_dim=128, layers=80, intra="NVSWITCH")
     assert two.scheme == "hierarchical" and two.groups == [list(range(8)), list(range(8, 16))]
     one = cp_layout(Mesh(16, 2), ["a"] * 16, "dgx-h100", heads=64, head_dim=128, layers=80, intra="NVSWITCH")
     assert one.scheme != "hierarchical" and one.groups == [list(range(8))]
@@ -202,9 +266,16 @@ def test_loading_is_sharded(tmp_path):
     """No rank materialises the whole model: while loading its half (--tp 2), a rank's anonymous
     memory grows by less than its shard plus the runtime's own (~50 MB), never by the whole
     checkpoint (411 MB of fp32 here; measured: ~170 MB)."""
-    d = tiny_models.make_model("llama", tmp_path / "big", hidden_size=512, intermediate_size=2048,
-                               num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=4,
-                               vocab_size=8192)
+    d = tiny_models.make_model(
+        "llama",
+        tmp_path / "big",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    )
     total = sum(f.stat().st_size for f in d.glob("*.safetensors"))
     for grown, held in run_local(tp_load_memory, 2, str(d), 2, timeout_s=120):
         assert held <= 0.55 * total
@@ -221,8 +292,9 @@ def test_cuda_graph_capture_is_agreed_by_the_world_and_a_failed_warm_up_is_fatal
 
     ids = _prompt_ids(models["llama"], 19)
     want = tiny_models.hf_greedy(models["llama"], ids, NEW)
-    job = EngineJob(str(models["llama"]), ids, max_new_tokens=NEW, dtype="float32", tp=2, static=True,
-                      sampling=Sampling())
+    job = EngineJob(
+        str(models["llama"]), ids, max_new_tokens=NEW, dtype="float32", tp=2, static=True, sampling=Sampling()
+    )
     toks, state, note = run_local(graph_agreement, 2, job, "capture", timeout_s=60)[0]
     assert toks == want
     assert state == [[0.0, 0.0], [0.0, 0.0]], state  # no rank kept its graph
@@ -252,8 +324,9 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
     from treeattn_cli.engine.model import load_model
 
     full = load_model(model_dir, torch.float32, torch.device("cpu"))
-    job = EngineJob(model_dir, (torch.arange(20) + 30).tolist(), max_new_tokens=new_tokens, dtype="float32",
-                      tp=tp, speculate="off")
+    job = EngineJob(
+        model_dir, (torch.arange(20) + 30).tolist(), max_new_tokens=new_tokens, dtype="float32", tp=tp, speculate="off"
+    )
     eng = Engine(ctx, job)
     shards = {}
     for name, p in eng.model.named_parameters():
@@ -261,8 +334,17 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
         ref = dict(full.named_parameters())[name]
         shards[name] = (tuple(local.shape), tuple(ref.shape))
     counts, steps = {}, []
-    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "send", "recv",
-             "batch_isend_irecv", "reduce_scatter_tensor", "broadcast_object_list")
+    names = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "send",
+        "recv",
+        "batch_isend_irecv",
+        "reduce_scatter_tensor",
+        "broadcast_object_list",
+    )
     real = {n: getattr(dist, n) for n in names}
     real_step = BatchDecoder._step
 
@@ -270,6 +352,7 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
         def f(*a, **k):
             counts[n] = counts.get(n, 0) + 1
             return real[n](*a, **k)
+
         return f
 
     def step(self, *a, **kw):  # from the first step to the second: exactly one step and its broadcast
@@ -303,8 +386,10 @@ def tp_load_memory(ctx, model_dir, tp):
 
     mesh = Mesh(ctx.world, tp, ctx.rank)
     tp_mesh, _ = C.grid_mesh("cpu", mesh.cp, tp)
-    model, grown = peak_anon_growth(lambda: load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh),
-                                    probes=[(torch.nn.Module, "register_parameter")])
+    model, grown = peak_anon_growth(
+        lambda: load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh),
+        probes=[(torch.nn.Module, "register_parameter")],
+    )
     return grown, weight_bytes(model)
 
 
@@ -321,9 +406,19 @@ def graph_agreement(ctx, job, fail):
     real = ctx.emit
     ctx.emit = lambda kind, payload: answers.append(payload["token_ids"]) if kind == "answer" else None
     try:
-        eng.serve([{"op": "append", "ids": list(job.prompt_ids)},
-                   {"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "sampling": vars(Sampling()),
-                    "keep": False}, {"op": "stop"}])
+        eng.serve(
+            [
+                {"op": "append", "ids": list(job.prompt_ids)},
+                {
+                    "op": "decode",
+                    "seq": 0,
+                    "max_new_tokens": job.max_new_tokens,
+                    "sampling": vars(Sampling()),
+                    "keep": False,
+                },
+                {"op": "stop"},
+            ]
+        )
     finally:
         ctx.emit = real
     os.environ.pop("TREEATTN_KERNEL", None)

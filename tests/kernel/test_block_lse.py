@@ -53,8 +53,9 @@ def check(got, want, brute_, lse_rows, dtype, what):
     if got.numel():
         assert_close(got[a], brute_[a], dtype, f"{what} vs float64")
         assert_close(got[a], want[a], torch.float32, f"{what} vs reference")
-    assert torch.isnan(got[~a]).all() and torch.equal(got[~a].view(torch.int32), want[~a].view(torch.int32)), \
+    assert torch.isnan(got[~a]).all() and torch.equal(got[~a].view(torch.int32), want[~a].view(torch.int32)), (
         f"{what}: a row not asked was written"
+    )
 
 
 def _fp8(B, H_kv, N, d, groups, amp=3.0):
@@ -69,6 +70,7 @@ def _fp8(B, H_kv, N, d, groups, amp=3.0):
 
 # ---- the reference, against the float64 brute force (no kernel: cheap, the whole grid) ---------
 
+
 @pytest.mark.parametrize("lse_block", LSE_BLOCKS)
 @pytest.mark.parametrize("N,G,B,Q", [(1, 1, 1, 1), (17, 3, 2, 5), (64, 4, 1, 3), (129, 8, 3, 1), (0, 4, 2, 2)])
 def test_reference_equals_brute_force(N, G, B, Q, lse_block):
@@ -79,8 +81,19 @@ def test_reference_equals_brute_force(N, G, B, Q, lse_block):
     kv_len = torch.randint(0, N + 1, (B,))
     rows = some_rows(B, Q)
     bl = poisoned(B, G * H_kv, Q, N, lse_block)
-    partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=N // 2 + 1, softcap=4.0,
-                          block_lse=bl, lse_block=lse_block, lse_rows=rows)
+    partial_attention_ref(
+        q,
+        k,
+        v,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        kv_len=kv_len,
+        window=N // 2 + 1,
+        softcap=4.0,
+        block_lse=bl,
+        lse_block=lse_block,
+        lse_rows=rows,
+    )
     want = brute(q, k, lse_block, mask=key_mask(B, Q, N, "cpu", q_pos, k_pos, kv_len, N // 2 + 1), softcap=4.0)
     a = rows[:, None, :, None].expand_as(bl)
     assert_close(bl[a], want[a], torch.float32, "reference")
@@ -110,7 +123,11 @@ def test_triton_block_lse(B, G, H_kv, Q, N, d, dtype, lse_block, extra):
     import treeattn_kernels.partial_triton as pt
 
     H = G * H_kv
-    q, k, v = torch.randn(B, H, Q, d).to(dtype), torch.randn(B, H_kv, N, d).to(dtype), torch.randn(B, H_kv, N, d).to(dtype)
+    q, k, v = (
+        torch.randn(B, H, Q, d).to(dtype),
+        torch.randn(B, H_kv, N, d).to(dtype),
+        torch.randn(B, H_kv, N, d).to(dtype),
+    )
     kw = dict(window=extra.get("window"), softcap=extra.get("softcap"))
     if extra.get("causal"):
         kw.update(q_pos=torch.linspace(0, N + 1, Q).long().expand(B, Q), k_pos=(torch.arange(N) + 2)[torch.randperm(N)])
@@ -122,8 +139,17 @@ def test_triton_block_lse(B, G, H_kv, Q, N, d, dtype, lse_block, extra):
         kw["kv_len"] = torch.tensor(extra["kv_len"])
     rows = some_rows(B, Q) if extra.get("rows") else None
     bl, br = poisoned(B, H, Q, N, lse_block), poisoned(B, H, Q, N, lse_block)
-    o, lse = pt.partial_attention_triton(q, k, v, block_lse=bl, lse_block=lse_block, lse_rows=rows,
-                                         num_splits=extra.get("num_splits"), k_pos_sorted=bool(extra.get("sorted")), **kw)
+    o, lse = pt.partial_attention_triton(
+        q,
+        k,
+        v,
+        block_lse=bl,
+        lse_block=lse_block,
+        lse_rows=rows,
+        num_splits=extra.get("num_splits"),
+        k_pos_sorted=bool(extra.get("sorted")),
+        **kw,
+    )
     ro, rl = partial_attention_ref(q, k, v, block_lse=br, lse_block=lse_block, lse_rows=rows, **kw)
     mask = key_mask(B, Q, N, "cpu", kw.get("q_pos"), kw.get("k_pos"), kw.get("kv_len"), kw["window"])
     check(bl, br, brute(q, k, lse_block, mask=mask, softcap=kw["softcap"]), rows, dtype, "block_lse")
@@ -131,10 +157,13 @@ def test_triton_block_lse(B, G, H_kv, Q, N, d, dtype, lse_block, extra):
     assert_close(o.float(), ro.float(), dtype, "o")
 
 
-@pytest.mark.parametrize("B,G,H_kv,Q,N,d,groups,dtype,lse_block,extra", [
-    (2, 4, 2, 1, 300, 64, 2, torch.float32, 4, dict(window=90, softcap=20.0)),  # decode, ragged
-    (1, 2, 1, 3, 150, 64, 1, torch.bfloat16, 16, dict(positions=False)),  # no positions: the other store
-])
+@pytest.mark.parametrize(
+    "B,G,H_kv,Q,N,d,groups,dtype,lse_block,extra",
+    [
+        (2, 4, 2, 1, 300, 64, 2, torch.float32, 4, dict(window=90, softcap=20.0)),  # decode, ragged
+        (1, 2, 1, 3, 150, 64, 1, torch.bfloat16, 16, dict(positions=False)),  # no positions: the other store
+    ],
+)
 def test_triton_block_lse_over_fp8_rows(monkeypatch, B, G, H_kv, Q, N, d, groups, dtype, lse_block, extra):
     """The fp8 branch of the kernel (issue 27's scale groups): the scores of the values the fp8
     rows stand for, through their k_scale; nothing dequantized up front."""
@@ -153,8 +182,18 @@ def test_triton_block_lse_over_fp8_rows(monkeypatch, B, G, H_kv, Q, N, d, groups
         kw.update(q_pos=torch.arange(N + 2 - Q, N + 2).expand(B, Q), k_pos=torch.arange(N).expand(B, N))
     rows = some_rows(B, Q)
     bl, br = poisoned(B, H, Q, N, lse_block), poisoned(B, H, Q, N, lse_block)
-    pt.partial_attention_triton(q, k8, v8, k_scale=ks, v_scale=vs, k_pos_sorted="q_pos" in kw, block_lse=bl,
-                                lse_block=lse_block, lse_rows=rows, **kw)
+    pt.partial_attention_triton(
+        q,
+        k8,
+        v8,
+        k_scale=ks,
+        v_scale=vs,
+        k_pos_sorted="q_pos" in kw,
+        block_lse=bl,
+        lse_block=lse_block,
+        lse_rows=rows,
+        **kw,
+    )
     partial_attention_ref(q, k8, v8, k_scale=ks, v_scale=vs, block_lse=br, lse_block=lse_block, lse_rows=rows, **kw)
     k = dequantize(k8, ks, torch.float32)
     mask = key_mask(B, Q, N, "cpu", kw.get("q_pos"), kw.get("k_pos"), kw["kv_len"], extra.get("window"))
@@ -172,8 +211,11 @@ def test_triton_paged_block_lse(fp8):
 
     d, H_kv, G, page, nb, B, Q, lse_block = 64, 2, 4, 32, 3, 3, 2, 8
     blocks = 10
-    kv = [_fp8(blocks, H_kv, page, d, 2), _fp8(blocks, H_kv, page, d, 2, amp=1.0)] if fp8 else \
-        [(torch.randn(blocks, H_kv, page, d), None), (torch.randn(blocks, H_kv, page, d), None)]
+    kv = (
+        [_fp8(blocks, H_kv, page, d, 2), _fp8(blocks, H_kv, page, d, 2, amp=1.0)]
+        if fp8
+        else [(torch.randn(blocks, H_kv, page, d), None), (torch.randn(blocks, H_kv, page, d), None)]
+    )
     (k_pool, ks), (v_pool, vs) = kv
     tables = torch.randperm(blocks)[: B * nb].view(B, nb).to(torch.int32)
     kv_len = torch.tensor([nb * page, 2 * page + 5, 0])
@@ -185,13 +227,39 @@ def test_triton_paged_block_lse(fp8):
     rows = some_rows(B, Q)
     scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
     bl, br = poisoned(B, G * H_kv, Q, N, lse_block), poisoned(B, G * H_kv, Q, N, lse_block)
-    partial_attention_triton_paged(q, k_pool, v_pool, tables, kv_len, q_pos=q_pos, pos_pool=pos_pool, window=50,
-                                   softcap=30.0, num_splits=3, block_n=16, block_lse=bl, lse_block=lse_block,
-                                   lse_rows=rows, **scales)
+    partial_attention_triton_paged(
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        kv_len,
+        q_pos=q_pos,
+        pos_pool=pos_pool,
+        window=50,
+        softcap=30.0,
+        num_splits=3,
+        block_n=16,
+        block_lse=bl,
+        lse_block=lse_block,
+        lse_rows=rows,
+        **scales,
+    )
     k = gather_pages(k_pool, tables)
     dense = dict(k_scale=gather_pages(ks, tables), v_scale=gather_pages(vs, tables)) if fp8 else {}
-    partial_attention_ref(q, k, gather_pages(v_pool, tables), q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=50,
-                          softcap=30.0, block_lse=br, lse_block=lse_block, lse_rows=rows, **dense)
+    partial_attention_ref(
+        q,
+        k,
+        gather_pages(v_pool, tables),
+        q_pos=q_pos,
+        k_pos=k_pos,
+        kv_len=kv_len,
+        window=50,
+        softcap=30.0,
+        block_lse=br,
+        lse_block=lse_block,
+        lse_rows=rows,
+        **dense,
+    )
     kf = dequantize(k, dense["k_scale"]) if fp8 else k
     mask = key_mask(B, Q, N, "cpu", q_pos, k_pos, kv_len, 50)
     check(bl, br, brute(q, kf, lse_block, mask=mask, softcap=30.0), rows, torch.float32, "paged")
@@ -224,6 +292,7 @@ def test_triton_without_block_lse_is_the_kernel_it_was(monkeypatch):
 
 # ---- the identity citations rest on ----------------------------------------------------------
 
+
 def test_block_shares_sum_to_one_on_one_shard_and_across_two():
     """exp(block_lse - lse) summed over a row's blocks is 1 for every row that sees a key (no
     sink): on one shard with its own lse, and on two shards whose lse are merged (logaddexp),
@@ -244,8 +313,9 @@ def test_block_shares_sum_to_one_on_one_shard_and_across_two():
     parts = []
     for a, b in ((0, cut), (cut, N)):
         blp = poisoned(B, G * H_kv, Q, b - a, lb)
-        _, lp = partial_attention(q, k[:, :, a:b], v[:, :, a:b], q_pos=q_pos, k_pos=k_pos[a:b], block_lse=blp,
-                                  lse_block=lb, impl="triton")
+        _, lp = partial_attention(
+            q, k[:, :, a:b], v[:, :, a:b], q_pos=q_pos, k_pos=k_pos[a:b], block_lse=blp, lse_block=lb, impl="triton"
+        )
         parts.append((blp, lp))
     merged = torch.logaddexp(parts[0][1], parts[1][1])
     assert_close(merged[seen], lse[seen], torch.float32, "merged lse")
@@ -284,9 +354,11 @@ def test_bad_block_lse_is_refused():
     import treeattn_kernels.partial_triton as pt
 
     q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 33, 64)
-    for bad, kw in [("blocks of", dict(block_lse=torch.empty(1, 4, 1, 33), lse_block=2)),  # 17 blocks of 2
-                    ("fp32", dict(block_lse=torch.empty(1, 4, 1, 33, dtype=torch.float64))),
-                    ("lse_block must be one of", dict(block_lse=torch.empty(1, 4, 1, 11), lse_block=3)),
-                    ("lse_rows must be bool", dict(block_lse=torch.empty(1, 4, 1, 33), lse_rows=torch.ones(1, 1)))]:
+    for bad, kw in [
+        ("blocks of", dict(block_lse=torch.empty(1, 4, 1, 33), lse_block=2)),  # 17 blocks of 2
+        ("fp32", dict(block_lse=torch.empty(1, 4, 1, 33, dtype=torch.float64))),
+        ("lse_block must be one of", dict(block_lse=torch.empty(1, 4, 1, 11), lse_block=3)),
+        ("lse_rows must be bool", dict(block_lse=torch.empty(1, 4, 1, 33), lse_rows=torch.ones(1, 1))),
+    ]:
         with pytest.raises(ValueError, match=bad):
             pt.partial_attention_triton(q, k, k, **kw)

@@ -44,13 +44,16 @@ def _split_launches(monkeypatch, pt, run: bool = True) -> list:
     return seen
 
 
-@pytest.mark.parametrize("B,G,H_kv,Q,N,d,groups,dtype,extra", [
-    (2, 4, 2, 8, 200, 128, 4, torch.bfloat16, {}),  # 8 sequences' rows over one document, ragged
-    (1, 8, 1, 5, 150, 64, 2, torch.bfloat16, dict(window=40)),  # GQA 8, a window over positions
-    (2, 4, 1, 8, 130, 96, 3, torch.float16, dict(positions=True, softcap=20.0)),  # groups padded to 4
-    (1, 4, 2, 8, 140, 128, 4, torch.bfloat16, dict(lse_block=4)),  # block_lse, stored after the dots
-    (1, 8, 1, 5, 100, 64, 2, torch.float16, dict(lse_block=16, positions=True)),  # ... and before them
-])
+@pytest.mark.parametrize(
+    "B,G,H_kv,Q,N,d,groups,dtype,extra",
+    [
+        (2, 4, 2, 8, 200, 128, 4, torch.bfloat16, {}),  # 8 sequences' rows over one document, ragged
+        (1, 8, 1, 5, 150, 64, 2, torch.bfloat16, dict(window=40)),  # GQA 8, a window over positions
+        (2, 4, 1, 8, 130, 96, 3, torch.float16, dict(positions=True, softcap=20.0)),  # groups padded to 4
+        (1, 4, 2, 8, 140, 128, 4, torch.bfloat16, dict(lse_block=4)),  # block_lse, stored after the dots
+        (1, 8, 1, 5, 100, 64, 2, torch.float16, dict(lse_block=16, positions=True)),  # ... and before them
+    ],
+)
 def test_fp8_rows_meet_each_tile_in_one_launch(monkeypatch, B, G, H_kv, Q, N, d, groups, dtype, extra):
     """All G·Q rows of a KV head in the decode step's tile (slices of it, issue 49) over the fp8
     rows and their scales (nothing
@@ -76,15 +79,14 @@ def test_fp8_rows_meet_each_tile_in_one_launch(monkeypatch, B, G, H_kv, Q, N, d,
     if lse_block:  # some rows ask, poisoned entries
         rows = torch.rand(B, Q) < 0.6
         rows[0, 0], rows[-1, -1] = True, False
-        blocks = dict(block_lse=torch.full((B, H, Q, -(-N // lse_block)), math.nan), lse_block=lse_block,
-                      lse_rows=rows)
+        blocks = dict(block_lse=torch.full((B, H, Q, -(-N // lse_block)), math.nan), lse_block=lse_block, lse_rows=rows)
     out, lse_out = torch.full((B, H, Q, d), math.nan, dtype=dtype), torch.full((B, H, Q), math.nan)
-    o, lse = pt.partial_attention_triton(q, k8, v8, k_scale=ks, v_scale=vs, k_pos_sorted="q_pos" in kw, out=out,
-                                         lse_out=lse_out, **kw, **blocks)
+    o, lse = pt.partial_attention_triton(
+        q, k8, v8, k_scale=ks, v_scale=vs, k_pos_sorted="q_pos" in kw, out=out, lse_out=lse_out, **kw, **blocks
+    )
     assert launches == [pt.tile_rows(G)] * -(-Q // (pt.tile_rows(G) // G)), launches  # the decode step's tile
     mask = key_mask(B, Q, N, q.device, kw.get("q_pos"), kw.get("k_pos"), kw["kv_len"], window)
-    o_ref, lse_ref = attention_f64(q.float(), dequantize(k8, ks), dequantize(v8, vs), mask=mask,
-                                   softcap=kw["softcap"])
+    o_ref, lse_ref = attention_f64(q.float(), dequantize(k8, ks), dequantize(v8, vs), mask=mask, softcap=kw["softcap"])
     assert_close(o, o_ref.to(dtype), dtype, "o")
     assert_close(lse, lse_ref, dtype, "lse")
     if blocks:
@@ -115,8 +117,11 @@ def test_a_step_launches_as_many_times_over_fp8_as_over_bf16(monkeypatch, G, ste
     q = torch.empty(1, H_kv * G, Q, d, dtype=torch.bfloat16, device=dev)
     kw = dict(kv_len=torch.empty(1, dtype=torch.int64, device=dev))
     if causal:
-        kw.update(q_pos=torch.empty(1, Q, dtype=torch.int64, device=dev),
-                  k_pos=torch.empty(1, N, dtype=torch.int64, device=dev), k_pos_sorted=True)
+        kw.update(
+            q_pos=torch.empty(1, Q, dtype=torch.int64, device=dev),
+            k_pos=torch.empty(1, N, dtype=torch.int64, device=dev),
+            k_pos_sorted=True,
+        )
     counted, bytes_per_key = {}, {}
     launches = _split_launches(monkeypatch, pt, run=False)
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
@@ -130,6 +135,9 @@ def test_a_step_launches_as_many_times_over_fp8_as_over_bf16(monkeypatch, G, ste
         counted[kv] = len(launches)
         bytes_per_key[kv] = 2 * (d * kv.itemsize + (2 * d // 32 if scales else 0))  # K and V rows, scales
     assert counted[torch.float8_e4m3fn] == counted[torch.bfloat16] == -(-Q // (pt.tile_rows(G) // G))
-    ratio = counted[torch.float8_e4m3fn] * bytes_per_key[torch.float8_e4m3fn] / (
-        counted[torch.bfloat16] * bytes_per_key[torch.bfloat16])
+    ratio = (
+        counted[torch.float8_e4m3fn]
+        * bytes_per_key[torch.float8_e4m3fn]
+        / (counted[torch.bfloat16] * bytes_per_key[torch.bfloat16])
+    )
     assert ratio <= 0.55, (step, G, counted, ratio)

@@ -54,8 +54,11 @@ def test_every_configuration_compiles(compiled, target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_no_spills_and_shared_memory_fits(compiled, target):
-    bad = [(k["first_config"], k["kernel"], k["regs"], k["spill_bytes"], k["shared_bytes"], k["max_shared"])
-           for k in compiled[target]["kernels"] if not k["ok"]]
+    bad = [
+        (k["first_config"], k["kernel"], k["regs"], k["spill_bytes"], k["shared_bytes"], k["max_shared"])
+        for k in compiled[target]["kernels"]
+        if not k["ok"]
+    ]
     assert not bad, bad[:5]
     for k in compiled[target]["kernels"]:
         assert k["regs"] and k["regs"] > 0  # the report was read from the binary
@@ -66,8 +69,7 @@ def test_no_spills_and_shared_memory_fits(compiled, target):
 def test_base_offsets_are_64_bit(compiled, target):
     """b * stride_b and h * stride_h reach 2^31 elements at batch 3 x 1M tokens: every kernel
     offsets its tensors' base pointers by 64-bit products (checked in the compiled IR)."""
-    narrow = [(k["kernel"], k["narrow_base_offsets"]) for k in compiled[target]["kernels"]
-              if k["narrow_base_offsets"]]
+    narrow = [(k["kernel"], k["narrow_base_offsets"]) for k in compiled[target]["kernels"] if k["narrow_base_offsets"]]
     assert not narrow, narrow[:5]
 
 
@@ -136,8 +138,9 @@ def _decode(compiled, target, window=False, kv="bf16"):
 def test_decode_report_covers_the_shapes(compiled):
     for target in TARGETS:
         got = {(r["model"], r["tp"], r["keys"]) for r in _decode(compiled, target)}
-        assert got == {(m, tp, n) for m in ("llama-3.1-8b", "llama-3.1-70b") for tp in (1, 8)
-                       for n in (8192, 32768, 131072)}
+        assert got == {
+            (m, tp, n) for m in ("llama-3.1-8b", "llama-3.1-70b") for tp in (1, 8) for n in (8192, 32768, 131072)
+        }
         assert len(_decode(compiled, target, window=True)) == 1
 
 
@@ -232,8 +235,11 @@ def test_fp8_steps_of_many_rows_read_about_half_of_bf16s_bytes(compiled, target)
     recs = compiled[target]["steps"]
     fp8 = [r for r in recs if r["kv_dtype"].startswith("fp8")]
     bf16 = {(r["model"], r["kind"]): r for r in recs if r["kv_dtype"] == "bf16"}
-    assert {(r["model"], r["kind"]) for r in fp8} == set(bf16) == \
-        {(m, k) for m in ("llama-3.1-8b", "llama-3.1-70b") for k, _, _ in STEP_KINDS}
+    assert (
+        {(r["model"], r["kind"]) for r in fp8}
+        == set(bf16)
+        == {(m, k) for m in ("llama-3.1-8b", "llama-3.1-70b") for k, _, _ in STEP_KINDS}
+    )
     for r in fp8:
         b = bf16[(r["model"], r["kind"])]
         Q = {k: q for k, q, _ in STEP_KINDS}[r["kind"]]
@@ -260,7 +266,9 @@ def test_the_paged_split_kernel_compiles(compiled, target):
     # position, in slices of the decode step's tile (issue 49)
     assert any(k["constexprs"].get("HAS_POS") and k["first_config"].startswith("paged-verify") for k in paged), paged
     assert {k["constexprs"]["BLOCK_M"] for k in paged} == {16}
-    dense = [k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel" and not k["constexprs"].get("PAGE")]
+    dense = [
+        k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel" and not k["constexprs"].get("PAGE")
+    ]
     assert dense  # the dense kernel is compiled apart (PAGE = 0 compiles the table out)
 
 
@@ -303,9 +311,13 @@ def test_a_share_of_the_configurations_warms_the_cache(tmp_path):
     assert len(labels) == len(set(labels)) > 2000
     shares, share = 600, 7
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", "sm_90", "--warm",
-                          f"{share}/{shares}"], env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")},
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "treeattn_kernels.offline_compile", "--target", "sm_90", "--warm", f"{share}/{shares}"],
+        env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["compiled"] == len(labels[share::shares]) and got["failed"] == 0, got

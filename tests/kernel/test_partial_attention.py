@@ -24,8 +24,7 @@ def make(B, H, H_kv, Q, N, d, dtype):
 
 def poisoned(B, H, Q, d, dtype):
     """Output buffers filled with NaN: any element the kernel forgets to write shows up."""
-    return (torch.full((B, H, Q, d), math.nan, dtype=dtype),
-            torch.full((B, H, Q), math.nan, dtype=torch.float32))
+    return (torch.full((B, H, Q, d), math.nan, dtype=dtype), torch.full((B, H, Q), math.nan, dtype=torch.float32))
 
 
 def run_case(impl, B, G, H_kv, Q, N, d, dtype, causal, ragged, **kw):
@@ -40,8 +39,9 @@ def run_case(impl, B, G, H_kv, Q, N, d, dtype, causal, ragged, **kw):
         kv_len = torch.randint(0, N + 1, (B,))
         kv_len[0] = N
     out, lse_out = poisoned(B, H, Q, d, dtype)
-    o, lse = partial_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len,
-                               out=out, lse_out=lse_out, impl=impl, **kw)
+    o, lse = partial_attention(
+        q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, out=out, lse_out=lse_out, impl=impl, **kw
+    )
     assert o.data_ptr() == out.data_ptr() and lse.data_ptr() == lse_out.data_ptr()
     mask = key_mask(B, Q, N, q.device, q_pos, k_pos, kv_len, kw.get("window"))
     o_ref, lse_ref = attention_f64(q, k, v, mask=mask, softcap=kw.get("softcap"))
@@ -52,13 +52,15 @@ def run_case(impl, B, G, H_kv, Q, N, d, dtype, causal, ragged, **kw):
 
 
 # The full grid of the issue for the (fast) torch reference.
-REF_GRID = list(itertools.product(
-    [1, 2, 127, 128, 129, 1000],  # N
-    [64, 128],  # d
-    [1, 3, 4, 8],  # G = H / H_kv
-    [1, 3],  # B
-    [1, 5],  # Q
-))
+REF_GRID = list(
+    itertools.product(
+        [1, 2, 127, 128, 129, 1000],  # N
+        [64, 128],  # d
+        [1, 3, 4, 8],  # G = H / H_kv
+        [1, 3],  # B
+        [1, 5],  # Q
+    )
+)
 
 
 @pytest.mark.parametrize("impl", ["torch", "cpu"])
@@ -70,12 +72,20 @@ def test_reference_and_cpu_grid(N, d, G, B, Q, dtype, impl):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("Q,N,q0,k0,ragged", [
-    (5, 5, 0, 0, False), (7, 7, 100, 100, True), (1, 9, 8, 8, True), (3, 40, 37, 37, False),
-    (6, 40, 0, 0, False),  # causal diagonal blocks
-    (4, 30, 29, 0, True), (2, 30, 90, 10, False),  # every key in the past
-    (4, 30, 10, 0, False), (4, 30, 0, 2, False),  # offset masks: the reference path
-])
+@pytest.mark.parametrize(
+    "Q,N,q0,k0,ragged",
+    [
+        (5, 5, 0, 0, False),
+        (7, 7, 100, 100, True),
+        (1, 9, 8, 8, True),
+        (3, 40, 37, 37, False),
+        (6, 40, 0, 0, False),  # causal diagonal blocks
+        (4, 30, 29, 0, True),
+        (2, 30, 90, 10, False),  # every key in the past
+        (4, 30, 10, 0, False),
+        (4, 30, 0, 2, False),  # offset masks: the reference path
+    ],
+)
 def test_cpu_fast_path_shapes(Q, N, q0, k0, ragged, dtype):
     """The fused path's own cases: the causal diagonal block (one call per group head), keys
     all in the past, ragged lengths; and a non-contiguous/offset mask (falls back)."""
@@ -84,8 +94,7 @@ def test_cpu_fast_path_shapes(Q, N, q0, k0, ragged, dtype):
     q_pos, k_pos = torch.arange(q0, q0 + Q), torch.arange(k0, k0 + N)
     kv_len = torch.tensor([N, max(Q, N - 1), N]) if ragged else None
     out, lse_out = poisoned(B, G * H_kv, Q, d, dtype)
-    o, lse = partial_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, impl="cpu",
-                               out=out, lse_out=lse_out)
+    o, lse = partial_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, impl="cpu", out=out, lse_out=lse_out)
     mask = key_mask(B, Q, N, q.device, q_pos, k_pos, kv_len)
     o_ref, lse_ref = attention_f64(q, k, v, mask=mask)
     assert_close(o, o_ref, dtype, "o")
@@ -128,8 +137,7 @@ def test_triton_kernel(B, G, H_kv, Q, N, d, dtype, causal, ragged, extra):
 def test_window_and_softcap(impl):
     if impl == "triton":
         pytest.importorskip("triton")
-    run_case(impl, 2, 2, 2, 3, 90, 64, torch.float32, causal=True, ragged=True,
-             window=17, softcap=3.0)
+    run_case(impl, 2, 2, 2, 3, 90, 64, torch.float32, causal=True, ragged=True, window=17, softcap=3.0)
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
@@ -157,8 +165,7 @@ def test_empty_shard_and_no_visible_key(impl):
     o, lse = partial_attention(q, k, v, impl=impl)
     assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
     q, k, v = make(2, 4, 2, 1, 10, 64, torch.float32)
-    o, lse = partial_attention(q, k, v, q_pos=torch.tensor([5]), k_pos=torch.arange(10, 20),
-                               impl=impl)
+    o, lse = partial_attention(q, k, v, q_pos=torch.tensor([5]), k_pos=torch.arange(10, 20), impl=impl)
     assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
 
 
@@ -211,8 +218,12 @@ def test_the_plan_does_not_depend_on_the_batch_or_the_rows():
     for t in TARGETS.values():
         for dtype in (torch.bfloat16, torch.float32):
             for fixed in (False, True):
-                plans = {pt.plan_split(B, 8, 4, Q, N, 128, dtype, t, fixed_splits=fixed)
-                         for B in (1, 3, 32, 200) for Q in (1, 2, 9, 16) for N in (1 << 20,)}
+                plans = {
+                    pt.plan_split(B, 8, 4, Q, N, 128, dtype, t, fixed_splits=fixed)
+                    for B in (1, 3, 32, 200)
+                    for Q in (1, 2, 9, 16)
+                    for N in (1 << 20,)
+                }
                 assert len(plans) == 1, (t.name, dtype, fixed, plans)
                 p = plans.pop()
                 assert p.split_min == p.block_n * p.depth  # a split keeps the kernel's pipeline full
@@ -220,8 +231,10 @@ def test_the_plan_does_not_depend_on_the_batch_or_the_rows():
 
 
 # A wider sample of the grid through the interpreted kernel: every N/d/G, dtypes rotating.
-TRITON_GRID = [(N, d, G, 3 if i % 2 else 1, 5 if i % 3 == 0 else 1, DTYPES[i % 3])
-               for i, (N, d, G) in enumerate(itertools.product([1, 129, 1000], [64, 128], [1, 3, 4, 8]))]
+TRITON_GRID = [
+    (N, d, G, 3 if i % 2 else 1, 5 if i % 3 == 0 else 1, DTYPES[i % 3])
+    for i, (N, d, G) in enumerate(itertools.product([1, 129, 1000], [64, 128], [1, 3, 4, 8]))
+]
 
 
 @pytest.mark.parametrize("N,d,G,B,Q,dtype", TRITON_GRID)
@@ -336,8 +349,10 @@ def test_sinks_enter_the_denominator_once(impl, N, ragged):
     if N >= 2:  # split the keys: the sink in one partial only
         from treeattn_cli.parallel.merge import merge_pair
 
-        a, b = partial_attention(q, k[:, :, : N // 2], v[:, :, : N // 2], sink=sink, impl=impl), \
-            partial_attention(q, k[:, :, N // 2:], v[:, :, N // 2:], impl=impl)
+        a, b = (
+            partial_attention(q, k[:, :, : N // 2], v[:, :, : N // 2], sink=sink, impl=impl),
+            partial_attention(q, k[:, :, N // 2 :], v[:, :, N // 2 :], impl=impl),
+        )
         mo, ml = merge_pair(*a, *b)
         o_all, l_all = _sink_oracle(q, k, v, sink)
         assert_close(mo, o_all, torch.float32, "merged o")
@@ -387,8 +402,9 @@ def test_one_split_copy_is_the_reduce_bit_for_bit(monkeypatch):
     kv_len = torch.tensor([N, 0])  # the second row sees no key
     names = []
     real = pt.launch
-    monkeypatch.setattr(pt, "launch", lambda kernel, grid, *a, **kw: names.append(kernel.fn.__name__)
-                        or real(kernel, grid, *a, **kw))
+    monkeypatch.setattr(
+        pt, "launch", lambda kernel, grid, *a, **kw: names.append(kernel.fn.__name__) or real(kernel, grid, *a, **kw)
+    )
     runs = {}
     for on in (True, False):
         monkeypatch.setitem(pt.ONE_SPLIT_COPY, "on", on)
@@ -405,6 +421,7 @@ def test_one_split_copy_is_the_reduce_bit_for_bit(monkeypatch):
 
 
 # ---- issue 23: split lengths follow the live length; window layers read the window --------
+
 
 @pytest.mark.parametrize("num_splits", [3, 5])
 def test_triton_splits_follow_the_live_length(monkeypatch, num_splits):
@@ -435,12 +452,15 @@ def test_triton_splits_follow_the_live_length(monkeypatch, num_splits):
     assert_close(lse, lse_ref, torch.float32, "lse")
 
 
-@pytest.mark.parametrize("Q,N,window,gaps,ragged,q_off", [
-    (1, 3000, 77, 3, True, 3),  # a rank's chunks: ascending positions with gaps
-    (3, 700, 50, 2, False, -400),  # queries inside the shard: later keys are in their future
-    (5, 700, None, 2, True, -100),  # causal only: the search bounds the causal end
-    (1, 700, 10, 1, False, -800),  # no key visible
-])
+@pytest.mark.parametrize(
+    "Q,N,window,gaps,ragged,q_off",
+    [
+        (1, 3000, 77, 3, True, 3),  # a rank's chunks: ascending positions with gaps
+        (3, 700, 50, 2, False, -400),  # queries inside the shard: later keys are in their future
+        (5, 700, None, 2, True, -100),  # causal only: the search bounds the causal end
+        (1, 700, 10, 1, False, -800),  # no key visible
+    ],
+)
 def test_triton_sorted_positions_search(Q, N, window, gaps, ragged, q_off):
     """``k_pos_sorted``: each program finds its live keys by a search over the ascending
     positions; the same answer as the reference whatever the queries see."""
@@ -453,8 +473,9 @@ def test_triton_sorted_positions_search(Q, N, window, gaps, ragged, q_off):
     top = int(k_pos[-1]) + q_off
     q_pos = torch.arange(top - Q + 1, top + 1)
     kv_len = torch.tensor([N, N // 3]) if ragged else None
-    o, lse = pt.partial_attention_triton(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window,
-                                         k_pos_sorted=True)
+    o, lse = pt.partial_attention_triton(
+        q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window, k_pos_sorted=True
+    )
     o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_len=kv_len, window=window)
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
@@ -471,8 +492,13 @@ def _count_loads(monkeypatch, **watch) -> dict:
     real = interp.InterpreterBuilder.create_masked_load
 
     def counting(self, ptrs, mask, other, *a, **kw):
-        kind = "pos" if str(ptrs.get_element_ty()) == "int64" else \
-            "kv" if mask.data.ndim == 2 and mask.data.shape[0] == 64 else "other"
+        kind = (
+            "pos"
+            if str(ptrs.get_element_ty()) == "int64"
+            else "kv"
+            if mask.data.ndim == 2 and mask.data.shape[0] == 64
+            else "other"
+        )
         count[kind] = count.get(kind, 0) + int(np.count_nonzero(mask.data))
         for name, t in watch.items():
             lo = t.data_ptr()
@@ -500,8 +526,9 @@ def test_triton_window_layers_read_the_window_not_the_shard(monkeypatch):
         k_pos, q_pos = torch.arange(N), torch.tensor([N - 1])
         o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window)
         count.clear()
-        o, lse = pt.partial_attention_triton(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, k_pos_sorted=srt,
-                                             block_n=64)
+        o, lse = pt.partial_attention_triton(
+            q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, k_pos_sorted=srt, block_n=64
+        )
         assert_close(o, o_ref, torch.float32, "o")
         assert_close(lse, lse_ref, torch.float32, "lse")
         reads[srt] = dict(count, N=N)
@@ -527,8 +554,9 @@ def test_triton_padding_rows_do_not_widen_the_window(monkeypatch, pad):
     count = _count_loads(monkeypatch, k=k, v=v)
     k_pos = torch.arange(N)
     o_ref, lse_ref = partial_attention_ref(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window)
-    o, lse = pt.partial_attention_triton(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, k_pos_sorted=True,
-                                         block_n=64)
+    o, lse = pt.partial_attention_triton(
+        q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, k_pos_sorted=True, block_n=64
+    )
     assert_close(o, o_ref, torch.float32, "o")
     assert_close(lse, lse_ref, torch.float32, "lse")
     assert count["k"] + count["v"] <= 2 * (window + 3 * 64) * d, count
@@ -547,13 +575,16 @@ def _fp8(B, H_kv, N, d, groups, amp=3.0):
     return x8, s
 
 
-@pytest.mark.parametrize("B,G,H_kv,Q,N,d,groups,dtype,extra", [
-    (2, 4, 2, 1, 300, 64, 2, torch.float32, dict(window=90, softcap=20.0)),  # decode, window, softcap, ragged
-    (1, 8, 1, 1, 200, 128, 4, torch.bfloat16, {}),  # Llama's group of 8, four scales a row
-    (2, 2, 2, 3, 150, 96, 3, torch.float32, {}),  # three groups: padded to four in the tile
-    (1, 2, 2, 40, 90, 64, 2, torch.float32, dict(window=30)),  # a query block sliced into the tile's rows
-    (1, 2, 1, 1, 64, 64, 1, torch.float32, {}),  # one scale a row
-])
+@pytest.mark.parametrize(
+    "B,G,H_kv,Q,N,d,groups,dtype,extra",
+    [
+        (2, 4, 2, 1, 300, 64, 2, torch.float32, dict(window=90, softcap=20.0)),  # decode, window, softcap, ragged
+        (1, 8, 1, 1, 200, 128, 4, torch.bfloat16, {}),  # Llama's group of 8, four scales a row
+        (2, 2, 2, 3, 150, 96, 3, torch.float32, {}),  # three groups: padded to four in the tile
+        (1, 2, 2, 40, 90, 64, 2, torch.float32, dict(window=30)),  # a query block sliced into the tile's rows
+        (1, 2, 1, 1, 64, 64, 1, torch.float32, {}),  # one scale a row
+    ],
+)
 def test_triton_reads_fp8_rows_and_their_scales(monkeypatch, B, G, H_kv, Q, N, d, groups, dtype, extra):
     """The split kernel over an fp8 cache (issue 27) loads the e4m3 tiles and their scales and
     dequantizes in registers (nothing is dequantized up front): the attention of the values the
@@ -573,8 +604,20 @@ def test_triton_reads_fp8_rows_and_their_scales(monkeypatch, B, G, H_kv, Q, N, d
     k_pos = torch.arange(N).expand(B, N)
     kv_len = torch.tensor([N, N // 2 + 1][:B])
     out, lse_out = poisoned(B, H, Q, d, dtype)
-    o, lse = pt.partial_attention_triton(q, k8, v8, k_scale=ks, v_scale=vs, q_pos=q_pos, k_pos=k_pos,
-                                         kv_len=kv_len, k_pos_sorted=True, out=out, lse_out=lse_out, **extra)
+    o, lse = pt.partial_attention_triton(
+        q,
+        k8,
+        v8,
+        k_scale=ks,
+        v_scale=vs,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        kv_len=kv_len,
+        k_pos_sorted=True,
+        out=out,
+        lse_out=lse_out,
+        **extra,
+    )
     k, v = dequantize(k8, ks, torch.float32), dequantize(v8, vs, torch.float32)
     mask = key_mask(B, Q, N, q.device, q_pos, k_pos, kv_len, extra.get("window"))
     o_ref, lse_ref = attention_f64(q.float(), k, v, mask=mask, softcap=extra.get("softcap"))
@@ -631,8 +674,11 @@ def test_aten_path_dequantizes_one_key_block_at_a_time(monkeypatch, case):
     if case == "window":
         kw["window"] = 100
     if case == "block_lse":
-        kw.update(block_lse=torch.full((B, G * H_kv, Q, -(-N // 4)), math.nan), lse_block=4,
-                  lse_rows=torch.tensor([[True] * Q, [False] * Q]))
+        kw.update(
+            block_lse=torch.full((B, G * H_kv, Q, -(-N // 4)), math.nan),
+            lse_block=4,
+            lse_rows=torch.tensor([[True] * Q, [False] * Q]),
+        )
     o, lse = partial_attention(q, k8, v8, impl="aten", **kw)
     assert max(widest) == 64 and widest.count(64) >= 2 * 4, widest  # K and V, block by block
     ref = dict(kw, block_lse=torch.full_like(kw["block_lse"], math.nan)) if case == "block_lse" else kw

@@ -27,13 +27,29 @@ ONE_LAYER = {"num_hidden_layers": 1}  # every kernel call is interpreted: as few
 def _session(model, kv, *, questions, speculate="off", batch=False):
     reqs = [{"op": "append", "ids": DOC}, {"op": "mark", "name": "doc"}]
     for q in questions:
-        reqs += [{"op": "append", "ids": q},
-                 {"op": "decode", "seq": 0, "max_new_tokens": NEW, "sampling": vars(Sampling()), "keep": False,
-                  "speculate": speculate},
-                 {"op": "rollback", "name": "doc"}]
+        reqs += [
+            {"op": "append", "ids": q},
+            {
+                "op": "decode",
+                "seq": 0,
+                "max_new_tokens": NEW,
+                "sampling": vars(Sampling()),
+                "keep": False,
+                "speculate": speculate,
+            },
+            {"op": "rollback", "name": "doc"},
+        ]
     if batch:
-        reqs.append({"op": "batch", "questions": questions, "slots": 2, "max_new_tokens": NEW,
-                     "sampling": vars(Sampling()), "speculate": speculate})
+        reqs.append(
+            {
+                "op": "batch",
+                "questions": questions,
+                "slots": 2,
+                "max_new_tokens": NEW,
+                "sampling": vars(Sampling()),
+                "speculate": speculate,
+            }
+        )
     job = EngineJob(str(model), [], max_new_tokens=NEW, dtype="float32", kv_dtype=kv, reserve=len(DOC) + 64)
     return job, reqs + [{"op": "stop"}], None
 
@@ -50,9 +66,11 @@ def test_the_triton_decode_kernel_end_to_end_equals_transformers(tiny):
     per_rank = run_local(triton_sessions, 2, sessions, timeout_s=600)
     got, runs = per_rank[0][0], [r[1] for r in per_rank]
     greedy = lambda m, q, **kw: tiny_models.hf_greedy(m, DOC + q, NEW, **kw)  # noqa: E731
-    want = [[greedy(llama, q) for q in (QS[0], copying)],
-            [greedy(llama, q, kv_round=rnd) for q in (QS[1], copying8)],
-            [greedy(gemma2, QS[1])]]
+    want = [
+        [greedy(llama, q) for q in (QS[0], copying)],
+        [greedy(llama, q, kv_round=rnd) for q in (QS[1], copying8)],
+        [greedy(gemma2, QS[1])],
+    ]
     for i, (g, answers) in enumerate(zip(got, want)):
         assert g["answers"] == answers and g["batch"] == answers, i
     for g in got[:2]:  # verifies ran: the copying question drafted and kept, alone and in the batch
@@ -112,8 +130,14 @@ def triton_mixed(ctx, job, docs, questions, slots, new):
 
     reads = {"tables": 0, "gathered": 0}
     real = {}
-    for name, kind in (("step_tables", "tables"), ("rows_tables", "tables"), ("full_tables", "tables"),
-                       ("update", "gathered"), ("view_rows", "gathered"), ("full", "gathered")):
+    for name, kind in (
+        ("step_tables", "tables"),
+        ("rows_tables", "tables"),
+        ("full_tables", "tables"),
+        ("update", "gathered"),
+        ("view_rows", "gathered"),
+        ("full", "gathered"),
+    ):
         real[name] = getattr(PagedTail, name)
 
         def counted(self, *a, _f=real[name], _k=kind, **kw):

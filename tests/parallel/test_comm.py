@@ -91,8 +91,12 @@ def test_only_comm_touches_torch_distributed():
     from pathlib import Path
 
     pkg = Path(__file__).resolve().parents[2] / "treeattn_cli"
-    offenders = [str(p.relative_to(pkg)) for p in pkg.rglob("*.py") if p.relative_to(pkg).as_posix() != "parallel/comm.py"
-                 and ("torch.distributed" in p.read_text() or "import distributed" in p.read_text())]
+    offenders = [
+        str(p.relative_to(pkg))
+        for p in pkg.rglob("*.py")
+        if p.relative_to(pkg).as_posix() != "parallel/comm.py"
+        and ("torch.distributed" in p.read_text() or "import distributed" in p.read_text())
+    ]
     assert not offenders, offenders
 
 
@@ -289,7 +293,7 @@ def decode_schemes(ctx, seed, groups=None):
                 o_ref, lse_ref = partial_attention_ref(q, k, v)
                 sizes = shard_sizes(N, ctx.world, seed)
                 a = sum(sizes[: ctx.rank])
-                ks, vs = k[:, :, a:a + sizes[ctx.rank]], v[:, :, a:a + sizes[ctx.rank]]
+                ks, vs = k[:, :, a : a + sizes[ctx.rank]], v[:, :, a : a + sizes[ctx.rank]]
                 o_i, lse_i = partial_attention(q, ks, vs)
                 outs = {name: c.merge(o_i, lse_i) for name, c in comms.items()}
                 outs["ring"] = ring_decode(comms["allreduce"], q, ks, vs)
@@ -342,17 +346,28 @@ def prefill_cases(ctx, seed, lengths):
                     pieces = shard(cached, n, ctx.world, balanced=sharding == "balanced")
                     mine = positions(pieces[ctx.rank])
                     cb = chunk_bounds(cached, ctx.world)  # the cache: contiguous shards of the first tokens
-                    ck, cv = k[:, :, cb[ctx.rank]:cb[ctx.rank + 1]], v[:, :, cb[ctx.rank]:cb[ctx.rank + 1]]
+                    ck, cv = k[:, :, cb[ctx.rank] : cb[ctx.rank + 1]], v[:, :, cb[ctx.rank] : cb[ctx.rank + 1]]
                     lens = [cb[i + 1] - cb[i] for i in range(ctx.world)]
                     travel = cached and window is None
-                    o, lse = ring_prefill(c, q[:, :, mine], k[:, :, mine], v[:, :, mine], pieces, window=window,
-                                          cache=(ck, cv) if travel else None, cache_lens=lens if travel else None)
+                    o, lse = ring_prefill(
+                        c,
+                        q[:, :, mine],
+                        k[:, :, mine],
+                        v[:, :, mine],
+                        pieces,
+                        window=window,
+                        cache=(ck, cv) if travel else None,
+                        cache_lens=lens if travel else None,
+                    )
                     if cached and not travel:
                         kpos = torch.arange(cb[ctx.rank], cb[ctx.rank + 1]).expand(B, -1)
-                        po, pl = ring_pass_q(c, q[:, :, mine], ck, cv, torch.full((B,), ck.shape[2]), pieces,
-                                             k_pos=kpos, window=window)
+                        po, pl = ring_pass_q(
+                            c, q[:, :, mine], ck, cv, torch.full((B,), ck.shape[2]), pieces, k_pos=kpos, window=window
+                        )
                         o, lse = merge_pair(o, lse, po, pl)
-                    err = (rel_err(o, o_ref[:, :, mine]), rel_err(lse, lse_ref[:, :, mine])) if len(mine) else (0.0, 0.0)
+                    err = (
+                        (rel_err(o, o_ref[:, :, mine]), rel_err(lse, lse_ref[:, :, mine])) if len(mine) else (0.0, 0.0)
+                    )
                     rows.append((n, sharding, window, cached, *err))
     return rows
 
@@ -383,8 +398,14 @@ def ring_leaves_inputs_alone(ctx, seed):
     k, v = torch.randn(1, 2, 9, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g)
     kv_len = torch.tensor([9 - ctx.rank])
     before = (k.clone(), v.clone(), kv_len.clone())
-    ring_decode(c, torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(seed)), k, v, kv_len,
-                shard_lens=[9] * ctx.world)
+    ring_decode(
+        c,
+        torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(seed)),
+        k,
+        v,
+        kv_len,
+        shard_lens=[9] * ctx.world,
+    )
     return all(torch.equal(a, b) for a, b in zip(before, (k, v, kv_len)))
 
 

@@ -50,8 +50,10 @@ def test_tree_order_equals_sequential_equals_nway():
 
     def tree(items):
         while len(items) > 1:
-            items = [merge_pair(*items[i], *items[i + 1]) if i + 1 < len(items) else items[i]
-                     for i in range(0, len(items), 2)]
+            items = [
+                merge_pair(*items[i], *items[i + 1]) if i + 1 < len(items) else items[i]
+                for i in range(0, len(items), 2)
+            ]
         return items[0]
 
     tr = tree(list(zip(o_s, lse_s)))
@@ -99,8 +101,7 @@ def test_large_magnitude_bf16_stays_finite():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.one_of(st.just(-math.inf), st.floats(-50, 50)), min_size=3, max_size=3),
-       st.integers(0, 2**31 - 1))
+@given(st.lists(st.one_of(st.just(-math.inf), st.floats(-50, 50)), min_size=3, max_size=3), st.integers(0, 2**31 - 1))
 def test_merge_pair_associative(lses, seed):
     g = torch.Generator().manual_seed(seed)
     o = [torch.randn(2, 8, generator=g) for _ in range(3)]
@@ -112,8 +113,11 @@ def test_merge_pair_associative(lses, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 40), min_size=1, max_size=8), st.integers(0, 2**31 - 1),
-       st.sampled_from(["float32", "bfloat16"]))
+@given(
+    st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["float32", "bfloat16"]),
+)
 def test_any_shard_split_merges_to_the_unsplit_attention(sizes, seed, dtype):
     """Property: however the keys are cut (empty pieces included), the merge is the whole."""
     dt = getattr(torch, dtype)

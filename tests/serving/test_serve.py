@@ -30,14 +30,18 @@ from treeattn_cli.verify import tiny as tiny_models  # noqa: E402
 import torch  # noqa: E402
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 KEY = "sk-test-treeattn"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 NEW = 8
 LONG = 64  # tokens of an answer that is still running when others arrive
-DOC = ("The ledger of the north bridge lists seven tolls, one for each day, and the keeper's notes on the "
-       "flood of the ninth year, when the river rose over the second arch and the tolls were waived. ") * 2
+DOC = (
+    "The ledger of the north bridge lists seven tolls, one for each day, and the keeper's notes on the "
+    "flood of the ninth year, when the river rose over the second arch and the tolls were waived. "
+) * 2
 
 
 def _doc(test: str) -> str:
@@ -56,9 +60,30 @@ def _start(model, cache_dir, port, *extra):
     its per-request lines and stop it."""
     log = Path(tempfile.mkstemp(prefix="treeattn-serve-", suffix=".log")[1])
     with open(log, "wb") as err:
-        proc = subprocess.Popen([TREEATTN, "serve", "--model", str(model), "--nproc", "2", "--dtype", "float32",
-                                 "--port", str(port), "--api-key", KEY, "--cache-dir", str(cache_dir), "--batch", "4",
-                                 *extra], stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                TREEATTN,
+                "serve",
+                "--model",
+                str(model),
+                "--nproc",
+                "2",
+                "--dtype",
+                "float32",
+                "--port",
+                str(port),
+                "--api-key",
+                KEY,
+                "--cache-dir",
+                str(cache_dir),
+                "--batch",
+                "4",
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+        )
     proc.log = log
     t0 = time.monotonic()
     while time.monotonic() - t0 < 180:  # the event: /health answers
@@ -87,8 +112,13 @@ def server(model):
     m, cache = model
     port = _free_port()
     proc = _start(m, cache, port)
-    yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "model": m, "cache": cache,
-           "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)}
+    yield {
+        "url": f"http://127.0.0.1:{port}",
+        "proc": proc,
+        "model": m,
+        "cache": cache,
+        "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0),
+    }
     _stop(proc)
 
 
@@ -119,8 +149,21 @@ def _wait_stats(url: str, pred, timeout: float = 60.0) -> dict:
 
 
 def _generate(m, prompt, *flags):
-    r = cli("generate", "--model", str(m), "--prompt", prompt, "--nproc", "2", "--dtype", "float32",
-            "--max-new-tokens", str(NEW), "--json", *flags)
+    r = cli(
+        "generate",
+        "--model",
+        str(m),
+        "--prompt",
+        prompt,
+        "--nproc",
+        "2",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        str(NEW),
+        "--json",
+        *flags,
+    )
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout.splitlines()[-1])
 
@@ -149,8 +192,9 @@ def test_answers_equal_generate_and_the_document_is_cached(server):
     first = c.completions.create(model="m", prompt=prompt, max_tokens=NEW)
     assert first.choices[0].text == _generate(m, prompt, "--no-chat")["text"]
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    again = c.completions.create(model="m", prompt=doc + "\n\nHow many tolls?", max_tokens=NEW,
-                                 extra_body={"prompt_cache_retention": "24h"})  # (OpenAI's: on disk here)
+    again = c.completions.create(
+        model="m", prompt=doc + "\n\nHow many tolls?", max_tokens=NEW, extra_body={"prompt_cache_retention": "24h"}
+    )  # (OpenAI's: on disk here)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].text == _generate(m, doc + "\n\nHow many tolls?", "--no-chat")["text"]
     msg = doc + "\n\nWhat did the keeper note?"
@@ -167,23 +211,26 @@ def test_cite_gives_the_citations_generate_gives(server):
     completion, on its choice."""
     c, m, doc = server["client"], server["model"], _doc("cite")
     msg = doc + "\n\nWhat did the keeper note?"
-    chat = c.chat.completions.create(model="m", messages=[{"role": "user", "content": msg}], max_tokens=NEW,
-                                     extra_body={"cite": True})
+    chat = c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": msg}], max_tokens=NEW, extra_body={"cite": True}
+    )
     got = chat.choices[0].message.model_extra["citations"]
-    assert got and all(msg[x["start"]:x["end"]] == x["text"] and x["end"] <= len(doc) for x in got)
+    assert got and all(msg[x["start"] : x["end"]] == x["text"] and x["end"] <= len(doc) for x in got)
     assert chat.choices[0].message.model_extra["sentence_citations"] is not None
     want = {(x["start"], x["end"]): x["score"] for x in _generate(m, msg, "--chat", "--cite")["citations"]}
     common = [x for x in got if (x["start"], x["end"]) in want]
-    assert len(common) >= min(3, len(want)) and all(abs(x["score"] - want[(x["start"], x["end"])]) < 1e-4
-                                                   for x in common), (got, want)
-    stream = c.chat.completions.create(model="m", messages=[{"role": "user", "content": msg}], max_tokens=NEW,
-                                       extra_body={"cite": True}, stream=True)
+    assert len(common) >= min(3, len(want)) and all(
+        abs(x["score"] - want[(x["start"], x["end"])]) < 1e-4 for x in common
+    ), (got, want)
+    stream = c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": msg}], max_tokens=NEW, extra_body={"cite": True}, stream=True
+    )
     last = [ch for ch in stream if ch.choices][-1]
     assert last.choices[0].finish_reason and last.choices[0].delta.model_extra["citations"] == got
     prompt = doc + "\n\nWhich arch?"
     comp = c.completions.create(model="m", prompt=prompt, max_tokens=NEW, extra_body={"cite": True})
     cits = comp.choices[0].model_extra["citations"]
-    assert cits and all(prompt[x["start"]:x["end"]] == x["text"] for x in cits)
+    assert cits and all(prompt[x["start"] : x["end"]] == x["text"] for x in cits)
 
 
 def test_a_document_that_extends_a_cached_one_takes_its_blocks(server):
@@ -208,12 +255,24 @@ def test_streaming_and_stop_strings(server):
     c = server["client"]
     prompt = _doc("streaming") + "\n\nWhen did the river rise?"
     whole = c.completions.create(model="m", prompt=prompt, max_tokens=NEW).choices[0].text
-    parts = [ch.choices[0].text for ch in c.completions.create(model="m", prompt=prompt, max_tokens=NEW, stream=True)
-             if ch.choices]
+    parts = [
+        ch.choices[0].text
+        for ch in c.completions.create(model="m", prompt=prompt, max_tokens=NEW, stream=True)
+        if ch.choices
+    ]
     assert "".join(parts) == whole and len(parts) > 1
-    with httpx.stream("POST", f"{server['url']}/v1/chat/completions", headers=AUTH,
-                      json={"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": NEW,
-                            "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server['url']}/v1/chat/completions",
+        headers=AUTH,
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": NEW,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
@@ -273,8 +332,7 @@ def test_requests_about_other_documents_share_the_running_steps(server):
     c, url = server["client"], server["url"]
     words = DOC.split()
     docs = {"A": _doc("mixed A"), "B": " ".join(reversed(words)), "C": " ".join(words[1::2] + words[::2])}
-    prompts = [docs["A"] + "\n\nTell all.", docs["B"] + "\n\nWhich toll is first?",
-               docs["C"] + "\n\nWhich arch?"]
+    prompts = [docs["A"] + "\n\nTell all.", docs["B"] + "\n\nWhich toll is first?", docs["C"] + "\n\nWhich arch?"]
     sizes = [400, NEW, NEW]
     alone = [c.completions.create(model="m", prompt=p, max_tokens=n).choices[0] for p, n in zip(prompts[:2], sizes)]
     assert alone[0].finish_reason == "length", "the long answer must outlast the others"
@@ -292,8 +350,12 @@ def test_a_client_that_leaves_cancels_its_request(server):
     stats count it as cancelled), and the next request is answered."""
     c, url, doc = server["client"], server["url"], _doc("cancel")
     before = _stats(url)
-    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH,
-                      json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        headers=AUTH,
+        json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400, "stream": True},
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {") and '"text": ""' not in line:
                 break  # an answer has begun: leave
@@ -304,25 +366,36 @@ def test_a_client_that_leaves_cancels_its_request(server):
     assert ok.choices[0].text and ok.usage.completion_tokens == NEW
 
 
-@pytest.mark.parametrize("body,status,needle", [
-    ("{not json", 400, "not valid JSON"),
-    ({"model": "m"}, 400, "'messages'"),
-    ({"model": "m", "messages": "hi"}, 400, "'messages'"),
-    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, 400, "content"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n'"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x" * 1100}]}, 400, "maximum context length"),
-    ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "cite": "yes"}, 400, "'cite' must be a boolean"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "cite": True}, 400, "needs a document part"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_retention": "1w"}, 400,
-     "'prompt_cache_retention' must be"),
-])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        ("{not json", 400, "not valid JSON"),
+        ({"model": "m"}, 400, "'messages'"),
+        ({"model": "m", "messages": "hi"}, 400, "'messages'"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, 400, "content"),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n'"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x" * 1100}]}, 400, "maximum context length"),
+        ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "cite": "yes"},
+            400,
+            "'cite' must be a boolean",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "cite": True}, 400, "needs a document part"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_retention": "1w"},
+            400,
+            "'prompt_cache_retention' must be",
+        ),
+    ],
+)
 def test_bad_requests_get_an_error_object_and_the_server_keeps_serving(server, body, status, needle):
     data = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(f"{server['url']}/v1/chat/completions", content=data,
-                   headers={**AUTH, "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{server['url']}/v1/chat/completions", content=data, headers={**AUTH, "Content-Type": "application/json"}
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and {"message", "type", "param", "code"} <= set(err)
@@ -347,9 +420,13 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_lost_ranks_come_back(mod
         tree = descendants(proc.pid)
         c1 = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         c1.completions.create(model="m", prompt=doc + "\n\nWhich toll?", max_tokens=2)  # the document, saved
-        with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60,
-                          json={"model": "m", "prompt": _doc("sigterm, new") + "\n\nTell all.", "max_tokens": 400,
-                                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            headers=AUTH,
+            timeout=60,
+            json={"model": "m", "prompt": _doc("sigterm, new") + "\n\nTell all.", "max_tokens": 400, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             # the stream's first chunk comes at once: the signal lands while the new document is
             # prefilled or while it is answered, and either way the stream ends with its [DONE]
@@ -373,9 +450,13 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_lost_ranks_come_back(mod
         assert first.usage.prompt_tokens_details.cached_tokens > 0  # from disk, not prefilled again
         ranks = rank_pids(proc2.pid)
         assert len(ranks) == 2, ranks
-        with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120,
-                          json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400,
-                                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            headers=AUTH,
+            timeout=120,
+            json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             next(x for x in lines if x.startswith("data: {") and '"text": "' in x)  # answering
             os.kill(ranks[1], signal.SIGKILL)
@@ -389,8 +470,11 @@ def test_sigterm_then_a_restart_keeps_the_documents_and_lost_ranks_come_back(mod
             if h.status_code != 200:  # (200 before: the loss not noticed yet)
                 assert h.json()["status"] == "recovering" and "rank" in h.json()["reason"], h.text
                 r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"model": "m", "prompt": "hi"})
-                assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["code"] == "recovering"
-                                                and r.headers["retry-after"] == "5"), r.text  # (200: back since)
+                assert r.status_code == 200 or (
+                    r.status_code == 503
+                    and r.json()["error"]["code"] == "recovering"
+                    and r.headers["retry-after"] == "5"
+                ), r.text  # (200: back since)
             time.sleep(0.1)
         assert h.status_code == 200, h.text
         assert "starting the ranks again" in proc2.log.read_text() and len(rank_pids(proc2.pid)) == 2
@@ -412,9 +496,11 @@ def test_saved_documents_of_another_kv_dtype_are_named_at_start(tmp_path):
     from treeattn_cli.serving.catalog import Catalog, Entry
 
     index = Catalog(tmp_path)
-    index.entries = {"a": Entry([], on_disk=True, manifest={"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}),
-                     "b": Entry([], on_disk=True, manifest={"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}),
-                     "c": Entry([], on_disk=True, manifest={"dtype": "float32"})}  # saved before fp8 KV
+    index.entries = {
+        "a": Entry([], on_disk=True, manifest={"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}),
+        "b": Entry([], on_disk=True, manifest={"kv_dtype": "fp8_e4m3fn", "dtype": "float32"}),
+        "c": Entry([], on_disk=True, manifest={"dtype": "float32"}),
+    }  # saved before fp8 KV
     lines = index.conversions("float32")
     assert len(lines) == 1 and lines[0].startswith(f"2 saved document(s) in {tmp_path}: ")
     assert "fp8_e4m3fn" in lines[0] and "dequantized" in lines[0]
@@ -434,8 +520,10 @@ def test_a_document_that_cannot_fit_even_alone_is_refused_with_the_numbers():
     def alone(tokens, nproc, tp):
         return PoolRoom(cp=nproc // tp, tp=tp, bytes_per_token=per_token, pool_bytes=8 << 30).alone(tokens)
 
-    assert alone(1_000_000, 8, 1) == ("the document part of this request (1000000 tokens) needs 15625.0 MiB of KV "
-                                      "cache per rank; this server keeps at most 8192.0 MiB per rank (--kv-memory)")
+    assert alone(1_000_000, 8, 1) == (
+        "the document part of this request (1000000 tokens) needs 15625.0 MiB of KV "
+        "cache per rank; this server keeps at most 8192.0 MiB per rank (--kv-memory)"
+    )
     assert alone(500_000, 8, 1) is None  # 7.6 GiB per rank
     assert alone(1_000_000, 16, 2) is None  # tp splits heads
     assert alone(1_000_000, 4, 1) is not None
@@ -457,16 +545,22 @@ def test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_d
     assert room.request(1280, 120) is None  # 10 + a tail of 60 tokens here: 2 blocks (even share + 1)
     assert room.request(1280, 0, pinned=[1280]) is None  # 10 + 10 of 20
     line = room.request(1280, 120, pinned=[1280])
-    assert line == ("this request needs 12 blocks of the KV pool per rank (its document part (1280 tokens) 10, its "
-                    "question and answer (120 tokens) 2); pinned documents hold 10 of its 20 (unpin or delete "
-                    "some: /v1/documents)")
-    assert room.request(0, 2600) == ("this request needs 22 blocks of the KV pool per rank (its question and answer "
-                                     "(2600 tokens) 22); the pool holds 20 per rank (--kv-memory)")
+    assert line == (
+        "this request needs 12 blocks of the KV pool per rank (its document part (1280 tokens) 10, its "
+        "question and answer (120 tokens) 2); pinned documents hold 10 of its 20 (unpin or delete "
+        "some: /v1/documents)"
+    )
+    assert room.request(0, 2600) == (
+        "this request needs 22 blocks of the KV pool per rank (its question and answer "
+        "(2600 tokens) 22); the pool holds 20 per rank (--kv-memory)"
+    )
     assert room.pin(1280, [], 0.75) is None and room.pin(1280, [640], 0.75) is None  # 10 + 5 of 15
     refusal = room.pin(1281, [640], 0.75)
-    assert refusal.startswith("pinning this document (1281 tokens: 11 blocks per rank, ") and \
-        "needs 16 blocks per rank; pinned documents may hold 15 of the pool's 20 (75% of the KV pool's 64.0 MiB" \
-        in refusal, refusal
+    assert (
+        refusal.startswith("pinning this document (1281 tokens: 11 blocks per rank, ")
+        and "needs 16 blocks per rank; pinned documents may hold 15 of the pool's 20 (75% of the KV pool's 64.0 MiB"
+        in refusal
+    ), refusal
     # the server's admission asks it (the engine front's catalogue): a short document part is
     # question, a resident one needs no room
     from treeattn_cli.serving.catalog import MIN_DOCUMENT, Catalog, Entry
@@ -481,24 +575,38 @@ def test_a_request_and_a_pin_are_counted_in_the_pools_blocks_beside_the_pinned_d
     assert catalog.too_large(MIN_DOCUMENT - 1, new, tail_tokens=120) is None
 
 
-@pytest.mark.parametrize("text,want", [("8GiB", (8 << 30, None)), ("512MiB", (512 << 20, None)),
-                                       ("1.5G", (1_500_000_000, None)), ("2000000000", (2_000_000_000, None)),
-                                       ("0.9", (None, 0.9)), ("90%", (None, 0.9)), ("1.0", (None, 1.0))])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("8GiB", (8 << 30, None)),
+        ("512MiB", (512 << 20, None)),
+        ("1.5G", (1_500_000_000, None)),
+        ("2000000000", (2_000_000_000, None)),
+        ("0.9", (None, 0.9)),
+        ("90%", (None, 0.9)),
+        ("1.0", (None, 1.0)),
+    ],
+)
 def test_kv_memory_is_a_size_or_a_fraction(text, want):
     from treeattn_cli.cli.options import parse_memory
 
     assert parse_memory(text) == want
 
 
-@pytest.mark.parametrize("extra,needle", [(["--kv-memory", "lots"], "--kv-memory must be a size"),
-                                          (["--kv-memory", "150%"], "--kv-memory must be a size"),
-                                          (["--kv-memory", "0.0"], "--kv-memory must be a size"),
-                                          (["--kv-memory", "4096"], "at least 1 MiB"),
-                                          (["--kv-memory", "1GiB", "--cache-bytes", "1048576"], "older name"),
-                                          (["--host-memory", "0.5"], "--host-memory must be a size"),
-                                          (["--host-memory", "lots"], "--host-memory must be a size"),
-                                          (["--cache-dir", "FILE"], "not a directory"),
-                                          (["--cache-dir", "/proc/treeattn-nope/x"], "cannot be made")])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--kv-memory", "lots"], "--kv-memory must be a size"),
+        (["--kv-memory", "150%"], "--kv-memory must be a size"),
+        (["--kv-memory", "0.0"], "--kv-memory must be a size"),
+        (["--kv-memory", "4096"], "at least 1 MiB"),
+        (["--kv-memory", "1GiB", "--cache-bytes", "1048576"], "older name"),
+        (["--host-memory", "0.5"], "--host-memory must be a size"),
+        (["--host-memory", "lots"], "--host-memory must be a size"),
+        (["--cache-dir", "FILE"], "not a directory"),
+        (["--cache-dir", "/proc/treeattn-nope/x"], "cannot be made"),
+    ],
+)
 def test_a_bad_kv_memory_is_one_line_before_anything_starts(model, extra, needle, tmp_path):
     from helpers import assert_usage_error
 
@@ -513,8 +621,11 @@ def _metrics(url) -> dict:
 
     r = httpx.get(f"{url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text[:200]
-    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
-            for fam in text_string_to_metric_families(r.text) for smp in fam.samples}
+    return {
+        (smp.name, tuple(sorted(smp.labels.items()))): smp.value
+        for fam in text_string_to_metric_families(r.text)
+        for smp in fam.samples
+    }
 
 
 def test_every_request_is_counted_in_the_metrics_and_logged_on_one_line(server):
@@ -525,8 +636,11 @@ def test_every_request_is_counted_in_the_metrics_and_logged_on_one_line(server):
     c, url, doc = server["client"], server["url"], _doc("metrics")
     before = _metrics(url)
     first = c.completions.create(model="m", prompt=doc + "\n\nWhich arch?", max_tokens=NEW)
-    chunks = list(c.completions.create(model="m", prompt=doc + "\n\nWhy?", max_tokens=NEW, stream=True,
-                                       stream_options={"include_usage": True}))  # the same document: cached
+    chunks = list(
+        c.completions.create(
+            model="m", prompt=doc + "\n\nWhy?", max_tokens=NEW, stream=True, stream_options={"include_usage": True}
+        )
+    )  # the same document: cached
     usage = chunks[-1].usage
     after = _metrics(url)
 
@@ -544,7 +658,11 @@ def test_every_request_is_counted_in_the_metrics_and_logged_on_one_line(server):
     assert grew("treeattn_time_per_output_token_seconds_count") == 2 * (NEW - 1)
     for rank in ("0", "1"):
         assert after[("treeattn_kv_blocks_total", (("rank", rank),))] > 0
-        assert 0 < after[("treeattn_kv_blocks_used", (("rank", rank),))] <= after[("treeattn_kv_blocks_total", (("rank", rank),))]
+        assert (
+            0
+            < after[("treeattn_kv_blocks_used", (("rank", rank),))]
+            <= after[("treeattn_kv_blocks_total", (("rank", rank),))]
+        )
     assert after[("treeattn_requests_running", ())] == 0 and after[("treeattn_requests_waiting", ())] == 0
     assert after[("treeattn_documents_resident", ())] >= 1
     lines = [x for x in server["proc"].log.read_text().splitlines() if x.startswith("treeattn: request ")]
@@ -566,8 +684,24 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
     port = _free_port()
     start_doc = tmp_path / "contract.txt"
     start_doc.write_text(_doc("pinned at start"))
-    proc = _start(m, tmp_path / "cache", port, "--batch", "1", "--max-waiting", "1", "--max-request-bytes", "8192",
-                  "--log-format", "json", "--kv-memory", "1MiB", "--document", str(start_doc), "--pin")
+    proc = _start(
+        m,
+        tmp_path / "cache",
+        port,
+        "--batch",
+        "1",
+        "--max-waiting",
+        "1",
+        "--max-request-bytes",
+        "8192",
+        "--log-format",
+        "json",
+        "--kv-memory",
+        "1MiB",
+        "--document",
+        str(start_doc),
+        "--pin",
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         first = httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]
@@ -577,42 +711,67 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
 
         cfg = json.loads((m / "config.json").read_text())
         heads = cfg["num_attention_heads"]
-        per = BlockPool.bytes_per_block(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
-                                        cfg["hidden_size"] // heads, 64, torch.float32)
+        per = BlockPool.bytes_per_block(
+            cfg["num_hidden_layers"],
+            cfg.get("num_key_value_heads", heads),
+            cfg["hidden_size"] // heads,
+            64,
+            torch.float32,
+        )
         blocks = (1 << 20) // per
-        assert f"[KV pool: {blocks:,} blocks of 64 tokens per rank, {blocks * per / 2**20:,.1f} MiB " \
-               "(--kv-memory 1MiB); host tier " in proc.log.read_text(), proc.log.read_text()[-2000:]
+        assert (
+            f"[KV pool: {blocks:,} blocks of 64 tokens per rank, {blocks * per / 2**20:,.1f} MiB "
+            "(--kv-memory 1MiB); host tier " in proc.log.read_text()
+        ), proc.log.read_text()[-2000:]
         for _ in range(4):  # refused after admission: each gives its place back
             bad = httpx.post(f"{url}/v1/completions", headers=AUTH, content=b"{not json")
             assert bad.status_code == 400, bad.text
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         doc = _doc("back-pressure")
-        with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120,
-                          json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400,
-                                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            headers=AUTH,
+            timeout=120,
+            json={"model": "m", "prompt": doc + "\n\nTell all.", "max_tokens": 400, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             next(x for x in lines if x.startswith("data: {") and '"text": ""' not in x)  # answering now
             waiting = {}
-            t = threading.Thread(target=lambda: waiting.setdefault(
-                "r", c.completions.create(model="m", prompt=doc + "\n\nWhich toll?", max_tokens=2)))
+            t = threading.Thread(
+                target=lambda: waiting.setdefault(
+                    "r", c.completions.create(model="m", prompt=doc + "\n\nWhich toll?", max_tokens=2)
+                )
+            )
             t.start()
             t0 = time.monotonic()
             while _metrics(url).get(("treeattn_requests_waiting", ())) != 1:  # the event: it waits
                 assert time.monotonic() - t0 < 60 and t.is_alive()
                 time.sleep(0.05)
             t1 = time.monotonic()
-            refused = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
-                                 json={"model": "m", "prompt": "hello there", "max_tokens": 2})
+            refused = httpx.post(
+                f"{url}/v1/completions",
+                headers=AUTH,
+                timeout=30,
+                json={"model": "m", "prompt": "hello there", "max_tokens": 2},
+            )
             assert time.monotonic() - t1 < 10  # at once, not after the answers under way
             assert refused.status_code == 429, refused.text
             assert int(refused.headers["retry-after"]) >= 1
             err = refused.json()["error"]
             assert err["code"] == "rate_limit_exceeded" and "--max-waiting" in err["message"]
-            big = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
-                             json={"model": "m", "prompt": "x" * 9000, "max_tokens": 2})
+            big = httpx.post(
+                f"{url}/v1/completions",
+                headers=AUTH,
+                timeout=30,
+                json={"model": "m", "prompt": "x" * 9000, "max_tokens": 2},
+            )
             assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large", big.text
-            streaming = [d["id"] for d in httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]
-                         if d["id"] != first[0]["id"]]
+            streaming = [
+                d["id"]
+                for d in httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]
+                if d["id"] != first[0]["id"]
+            ]
             assert len(streaming) == 1
             busy = httpx.delete(f"{url}/v1/documents/{streaming[0]}", headers=AUTH)
             assert busy.status_code == 409 and busy.json()["error"]["code"] == "document_in_use", busy.text
@@ -628,8 +787,9 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
         # pinned documents may fill the 1 MiB pool, not more: the pin past it is refused (409)
         pinned, refused = [], None
         for i in range(16):
-            r = httpx.post(f"{url}/v1/documents", headers=AUTH, timeout=120,
-                           json={"text": f"Part {i}. " + DOC * 2, "pin": True})
+            r = httpx.post(
+                f"{url}/v1/documents", headers=AUTH, timeout=120, json={"text": f"Part {i}. " + DOC * 2, "pin": True}
+            )
             if r.status_code == 409:
                 refused = r.json()["error"]
                 break
@@ -645,11 +805,14 @@ def test_past_the_waiting_limit_a_request_gets_429_at_once_and_the_others_go_on(
         c.completions.create(model="m", prompt="Another. " + DOC * 2 + "\n\nWhich arch?", max_tokens=2)
         listed = {d["id"]: d for d in httpx.get(f"{url}/v1/documents", headers=AUTH).json()["data"]}
         assert all(listed[p["id"]]["resident"] and listed[p["id"]]["pinned"] for p in pinned)
-        chat = c.chat.completions.create(model="m", max_tokens=2, messages=[
-            {"role": "user", "content": _doc("pinned at start") + "\n\nWhich arch?"}])
+        chat = c.chat.completions.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": _doc("pinned at start") + "\n\nWhich arch?"}]
+        )
         assert chat.usage.prompt_tokens_details.cached_tokens == first[0]["tokens"]  # answered from the cache
-        assert all({"id", "document", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "status"} <= set(r)
-                   for r in recs)
+        assert all(
+            {"id", "document", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "status"} <= set(r)
+            for r in recs
+        )
         # a document the pool gave up kept a copy in the host tier (issue 52): asked again, copied
         # back (the answer's document tokens all cached), not prefilled
         gone = listed[streaming[0]]
@@ -676,8 +839,9 @@ def test_the_documents_api_posts_pins_lists_and_deletes(server):
     assert r.status_code == 200, r.text
     d = r.json()
     assert d["object"] == "document" and d["pinned"] and d["resident"] and d["tokens"] > len(text) // 2
-    chat = c.chat.completions.create(model="m", max_tokens=2,
-                                     messages=[{"role": "user", "content": text + "\n\nWhich arch?"}])
+    chat = c.chat.completions.create(
+        model="m", max_tokens=2, messages=[{"role": "user", "content": text + "\n\nWhich arch?"}]
+    )
     assert chat.usage.prompt_tokens_details.cached_tokens == d["tokens"]
     listed = httpx.get(f"{url}/v1/documents", headers=AUTH).json()
     mine = [x for x in listed["data"] if x["id"] == d["id"]]
@@ -685,14 +849,20 @@ def test_the_documents_api_posts_pins_lists_and_deletes(server):
     assert httpx.get(f"{url}/v1/documents/{d['id']}", headers=AUTH).json()["pinned"]
     p = httpx.patch(f"{url}/v1/documents/{d['id']}", headers=AUTH, json={"pin": False, "ttl_s": 3600}).json()
     assert not p["pinned"] and p["ttl_s"] == 3600 and p["resident"]
-    for bad, why in (({"text": ""}, "text"), ({"text": text, "pin": "yes"}, "pin"), ({"text": text, "ttl_s": -1}, "ttl_s"),
-                     ({"text": text, "colour": 1}, "colour"), ({"text": "too short"}, "text")):
+    for bad, why in (
+        ({"text": ""}, "text"),
+        ({"text": text, "pin": "yes"}, "pin"),
+        ({"text": text, "ttl_s": -1}, "ttl_s"),
+        ({"text": text, "colour": 1}, "colour"),
+        ({"text": "too short"}, "text"),
+    ):
         r = httpx.post(f"{url}/v1/documents", headers=AUTH, json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == why, (bad, r.text)
     assert httpx.get(f"{url}/v1/documents/nope", headers=AUTH).status_code == 404
     assert httpx.get(f"{url}/v1/documents", headers={}).status_code == 401
-    short = httpx.post(f"{url}/v1/documents", headers=AUTH, timeout=120,
-                       json={"text": _doc("documents api, ttl"), "ttl_s": 0.5}).json()
+    short = httpx.post(
+        f"{url}/v1/documents", headers=AUTH, timeout=120, json={"text": _doc("documents api, ttl"), "ttl_s": 0.5}
+    ).json()
     assert short["resident"] and short["ttl_s"] == 0.5
     t0 = time.monotonic()
     while httpx.get(f"{url}/v1/documents/{short['id']}", headers=AUTH).json()["resident"]:  # the event: it left
@@ -704,8 +874,9 @@ def test_the_documents_api_posts_pins_lists_and_deletes(server):
     gone = httpx.delete(f"{url}/v1/documents/{d['id']}", headers=AUTH)
     assert gone.status_code == 200 and gone.json()["deleted"], gone.text
     assert httpx.delete(f"{url}/v1/documents/{d['id']}", headers=AUTH).status_code == 404
-    again = c.chat.completions.create(model="m", max_tokens=2,
-                                      messages=[{"role": "user", "content": text + "\n\nWhich arch?"}])
+    again = c.chat.completions.create(
+        model="m", max_tokens=2, messages=[{"role": "user", "content": text + "\n\nWhich arch?"}]
+    )
     assert again.usage.prompt_tokens_details.cached_tokens == 0  # deleted: its blocks and saved copy too
 
 

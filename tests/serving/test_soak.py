@@ -20,8 +20,10 @@ pytest.importorskip("openai")
 from treeattn_cli.bench import soak  # noqa: E402
 from treeattn_cli.verify import tiny as tiny_models  # noqa: E402
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture
@@ -47,9 +49,26 @@ def test_a_soak_with_every_fault_answers_as_alone(tmp_path, small_disk, capsys):
     cfg = json.loads((m / "tokenizer_config.json").read_text())
     (m / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
     faults = "full,kill,stop,term" if small_disk else "kill,stop,term"
-    rc = soak.main(["--model", str(m), "--dtype", "float32", "--seconds", "60", "--clients", "4", "--catalogue", "8",
-                    "--faults", faults, "--timeout", "4", "--json",
-                    *(["--cache-dir", str(small_disk)] if small_disk else [])])
+    rc = soak.main(
+        [
+            "--model",
+            str(m),
+            "--dtype",
+            "float32",
+            "--seconds",
+            "60",
+            "--clients",
+            "4",
+            "--catalogue",
+            "8",
+            "--faults",
+            faults,
+            "--timeout",
+            "4",
+            "--json",
+            *(["--cache-dir", str(small_disk)] if small_disk else []),
+        ]
+    )
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and soak.passed(rec), rec
     # the soak did what it says: answers checked, faults injected and recovered from, refusals met

@@ -76,12 +76,16 @@ def test_rocm_xgmi_and_pcie_numa():
     assert p.links[0][1] == "NODE" and p.links[1][2] == "SYS"
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("", "the file is empty"), ("   \n", "the file is empty"),
-    ((FIX / "garbage.txt").read_text(), "not the output of 'nvidia-smi topo -m'"),
-    ("\tGPU0\tGPU1\nGPU0\t X \tNV4\n", "expected rows GPU0..GPU1, found [0]"),  # GPU1 row missing
-    ("\tGPU0\tGPU1\nGPU0\t X \tFOO\nGPU1\tFOO\t X \n", "unknown link 'FOO' between GPU0 and GPU1"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("", "the file is empty"),
+        ("   \n", "the file is empty"),
+        ((FIX / "garbage.txt").read_text(), "not the output of 'nvidia-smi topo -m'"),
+        ("\tGPU0\tGPU1\nGPU0\t X \tNV4\n", "expected rows GPU0..GPU1, found [0]"),  # GPU1 row missing
+        ("\tGPU0\tGPU1\nGPU0\t X \tFOO\nGPU1\tFOO\t X \n", "unknown link 'FOO' between GPU0 and GPU1"),
+    ],
+)
 def test_garbage_is_a_clear_error(text, needle):
     with pytest.raises(T.TopologyError) as e:
         T.parse_topo_text(text)
@@ -90,9 +94,13 @@ def test_garbage_is_a_clear_error(text, needle):
 
 def test_no_p2p_pairs_are_priced_as_staged():
     t = parse("pcie_8x4090_all_sys.txt")
-    t.p2p = T.parse_nvidia_smi_p2p("\n".join(
-        ["\t" + "\t".join(f"GPU{j}" for j in range(8))] +
-        [f"GPU{i}\t" + "\t".join("X" if i == j else "GNS" for j in range(8)) for i in range(8)]), 8)
+    t.p2p = T.parse_nvidia_smi_p2p(
+        "\n".join(
+            ["\t" + "\t".join(f"GPU{j}" for j in range(8))]
+            + [f"GPU{i}\t" + "\t".join("X" if i == j else "GNS" for j in range(8)) for i in range(8)]
+        ),
+        8,
+    )
     assert t.p2p[0][1] is False
     assert L.effective_links(t)[0][1] == "STAGED"
     prof = L.load_profile("rtx4090-pcie")
@@ -100,6 +108,7 @@ def test_no_p2p_pairs_are_priced_as_staged():
 
 
 # ---------------------------------------------------------------- the cost model
+
 
 def test_alpha_beta_formulas_by_hand():
     link = L.Link(alpha_s=2e-6, beta_s=1e-9)
@@ -117,6 +126,7 @@ def test_alpha_beta_formulas_by_hand():
 
 
 # ---------------------------------------------------------------- profiles
+
 
 @pytest.mark.parametrize("name", ["dgx-h100", "mi300x", "rtx4090-pcie", "cpu-gloo"])
 def test_builtin_profiles_load(name):
@@ -148,8 +158,9 @@ def test_bad_profiles_name_file_and_key(tmp_path, text, needle):
     assert str(f) in str(e.value) and needle in str(e.value), str(e.value)
     r = subprocess.run([TREEATTN, "topo", "--profile", str(f)], capture_output=True, text=True, timeout=60)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("treeattn: error:") and needle in lines[0], \
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("treeattn: error:") and needle in lines[0], (
         r.stderr
+    )
 
 
 def test_unknown_profile_name():
@@ -159,17 +170,25 @@ def test_unknown_profile_name():
 
 # ---------------------------------------------------------------- probes (every source mocked)
 
+
 def _fail(exc):
     def f(notes):
         raise exc
+
     return f
 
 
 def test_every_source_absent_means_no_gpu(monkeypatch):
-    monkeypatch.setattr(T, "PROBES", (("nvml", _fail(RuntimeError("NVMLError_LibraryNotFound"))),
-                                      ("nvidia-smi", _fail(FileNotFoundError("nvidia-smi not found"))),
-                                      ("amdsmi", _fail(KeyError("libamd_smi.so"))),
-                                      ("rocm-smi", _fail(subprocess.TimeoutExpired("rocm-smi", 10)))))
+    monkeypatch.setattr(
+        T,
+        "PROBES",
+        (
+            ("nvml", _fail(RuntimeError("NVMLError_LibraryNotFound"))),
+            ("nvidia-smi", _fail(FileNotFoundError("nvidia-smi not found"))),
+            ("amdsmi", _fail(KeyError("libamd_smi.so"))),
+            ("rocm-smi", _fail(subprocess.TimeoutExpired("rocm-smi", 10))),
+        ),
+    )
     t = T.probe(cpu_ranks=3)
     assert t.n == 0 and t.source == "none" and "no GPU found" in t.notes
     assert len(t.notes) == 5 and "KeyError" in t.notes[2]
@@ -189,9 +208,13 @@ def test_cli_on_this_machine_exits_zero():
 
 def test_nvidia_smi_probe_without_shell(monkeypatch):
     text = (FIX / "pcie_8x_pix_pxb_sys.txt").read_text()
-    p2p = "\n".join(["\t" + "\t".join(f"GPU{j}" for j in range(8))] +
-                    [f"GPU{i}\t" + "\t".join("X" if i == j else ("OK" if i // 2 == j // 2 else "CNS") for j in range(8))
-                     for i in range(8)])
+    p2p = "\n".join(
+        ["\t" + "\t".join(f"GPU{j}" for j in range(8))]
+        + [
+            f"GPU{i}\t" + "\t".join("X" if i == j else ("OK" if i // 2 == j // 2 else "CNS") for j in range(8))
+            for i in range(8)
+        ]
+    )
     calls = []
 
     def fake_run(cmd, **kw):
@@ -224,21 +247,37 @@ class FakeNVML(types.ModuleType):
         super().__init__("pynvml")
         self.bus = [f"00000000:{0x18 + 0x10 * i:02X}:00.0".encode() for i in range(4)]
 
-    def nvmlInit(self): pass
-    def nvmlShutdown(self): pass
-    def nvmlDeviceGetCount(self): return 4
-    def nvmlDeviceGetHandleByIndex(self, i): return i
-    def nvmlDeviceGetName(self, h): return "NVIDIA A100-PCIE-40GB"
-    def nvmlDeviceGetPciInfo(self, h): return types.SimpleNamespace(busId=self.bus[h])
-    def nvmlDeviceGetNumaNodeId(self, h): return h // 2
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 4
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return "NVIDIA A100-PCIE-40GB"
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return types.SimpleNamespace(busId=self.bus[h])
+
+    def nvmlDeviceGetNumaNodeId(self, h):
+        return h // 2
 
     def nvmlDeviceGetNvLinkState(self, h, link):
         if link >= 2:
             raise self.NVMLError("NotSupported")
         return 1
 
-    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h, link): return 0
-    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link): return types.SimpleNamespace(busId=self.bus[h ^ 1])
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h, link):
+        return 0
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        return types.SimpleNamespace(busId=self.bus[h ^ 1])
 
     def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
         return 40 if a // 2 == b // 2 else 50
@@ -262,6 +301,7 @@ def test_nvml_probe(monkeypatch):
 
 # ---------------------------------------------------------------- measure
 
+
 def test_measure_on_cpu_ranks_saves_a_usable_profile(tmp_path):
     out = tmp_path / "measured.yaml"
     r = cli("topo", "--measure", "--nproc", "3", "--save", str(out), "--json")
@@ -276,13 +316,16 @@ def test_measure_on_cpu_ranks_saves_a_usable_profile(tmp_path):
     assert lay.groups == [[0, 1, 2]]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--from-file", "/nonexistent/topo.txt"], "not found"),
-    (["--from-file", str(FIX / "garbage.txt")], "not the output"),
-    (["--from-file", "{empty}"], "{empty}: the file is empty"),
-    (["--save", "/tmp/x.yaml"], "--measure"),
-    (["--nproc", "0"], "--nproc"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--from-file", "/nonexistent/topo.txt"], "not found"),
+        (["--from-file", str(FIX / "garbage.txt")], "not the output"),
+        (["--from-file", "{empty}"], "{empty}: the file is empty"),
+        (["--save", "/tmp/x.yaml"], "--measure"),
+        (["--nproc", "0"], "--nproc"),
+    ],
+)
 def test_topo_bad_input(args, needle, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

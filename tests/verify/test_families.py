@@ -17,8 +17,23 @@ from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.engine.job import EngineJob
 
 # every family docs/usage.md lists: GQA (4 query heads over 2 KV heads), so tp 2 splits them all
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "phi3", "phi", "olmo2",
-            "granite", "cohere", "mixtral", "qwen3_moe", "starcoder2")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+    "phi3",
+    "phi",
+    "olmo2",
+    "granite",
+    "cohere",
+    "mixtral",
+    "qwen3_moe",
+    "starcoder2",
+)
 NEW = 6
 IDS = [(17 * i + 3) % 230 + 20 for i in range(29)]
 
@@ -38,8 +53,20 @@ def test_every_family_equals_transformers(models, world, tp):
     jobs = []
     for k in FAMILIES:
         plan, split = _tp_plan(load_config(paths[k]), tp, False)
-        jobs.append(EngineJob(str(paths[k]), IDS, max_new_tokens=NEW, dtype="float32", tp=tp, tp_plan=plan,
-                                tp_heads_split=split, prefill_chunk=9, sampling=Sampling(), speculate="off"))
+        jobs.append(
+            EngineJob(
+                str(paths[k]),
+                IDS,
+                max_new_tokens=NEW,
+                dtype="float32",
+                tp=tp,
+                tp_plan=plan,
+                tp_heads_split=split,
+                prefill_chunk=9,
+                sampling=Sampling(),
+                speculate="off",
+            )
+        )
     got = run_local(ranks.mesh_generate, world, jobs, timeout_s=120)[0]
     wrong = {k: (toks, want[k]) for k, (toks, _) in zip(FAMILIES, got) if toks != want[k]}
     assert not wrong, wrong
@@ -109,5 +136,10 @@ def test_an_unknown_attention_argument_refuses_the_model_before_any_rank(models,
     import torch
 
     with pytest.raises(UnsupportedAttention, match="future_flag"):
-        treeattn_attention(torch.nn.Module(), torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4),
-                           torch.zeros(1, 1, 1, 4), future_flag=True)
+        treeattn_attention(
+            torch.nn.Module(),
+            torch.zeros(1, 2, 1, 4),
+            torch.zeros(1, 1, 1, 4),
+            torch.zeros(1, 1, 1, 4),
+            future_flag=True,
+        )

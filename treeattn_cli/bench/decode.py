@@ -76,29 +76,46 @@ def bench_rank(ctx, spec: BenchSpec):
 
         times = timed_then_counted(base, dev, step, spec, stats)
         mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else kv_bytes + stats.peak_mem_bytes
-        everyone = base.all_gather_values(times + [mem, stats.collectives, stats.bytes_sent,
-                                                   stats.peak_mem_bytes])  # [world, iters + 4]
+        everyone = base.all_gather_values(
+            times + [mem, stats.collectives, stats.bytes_sent, stats.peak_mem_bytes]
+        )  # [world, iters + 4]
         stats.reset()
         if r == 0:
             per_iter = everyone[:, : len(times)].max(0).values if method != "single" else everyone[0, : len(times)]
             ms = sorted((per_iter * 1e3).tolist())
-            col = everyone[:, len(times):]
-            records.append({
-                "method": method, "scheme": scheme or ("ring" if method == "ring" else "none"),
-                "nproc": p if method != "single" else 1, "seq_len": N, "batch": B, "shared": spec.shared,
-                "heads": H, "kv_heads": Hk, "head_dim": d, "dtype": spec.dtype, "kv_dtype": spec.kv_dtype, "layers": L,
-                "step_ms_median": statistics.median(ms), "step_ms_p10": pct(ms, 10),
-                "step_ms_p90": pct(ms, 90), "bytes_per_step": int(col[:, 2].max()),
-                "collectives_per_step": int(col[:, 1].max()), "peak_mem_bytes": int(col[:, 0].max()),
-                "device": device_name(dev), "simulated": False,
-            })
+            col = everyone[:, len(times) :]
+            records.append(
+                {
+                    "method": method,
+                    "scheme": scheme or ("ring" if method == "ring" else "none"),
+                    "nproc": p if method != "single" else 1,
+                    "seq_len": N,
+                    "batch": B,
+                    "shared": spec.shared,
+                    "heads": H,
+                    "kv_heads": Hk,
+                    "head_dim": d,
+                    "dtype": spec.dtype,
+                    "kv_dtype": spec.kv_dtype,
+                    "layers": L,
+                    "step_ms_median": statistics.median(ms),
+                    "step_ms_p10": pct(ms, 10),
+                    "step_ms_p90": pct(ms, 90),
+                    "bytes_per_step": int(col[:, 2].max()),
+                    "collectives_per_step": int(col[:, 1].max()),
+                    "peak_mem_bytes": int(col[:, 0].max()),
+                    "device": device_name(dev),
+                    "simulated": False,
+                }
+            )
             ctx.send("case", (ci + 1, len(cases)))
         q = k = v = attend = None  # free this case's cache before the next one
     return records if r == 0 else None
 
 
-def expected_bytes(method: str, scheme: str, p: int, spec: BenchSpec, seq_len: int, rank: int = 0,
-                   batch: int | None = None) -> int:
+def expected_bytes(
+    method: str, scheme: str, p: int, spec: BenchSpec, seq_len: int, rank: int = 0, batch: int | None = None
+) -> int:
     """Bytes this rank hands to collectives per step, by formula (tests check the counters)."""
     B = batch if batch is not None else spec.batch
     H, Hk, d, L = spec.heads, spec.kv_heads, spec.head_dim, spec.layers

@@ -18,9 +18,17 @@ import time
 
 import torch
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                max_position_embeddings=1 << 20, tie_word_embeddings=False)
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rope_theta=500000.0,
+    max_position_embeddings=1 << 20,
+    tie_word_embeddings=False,
+)
 
 
 def _model(attn):
@@ -92,11 +100,25 @@ def pooled(model, N: int, device="cuda", dtype=torch.bfloat16, extra: int = 0):
 
     c = model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, hd, page=PAGE,
-                     num_blocks=-(-(N + extra) // PAGE) + 4, dtype=dtype, device=device)
+    pool = BlockPool(
+        c.num_hidden_layers,
+        c.num_key_value_heads,
+        hd,
+        page=PAGE,
+        num_blocks=-(-(N + extra) // PAGE) + 4,
+        dtype=dtype,
+        device=device,
+    )
     shard = PagedShard(pool, rank=0, world=1)
-    dec = Decoder(model, AttentionContext(Comm.single()), vocab_size=c.vocab_size, device=device,
-                  kv_heads=c.num_key_value_heads, static=torch.device(device).type == "cuda", cuda_graph=True)
+    dec = Decoder(
+        model,
+        AttentionContext(Comm.single()),
+        vocab_size=c.vocab_size,
+        device=device,
+        kv_heads=c.num_key_value_heads,
+        static=torch.device(device).type == "cuda",
+        cuda_graph=True,
+    )
     return dec, shard
 
 
@@ -145,8 +167,14 @@ def hf_step(model, N, steps, compiled):
     @torch.inference_mode()
     def one():
         p = torch.tensor([pos[0]], device="cuda")
-        fwd(input_ids=tok, position_ids=p[None], cache_position=p, past_key_values=cache, use_cache=True,
-            logits_to_keep=1)
+        fwd(
+            input_ids=tok,
+            position_ids=p[None],
+            cache_position=p,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         pos[0] += 1
 
     return _time(one, steps) * 1e3
@@ -208,8 +236,12 @@ def main(argv=None):
         dec.prefill(shard, ids, piece=8192)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
-        print(json.dumps({"ttft_prompt": a.ttft, "prefill_s": dt, "prefill_tokens_per_s": a.ttft / dt,
-                          "copy_gbps": bw / 1e9}), flush=True)
+        print(
+            json.dumps(
+                {"ttft_prompt": a.ttft, "prefill_s": dt, "prefill_tokens_per_s": a.ttft / dt, "copy_gbps": bw / 1e9}
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

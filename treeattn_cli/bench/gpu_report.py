@@ -121,6 +121,7 @@ RANDOM_SHAPE = "smollm2-135m"  # the model-level steps' random-weight model (ran
 
 # ------------------------------------------------------------------ output parsers
 
+
 def _json_values(text: str) -> list:
     """Every JSON value printed on stdout: the whole text, or JSON lines, or a JSON document
     starting at the first line that opens one (warnings may come first)."""
@@ -166,10 +167,16 @@ def parse_check(text: str, out_dir: Path) -> dict:
     verdicts = {}
     for r in recs:
         verdicts[r.get("verdict", "?")] = verdicts.get(r.get("verdict", "?"), 0) + 1
-    return {"records": len(recs), "verdicts": verdicts,
-            "failed": sorted({r["path"] for r in recs if r.get("verdict") == "FAIL"}),
-            "graph": [f"{r['path']}: {r['verdict']}" + (f" ({r['note']})" if r.get("note") else "")
-                      for r in recs if "graph" in r.get("path", "")]}
+    return {
+        "records": len(recs),
+        "verdicts": verdicts,
+        "failed": sorted({r["path"] for r in recs if r.get("verdict") == "FAIL"}),
+        "graph": [
+            f"{r['path']}: {r['verdict']}" + (f" ({r['note']})" if r.get("note") else "")
+            for r in recs
+            if "graph" in r.get("path", "")
+        ],
+    }
 
 
 def parse_junit(text: str, out_dir: Path) -> dict:
@@ -178,16 +185,25 @@ def parse_junit(text: str, out_dir: Path) -> dict:
     if not path.exists():
         results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.M)
         count = {k: sum(1 for _, v in results if v == k) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
-        return {"tests": len(results), "passed": count["PASSED"], "failures": count["FAILED"],
-                "errors": count["ERROR"], "skipped": count["SKIPPED"], "complete": False,
-                "failed_tests": [t for t, v in results if v in ("FAILED", "ERROR")][:20]}
+        return {
+            "tests": len(results),
+            "passed": count["PASSED"],
+            "failures": count["FAILED"],
+            "errors": count["ERROR"],
+            "skipped": count["SKIPPED"],
+            "complete": False,
+            "failed_tests": [t for t, v in results if v in ("FAILED", "ERROR")][:20],
+        }
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     count["passed"] = count["tests"] - count["failures"] - count["errors"] - count["skipped"]
     count["complete"] = True
-    count["failed_tests"] = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
-                             if c.find("failure") is not None or c.find("error") is not None][:20]
+    count["failed_tests"] = [
+        f"{c.get('classname')}::{c.get('name')}"
+        for c in root.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ][:20]
     return count
 
 
@@ -196,8 +212,10 @@ def parse_kernel(text: str, out_dir: Path) -> dict:
     for r in _records(text):
         if "time_us_median" in r:
             rows.setdefault(r["seq_len"], {})[r["method"]] = {
-                "us": round(r["time_us_median"], 1), "gbps": round(r["gbps"], 1),
-                "frac_copy_bw": round(r["frac_copy_bw"], 3)}
+                "us": round(r["time_us_median"], 1),
+                "gbps": round(r["gbps"], 1),
+                "frac_copy_bw": round(r["frac_copy_bw"], 3),
+            }
     return {"by_seq_len": rows}
 
 
@@ -208,11 +226,25 @@ def parse_tune(text: str, out_dir: Path) -> dict:
         mine = [r for r in recs if r["seq_len"] == n]
         best = next((r for r in mine if r.get("best")), None)
         default = next((r for r in mine if r.get("default")), None)
-        keep = ("block_n", "num_warps", "num_stages", "splits", "time_us", "frac_copy_bw", "regs",
-                "spill_bytes", "shared_bytes", "tiles_in_flight", "ctas_per_sm")
-        out[n] = {"configs": len(mine), "errors": sum("error" in r for r in mine),
-                  "best": {k: best.get(k) for k in keep} if best else None,
-                  "default": {k: default.get(k) for k in keep} if default else None}
+        keep = (
+            "block_n",
+            "num_warps",
+            "num_stages",
+            "splits",
+            "time_us",
+            "frac_copy_bw",
+            "regs",
+            "spill_bytes",
+            "shared_bytes",
+            "tiles_in_flight",
+            "ctas_per_sm",
+        )
+        out[n] = {
+            "configs": len(mine),
+            "errors": sum("error" in r for r in mine),
+            "best": {k: best.get(k) for k in keep} if best else None,
+            "default": {k: default.get(k) for k in keep} if default else None,
+        }
     return {"by_seq_len": out}
 
 
@@ -220,24 +252,46 @@ def parse_decode(text: str, out_dir: Path) -> dict:
     rows, ttft = [], None
     for r in _records(text):
         if "context" in r:
-            rows.append({k: r.get(k) for k in ("context", "treeattn_ms", "floor_ms", "fraction_of_floor",
-                                               "transformers_ms", "compiled_static_ms", "cuda_graph", "note")})
+            rows.append(
+                {
+                    k: r.get(k)
+                    for k in (
+                        "context",
+                        "treeattn_ms",
+                        "floor_ms",
+                        "fraction_of_floor",
+                        "transformers_ms",
+                        "compiled_static_ms",
+                        "cuda_graph",
+                        "note",
+                    )
+                }
+            )
         elif "ttft_prompt" in r:
             ttft = r
     return {"decode": rows, "ttft": ttft}
 
 
 def parse_prefill(text: str, out_dir: Path) -> dict:
-    return {"cases": [{k: r.get(k) for k in ("method", "nproc", "seq_len", "step_ms_median", "flops_max_over_mean")}
-                      for r in _records(text) if "step_ms_median" in r]}
+    return {
+        "cases": [
+            {k: r.get(k) for k in ("method", "nproc", "seq_len", "step_ms_median", "flops_max_over_mean")}
+            for r in _records(text)
+            if "step_ms_median" in r
+        ]
+    }
 
 
 def parse_batch(text: str, out_dir: Path) -> dict:
     """``bench --shared --batch``: step time per batch size, and against batch 1."""
     rows = {r["batch"]: r["step_ms_median"] for r in _records(text) if "step_ms_median" in r and "batch" in r}
     one = rows.get(1)
-    return {"by_batch": {b: {"step_ms": round(ms, 3), "vs_batch_1": round(ms / one, 2) if one else None}
-                         for b, ms in sorted(rows.items())}}
+    return {
+        "by_batch": {
+            b: {"step_ms": round(ms, 3), "vs_batch_1": round(ms / one, 2) if one else None}
+            for b, ms in sorted(rows.items())
+        }
+    }
 
 
 def parse_batch_graphs(text: str, out_dir: Path) -> dict:
@@ -246,20 +300,42 @@ def parse_batch_graphs(text: str, out_dir: Path) -> dict:
     for r in _records(text):
         if "ms_per_step" in r and "graphs" in r:
             rows.setdefault(r["batch"], {})["captured" if r["graphs"] else "eager"] = {
-                "ms": round(r["ms_per_step"], 3), "replays": r.get("graph_replays")}
+                "ms": round(r["ms_per_step"], 3),
+                "replays": r.get("graph_replays"),
+            }
     out = {}
     for b, m in sorted(rows.items()):
         e, c = (m.get(k, {}).get("ms") for k in ("eager", "captured"))
-        out[b] = {"eager_ms": e, "captured_ms": c, "replays": m.get("captured", {}).get("replays"),
-                  "speedup": round(e / c, 2) if e and c else None}
+        out[b] = {
+            "eager_ms": e,
+            "captured_ms": c,
+            "replays": m.get("captured", {}).get("replays"),
+            "speedup": round(e / c, 2) if e and c else None,
+        }
     return {"by_batch": out}
 
 
 def parse_model(text: str, out_dir: Path) -> dict:
     """``bench.model``: decode ms/token and prefill s per method and cache storage, same tokens."""
-    return {"rows": [{k: r.get(k) for k in ("prompt_tokens", "method", "kv_dtype", "prefill_s", "decode_ms_per_token",
-                                            "same_tokens_as_transformers", "device", "dtype")}
-                     for r in _records(text) if "decode_ms_per_token" in r]}
+    return {
+        "rows": [
+            {
+                k: r.get(k)
+                for k in (
+                    "prompt_tokens",
+                    "method",
+                    "kv_dtype",
+                    "prefill_s",
+                    "decode_ms_per_token",
+                    "same_tokens_as_transformers",
+                    "device",
+                    "dtype",
+                )
+            }
+            for r in _records(text)
+            if "decode_ms_per_token" in r
+        ]
+    }
 
 
 def parse_speculate(text: str, out_dir: Path) -> dict:
@@ -269,91 +345,302 @@ def parse_speculate(text: str, out_dir: Path) -> dict:
         if "speedup_vs_off" not in r:
             continue
         sp = r.get("speculation") or {}
-        rows.append({"request": r["request"], "method": r["method"], "ms": r["decode_ms_per_token"],
-                     "x_off": r["speedup_vs_off"], "accepted": sp.get("accepted"), "drafted": sp.get("drafted"),
-                     "same_tokens_as_off": r.get("same_tokens_as_off")})
+        rows.append(
+            {
+                "request": r["request"],
+                "method": r["method"],
+                "ms": r["decode_ms_per_token"],
+                "x_off": r["speedup_vs_off"],
+                "accepted": sp.get("accepted"),
+                "drafted": sp.get("drafted"),
+                "same_tokens_as_off": r.get("same_tokens_as_off"),
+            }
+        )
     return {"rows": rows}
 
 
 def parse_serve(text: str, out_dir: Path) -> dict:
     """``bench.serve``: first-token and whole-answer seconds per request, cached tokens."""
-    return {"requests": [{k: r.get(k) for k in ("request", "prompt_tokens", "cached_tokens", "ttft_s", "total_s")}
-                         for r in _records(text) if "ttft_s" in r]}
+    return {
+        "requests": [
+            {k: r.get(k) for k in ("request", "prompt_tokens", "cached_tokens", "ttft_s", "total_s")}
+            for r in _records(text)
+            if "ttft_s" in r
+        ]
+    }
 
 
 # ------------------------------------------------------------------ the steps
+
 
 def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
     """The owed measurements, in the order they run (correctness first, then speed; the long
     tuning sweep last), with time limits meant to fit one H100 in :data:`DEFAULT_BUDGET_S`."""
     junit = out_dir / "logs" / "pytest-gpu.xml"
     steps = [
-        Step("check", "treeattn check on one GPU: kernels, merges, generate eager and CUDA graph vs transformers",
-             # progress lines (to the step's .err, each with its start time): on an H100 the check
-             # did not finish within 81 s, and --quiet left nothing to say where the time went
-             [*_CLI, "check", "--nproc", "1", "--json"], cap_s=150, parse=parse_check, needs=ENGINE),
-        Step("check-ranks", "treeattn check over every GPU as ranks: merges and CUDA-graph decode with NCCL",
-             [*_CLI, "check", "--nproc", str(max(2, n_gpus)), "--json"], cap_s=150, min_gpus=2,
-             parse=parse_check, needs=ENGINE),
-        Step("pytest-gpu", "pytest -m gpu tests (every device test, no -x; check ran above)",
-             [_PY, "-m", "pytest", "-m", "gpu", "-v", "--durations=10", "-p", "no:cacheprovider",
-              "--continue-on-collection-errors",  # a module that cannot import costs its tests only
-              # a node id relative to the rootdir (the step runs in ROOT): pytest matches an
-              # absolute path against none, and the check ran a second time (seen on an H100)
-              "--deselect", "tests/test_gpu.py::test_check_passes_on_this_gpu",
-             f"--junitxml={junit}", str(ROOT / "tests")], cap_s=200, parse=parse_junit, needs=TESTS,
-             unavailable="" if (ROOT / "tests").is_dir() else f"no tests/ folder beside the package ({ROOT})"),
-        Step("kernel", "decode kernel (bf16 and fp8 KV) vs SDPA / flex_attention, fraction of copy bandwidth "
-                       "(Llama-8B shape)",
-             [_PY, "-m", "treeattn_cli.bench.kernel", "--seq-len", "8192,32768,131072", "--kv-dtype", "fp8",
-              "--json"],
-             cap_s=120, parse=parse_kernel, needs=KERNEL),  # flex_attention compiles once per length
-        Step("decode", "Llama-3.1-8B-shaped decode ms/token (CUDA graph) vs memory floor and transformers; TTFT",
-             [_PY, "-m", "treeattn_cli.bench.gpu_decode", "--contexts", "32768,131072", "--steps", "20",
-              "--ttft", "32768", "--skip-compiled"], cap_s=150, parse=parse_decode, needs=ENGINE),
-        Step("prefill", "causal prefill attention per sharding over every GPU (treeattn bench --prefill)",
-             [*_CLI, "bench", "--prefill", "--seq-len", "16384,65536", "--json"], cap_s=90, parse=parse_prefill,
-             needs=ENGINE),
-        Step("batch", "chat --batch's step: B questions over one 32K-token document on one GPU, B = 1, 8, 64 "
-                      "(bench --shared)",
-             [*_CLI, "bench", "--shared", "--batch", "1,8,64", "--seq-len", "32768", "--nproc", "1", "--methods",
-              "tree", "--json"], cap_s=90, parse=parse_batch, needs=ENGINE),
-        Step("batch-fp8", "the same step over an fp8 cache, B = 1, 8, 32: one read of each K/V tile for every "
-                          "question's rows (issue 38), against bf16's above",
-             [*_CLI, "bench", "--shared", "--batch", "1,8,32", "--seq-len", "32768", "--nproc", "1", "--methods",
-              "tree", "--kv-dtype", "fp8", "--json"], cap_s=90, parse=parse_batch, needs=ENGINE),
-        Step("batch-graphs", "the engine's batched step, eager vs replayed from CUDA graphs, B = 1, 8, 32 over an "
-                             "8K-token document in the block pool, each question's tail too, both read through "
-                             "block tables (random Llama-3.2-1B shape; issue 38: captured >= 2x faster at B 1-8)",
-             [_PY, "-m", "treeattn_cli.bench.host_step", "--device", "cuda", "--random", "llama-1b", "--nproc", "1",
-              "--batch", "1,8,32", "--graphs", "off,on", "--tokens", "40", "--repeats", "3", "--doc-tokens", "8192",
-              "--cache", "pool"],
-             cap_s=150, parse=parse_batch_graphs, needs=ENGINE),
-        Step("kernel-tune", "launch-parameter sweep of the split kernel (block, warps, stages, splits)",
-             [_PY, "-m", "treeattn_cli.bench.kernel", "--tune", "--seq-len", "32768,131072", "--iters", "10",
-              "--warmup", "3", "--json"], cap_s=150, parse=parse_tune, needs=KERNEL),
-        Step("model", "generate end to end in bf16, bf16 and fp8 KV, against transformers on the same GPU "
-                      f"(random weights, {RANDOM_SHAPE}'s shape)",
-             [_PY, "-m", "treeattn_cli.bench.model", "--device", "cuda", "--dtype", "bfloat16", "--random",
-              RANDOM_SHAPE, "--prompt-tokens", "8192,32768", "--nproc", "1", "--new-tokens", "64", "--kv-dtypes",
-              "auto,fp8", "--json"], cap_s=120, parse=parse_model, needs=ENGINE),
-        Step("speculate", "--speculate off / auto / ngram:10 against transformers' prompt lookup, bf16 on the GPU "
-                          "(random weights)",
-             [_PY, "-m", "treeattn_cli.bench.speculate", "--device", "cuda", "--dtype", "bfloat16", "--random",
-              RANDOM_SHAPE, "--doc-tokens", "4000", "--new-tokens", "128", "--json"], cap_s=150,
-             parse=parse_speculate, needs=ENGINE),
-        Step("serve", "treeattn serve: first token of a document's first and later questions (random weights)",
-             [_PY, "-m", "treeattn_cli.bench.serve", "--random", RANDOM_SHAPE, "--nproc", str(max(1, min(2, n_gpus))),
-              "--doc-tokens", "8000", "--questions", "3", "--new-tokens", "32", "--json"], cap_s=120,
-             parse=parse_serve, needs=ENGINE + SERVE),
+        Step(
+            "check",
+            "treeattn check on one GPU: kernels, merges, generate eager and CUDA graph vs transformers",
+            # progress lines (to the step's .err, each with its start time): on an H100 the check
+            # did not finish within 81 s, and --quiet left nothing to say where the time went
+            [*_CLI, "check", "--nproc", "1", "--json"],
+            cap_s=150,
+            parse=parse_check,
+            needs=ENGINE,
+        ),
+        Step(
+            "check-ranks",
+            "treeattn check over every GPU as ranks: merges and CUDA-graph decode with NCCL",
+            [*_CLI, "check", "--nproc", str(max(2, n_gpus)), "--json"],
+            cap_s=150,
+            min_gpus=2,
+            parse=parse_check,
+            needs=ENGINE,
+        ),
+        Step(
+            "pytest-gpu",
+            "pytest -m gpu tests (every device test, no -x; check ran above)",
+            [
+                _PY,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "-v",
+                "--durations=10",
+                "-p",
+                "no:cacheprovider",
+                "--continue-on-collection-errors",  # a module that cannot import costs its tests only
+                # a node id relative to the rootdir (the step runs in ROOT): pytest matches an
+                # absolute path against none, and the check ran a second time (seen on an H100)
+                "--deselect",
+                "tests/test_gpu.py::test_check_passes_on_this_gpu",
+                f"--junitxml={junit}",
+                str(ROOT / "tests"),
+            ],
+            cap_s=200,
+            parse=parse_junit,
+            needs=TESTS,
+            unavailable="" if (ROOT / "tests").is_dir() else f"no tests/ folder beside the package ({ROOT})",
+        ),
+        Step(
+            "kernel",
+            "decode kernel (bf16 and fp8 KV) vs SDPA / flex_attention, fraction of copy bandwidth (Llama-8B shape)",
+            [_PY, "-m", "treeattn_cli.bench.kernel", "--seq-len", "8192,32768,131072", "--kv-dtype", "fp8", "--json"],
+            cap_s=120,
+            parse=parse_kernel,
+            needs=KERNEL,
+        ),  # flex_attention compiles once per length
+        Step(
+            "decode",
+            "Llama-3.1-8B-shaped decode ms/token (CUDA graph) vs memory floor and transformers; TTFT",
+            [
+                _PY,
+                "-m",
+                "treeattn_cli.bench.gpu_decode",
+                "--contexts",
+                "32768,131072",
+                "--steps",
+                "20",
+                "--ttft",
+                "32768",
+                "--skip-compiled",
+            ],
+            cap_s=150,
+            parse=parse_decode,
+            needs=ENGINE,
+        ),
+        Step(
+            "prefill",
+            "causal prefill attention per sharding over every GPU (treeattn bench --prefill)",
+            [*_CLI, "bench", "--prefill", "--seq-len", "16384,65536", "--json"],
+            cap_s=90,
+            parse=parse_prefill,
+            needs=ENGINE,
+        ),
+        Step(
+            "batch",
+            "chat --batch's step: B questions over one 32K-token document on one GPU, B = 1, 8, 64 (bench --shared)",
+            [
+                *_CLI,
+                "bench",
+                "--shared",
+                "--batch",
+                "1,8,64",
+                "--seq-len",
+                "32768",
+                "--nproc",
+                "1",
+                "--methods",
+                "tree",
+                "--json",
+            ],
+            cap_s=90,
+            parse=parse_batch,
+            needs=ENGINE,
+        ),
+        Step(
+            "batch-fp8",
+            "the same step over an fp8 cache, B = 1, 8, 32: one read of each K/V tile for every "
+            "question's rows (issue 38), against bf16's above",
+            [
+                *_CLI,
+                "bench",
+                "--shared",
+                "--batch",
+                "1,8,32",
+                "--seq-len",
+                "32768",
+                "--nproc",
+                "1",
+                "--methods",
+                "tree",
+                "--kv-dtype",
+                "fp8",
+                "--json",
+            ],
+            cap_s=90,
+            parse=parse_batch,
+            needs=ENGINE,
+        ),
+        Step(
+            "batch-graphs",
+            "the engine's batched step, eager vs replayed from CUDA graphs, B = 1, 8, 32 over an "
+            "8K-token document in the block pool, each question's tail too, both read through "
+            "block tables (random Llama-3.2-1B shape; issue 38: captured >= 2x faster at B 1-8)",
+            [
+                _PY,
+                "-m",
+                "treeattn_cli.bench.host_step",
+                "--device",
+                "cuda",
+                "--random",
+                "llama-1b",
+                "--nproc",
+                "1",
+                "--batch",
+                "1,8,32",
+                "--graphs",
+                "off,on",
+                "--tokens",
+                "40",
+                "--repeats",
+                "3",
+                "--doc-tokens",
+                "8192",
+                "--cache",
+                "pool",
+            ],
+            cap_s=150,
+            parse=parse_batch_graphs,
+            needs=ENGINE,
+        ),
+        Step(
+            "kernel-tune",
+            "launch-parameter sweep of the split kernel (block, warps, stages, splits)",
+            [
+                _PY,
+                "-m",
+                "treeattn_cli.bench.kernel",
+                "--tune",
+                "--seq-len",
+                "32768,131072",
+                "--iters",
+                "10",
+                "--warmup",
+                "3",
+                "--json",
+            ],
+            cap_s=150,
+            parse=parse_tune,
+            needs=KERNEL,
+        ),
+        Step(
+            "model",
+            "generate end to end in bf16, bf16 and fp8 KV, against transformers on the same GPU "
+            f"(random weights, {RANDOM_SHAPE}'s shape)",
+            [
+                _PY,
+                "-m",
+                "treeattn_cli.bench.model",
+                "--device",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+                "--random",
+                RANDOM_SHAPE,
+                "--prompt-tokens",
+                "8192,32768",
+                "--nproc",
+                "1",
+                "--new-tokens",
+                "64",
+                "--kv-dtypes",
+                "auto,fp8",
+                "--json",
+            ],
+            cap_s=120,
+            parse=parse_model,
+            needs=ENGINE,
+        ),
+        Step(
+            "speculate",
+            "--speculate off / auto / ngram:10 against transformers' prompt lookup, bf16 on the GPU (random weights)",
+            [
+                _PY,
+                "-m",
+                "treeattn_cli.bench.speculate",
+                "--device",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+                "--random",
+                RANDOM_SHAPE,
+                "--doc-tokens",
+                "4000",
+                "--new-tokens",
+                "128",
+                "--json",
+            ],
+            cap_s=150,
+            parse=parse_speculate,
+            needs=ENGINE,
+        ),
+        Step(
+            "serve",
+            "treeattn serve: first token of a document's first and later questions (random weights)",
+            [
+                _PY,
+                "-m",
+                "treeattn_cli.bench.serve",
+                "--random",
+                RANDOM_SHAPE,
+                "--nproc",
+                str(max(1, min(2, n_gpus))),
+                "--doc-tokens",
+                "8000",
+                "--questions",
+                "3",
+                "--new-tokens",
+                "32",
+                "--json",
+            ],
+            cap_s=120,
+            parse=parse_serve,
+            needs=ENGINE + SERVE,
+        ),
     ]
     return steps
 
 
 # The calls that cover every step within one 10-minute call each (caps: 350, 540, 390 and 300 s;
 # on a machine with 2+ GPUs check-ranks adds 150 s to the first): ``--steps`` of each, in order.
-CALLS = ("check,check-ranks,pytest-gpu", "kernel,decode,prefill,batch,batch-fp8", "model,speculate,serve",
-         "batch-graphs,kernel-tune")
+CALLS = (
+    "check,check-ranks,pytest-gpu",
+    "kernel,decode,prefill,batch,batch-fp8",
+    "model,speculate,serve",
+    "batch-graphs,kernel-tune",
+)
 
 
 # Oldest versions the steps work with (pyproject's floors; Triton's: the kernels use
@@ -394,9 +681,14 @@ print(json.dumps(out))
 def probe_imports(names, env: dict) -> dict:
     """``{module: {"ok", "version" | "error"}}``, imported in a child process (this one stays
     light and never holds a GPU context), with ``env`` (its PYTHONPATH) as the steps get it."""
-    r = subprocess.run([_PY, "-c", _IMPORTS_SNIPPET, json.dumps(FLOORS), *names], env=env, capture_output=True,
-                       text=True, timeout=300,
-                       cwd=str(ROOT) if (ROOT / "pyproject.toml").exists() else None)
+    r = subprocess.run(
+        [_PY, "-c", _IMPORTS_SNIPPET, json.dumps(FLOORS), *names],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT) if (ROOT / "pyproject.toml").exists() else None,
+    )
     try:
         return json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -444,8 +736,11 @@ def preflight(out_dir=None) -> tuple[int, str]:
     shim = kernels_shim(env, where)
     names = list(dict.fromkeys(ENGINE + TESTS + OPTIONAL))
     imports = probe_imports(names, env)
-    rc, text, _ = _run([_PY, "-c", _DEVICES_SNIPPET], 60.0, _logs(where) / "devices", env) \
-        if imports.get("torch", {}).get("ok") else (1, "", 0.0)
+    rc, text, _ = (
+        _run([_PY, "-c", _DEVICES_SNIPPET], 60.0, _logs(where) / "devices", env)
+        if imports.get("torch", {}).get("ok")
+        else (1, "", 0.0)
+    )
     devices = parse_devices(text, where) if rc == 0 else {}
     n_gpus = int(devices.get("count") or 0)
     lines = ["treeattn gpu_report preflight", ""]
@@ -454,15 +749,27 @@ def preflight(out_dir=None) -> tuple[int, str]:
     lines.append("imports:")
     for n in names:
         r = imports.get(n, {})
-        state = (f"ok {r.get('version') or ''}".rstrip() if r.get("ok") else
-                 f"{'TOO OLD' if 'older than' in r.get('error', '') else 'MISSING'} ({r.get('error', '?')})")
-        lines.append(f"  {n:18} {state}" + ("   (optional: the serve tests skip without it)" if n in OPTIONAL
-                                            and not r.get("ok") else ""))
+        state = (
+            f"ok {r.get('version') or ''}".rstrip()
+            if r.get("ok")
+            else f"{'TOO OLD' if 'older than' in r.get('error', '') else 'MISSING'} ({r.get('error', '?')})"
+        )
+        lines.append(
+            f"  {n:18} {state}"
+            + ("   (optional: the serve tests skip without it)" if n in OPTIONAL and not r.get("ok") else "")
+        )
     tools = {t: shutil.which(t) for t in ("nvidia-smi", "rocm-smi")}
-    lines += ["", "tools: " + ", ".join(f"{t} {'at ' + p if p else 'not found'}" for t, p in tools.items()),
-              "GPUs: " + ("; ".join(f"{g['name']} ({g['memory_gib']} GiB, {g['capability']})"
-                                    for g in devices.get("gpus", [])) or "none seen"), "",
-              "steps:"]
+    lines += [
+        "",
+        "tools: " + ", ".join(f"{t} {'at ' + p if p else 'not found'}" for t, p in tools.items()),
+        "GPUs: "
+        + (
+            "; ".join(f"{g['name']} ({g['memory_gib']} GiB, {g['capability']})" for g in devices.get("gpus", []))
+            or "none seen"
+        ),
+        "",
+        "steps:",
+    ]
     needed = set()
     for st in default_steps(max(n_gpus, 1), where):
         miss = _missing(st, imports)
@@ -477,11 +784,17 @@ def preflight(out_dir=None) -> tuple[int, str]:
             state = "ready"
         lines.append(f"  {st.name:12} {state}")
     if needed:
-        lines += ["", f"preflight: missing {', '.join(sorted(needed))}: install them (docs/gpus.md: GPU machines "
-                      "without network), then run this again"]
+        lines += [
+            "",
+            f"preflight: missing {', '.join(sorted(needed))}: install them (docs/gpus.md: GPU machines "
+            "without network), then run this again",
+        ]
         return 1, "\n".join(lines)
-    lines += ["", "preflight: every step can run" + ("" if n_gpus else "; no GPU here, so there is nothing to "
-                                                                     "measure on this machine")]
+    lines += [
+        "",
+        "preflight: every step can run"
+        + ("" if n_gpus else "; no GPU here, so there is nothing to measure on this machine"),
+    ]
     return 0, "\n".join(lines)
 
 
@@ -507,8 +820,14 @@ def _run(argv, timeout_s: float, log: Path, env: dict) -> tuple:
     on timeout, stdout, seconds)``. Output goes to ``log.out`` / ``log.err`` as it comes."""
     t0 = time.perf_counter()
     with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
-        p = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True,
-                             cwd=str(ROOT) if (ROOT / "pyproject.toml").exists() else None)
+        p = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=err,
+            env=env,
+            start_new_session=True,
+            cwd=str(ROOT) if (ROOT / "pyproject.toml").exists() else None,
+        )
         try:
             rc = p.wait(timeout=max(0.1, timeout_s))
         except subprocess.TimeoutExpired:
@@ -533,8 +852,9 @@ def _tail(path: Path, n: int = 400) -> str:
         return ""
 
 
-def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devices=None, only=None,
-               clock=time.perf_counter) -> dict:
+def run_report(
+    out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devices=None, only=None, clock=time.perf_counter
+) -> dict:
     """Run every step that fits, write ``report.json`` and ``report.md`` under ``out_dir`` and
     return the report. ``only``: the names of the steps to run; ``steps`` and ``devices`` (the
     ``devices`` step's answer) replace the defaults (tests).
@@ -546,8 +866,13 @@ def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devic
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     start = clock()
     env = _step_env()
-    rep = {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "host": platform.node(), "budget_s": budget_s, "versions": _versions(), "steps": []}
+    rep = {
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "budget_s": budget_s,
+        "versions": _versions(),
+        "steps": [],
+    }
     shim = kernels_shim(env, out_dir)
     if shim:
         rep["shim"] = shim
@@ -555,16 +880,24 @@ def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devic
     if devices is None:  # the devices step: its own process, so this one never holds a GPU context
         rc, text, secs = _run([_PY, "-c", _DEVICES_SNIPPET], min(60.0, budget_s), out_dir / "logs" / "devices", env)
         devices = parse_devices(text, out_dir) if rc == 0 else {}
-        rep["steps"].append({"name": "devices", "what": "GPUs, runtime and driver", "status": "pass" if rc == 0 else
-                             ("timeout" if rc is None else "fail"), "seconds": round(secs, 1),
-                             "reason": "" if rc == 0 else _tail(out_dir / "logs" / "devices.err"),
-                             "summary": devices})
+        rep["steps"].append(
+            {
+                "name": "devices",
+                "what": "GPUs, runtime and driver",
+                "status": "pass" if rc == 0 else ("timeout" if rc is None else "fail"),
+                "seconds": round(secs, 1),
+                "reason": "" if rc == 0 else _tail(out_dir / "logs" / "devices.err"),
+                "summary": devices,
+            }
+        )
     n_gpus = int(devices.get("count") or 0)
     rep["devices"] = devices
     rep["gpu_count"] = n_gpus
     if not n_gpus:
-        rep["note"] = ("no GPU found (torch.cuda.is_available() is False): no GPU measurement was possible "
-                       "on this machine; every GPU step is skipped")
+        rep["note"] = (
+            "no GPU found (torch.cuda.is_available() is False): no GPU measurement was possible "
+            "on this machine; every GPU step is skipped"
+        )
     steps = default_steps(n_gpus, out_dir) if steps is None else steps
     if only is not None:
         steps = [s for s in steps if s.name in only]
@@ -572,8 +905,16 @@ def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devic
     imports = probe_imports(needs, env) if needs and n_gpus else {}
 
     for i, st in enumerate(steps):
-        rec = {"name": st.name, "what": st.what, "command": " ".join(map(str, st.argv)), "status": "skipped",
-               "seconds": 0.0, "timeout_s": None, "reason": "", "summary": {}}
+        rec = {
+            "name": st.name,
+            "what": st.what,
+            "command": " ".join(map(str, st.argv)),
+            "status": "skipped",
+            "seconds": 0.0,
+            "timeout_s": None,
+            "reason": "",
+            "summary": {},
+        }
         rep["steps"].append(rec)
         if n_gpus < st.min_gpus:
             rec["reason"] = "no GPU" if not n_gpus else f"needs {st.min_gpus} GPUs, this machine has {n_gpus}"
@@ -586,8 +927,9 @@ def run_report(out_dir, budget_s: float = DEFAULT_BUDGET_S, *, steps=None, devic
             rec["reason"] = "needs " + ", ".join(miss)
             continue
         left = budget_s - (clock() - start)
-        later = sum(s.floor_s for s in steps[i + 1:] if n_gpus >= s.min_gpus and not s.unavailable
-                    and not _missing(s, imports))
+        later = sum(
+            s.floor_s for s in steps[i + 1 :] if n_gpus >= s.min_gpus and not s.unavailable and not _missing(s, imports)
+        )
         limit = min(st.cap_s, left - later)
         if limit < st.floor_s:
             limit = min(st.cap_s, left)  # what the later steps would get anyway; never past the budget
@@ -627,15 +969,23 @@ def _merged(path: Path, rep: dict) -> dict:
         return rep
     if (old.get("host"), old.get("devices")) != (rep.get("host"), rep.get("devices")):
         return rep  # another machine's report: replaced, never mixed
-    ran = {s["name"]: s for s in rep["steps"] if s["status"] != "skipped" or not s.get("reason", "").startswith(
-        "out of budget")}
+    ran = {
+        s["name"]: s
+        for s in rep["steps"]
+        if s["status"] != "skipped" or not s.get("reason", "").startswith("out of budget")
+    }
     steps = [ran.pop(s["name"], s) for s in old.get("steps", [])]
     steps += [s for s in rep["steps"] if s["name"] in ran]
-    return {**rep, "steps": steps, "calls": old.get("calls", 1) + 1,
-            "elapsed_s": round(old.get("elapsed_s", 0) + rep.get("elapsed_s", 0), 1)}
+    return {
+        **rep,
+        "steps": steps,
+        "calls": old.get("calls", 1) + 1,
+        "elapsed_s": round(old.get("elapsed_s", 0) + rep.get("elapsed_s", 0), 1),
+    }
 
 
 # ------------------------------------------------------------------ Markdown
+
 
 def _fmt(v, nd=3):
     if isinstance(v, float):
@@ -655,46 +1005,68 @@ def _key_numbers(step: dict) -> str:
         bad = s.get("failed") or []
         return f"{s.get('records', 0)} checks {s.get('verdicts', {})}" + (f"; FAILED: {', '.join(bad)}" if bad else "")
     if name == "pytest-gpu":
-        return (f"{s.get('passed', 0)} passed, {s.get('failures', 0)} failed, {s.get('errors', 0)} errors, "
-                f"{s.get('skipped', 0)} skipped")
+        return (
+            f"{s.get('passed', 0)} passed, {s.get('failures', 0)} failed, {s.get('errors', 0)} errors, "
+            f"{s.get('skipped', 0)} skipped"
+        )
     if name == "kernel":
-        return "; ".join(f"{n}: {m['treeattn']['us']} us, {m['treeattn']['frac_copy_bw']:.0%} of copy BW"
-                         for n, m in s.get("by_seq_len", {}).items() if "treeattn" in m)
+        return "; ".join(
+            f"{n}: {m['treeattn']['us']} us, {m['treeattn']['frac_copy_bw']:.0%} of copy BW"
+            for n, m in s.get("by_seq_len", {}).items()
+            if "treeattn" in m
+        )
     if name == "kernel-tune":
         parts = []
         for n, r in s.get("by_seq_len", {}).items():
             b, d = r.get("best") or {}, r.get("default") or {}
-            parts.append(f"{n}: default {_fmt(d.get('time_us'))} us, best {_fmt(b.get('time_us'))} us "
-                         f"(BN {b.get('block_n')}, {b.get('num_warps')} warps, {b.get('num_stages')} stages, "
-                         f"{b.get('splits')} splits)")
+            parts.append(
+                f"{n}: default {_fmt(d.get('time_us'))} us, best {_fmt(b.get('time_us'))} us "
+                f"(BN {b.get('block_n')}, {b.get('num_warps')} warps, {b.get('num_stages')} stages, "
+                f"{b.get('splits')} splits)"
+            )
         return "; ".join(parts)
     if name == "decode":
-        parts = [f"{r['context']}: {_fmt(r['treeattn_ms'])} ms/token ({_fmt(r.get('fraction_of_floor'))} of floor "
-                 f"{_fmt(r['floor_ms'])} ms; transformers {_fmt(r.get('transformers_ms'))} ms)"
-                 for r in s.get("decode", [])]
+        parts = [
+            f"{r['context']}: {_fmt(r['treeattn_ms'])} ms/token ({_fmt(r.get('fraction_of_floor'))} of floor "
+            f"{_fmt(r['floor_ms'])} ms; transformers {_fmt(r.get('transformers_ms'))} ms)"
+            for r in s.get("decode", [])
+        ]
         if s.get("ttft"):
             parts.append(f"TTFT {s['ttft']['ttft_prompt']} tokens: {_fmt(s['ttft']['prefill_s'])} s")
         return "; ".join(parts)
     if name in ("batch", "batch-fp8"):
         return "; ".join(f"B={b}: {r['step_ms']} ms ({r['vs_batch_1']}x B=1)" for b, r in s.get("by_batch", {}).items())
     if name == "batch-graphs":
-        return "; ".join(f"B={b}: eager {_fmt(r['eager_ms'])} ms, captured {_fmt(r['captured_ms'])} ms "
-                         f"({_fmt(r['speedup'])}x)" for b, r in s.get("by_batch", {}).items())
+        return "; ".join(
+            f"B={b}: eager {_fmt(r['eager_ms'])} ms, captured {_fmt(r['captured_ms'])} ms ({_fmt(r['speedup'])}x)"
+            for b, r in s.get("by_batch", {}).items()
+        )
     if name == "model":
-        return "; ".join(f"{r['prompt_tokens']} {r['method']} {r.get('kv_dtype') or ''}: "
-                         f"{_fmt(r['decode_ms_per_token'])} ms/token"
-                         + ("" if r.get("same_tokens_as_transformers") is None else
-                            f", same tokens {r['same_tokens_as_transformers']}") for r in s.get("rows", []))
+        return "; ".join(
+            f"{r['prompt_tokens']} {r['method']} {r.get('kv_dtype') or ''}: "
+            f"{_fmt(r['decode_ms_per_token'])} ms/token"
+            + (
+                ""
+                if r.get("same_tokens_as_transformers") is None
+                else f", same tokens {r['same_tokens_as_transformers']}"
+            )
+            for r in s.get("rows", [])
+        )
     if name == "speculate":
-        return "; ".join(f"{r['request']} {r['method']}: {_fmt(r['ms'])} ms ({_fmt(r['x_off'])}x)"
-                         + (f", {r['accepted']}/{r['drafted']} kept" if r.get("drafted") else "")
-                         for r in s.get("rows", []))
+        return "; ".join(
+            f"{r['request']} {r['method']}: {_fmt(r['ms'])} ms ({_fmt(r['x_off'])}x)"
+            + (f", {r['accepted']}/{r['drafted']} kept" if r.get("drafted") else "")
+            for r in s.get("rows", [])
+        )
     if name == "serve":
-        return "; ".join(f"#{r['request']}: first token {_fmt(r['ttft_s'])} s ({r.get('cached_tokens')} cached)"
-                         for r in s.get("requests", []))
+        return "; ".join(
+            f"#{r['request']}: first token {_fmt(r['ttft_s'])} s ({r.get('cached_tokens')} cached)"
+            for r in s.get("requests", [])
+        )
     if name == "prefill":
-        return "; ".join(f"{c['method']} x{c['nproc']} {c['seq_len']}: {_fmt(c['step_ms_median'])} ms"
-                         for c in s.get("cases", []))
+        return "; ".join(
+            f"{c['method']} x{c['nproc']} {c['seq_len']}: {_fmt(c['step_ms_median'])} ms" for c in s.get("cases", [])
+        )
     return json.dumps(s)[:300]
 
 
@@ -703,12 +1075,16 @@ def markdown(rep: dict) -> str:
     dev = rep.get("devices") or {}
     gpus = dev.get("gpus") or []
     v = rep.get("versions", {})
-    lines = ["# treeattn GPU report", "",
-             f"- created: {rep['created']} on `{rep['host']}`",
-             "- GPUs: " + (", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in gpus) if gpus else "**none**"),
-             f"- runtime: CUDA {dev.get('cuda')}, HIP {dev.get('hip')}; driver: {dev.get('driver') or '-'}",
-             "- versions: " + ", ".join(f"{k} {v[k]}" for k in v),
-             f"- budget {rep['budget_s']:.0f} s, elapsed {rep.get('elapsed_s', 0):.0f} s", ""]
+    lines = [
+        "# treeattn GPU report",
+        "",
+        f"- created: {rep['created']} on `{rep['host']}`",
+        "- GPUs: " + (", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in gpus) if gpus else "**none**"),
+        f"- runtime: CUDA {dev.get('cuda')}, HIP {dev.get('hip')}; driver: {dev.get('driver') or '-'}",
+        "- versions: " + ", ".join(f"{k} {v[k]}" for k in v),
+        f"- budget {rep['budget_s']:.0f} s, elapsed {rep.get('elapsed_s', 0):.0f} s",
+        "",
+    ]
     if rep.get("note"):
         lines += [f"> {rep['note']}", ""]
     lines += ["| step | status | seconds | limit s | key numbers |", "| --- | --- | ---: | ---: | --- |"]
@@ -716,11 +1092,14 @@ def markdown(rep: dict) -> str:
         info = _key_numbers(s) or s.get("reason", "")
         if s.get("reason") and s["status"] != "pass" and info != s["reason"]:
             info = f"{s['reason']}; {info}" if info else s["reason"]
-        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.0f} | {_fmt(s.get('timeout_s'))} | "
-                     f"{info.replace('|', '/').replace(chr(10), ' ')} |")
+        lines.append(
+            f"| {s['name']} | {s['status']} | {s['seconds']:.0f} | {_fmt(s.get('timeout_s'))} | "
+            f"{info.replace('|', '/').replace(chr(10), ' ')} |"
+        )
     lines += ["", "Commands:", ""]
-    lines += [f"- `{s['name']}`: {s.get('what', '')} — `{s.get('command', '')}`"
-              for s in rep["steps"] if s.get("command")]
+    lines += [
+        f"- `{s['name']}`: {s.get('what', '')} — `{s.get('command', '')}`" for s in rep["steps"] if s.get("command")
+    ]
     lines += ["", "Raw output of every step: `logs/<step>.out` and `.err`; every number: `report.json`.", ""]
     return "\n".join(lines)
 
@@ -728,10 +1107,17 @@ def markdown(rep: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for report.json, report.md and logs/")
-    ap.add_argument("--preflight", action="store_true",
-                    help="run nothing: say whether every step could run here (imports, tools, GPUs)")
-    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                    help=f"wall-clock budget of the whole run (default {DEFAULT_BUDGET_S:.0f})")
+    ap.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run nothing: say whether every step could run here (imports, tools, GPUs)",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"wall-clock budget of the whole run (default {DEFAULT_BUDGET_S:.0f})",
+    )
     ap.add_argument("--only", "--steps", default=None, help="comma list of steps to run (default: all)")
     a = ap.parse_args(argv)
     if a.preflight:

@@ -60,12 +60,24 @@ def rank_batches(ctx, job, doc, questions, new, repeats, pool=False):
     eng = Engine(ctx, job)
     done = []
     real, ctx.emit = ctx.emit, (lambda kind, p: done.append(p) if kind == "batch_done" else None)
-    req = {"op": "batch", "questions": questions, "slots": len(questions), "max_new_tokens": new,
-           "sampling": vars(Sampling()), "stop": [], "eos_ids": [], "speculate": "off"}
+    req = {
+        "op": "batch",
+        "questions": questions,
+        "slots": len(questions),
+        "max_new_tokens": new,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+    }
     first = [{"op": "append", "ids": doc}]
     if pool:  # every question names the document: it is made resident in the pool by the warm-up
-        req.update(questions=[{"ids": q, "doc": {"key": "bench", "ids": doc}} for q in questions],
-                   pool_for=len(doc), tails=max(len(q) for q in questions) + new, tail_slots=len(questions))
+        req.update(
+            questions=[{"ids": q, "doc": {"key": "bench", "ids": doc}} for q in questions],
+            pool_for=len(doc),
+            tails=max(len(q) for q in questions) + new,
+            tail_slots=len(questions),
+        )
         first = []
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)  # the batch's end, timed
     try:
@@ -99,22 +111,61 @@ def make_model(random: str | None) -> Path:
     return random_model(random, root / "m") if random else tiny.make_model("llama", root / "m", seed=3)
 
 
-def measure(nproc: int, batch: int, new: int, repeats: int, scheme: str, *, device: str = "cpu",
-            random: str | None = None, graphs: bool = False, doc_tokens: int = 100, model=None,
-            pool: bool = True) -> dict:
+def measure(
+    nproc: int,
+    batch: int,
+    new: int,
+    repeats: int,
+    scheme: str,
+    *,
+    device: str = "cpu",
+    random: str | None = None,
+    graphs: bool = False,
+    doc_tokens: int = 100,
+    model=None,
+    pool: bool = True,
+) -> dict:
     model = model or make_model(random)
     qs = [[(29 * i + 11 + j) % 230 + 20 for i in range(5)] for j in range(batch)]
     cuda = device == "cuda"
-    job = EngineJob(str(model), [], dtype="bfloat16" if cuda else "float32", max_new_tokens=new,
-                      reserve=doc_tokens + 256, scheme="allreduce" if scheme == "auto" else scheme,
-                      auto_layout=scheme == "auto", cuda_graph=graphs)
-    got = run_local(rank_batches, nproc, job, _doc(doc_tokens), qs, new, repeats, pool, timeout_s=1200,
-                    backend="nccl" if cuda else "gloo", devices=[f"cuda:{i}" for i in range(nproc)] if cuda else None)
+    job = EngineJob(
+        str(model),
+        [],
+        dtype="bfloat16" if cuda else "float32",
+        max_new_tokens=new,
+        reserve=doc_tokens + 256,
+        scheme="allreduce" if scheme == "auto" else scheme,
+        auto_layout=scheme == "auto",
+        cuda_graph=graphs,
+    )
+    got = run_local(
+        rank_batches,
+        nproc,
+        job,
+        _doc(doc_tokens),
+        qs,
+        new,
+        repeats,
+        pool,
+        timeout_s=1200,
+        backend="nccl" if cuda else "gloo",
+        devices=[f"cuda:{i}" for i in range(nproc)] if cuda else None,
+    )
     ms = [1e3 * (a - b) / (new - SHORT) for a, b in got[0]["pairs"]]
-    return {"device": device, "model": random or "tiny", "nproc": nproc, "batch": batch, "doc_tokens": doc_tokens,
-            "scheme": scheme, "graphs": graphs, "cache": "pool" if pool else "own",
-            "ms_per_step": statistics.median(ms), "samples": ms,
-            "graph_replays": got[0]["graph_replays"], "per_step": [r["per_step"] for r in got]}
+    return {
+        "device": device,
+        "model": random or "tiny",
+        "nproc": nproc,
+        "batch": batch,
+        "doc_tokens": doc_tokens,
+        "scheme": scheme,
+        "graphs": graphs,
+        "cache": "pool" if pool else "own",
+        "ms_per_step": statistics.median(ms),
+        "samples": ms,
+        "graph_replays": got[0]["graph_replays"],
+        "per_step": [r["per_step"] for r in got],
+    }
 
 
 def main(argv=None):
@@ -128,8 +179,12 @@ def main(argv=None):
     ap.add_argument("--random", default=None, help="a random model of this shape (bench.random_model.SHAPES)")
     ap.add_argument("--doc-tokens", type=int, default=100)
     ap.add_argument("--graphs", default="off", help="off | on | off,on: the batch's steps replayed from CUDA graphs")
-    ap.add_argument("--cache", default="pool", help="pool | own | own,pool: the document named by every question, "
-                                                    "or appended as the engine's own tokens (both in the pool)")
+    ap.add_argument(
+        "--cache",
+        default="pool",
+        help="pool | own | own,pool: the document named by every question, "
+        "or appended as the engine's own tokens (both in the pool)",
+    )
     a = ap.parse_args(argv)
     caches = [c.strip() for c in a.cache.split(",")]
     if not caches or any(c not in ("own", "pool") for c in caches):
@@ -146,9 +201,24 @@ def main(argv=None):
         for b in [int(x) for x in a.batch.split(",")]:
             for c in caches:
                 for m in modes:
-                    print(json.dumps(measure(n, b, a.tokens, a.repeats, a.scheme, device=a.device, random=a.random,
-                                             graphs=m == "on", doc_tokens=a.doc_tokens, model=model,
-                                             pool=c == "pool")), flush=True)
+                    print(
+                        json.dumps(
+                            measure(
+                                n,
+                                b,
+                                a.tokens,
+                                a.repeats,
+                                a.scheme,
+                                device=a.device,
+                                random=a.random,
+                                graphs=m == "on",
+                                doc_tokens=a.doc_tokens,
+                                model=model,
+                                pool=c == "pool",
+                            )
+                        ),
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -128,9 +128,22 @@ def _flex():
     return lambda q, k, v: fn(q, k, v, enable_gqa=True, return_lse=True)
 
 
-def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16",
-                 device=None, iters=20, warmup=5, baselines=("sdpa", "flex"), copy_bw=None, kv_dtype=None,
-                 on_record=None):
+def kernel_bench(
+    seq_lens,
+    *,
+    batch=1,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    device=None,
+    iters=20,
+    warmup=5,
+    baselines=("sdpa", "flex"),
+    copy_bw=None,
+    kv_dtype=None,
+    on_record=None,
+):
     """One record per (N, method): median seconds, GB/s of KV read, fraction of copy bandwidth.
     ``kv_dtype="fp8"`` adds ``treeattn-fp8``: the same kernel over the fp8 cache of the same
     keys (its own byte count, scales included). ``on_record(record)`` gets each record as soon
@@ -145,6 +158,7 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
         flex = _flex()
         if flex is not None:
             methods["flex_attention"] = flex
+
     class _Records(list):
         def append(self, r):
             super().append(r)
@@ -161,8 +175,7 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
             except ValueError as e:  # a GPU without fp8 loads (sm_80): said in the record
                 records.append({"method": "treeattn-fp8", "seq_len": N, "error": str(e)[:200]})
             else:
-                runs["treeattn-fp8"] = (lambda q, k, v: partial_attention(q, k8, v8, k_scale=ks, v_scale=vs),
-                                        f8_bytes)
+                runs["treeattn-fp8"] = (lambda q, k, v: partial_attention(q, k8, v8, k_scale=ks, v_scale=vs), f8_bytes)
         for name, (fn, nbytes) in runs.items():
             try:
                 ts = time_fn(lambda: fn(q, k, v), device, iters=iters, warmup=warmup)
@@ -178,20 +191,45 @@ def kernel_bench(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype
                 except Exception as e:  # noqa: BLE001 - a method that cannot be captured: eager, said
                     timing = f"eager (capture failed: {type(e).__name__}: {str(e)[:80]})"
             med = statistics.median(ts)
-            records.append({
-                "timing": timing, "eager_us_median": eager * 1e6,
-                "method": name, "seq_len": N, "batch": batch, "heads": heads, "kv_heads": kv_heads,
-                "head_dim": head_dim, "dtype": dtype, "kv_dtype": "fp8" if name.endswith("fp8") else dtype,
-                "device": _device_name(device), "time_us_median": med * 1e6, "time_us_min": min(ts) * 1e6,
-                "kv_bytes": nbytes, "gbps": nbytes / med / 1e9,
-                "copy_gbps": copy_bw / 1e9, "frac_copy_bw": nbytes / med / copy_bw,
-            })
+            records.append(
+                {
+                    "timing": timing,
+                    "eager_us_median": eager * 1e6,
+                    "method": name,
+                    "seq_len": N,
+                    "batch": batch,
+                    "heads": heads,
+                    "kv_heads": kv_heads,
+                    "head_dim": head_dim,
+                    "dtype": dtype,
+                    "kv_dtype": "fp8" if name.endswith("fp8") else dtype,
+                    "device": _device_name(device),
+                    "time_us_median": med * 1e6,
+                    "time_us_min": min(ts) * 1e6,
+                    "kv_bytes": nbytes,
+                    "gbps": nbytes / med / 1e9,
+                    "copy_gbps": copy_bw / 1e9,
+                    "frac_copy_bw": nbytes / med / copy_bw,
+                }
+            )
         q = k = v = k8 = v8 = ks = vs = None  # free this length's tensors before the next
     return records
 
 
-def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", device=None,
-         iters=20, warmup=5, copy_bw=None, on_seq_len=None):
+def tune(
+    seq_lens,
+    *,
+    batch=1,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    device=None,
+    iters=20,
+    warmup=5,
+    copy_bw=None,
+    on_seq_len=None,
+):
     """Sweep the Triton kernel's launch parameters per N: block size, warps, stages and split
     count (×½, ×1, ×2 the automatic choice). Each record carries the resource report of the
     configuration's binary (registers, spill bytes, shared memory, K/V tiles in flight and CTAs
@@ -214,26 +252,50 @@ def tune(seq_lens, *, batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat
         auto = pt.plan_split(batch, kv_heads, heads // kv_heads, 1, N, head_dim, dt, target)
         recs = []
         for bn, warps, stages, mult in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (0.5, 1, 2)):
-            base = pt.plan_split(batch, kv_heads, heads // kv_heads, 1, N, head_dim, dt, target, block_n=bn,
-                                 num_stages=stages).splits  # the runtime's grid for this tile (issue 49)
+            base = pt.plan_split(
+                batch, kv_heads, heads // kv_heads, 1, N, head_dim, dt, target, block_n=bn, num_stages=stages
+            ).splits  # the runtime's grid for this tile (issue 49)
             splits = max(1, int(base * mult))
-            fn = lambda: pt.partial_attention_triton(q, k, v, num_splits=splits, block_n=bn,  # noqa: E731
-                                                     num_warps=warps, num_stages=stages)
+
+            def fn(splits=splits, bn=bn, warps=warps, stages=stages):
+                return pt.partial_attention_triton(
+                    q, k, v, num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages
+                )
+
             try:
                 med = statistics.median(time_fn(fn, device, iters=iters, warmup=warmup))
             except Exception as e:  # out of resources: a result of the sweep
-                recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
-                             "splits": splits, "error": f"{type(e).__name__}"})
+                recs.append(
+                    {
+                        "seq_len": N,
+                        "block_n": bn,
+                        "num_warps": warps,
+                        "num_stages": stages,
+                        "splits": splits,
+                        "error": f"{type(e).__name__}",
+                    }
+                )
                 continue
             ck = pt.LAST_LAUNCH["split"]
             use = resources(ck, target)
-            recs.append({"seq_len": N, "block_n": bn, "num_warps": warps, "num_stages": stages,
-                         "splits": splits, "time_us": med * 1e6, "frac_copy_bw": kv_bytes / med / copy_bw,
-                         "regs": use["regs"], "spill_bytes": use["spill_bytes"],
-                         "shared_bytes": use["shared_bytes"], "tiles_in_flight": pipeline_depth(ck),
-                         "ctas_per_sm": occupancy(target, use["regs"], use["shared_bytes"], warps)["ctas"],
-                         "default": (bn, warps, stages, splits) == (auto.block_n, auto.num_warps, auto.num_stages,
-                                                                    auto.splits)})
+            recs.append(
+                {
+                    "seq_len": N,
+                    "block_n": bn,
+                    "num_warps": warps,
+                    "num_stages": stages,
+                    "splits": splits,
+                    "time_us": med * 1e6,
+                    "frac_copy_bw": kv_bytes / med / copy_bw,
+                    "regs": use["regs"],
+                    "spill_bytes": use["spill_bytes"],
+                    "shared_bytes": use["shared_bytes"],
+                    "tiles_in_flight": pipeline_depth(ck),
+                    "ctas_per_sm": occupancy(target, use["regs"], use["shared_bytes"], warps)["ctas"],
+                    "default": (bn, warps, stages, splits)
+                    == (auto.block_n, auto.num_warps, auto.num_stages, auto.splits),
+                }
+            )
         ok = [r for r in recs if "time_us" in r]
         if ok:
             min(ok, key=lambda r: r["time_us"])["best"] = True
@@ -258,8 +320,12 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--kv-dtype", choices=["fp8"], default=None,
-                   help="also time the kernel over an fp8 cache of the same keys (scales included)")
+    p.add_argument(
+        "--kv-dtype",
+        choices=["fp8"],
+        default=None,
+        help="also time the kernel over an fp8 cache of the same keys (scales included)",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", action="store_true")
@@ -273,16 +339,33 @@ def main(argv=None):
                 if r.get("best") or r.get("default") or a.json:
                     print(json.dumps(r), flush=True)
 
-        tune([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
-             head_dim=a.head_dim, dtype=a.dtype, iters=a.iters, warmup=a.warmup, on_seq_len=show)
+        tune(
+            [int(x) for x in a.seq_len.split(",")],
+            batch=a.batch,
+            heads=a.heads,
+            kv_heads=a.kv_heads,
+            head_dim=a.head_dim,
+            dtype=a.dtype,
+            iters=a.iters,
+            warmup=a.warmup,
+            on_seq_len=show,
+        )
         return
     import json
 
     # --json: one JSON line per record as it is measured (gpu_report keeps them past a timeout)
-    recs = kernel_bench([int(x) for x in a.seq_len.split(",")], batch=a.batch, heads=a.heads,
-                        kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
-                        iters=a.iters, warmup=a.warmup, kv_dtype=a.kv_dtype,
-                        on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
+    recs = kernel_bench(
+        [int(x) for x in a.seq_len.split(",")],
+        batch=a.batch,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        dtype=a.dtype,
+        iters=a.iters,
+        warmup=a.warmup,
+        kv_dtype=a.kv_dtype,
+        on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None,
+    )
     if not a.json:
         from .. import report
 

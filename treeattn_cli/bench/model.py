@@ -34,24 +34,58 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return (doc * reps)[:n]
 
 
-def time_treeattn(model_dir, ids, new_tokens, nproc, dtype="float32", scheme="allreduce",
-                  decode_method="tree", tp=1, speculate="off", kv_dtype="auto", device="cpu"):
-    job = EngineJob(model_dir=str(model_dir), prompt_ids=ids, max_new_tokens=new_tokens,
-                      sampling=Sampling(), dtype=dtype, scheme=scheme, decode_method=decode_method, tp=tp,
-                      speculate=speculate, kv_dtype=kv_dtype)
+def time_treeattn(
+    model_dir,
+    ids,
+    new_tokens,
+    nproc,
+    dtype="float32",
+    scheme="allreduce",
+    decode_method="tree",
+    tp=1,
+    speculate="off",
+    kv_dtype="auto",
+    device="cpu",
+):
+    job = EngineJob(
+        model_dir=str(model_dir),
+        prompt_ids=ids,
+        max_new_tokens=new_tokens,
+        sampling=Sampling(),
+        dtype=dtype,
+        scheme=scheme,
+        decode_method=decode_method,
+        tp=tp,
+        speculate=speculate,
+        kv_dtype=kv_dtype,
+    )
     toks = []
     devices = [f"cuda:{r}" for r in range(nproc)] if device == "cuda" else ["cpu"] * nproc
-    res = run_local(rank_generate, nproc, job, backend="nccl" if device == "cuda" else "gloo", devices=devices,
-                    on_event=lambda r, k, v: toks.append(v) if k == "token" else None)
+    res = run_local(
+        rank_generate,
+        nproc,
+        job,
+        backend="nccl" if device == "cuda" else "gloo",
+        devices=devices,
+        on_event=lambda r, k, v: toks.append(v) if k == "token" else None,
+    )
     s = res[0]
     decode_ms = 1e3 / s["decode_tokens_per_s"] if s["decode_tokens_per_s"] else None
     name = f"treeattn nproc={nproc}" + (f" tp={tp}" if tp > 1 else "")
-    return {"method": name if decode_method == "tree" else f"ring nproc={nproc}",
-            "scheme": scheme if decode_method == "tree" else "ring", "nproc": nproc, "tp": tp,
-            "prefill_s": s["prefill_s"], "decode_ms_per_token": decode_ms,
-            "weight_bytes": s["weight_bytes"], "peak_rss_bytes": s.get("peak_rss_bytes"),
-            "speculation": s.get("speculation"), "kv_dtype": s.get("kv_dtype"),
-            "kv_bytes_per_token": s.get("kv_bytes_per_token"), "token_ids": toks}
+    return {
+        "method": name if decode_method == "tree" else f"ring nproc={nproc}",
+        "scheme": scheme if decode_method == "tree" else "ring",
+        "nproc": nproc,
+        "tp": tp,
+        "prefill_s": s["prefill_s"],
+        "decode_ms_per_token": decode_ms,
+        "weight_bytes": s["weight_bytes"],
+        "peak_rss_bytes": s.get("peak_rss_bytes"),
+        "speculation": s.get("speculation"),
+        "kv_dtype": s.get("kv_dtype"),
+        "kv_bytes_per_token": s.get("kv_bytes_per_token"),
+        "token_ids": toks,
+    }
 
 
 class _Clock:
@@ -80,14 +114,25 @@ def time_transformers(model_dir, ids, new_tokens, dtype=torch.float32, device="c
     clock = _Clock(device)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = m.generate(x, attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=clock,
-                         output_scores=True, return_dict_in_generate=True)
+        out = m.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            pad_token_id=0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            streamer=clock,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     first, last = clock.stamps[1], clock.stamps[-1]  # stamps[0]: the prompt, before prefill
-    return {"method": "transformers sdpa", "prefill_s": first - t0,
-            "decode_ms_per_token": 1e3 * (last - first) / (new_tokens - 1),
-            "token_ids": out.sequences[0, len(ids):].tolist(),
-            "scores": [sc[0].float().cpu() for sc in out.scores]}  # [vocab] logits per step
+    return {
+        "method": "transformers sdpa",
+        "prefill_s": first - t0,
+        "decode_ms_per_token": 1e3 * (last - first) / (new_tokens - 1),
+        "token_ids": out.sequences[0, len(ids) :].tolist(),
+        "scores": [sc[0].float().cpu() for sc in out.scores],
+    }  # [vocab] logits per step
 
 
 def divergence(ours: list, hf: dict) -> dict:
@@ -100,20 +145,33 @@ def divergence(ours: list, hf: dict) -> dict:
     if i is None:
         return {} if len(ours) == len(ref) else {"first_divergence": min(len(ours), len(ref))}
     sc = hf["scores"][i]
-    return {"first_divergence": i, "margin": round(float(sc[ref[i]] - sc[ours[i]]), 4),
-            "logit_scale": round(float(sc.abs().max()), 3)}
+    return {
+        "first_divergence": i,
+        "margin": round(float(sc[ref[i]] - sc[ours[i]]), 4),
+        "logit_scale": round(float(sc.abs().max()), 3),
+    }
 
 
 def machine(device: str, nproc) -> str:
     """The machine a record was measured on, in words."""
     if device == "cuda":
         return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {nproc} rank(s)"
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads in this process, {nproc} rank(s)")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads in this process, {nproc} rank(s)"
+    )
 
 
-def model_bench(model=None, prompt_tokens=(4096,), nprocs=(1, 2), new_tokens=32, device="cpu", dtype="float32",
-                kv_dtypes=("auto",), on_record=None):
+def model_bench(
+    model=None,
+    prompt_tokens=(4096,),
+    nprocs=(1, 2),
+    new_tokens=32,
+    device="cpu",
+    dtype="float32",
+    kv_dtypes=("auto",),
+    on_record=None,
+):
     """Records per prompt length: treeattn per rank count and cache storage, then transformers;
     ``on_record(rec)`` as each is measured."""
     model_dir = M.resolve(model)
@@ -153,9 +211,16 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="one JSON record per line, as measured")
     a = p.parse_args(argv)
     model, device, dtype = model_from_flags(p, a)
-    recs = model_bench(model, [int(x) for x in a.prompt_tokens.split(",")], [int(x) for x in a.nproc.split(",")],
-                       a.new_tokens, device, dtype, [k for k in a.kv_dtypes.split(",") if k],
-                       on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
+    recs = model_bench(
+        model,
+        [int(x) for x in a.prompt_tokens.split(",")],
+        [int(x) for x in a.nproc.split(",")],
+        a.new_tokens,
+        device,
+        dtype,
+        [k for k in a.kv_dtypes.split(",") if k],
+        on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None,
+    )
     if a.json:
         return
     from rich.console import Console
@@ -165,8 +230,14 @@ def main(argv=None):
     for c in ("prompt", "method", "KV", "prefill s", "decode ms/token", "same tokens"):
         t.add_column(c, justify="right")
     for r in recs:
-        t.add_row(str(r["prompt_tokens"]), r["method"], str(r.get("kv_dtype") or "-"), f"{r['prefill_s']:.2f}",
-                  f"{r['decode_ms_per_token']:.1f}", str(r.get("same_tokens_as_transformers", "-")))
+        t.add_row(
+            str(r["prompt_tokens"]),
+            r["method"],
+            str(r.get("kv_dtype") or "-"),
+            f"{r['prefill_s']:.2f}",
+            f"{r['decode_ms_per_token']:.1f}",
+            str(r.get("same_tokens_as_transformers", "-")),
+        )
     t.caption = recs[0]["machine"] if recs else ""
     Console().print(t)
 

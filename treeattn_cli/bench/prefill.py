@@ -55,14 +55,27 @@ def prefill_rank(ctx, spec: BenchSpec):
             rows = every[:1] if single else every
             ms = sorted((rows[:, : len(times)].max(0).values * 1e3).tolist())
             fl = rows[:, len(times)].tolist()
-            records.append({
-                "method": method, "nproc": 1 if single else p, "seq_len": N, "batch": B, "heads": H,
-                "kv_heads": Hk, "head_dim": d, "dtype": spec.dtype, "layers": L,
-                "step_ms_median": statistics.median(ms), "step_ms_p10": pct(ms, 10), "step_ms_p90": pct(ms, 90),
-                "flops_per_rank": [int(x) for x in fl], "flops_max_over_mean": max(fl) / (sum(fl) / len(fl)),
-                "bytes_per_rank": [int(x) for x in rows[:, len(times) + 1].tolist()],
-                "device": device_name(dev), "simulated": False,
-            })
+            records.append(
+                {
+                    "method": method,
+                    "nproc": 1 if single else p,
+                    "seq_len": N,
+                    "batch": B,
+                    "heads": H,
+                    "kv_heads": Hk,
+                    "head_dim": d,
+                    "dtype": spec.dtype,
+                    "layers": L,
+                    "step_ms_median": statistics.median(ms),
+                    "step_ms_p10": pct(ms, 10),
+                    "step_ms_p90": pct(ms, 90),
+                    "flops_per_rank": [int(x) for x in fl],
+                    "flops_max_over_mean": max(fl) / (sum(fl) / len(fl)),
+                    "bytes_per_rank": [int(x) for x in rows[:, len(times) + 1].tolist()],
+                    "device": device_name(dev),
+                    "simulated": False,
+                }
+            )
             ctx.send("case", (ci + 1, len(cases)))
         q = k = v = None  # free this length's tensors before the next
     return records if r == 0 else None

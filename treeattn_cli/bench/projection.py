@@ -31,8 +31,10 @@ def simulate(profile_name: str, gpus: list[int], spec, attn_s_per_byte: float | 
 
     prof = Lo.load_profile(profile_name)
     per_node = prof.gpus_per_node or 8
-    intra = next((c for c in ("NVSWITCH", "XGMI", "NVLINK", "PIX", "PXB", "PHB", "NODE", "SYS", "LOOPBACK")
-                  if c in prof.links), None)
+    intra = next(
+        (c for c in ("NVSWITCH", "XGMI", "NVLINK", "PIX", "PXB", "PHB", "NODE", "SYS", "LOOPBACK") if c in prof.links),
+        None,
+    )
     s_per_byte = attn_s_per_byte or (1.0 / prof.memory_bandwidth if prof.memory_bandwidth else None)
     if s_per_byte is None:
         raise ValueError(f"profile {prof.name} has no memory_bandwidth_gbps: cannot price local attention")
@@ -40,10 +42,13 @@ def simulate(profile_name: str, gpus: list[int], spec, attn_s_per_byte: float | 
     H, Hk, d, L = spec.heads, spec.kv_heads, spec.head_dim, spec.layers
     out = []
     for p in gpus:
-        links = [["X" if i == j else (intra if i // per_node == j // per_node else "NET")
-                  for j in range(p)] for i in range(p)]
-        topo = Topology([GPU(i) for i in range(p)], links, [[0] * p for _ in range(p)],
-                        [[True] * p for _ in range(p)], "simulated")
+        links = [
+            ["X" if i == j else (intra if i // per_node == j // per_node else "NET") for j in range(p)]
+            for i in range(p)
+        ]
+        topo = Topology(
+            [GPU(i) for i in range(p)], links, [[0] * p for _ in range(p)], [[True] * p for _ in range(p)], "simulated"
+        )
         ring_link = prof.link("NET" if p > per_node else intra)
         for B in spec.batches or [spec.batch]:
             lay = Lo.choose_layout(topo, prof, batch=B, heads=H, head_dim=d, layers=1)
@@ -54,14 +59,42 @@ def simulate(profile_name: str, gpus: list[int], spec, attn_s_per_byte: float | 
                 tree = L * (t_attn + lay.per_layer_s)
                 xfer = ring_link.alpha_s + shard * ring_link.beta_s
                 ring = L * (t_attn + (p - 1) * max(t_attn, xfer))
-                base = {"nproc": p, "seq_len": N, "batch": B, "shared": spec.shared, "heads": H, "kv_heads": Hk,
-                        "head_dim": d, "dtype": spec.dtype, "layers": L, "simulated": True, "profile": prof.name,
-                        "device": f"simulated {prof.name}", "peak_mem_bytes": int(shard)}
-                out.append({**base, "method": "tree", "scheme": lay.scheme, "step_ms_median": tree * 1e3,
-                            "bytes_per_step": L * sum(Lo.message_bytes(B, H, d).values()),
-                            "collectives_per_step": L * 2, "groups": len(lay.groups)})
-                out.append({**base, "method": "ring", "scheme": "ring", "step_ms_median": ring * 1e3,
-                            "bytes_per_step": int(L * (p - 1) * shard), "collectives_per_step": L * (p - 1)})
+                base = {
+                    "nproc": p,
+                    "seq_len": N,
+                    "batch": B,
+                    "shared": spec.shared,
+                    "heads": H,
+                    "kv_heads": Hk,
+                    "head_dim": d,
+                    "dtype": spec.dtype,
+                    "layers": L,
+                    "simulated": True,
+                    "profile": prof.name,
+                    "device": f"simulated {prof.name}",
+                    "peak_mem_bytes": int(shard),
+                }
+                out.append(
+                    {
+                        **base,
+                        "method": "tree",
+                        "scheme": lay.scheme,
+                        "step_ms_median": tree * 1e3,
+                        "bytes_per_step": L * sum(Lo.message_bytes(B, H, d).values()),
+                        "collectives_per_step": L * 2,
+                        "groups": len(lay.groups),
+                    }
+                )
+                out.append(
+                    {
+                        **base,
+                        "method": "ring",
+                        "scheme": "ring",
+                        "step_ms_median": ring * 1e3,
+                        "bytes_per_step": int(L * (p - 1) * shard),
+                        "collectives_per_step": L * (p - 1),
+                    }
+                )
     return out
 
 
@@ -97,9 +130,20 @@ def speculation_gain(acceptance: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: list[int], shape: str, *,
-                  batch: int = 1, shared: bool = False, dtype: str = "bfloat16",
-                  acceptance: float | None = None, draft_k: int = 8, kv_dtype: str = "auto") -> list[dict]:
+def simulate_mesh(
+    profile_name: str,
+    gpus: list[int],
+    seq_lens: list[int],
+    tps: list[int],
+    shape: str,
+    *,
+    batch: int = 1,
+    shared: bool = False,
+    dtype: str = "bfloat16",
+    acceptance: float | None = None,
+    draft_k: int = 8,
+    kv_dtype: str = "auto",
+) -> list[dict]:
     """Predicted decode step of a whole model for every (GPUs, tokens, tp) with tp | GPUs,
     tp | H_kv and tp <= GPUs per node; ``fits`` says whether weights + KV fit each GPU's memory
     and ``best`` marks the fastest fitting (tp, cp) per (GPUs, tokens). ``batch`` sequences per
@@ -122,8 +166,10 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
     if not prof.memory_bandwidth:
         raise ValueError(f"profile {prof.name} has no memory_bandwidth_gbps: cannot price memory reads")
     per_node = prof.gpus_per_node or 8
-    intra = next((c for c in ("NVSWITCH", "XGMI", "NVLINK", "PIX", "PXB", "PHB", "NODE", "SYS", "LOOPBACK")
-                  if c in prof.links), "NET")
+    intra = next(
+        (c for c in ("NVSWITCH", "XGMI", "NVLINK", "PIX", "PXB", "PHB", "NODE", "SYS", "LOOPBACK") if c in prof.links),
+        "NET",
+    )
     esize = DTYPES[dtype].itemsize
     kv_name = dtype if kv_dtype == "auto" else kv_dtype
     kv_token = token_bytes(kv_name, m.layers, m.kv_heads, m.head_dim)  # all layers and heads
@@ -137,8 +183,20 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
                 mesh = Mesh(p, tp)
                 cp = mesh.cp
                 nodes = [str(r // per_node) for r in range(p)]
-                lay = cp_layout(mesh, nodes, prof.path, heads=m.heads, head_dim=m.head_dim, layers=m.layers,
-                                intra=intra, batch=batch) if cp > 1 else None
+                lay = (
+                    cp_layout(
+                        mesh,
+                        nodes,
+                        prof.path,
+                        heads=m.heads,
+                        head_dim=m.head_dim,
+                        layers=m.layers,
+                        intra=intra,
+                        batch=batch,
+                    )
+                    if cp > 1
+                    else None
+                )
                 w = m.params * esize / tp
                 kv = kv_token // tp * math.ceil(N / cp) * (1 if shared else batch)
                 t_w, t_kv = w / prof.memory_bandwidth, kv / prof.memory_bandwidth
@@ -148,25 +206,58 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
                 spec = {}
                 if acceptance is not None:
                     fed = batch * (draft_k + 1)  # query rows of a verify step
-                    lay_v = cp_layout(mesh, nodes, prof.path, heads=m.heads, head_dim=m.head_dim, layers=m.layers,
-                                      intra=intra, batch=fed) if cp > 1 else None
+                    lay_v = (
+                        cp_layout(
+                            mesh,
+                            nodes,
+                            prof.path,
+                            heads=m.heads,
+                            head_dim=m.head_dim,
+                            layers=m.layers,
+                            intra=intra,
+                            batch=fed,
+                        )
+                        if cp > 1
+                        else None
+                    )
                     t_ar_v = ring_allreduce_s(tp, fed * m.hidden * esize, prof.link(intra)) if tp > 1 else 0.0
                     t_rows = 2 * m.params / tp * fed / prof.flops if prof.flops else 0.0
                     verify = max(t_w + t_kv, t_rows) + m.layers * (2 * t_ar_v + (lay_v.per_layer_s if lay_v else 0.0))
                     tokens = batch * speculation_gain(acceptance, draft_k)
-                    spec = {"acceptance": acceptance, "draft_k": draft_k, "verify_ms": verify * 1e3,
-                            "spec_tokens_per_s": tokens / verify, "spec_gain": (tokens / verify) / (batch / step)}
-                rows.append({
-                    "method": "tree", "simulated": True, "profile": prof.name, "model": shape, "nproc": p,
-                    "tp": tp, "cp": cp, "seq_len": N, "batch": batch, "shared": shared, "dtype": dtype,
-                    "kv_dtype": kv_name,
-                    "scheme": lay.scheme if lay else "none", "step_ms_median": step * 1e3,
-                    "tokens_per_s": batch / step,
-                    "weights_ms": t_w * 1e3, "kv_ms": t_kv * 1e3, "tp_allreduce_ms": 2 * m.layers * t_ar * 1e3,
-                    "merge_ms": m.layers * t_merge * 1e3, "mem_per_gpu_gb": (w + kv) / 1e9,
-                    "fits": prof.memory_bytes is None or w + kv <= prof.memory_bytes,
-                    "device": f"simulated {prof.name}", **spec,
-                })
+                    spec = {
+                        "acceptance": acceptance,
+                        "draft_k": draft_k,
+                        "verify_ms": verify * 1e3,
+                        "spec_tokens_per_s": tokens / verify,
+                        "spec_gain": (tokens / verify) / (batch / step),
+                    }
+                rows.append(
+                    {
+                        "method": "tree",
+                        "simulated": True,
+                        "profile": prof.name,
+                        "model": shape,
+                        "nproc": p,
+                        "tp": tp,
+                        "cp": cp,
+                        "seq_len": N,
+                        "batch": batch,
+                        "shared": shared,
+                        "dtype": dtype,
+                        "kv_dtype": kv_name,
+                        "scheme": lay.scheme if lay else "none",
+                        "step_ms_median": step * 1e3,
+                        "tokens_per_s": batch / step,
+                        "weights_ms": t_w * 1e3,
+                        "kv_ms": t_kv * 1e3,
+                        "tp_allreduce_ms": 2 * m.layers * t_ar * 1e3,
+                        "merge_ms": m.layers * t_merge * 1e3,
+                        "mem_per_gpu_gb": (w + kv) / 1e9,
+                        "fits": prof.memory_bytes is None or w + kv <= prof.memory_bytes,
+                        "device": f"simulated {prof.name}",
+                        **spec,
+                    }
+                )
             ok = [r for r in rows if r["fits"]]
             if ok:
                 min(ok, key=lambda r: r["step_ms_median"])["best"] = True
@@ -177,8 +268,14 @@ def simulate_mesh(profile_name: str, gpus: list[int], seq_lens: list[int], tps: 
 RESERVE_BYTES = 4 << 30  # per GPU, besides weights and KV: CUDA context, NCCL buffers, activations, logits
 
 
-def max_context(profile_name: str, gpus: list[int], shapes: list[str], kv_dtypes: list[str],
-                tps: list[int] | None = None, dtype: str = "bfloat16") -> list[dict]:
+def max_context(
+    profile_name: str,
+    gpus: list[int],
+    shapes: list[str],
+    kv_dtypes: list[str],
+    tps: list[int] | None = None,
+    dtype: str = "bfloat16",
+) -> list[dict]:
     """The longest context whose KV cache fits ``gpus`` GPUs of a profile next to the weights
     (``dtype``, split ``tp`` ways) and :data:`RESERVE_BYTES`, per model shape, KV dtype and tp:
     each GPU holds ``1/tp`` of the weights and ``1/GPUs`` of every token's KV (``tp`` splits
@@ -205,19 +302,40 @@ def max_context(profile_name: str, gpus: list[int], shapes: list[str], kv_dtypes
                     w = m.params * esize / tp
                     room = prof.memory_bytes - w - RESERVE_BYTES
                     tokens = max(0, int(room * p // per_token)) if room > 0 else 0
-                    rows.append({"simulated": True, "profile": prof.name, "model": shape, "nproc": p, "tp": tp,
-                                 "cp": p // tp, "dtype": dtype, "kv_dtype": kv_name, "kv_bytes_per_token": per_token,
-                                 "weights_gb_per_gpu": w / 1e9, "kv_room_gb_per_gpu": max(room, 0) / 1e9,
-                                 "max_context": tokens, "reserve_gb": RESERVE_BYTES / 1e9,
-                                 "device": f"simulated {prof.name}"})
+                    rows.append(
+                        {
+                            "simulated": True,
+                            "profile": prof.name,
+                            "model": shape,
+                            "nproc": p,
+                            "tp": tp,
+                            "cp": p // tp,
+                            "dtype": dtype,
+                            "kv_dtype": kv_name,
+                            "kv_bytes_per_token": per_token,
+                            "weights_gb_per_gpu": w / 1e9,
+                            "kv_room_gb_per_gpu": max(room, 0) / 1e9,
+                            "max_context": tokens,
+                            "reserve_gb": RESERVE_BYTES / 1e9,
+                            "device": f"simulated {prof.name}",
+                        }
+                    )
                 if rows:
                     max(rows, key=lambda r: r["max_context"])["best"] = True
                 out += rows
     return out
 
 
-def simulate_prefill(profile_name: str, gpus: list[int], seq_lens: list[int], shape: str, *, tp: int = 8,
-                     mfu: float = 0.5, dtype: str = "bfloat16") -> list[dict]:
+def simulate_prefill(
+    profile_name: str,
+    gpus: list[int],
+    seq_lens: list[int],
+    shape: str,
+    *,
+    tp: int = 8,
+    mfu: float = 0.5,
+    dtype: str = "bfloat16",
+) -> list[dict]:
     """Predicted prefill time of a whole model on ``gpus`` GPUs as ``tp``-way tensor parallel
     groups (inside nodes) × ``cp = gpus / tp`` sequence shards, for balanced and contiguous
     sharding. Compute at ``mfu`` of the profile's dense bf16 FLOP/s: linear layers (2 FLOPs per
@@ -233,8 +351,10 @@ def simulate_prefill(profile_name: str, gpus: list[int], seq_lens: list[int], sh
     if not prof.flops:
         raise ValueError(f"profile {prof.name} has no compute_tflops: cannot price prefill compute")
     per_node = prof.gpus_per_node or 8
-    intra = next((c for c in ("NVSWITCH", "XGMI", "NVLINK", "PIX", "PXB", "PHB", "NODE", "SYS", "LOOPBACK")
-                  if c in prof.links), "NET")
+    intra = next(
+        (c for c in ("NVSWITCH", "XGMI", "NVLINK", "PIX", "PXB", "PHB", "NODE", "SYS", "LOOPBACK") if c in prof.links),
+        "NET",
+    )
     esize = DTYPES[dtype].itemsize
     rate = prof.flops * mfu
     out = []
@@ -255,9 +375,26 @@ def simulate_prefill(profile_name: str, gpus: list[int], seq_lens: list[int], sh
                 t_step = share / m.layers / max(cp, 1) / rate  # one ring step's attention, per layer
                 exposed = m.layers * (cp - 1) * max(0.0, t_xfer - t_step)
                 total = (lin / p + share) / rate + t_ar + exposed
-                out.append({"method": sharding, "simulated": True, "profile": prof.name, "model": shape,
-                            "nproc": p, "tp": tp, "cp": cp, "seq_len": N, "mfu": mfu, "dtype": dtype,
-                            "prefill_s": total, "ideal_s": ideal, "efficiency": ideal / total,
-                            "attention_s": share / rate, "linear_s": lin / p / rate, "tp_allreduce_s": t_ar,
-                            "exposed_kv_s": exposed, "device": f"simulated {prof.name}"})
+                out.append(
+                    {
+                        "method": sharding,
+                        "simulated": True,
+                        "profile": prof.name,
+                        "model": shape,
+                        "nproc": p,
+                        "tp": tp,
+                        "cp": cp,
+                        "seq_len": N,
+                        "mfu": mfu,
+                        "dtype": dtype,
+                        "prefill_s": total,
+                        "ideal_s": ideal,
+                        "efficiency": ideal / total,
+                        "attention_s": share / rate,
+                        "linear_s": lin / p / rate,
+                        "tp_allreduce_s": t_ar,
+                        "exposed_kv_s": exposed,
+                        "device": f"simulated {prof.name}",
+                    }
+                )
     return out

@@ -70,8 +70,13 @@ def make_spec(o: BenchOptions, kind: str, nproc: int) -> BenchSpec:
     if bad or not methods:
         raise ValueError(f"--methods takes a comma list of {', '.join(METHODS)}, got {o.methods!r}")
     batches = parse_ints("--batch", str(o.batch))
-    for flag, v in (("--heads", o.heads), ("--kv-heads", o.kv_heads),
-                    ("--head-dim", o.head_dim), ("--layers", o.layers), ("--iters", o.iters)):
+    for flag, v in (
+        ("--heads", o.heads),
+        ("--kv-heads", o.kv_heads),
+        ("--head-dim", o.head_dim),
+        ("--layers", o.layers),
+        ("--iters", o.iters),
+    ):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
     if o.warmup < 0:
@@ -90,12 +95,25 @@ def make_spec(o: BenchOptions, kind: str, nproc: int) -> BenchSpec:
         schemes = [s.strip() for s in o.scheme.split(",")]
         if any(s not in SCHEMES for s in schemes):
             raise ValueError(f"--scheme takes auto, all or a comma list of {', '.join(SCHEMES)}")
-    return BenchSpec(methods=methods, schemes=schemes, seq_lens=parse_ints("--seq-len", o.seq_len),
-                     batch=batches[0], batches=batches, shared=o.shared, heads=o.heads, kv_heads=o.kv_heads,
-                     head_dim=o.head_dim,
-                     dtype=dtype, kv_dtype=o.kv_dtype, layers=o.layers, iters=o.iters, warmup=o.warmup,
-                     groups=lay.groups if lay.scheme == "hierarchical" else [list(range(nproc))],
-                     inner=lay.inner or "allreduce", outer=lay.outer or "tree")
+    return BenchSpec(
+        methods=methods,
+        schemes=schemes,
+        seq_lens=parse_ints("--seq-len", o.seq_len),
+        batch=batches[0],
+        batches=batches,
+        shared=o.shared,
+        heads=o.heads,
+        kv_heads=o.kv_heads,
+        head_dim=o.head_dim,
+        dtype=dtype,
+        kv_dtype=o.kv_dtype,
+        layers=o.layers,
+        iters=o.iters,
+        warmup=o.warmup,
+        groups=lay.groups if lay.scheme == "hierarchical" else [list(range(nproc))],
+        inner=lay.inner or "allreduce",
+        outer=lay.outer or "tree",
+    )
 
 
 def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
@@ -107,9 +125,15 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
 
         if not 0 < o.mfu <= 1:
             raise ValueError(f"--mfu must be in (0, 1], got {o.mfu}")
-        return simulate_prefill(o.simulate, parse_ints("--gpus", o.gpus), parse_ints("--seq-len", o.seq_len),
-                                o.model_shape or "llama-3.1-405b", tp=parse_ints("--tp", o.tp)[0], mfu=o.mfu,
-                                dtype=o.dtype if o.dtype != "auto" else "bfloat16")
+        return simulate_prefill(
+            o.simulate,
+            parse_ints("--gpus", o.gpus),
+            parse_ints("--seq-len", o.seq_len),
+            o.model_shape or "llama-3.1-405b",
+            tp=parse_ints("--tp", o.tp)[0],
+            mfu=o.mfu,
+            dtype=o.dtype if o.dtype != "auto" else "bfloat16",
+        )
     from ..engine.kvdtypes import KV_DTYPES
 
     if o.kv_dtype not in KV_DTYPES:
@@ -121,8 +145,9 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
             raise ValueError("--max-context is a projection: give --simulate PROFILE (e.g. dgx-h100)")
         shapes = [o.model_shape] if o.model_shape else ["llama-3.1-8b", "llama-3.1-70b"]
         kvs = [o.kv_dtype] if o.kv_dtype != "auto" else ["bfloat16", "fp8"]
-        return max_context(o.simulate, parse_ints("--gpus", o.gpus), shapes, kvs,
-                           parse_ints("--tp", o.tp) if o.tp != "1" else None)  # default: every tp that divides
+        return max_context(
+            o.simulate, parse_ints("--gpus", o.gpus), shapes, kvs, parse_ints("--tp", o.tp) if o.tp != "1" else None
+        )  # default: every tp that divides
     if o.prefill:
         return prefill_mode(o, on_progress)
     if o.simulate:
@@ -134,16 +159,37 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
             raise ValueError(f"--draft-k must be >= 1, got {o.draft_k}")
 
         batches = parse_ints("--batch", str(o.batch))
-        spec = BenchSpec(seq_lens=parse_ints("--seq-len", o.seq_len), batch=batches[0], batches=batches,
-                         shared=o.shared, heads=o.heads, kv_heads=o.kv_heads, head_dim=o.head_dim,
-                         dtype=o.dtype if o.dtype != "auto" else "bfloat16", layers=o.layers)
+        spec = BenchSpec(
+            seq_lens=parse_ints("--seq-len", o.seq_len),
+            batch=batches[0],
+            batches=batches,
+            shared=o.shared,
+            heads=o.heads,
+            kv_heads=o.kv_heads,
+            head_dim=o.head_dim,
+            dtype=o.dtype if o.dtype != "auto" else "bfloat16",
+            layers=o.layers,
+        )
         if o.heads % o.kv_heads:
             raise ValueError(f"--heads ({o.heads}) must be a multiple of --kv-heads ({o.kv_heads})")
         if o.tp != "1" or o.model_shape:
-            return [r for b in batches for r in simulate_mesh(
-                o.simulate, parse_ints("--gpus", o.gpus), spec.seq_lens, parse_ints("--tp", o.tp),
-                o.model_shape or "llama-3.1-8b", batch=b, shared=o.shared, dtype=spec.dtype,
-                acceptance=o.acceptance, draft_k=o.draft_k, kv_dtype=o.kv_dtype)]
+            return [
+                r
+                for b in batches
+                for r in simulate_mesh(
+                    o.simulate,
+                    parse_ints("--gpus", o.gpus),
+                    spec.seq_lens,
+                    parse_ints("--tp", o.tp),
+                    o.model_shape or "llama-3.1-8b",
+                    batch=b,
+                    shared=o.shared,
+                    dtype=spec.dtype,
+                    acceptance=o.acceptance,
+                    draft_k=o.draft_k,
+                    kv_dtype=o.kv_dtype,
+                )
+            ]
         return simulate(o.simulate, parse_ints("--gpus", o.gpus), spec)
     counts = parse_ints("--nproc", o.nproc) if o.nproc else [None]
     kind, backend, n, devices = plan_devices(o.device, o.backend, counts[0])
@@ -151,9 +197,17 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
         from .kernel import kernel_bench
 
         spec = make_spec(o, kind, 1)
-        return kernel_bench(spec.seq_lens, batch=spec.batch, heads=spec.heads, kv_heads=spec.kv_heads,
-                            head_dim=spec.head_dim, dtype=spec.dtype, device=devices[0],
-                            iters=spec.iters, warmup=spec.warmup)
+        return kernel_bench(
+            spec.seq_lens,
+            batch=spec.batch,
+            heads=spec.heads,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            device=devices[0],
+            iters=spec.iters,
+            warmup=spec.warmup,
+        )
     if o.model is not None:
         return model_mode(o, n, parse_ints("--tp", o.tp)[0])
     from ..parallel.launch import run_local
@@ -168,8 +222,7 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
             if what == "case" and on_progress is not None:
                 on_progress(base + val[0], total)
 
-        records += run_local(bench_rank, n, spec, backend=backend, devices=devices,
-                             timeout_s=o.timeout, on_event=ev)[0]
+        records += run_local(bench_rank, n, spec, backend=backend, devices=devices, timeout_s=o.timeout, on_event=ev)[0]
     return records
 
 
@@ -180,8 +233,11 @@ def prefill_mode(o: BenchOptions, on_progress=None) -> list[dict]:
     from .prefill import prefill_rank
     from ..engine.job import plan_devices
 
-    methods = list(PREFILL_METHODS) if o.methods == BenchOptions.methods else \
-        [m.strip() for m in o.methods.split(",") if m.strip()]
+    methods = (
+        list(PREFILL_METHODS)
+        if o.methods == BenchOptions.methods
+        else [m.strip() for m in o.methods.split(",") if m.strip()]
+    )
     if not methods or any(m not in PREFILL_METHODS for m in methods):
         raise ValueError(f"--prefill --methods takes a comma list of {', '.join(PREFILL_METHODS)}, got {o.methods!r}")
     records = []
@@ -196,8 +252,9 @@ def prefill_mode(o: BenchOptions, on_progress=None) -> list[dict]:
             if what == "case" and on_progress is not None:
                 on_progress(base + val[0], total)
 
-        records += run_local(prefill_rank, n, spec, backend=backend, devices=devices, timeout_s=o.timeout,
-                             on_event=ev)[0]
+        records += run_local(prefill_rank, n, spec, backend=backend, devices=devices, timeout_s=o.timeout, on_event=ev)[
+            0
+        ]
     return records
 
 
@@ -219,9 +276,24 @@ def model_mode(o: BenchOptions, n: int, tp: int = 1) -> list[dict]:
             elif m == "ring":
                 r = time_treeattn(model_dir, ids, o.new_tokens, n, decode_method="ring", kv_dtype=o.kv_dtype)
             else:
-                r = time_treeattn(model_dir, ids, o.new_tokens, n, tp=tp, kv_dtype=o.kv_dtype,
-                                  scheme="allreduce" if o.scheme in ("auto", "all") else o.scheme)
+                r = time_treeattn(
+                    model_dir,
+                    ids,
+                    o.new_tokens,
+                    n,
+                    tp=tp,
+                    kv_dtype=o.kv_dtype,
+                    scheme="allreduce" if o.scheme in ("auto", "all") else o.scheme,
+                )
             r.pop("token_ids", None)
-            out.append({**r, "method": m, "seq_len": N, "model": str(model_dir), "simulated": False,
-                        "step_ms_median": r["decode_ms_per_token"]})
+            out.append(
+                {
+                    **r,
+                    "method": m,
+                    "seq_len": N,
+                    "model": str(model_dir),
+                    "simulated": False,
+                    "step_ms_median": r["decode_ms_per_token"],
+                }
+            )
     return out

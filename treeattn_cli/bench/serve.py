@@ -27,9 +27,13 @@ from pathlib import Path
 
 from .random_model import add_model_flags, model_from_flags
 
-QUESTIONS = ["Who chose the site of the observatory?", "What happened to the first telescope?",
-             "Name two people who worked there.", "When was the observatory founded?",
-             "What is the ridge made of?"]
+QUESTIONS = [
+    "Who chose the site of the observatory?",
+    "What happened to the first telescope?",
+    "Name two people who worked there.",
+    "When was the observatory founded?",
+    "What is the ridge made of?",
+]
 
 
 def _free_port() -> int:
@@ -42,8 +46,14 @@ def ask(url: str, model: str, text: str, new_tokens: int) -> dict:
     """One streamed chat request: seconds to the first content chunk and to the end, usage."""
     import httpx
 
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": new_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first, usage, pieces = None, None, []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
@@ -60,9 +70,14 @@ def ask(url: str, model: str, text: str, new_tokens: int) -> dict:
                         first = time.perf_counter() - t0
                     pieces.append(c["delta"]["content"])
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    return {"ttft_s": first, "total_s": time.perf_counter() - t0, "prompt_tokens": (usage or {}).get("prompt_tokens"),
-            "cached_tokens": cached, "completion_tokens": (usage or {}).get("completion_tokens"),
-            "text": "".join(pieces)}
+    return {
+        "ttft_s": first,
+        "total_s": time.perf_counter() - t0,
+        "prompt_tokens": (usage or {}).get("prompt_tokens"),
+        "cached_tokens": cached,
+        "completion_tokens": (usage or {}).get("completion_tokens"),
+        "text": "".join(pieces),
+    }
 
 
 def wait_until_serving(proc, url: str, stderr, within_s: float = 300.0) -> None:
@@ -106,8 +121,9 @@ def serving(model=None, nproc: int = 2, *flags: str):
             proc.kill()
 
 
-def run(model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, new_tokens: int = 16,
-        on_record=None) -> list[dict]:
+def run(
+    model=None, nproc: int = 2, doc_tokens: int = 1500, questions: int = 3, new_tokens: int = 16, on_record=None
+) -> list[dict]:
     import httpx
 
     from ..engine.model import load_tokenizer, resolve
@@ -138,18 +154,28 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON record per line, as measured")
     a = ap.parse_args(argv)
     model, _, _ = model_from_flags(ap, a)
-    recs = run(model, a.nproc, a.doc_tokens, a.questions, a.new_tokens,
-               on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
+    recs = run(
+        model,
+        a.nproc,
+        a.doc_tokens,
+        a.questions,
+        a.new_tokens,
+        on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None,
+    )
     if a.json:
         return 0
     print("| request | prompt tokens | cached | first token s | whole answer s |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for r in recs:
-        print(f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.3f} | {r['total_s']:.3f} |")
+        print(
+            f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.3f} | {r['total_s']:.3f} |"
+        )
     later = [r["ttft_s"] for r in recs[1:] if r["ttft_s"]]
     if later and recs[0]["ttft_s"]:
-        print(f"\nfirst token: request 1 {recs[0]['ttft_s']:.2f} s, later requests median "
-              f"{statistics.median(later):.2f} s ({recs[0]['ttft_s'] / statistics.median(later):.1f}x sooner)")
+        print(
+            f"\nfirst token: request 1 {recs[0]['ttft_s']:.2f} s, later requests median "
+            f"{statistics.median(later):.2f} s ({recs[0]['ttft_s'] / statistics.median(later):.1f}x sooner)"
+        )
     return 0
 
 

@@ -37,8 +37,9 @@ def long_question(tokenizer, n_tokens: int) -> str:
     return " ".join(out) + " Which of these names comes first?"
 
 
-def run(model=None, nproc: int = 2, question_tokens: int = 1200, long_tokens: int = 120, on_record=None,
-        flags: tuple = ()) -> list[dict]:
+def run(
+    model=None, nproc: int = 2, question_tokens: int = 1200, long_tokens: int = 120, on_record=None, flags: tuple = ()
+) -> list[dict]:
     import openai
 
     from ..engine.model import load_tokenizer, resolve
@@ -57,11 +58,19 @@ def run(model=None, nproc: int = 2, question_tokens: int = 1200, long_tokens: in
         b = Stream(client, name, question, 8).start().wait()
         a.wait()
         gaps = sorted(y - x for x, y in zip(a.stamps, a.stamps[1:]))
-        out.append({"question_tokens": b.usage.prompt_tokens if b.usage else None, "nproc": nproc,
-                    "a_longest_pause_s": a.longest_pause(b.t0, b.first or b.end),
-                    "a_median_gap_s": gaps[len(gaps) // 2] if gaps else None, "a_tokens": len(a.stamps),
-                    "b_ttft_during_a_s": b.ttft, "b_ttft_alone_s": alone.ttft, "flags": list(flags),
-                    "model": str(model or "embedded")})
+        out.append(
+            {
+                "question_tokens": b.usage.prompt_tokens if b.usage else None,
+                "nproc": nproc,
+                "a_longest_pause_s": a.longest_pause(b.t0, b.first or b.end),
+                "a_median_gap_s": gaps[len(gaps) // 2] if gaps else None,
+                "a_tokens": len(a.stamps),
+                "b_ttft_during_a_s": b.ttft,
+                "b_ttft_alone_s": alone.ttft,
+                "flags": list(flags),
+                "model": str(model or "embedded"),
+            }
+        )
         if on_record is not None:
             on_record(out[-1])
     return out
@@ -77,10 +86,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON record per line")
     a = ap.parse_args(argv)
     flags = ("--prefill-chunk", str(a.prefill_chunk)) if a.prefill_chunk else ()
-    show = (lambda r: print(json.dumps(r), flush=True)) if a.json else (lambda r: print(
-        f"A's longest pause {r['a_longest_pause_s']:.2f} s (median gap {r['a_median_gap_s']:.3f} s) while a "
-        f"{r['question_tokens']}-token question was prefilled; its first token {r['b_ttft_during_a_s']:.2f} s "
-        f"(alone {r['b_ttft_alone_s']:.2f} s)"))
+    show = (
+        (lambda r: print(json.dumps(r), flush=True))
+        if a.json
+        else (
+            lambda r: print(
+                f"A's longest pause {r['a_longest_pause_s']:.2f} s (median gap {r['a_median_gap_s']:.3f} s) while a "
+                f"{r['question_tokens']}-token question was prefilled; its first token {r['b_ttft_during_a_s']:.2f} s "
+                f"(alone {r['b_ttft_alone_s']:.2f} s)"
+            )
+        )
+    )
     run(a.model, a.nproc, a.question_tokens, a.long_tokens, on_record=show, flags=flags)
     return 0
 

@@ -47,8 +47,12 @@ def run(model=None, nproc: int = 2, requests: int = 32, on_record=None) -> list[
         name = client.models.list().data[0].id
 
         def body(i: int) -> dict:
-            return {"model": name, "max_tokens": 12, "temperature": 0,
-                    "messages": [{"role": "user", "content": f"{doc}\n\nQuestion {i}: who is named here?"}]}
+            return {
+                "model": name,
+                "max_tokens": 12,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": f"{doc}\n\nQuestion {i}: who is named here?"}],
+            }
 
         httpx.post(f"{url}/v1/chat/completions", json=body(-1), timeout=600)  # the document, cached
         # (o) overload
@@ -61,11 +65,16 @@ def run(model=None, nproc: int = 2, requests: int = 32, on_record=None) -> list[
                 payload = json.dumps(body(i)).encode()
                 gate.wait()
                 t0 = time.perf_counter()
-                r = http.post(f"{url}/v1/chat/completions", content=payload,
-                              headers={"content-type": "application/json"})
+                r = http.post(
+                    f"{url}/v1/chat/completions", content=payload, headers={"content-type": "application/json"}
+                )
                 took = time.perf_counter() - t0
-            results[i] = (r.status_code, took, r.headers.get("retry-after"),
-                          r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else None)
+            results[i] = (
+                r.status_code,
+                took,
+                r.headers.get("retry-after"),
+                r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else None,
+            )
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
         for t in threads:
@@ -74,18 +83,32 @@ def run(model=None, nproc: int = 2, requests: int = 32, on_record=None) -> list[
             t.join()
         refused = [r for r in results if r[0] == 429]
         accepted = [(i, r) for i, r in enumerate(results) if r[0] == 200]
-        alone = {i: httpx.post(f"{url}/v1/chat/completions", json=body(i), timeout=600).json()
-                 ["choices"][0]["message"]["content"] for i, _ in accepted}
+        alone = {
+            i: httpx.post(f"{url}/v1/chat/completions", json=body(i), timeout=600).json()["choices"][0]["message"][
+                "content"
+            ]
+            for i, _ in accepted
+        }
         after = httpx.post(f"{url}/v1/chat/completions", json=body(requests), timeout=600)
-        record({"measure": "o", "requests": requests, "accepted": len(accepted), "refused_429": len(refused),
+        record(
+            {
+                "measure": "o",
+                "requests": requests,
+                "accepted": len(accepted),
+                "refused_429": len(refused),
                 "other": len(results) - len(accepted) - len(refused),
                 "refusal_ms_median": 1000 * statistics.median(r[1] for r in refused) if refused else None,
                 "refusal_ms_max": 1000 * max(r[1] for r in refused) if refused else None,
                 "retry_after_s": sorted({r[2] for r in refused}),
                 "answers_equal_alone": all(r[3] == alone[i] for i, r in accepted),
                 "after_status": after.status_code,
-                "met": bool(refused) and statistics.median(r[1] for r in refused) < 0.05
-                and all(r[3] == alone[i] for i, r in accepted) and after.status_code == 200})
+                "met": bool(refused)
+                and statistics.median(r[1] for r in refused) < 0.05
+                and all(r[3] == alone[i] for i, r in accepted)
+                and after.status_code == 200,
+            }
+        )
+
         # (m) a long answer's token gaps, with and without a scraper
         def gaps(scrape: bool) -> list[float]:
             stop = threading.Event()
@@ -115,11 +138,18 @@ def run(model=None, nproc: int = 2, requests: int = 32, on_record=None) -> list[
             g, k = gaps(True)
             with_ += g
             n += k
-        record({"measure": "m", "median_gap_ms_without": 1000 * statistics.median(without),
+        record(
+            {
+                "measure": "m",
+                "median_gap_ms_without": 1000 * statistics.median(without),
                 "median_gap_ms_with_scraper": 1000 * statistics.median(with_),
                 "mean_gap_ms_without": 1000 * statistics.mean(without),
-                "mean_gap_ms_with_scraper": 1000 * statistics.mean(with_), "scrapes": n,
-                "scrape_ms_median": 1000 * statistics.median(took) if took else None, "tokens_each": 120})
+                "mean_gap_ms_with_scraper": 1000 * statistics.mean(with_),
+                "scrapes": n,
+                "scrape_ms_median": 1000 * statistics.median(took) if took else None,
+                "tokens_each": 120,
+            }
+        )
     return out
 
 

@@ -66,18 +66,34 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1200, on_record=None) -> l
         ask(docs[0])
         extended = ask(f"{docs[0]}\n\n{docs[1]}")
         cold = ask(f"{docs[1]}\n\n{docs[0]}")
-        record({"measure": "e", "extended_prompt_tokens": extended.usage.prompt_tokens,
-                "extended_cached_tokens": cached(extended), "extended_ttft_s": extended.ttft,
-                "cold_prompt_tokens": cold.usage.prompt_tokens, "cold_cached_tokens": cached(cold),
-                "cold_ttft_s": cold.ttft, "speedup": cold.ttft / extended.ttft})
+        record(
+            {
+                "measure": "e",
+                "extended_prompt_tokens": extended.usage.prompt_tokens,
+                "extended_cached_tokens": cached(extended),
+                "extended_ttft_s": extended.ttft,
+                "cold_prompt_tokens": cold.usage.prompt_tokens,
+                "cold_cached_tokens": cached(cold),
+                "cold_ttft_s": cold.ttft,
+                "speedup": cold.ttft / extended.ttft,
+            }
+        )
         # (f) a document out of memory by the budget, asked again
         first = ask(docs[2])
         for d in docs[3:5]:
             ask(d)
         again = ask(docs[2], QUESTIONS[1])
-        record({"measure": "f", "cache_bytes_per_rank": budget, "first_ttft_s": first.ttft,
-                "again_ttft_s": again.ttft, "again_prompt_tokens": again.usage.prompt_tokens,
-                "again_cached_tokens": cached(again), "speedup": first.ttft / again.ttft})
+        record(
+            {
+                "measure": "f",
+                "cache_bytes_per_rank": budget,
+                "first_ttft_s": first.ttft,
+                "again_ttft_s": again.ttft,
+                "again_prompt_tokens": again.usage.prompt_tokens,
+                "again_cached_tokens": cached(again),
+                "speedup": first.ttft / again.ttft,
+            }
+        )
     return out
 
 

@@ -48,8 +48,14 @@ KEY = "soak-key"
 HANG_S = 30.0  # a stream with no byte for this long is a hang
 STOP_GRACE_S = 15.0  # past --timeout: the launcher's look at the heartbeats (1 s), its grace (5 s), a restart's start
 ANSWER_S = 120.0  # a request not streamed sends its bytes at the end: no answer in this long is a hang
-QUESTIONS = ["Who is named first?", "What happened next?", "Name a place.", "Say it in one line.",
-             "Which year is given?", "What is the ridge made of?"]
+QUESTIONS = [
+    "Who is named first?",
+    "What happened next?",
+    "Name a place.",
+    "Say it in one line.",
+    "Which year is given?",
+    "What is the ridge made of?",
+]
 
 
 @dataclass
@@ -64,8 +70,14 @@ class Spec:
     stop: list = field(default_factory=list)
 
     def body(self, docs: list[str], name: str, stream: bool) -> dict:
-        b = {"model": name, "prompt": f"{docs[self.doc]}\n\n{self.question}", "max_tokens": self.max_tokens,
-             "temperature": self.temperature, "seed": self.seed, "stream": stream}
+        b = {
+            "model": name,
+            "prompt": f"{docs[self.doc]}\n\n{self.question}",
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "stream": stream,
+        }
         if self.stop:
             b["stop"] = self.stop
         return b
@@ -127,10 +139,31 @@ class Soak:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         treeattn = str(Path(sys.executable).with_name("treeattn"))
-        cmd = [treeattn, "serve", "--nproc", str(self.a.nproc), "--port", str(port), "--api-key", KEY,
-               "--cache-dir", str(self.cache), "--batch", "4", "--max-waiting", "4",
-               "--max-request-bytes", "65536", "--restarts", "3", "--timeout", str(self.a.timeout),
-               "--log-format", "none", "--quiet"]
+        cmd = [
+            treeattn,
+            "serve",
+            "--nproc",
+            str(self.a.nproc),
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--cache-dir",
+            str(self.cache),
+            "--batch",
+            "4",
+            "--max-waiting",
+            "4",
+            "--max-request-bytes",
+            "65536",
+            "--restarts",
+            "3",
+            "--timeout",
+            str(self.a.timeout),
+            "--log-format",
+            "none",
+            "--quiet",
+        ]
         if self.a.model:
             cmd += ["--model", str(self.a.model)]
         if self.a.dtype:
@@ -181,16 +214,26 @@ class Soak:
         for i in range(self.a.catalogue):
             r = random.Random(self.a.seed * 1000 + i)
             sampled = r.random() < 0.4
-            specs.append(Spec(r.randrange(3), r.choice(QUESTIONS), r.randint(4, 24),
-                              temperature=0.8 if sampled else 0.0, seed=r.randrange(1 << 20),
-                              stop=[r.choice([".", "\n", " the"])] if r.random() < 0.25 else []))
+            specs.append(
+                Spec(
+                    r.randrange(3),
+                    r.choice(QUESTIONS),
+                    r.randint(4, 24),
+                    temperature=0.8 if sampled else 0.0,
+                    seed=r.randrange(1 << 20),
+                    stop=[r.choice([".", "\n", " the"])] if r.random() < 0.25 else [],
+                )
+            )
         self.specs = specs
         self.alone = [self._complete(s, stream=False)[1] for s in specs]
         if any(x is None for x in self.alone):
-            raise RuntimeError("a request of the catalogue failed alone: " + (self.work / "server.log").read_text()[-1500:])
+            raise RuntimeError(
+                "a request of the catalogue failed alone: " + (self.work / "server.log").read_text()[-1500:]
+            )
 
-    def _complete(self, spec: Spec, stream: bool, cancel_after: int | None = None,
-                  official: bool = False) -> tuple[str, str | None]:
+    def _complete(
+        self, spec: Spec, stream: bool, cancel_after: int | None = None, official: bool = False
+    ) -> tuple[str, str | None]:
         """One request: (outcome, its text when it completed)."""
         import httpx
 
@@ -203,22 +246,33 @@ class Soak:
                 try:
                     out = client.completions.create(**{k: v for k, v in body.items() if k != "stream"})
                 except openai.APIStatusError as e:
-                    return self._refusal("completion (openai)", e.status_code, e.response.text, e.response.headers), None
+                    return self._refusal(
+                        "completion (openai)", e.status_code, e.response.text, e.response.headers
+                    ), None
                 except openai.APITimeoutError:
                     raise httpx.ReadTimeout("no answer") from None
                 except openai.APIConnectionError:
                     return "connection_lost", None
                 return "completed", out.choices[0].text
             if not stream:
-                r = httpx.post(f"{self.url}/v1/completions", headers=self._auth(), json=body,
-                               timeout=httpx.Timeout(10.0, read=ANSWER_S))
+                r = httpx.post(
+                    f"{self.url}/v1/completions",
+                    headers=self._auth(),
+                    json=body,
+                    timeout=httpx.Timeout(10.0, read=ANSWER_S),
+                )
                 if r.status_code == 200:
                     return "completed", r.json()["choices"][0]["text"]
                 return self._refusal("completion", r.status_code, r.text, r.headers), None
             t0 = time.monotonic()
             text, stamps, err, prev, stall = [], [], None, t0, 0.0
-            with httpx.stream("POST", f"{self.url}/v1/completions", headers=self._auth(), json=body,
-                              timeout=httpx.Timeout(10.0, read=self.read_s)) as r:
+            with httpx.stream(
+                "POST",
+                f"{self.url}/v1/completions",
+                headers=self._auth(),
+                json=body,
+                timeout=httpx.Timeout(10.0, read=self.read_s),
+            ) as r:
                 if r.status_code != 200:
                     r.read()
                     return self._refusal("stream", r.status_code, r.text, r.headers), None
@@ -252,8 +306,11 @@ class Soak:
             return "completed", "".join(text)
         except httpx.ReadTimeout:
             with self.tally.lock:
-                self.tally.hangs.append(f"stream over document {spec.doc}: no byte in {self.read_s:.0f} s" if stream else
-                                        f"completion over document {spec.doc}: no answer in {ANSWER_S:.0f} s")
+                self.tally.hangs.append(
+                    f"stream over document {spec.doc}: no byte in {self.read_s:.0f} s"
+                    if stream
+                    else f"completion over document {spec.doc}: no answer in {ANSWER_S:.0f} s"
+                )
             return "hang", None
         except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError):
             return "connection_lost", None  # the server ending (SIGTERM) under it
@@ -306,16 +363,26 @@ class Soak:
         import httpx
 
         text = self.docs[r.randrange(3)] + f"\n\nNote {r.randrange(4)}."
-        p = httpx.post(f"{self.url}/v1/documents", headers=self._auth(), timeout=httpx.Timeout(10.0, read=ANSWER_S),
-                       json={"text": text, "pin": r.random() < 0.3})
+        p = httpx.post(
+            f"{self.url}/v1/documents",
+            headers=self._auth(),
+            timeout=httpx.Timeout(10.0, read=ANSWER_S),
+            json={"text": text, "pin": r.random() < 0.3},
+        )
         if p.status_code != 200:
             return self._expect("document post", p, (409, 503))
         key = p.json()["id"]
-        t = httpx.patch(f"{self.url}/v1/documents/{key}", headers=self._auth(), json={"ttl_s": r.choice([5, 60])},
-                        timeout=httpx.Timeout(10.0, read=ANSWER_S))
+        t = httpx.patch(
+            f"{self.url}/v1/documents/{key}",
+            headers=self._auth(),
+            json={"ttl_s": r.choice([5, 60])},
+            timeout=httpx.Timeout(10.0, read=ANSWER_S),
+        )
         if t.status_code not in (200, 404):
             return self._expect("document patch", t, (404, 503))
-        d = httpx.delete(f"{self.url}/v1/documents/{key}", headers=self._auth(), timeout=httpx.Timeout(10.0, read=ANSWER_S))
+        d = httpx.delete(
+            f"{self.url}/v1/documents/{key}", headers=self._auth(), timeout=httpx.Timeout(10.0, read=ANSWER_S)
+        )
         return "documents_api" if d.status_code in (200, 404, 409) else self._expect("document delete", d, (503,))
 
     def _expect(self, what: str, r, documented: tuple) -> str:
@@ -340,8 +407,10 @@ class Soak:
         elif kind == 2:
             resp, want = httpx.get(f"{self.url}/v1/documents/nosuchdocument", headers=self._auth(), timeout=t), 404
         else:
-            resp, want = httpx.post(url, headers=h, json={"model": self.name, "prompt": "hi", "max_tokens": -3},
-                                    timeout=t), 400
+            resp, want = (
+                httpx.post(url, headers=h, json={"model": self.name, "prompt": "hi", "max_tokens": -3}, timeout=t),
+                400,
+            )
         if resp.status_code == want:
             return f"bad_input_{want}"
         return self._expect("bad input", resp, ())
@@ -349,8 +418,10 @@ class Soak:
     def burst(self, r: random.Random) -> str:
         """Past ``--batch + --max-waiting`` at once: some get 429 with Retry-After; the rest complete."""
         outs: list = []
-        threads = [threading.Thread(target=lambda i=i: outs.append(self._complete(self.specs[i], False)))
-                   for i in (r.randrange(len(self.specs)) for _ in range(10))]
+        threads = [
+            threading.Thread(target=lambda i=i: outs.append(self._complete(self.specs[i], False)))
+            for i in (r.randrange(len(self.specs)) for _ in range(10))
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -430,20 +501,36 @@ class Soak:
         leaked = self.leaked_blocks() if status == "ok" else None
         if self.ballast is not None:
             self.ballast.unlink(missing_ok=True)
-        record = {"seconds": self.a.seconds, "clients": self.a.clients, "seed": self.a.seed,
-                  "outcomes": dict(sorted(self.tally.outcomes.items())), "checked": self.tally.checked,
-                  "equal": self.tally.equal, "differ": self.tally.differ[:5], "undocumented": self.tally.undocumented[:8],
-                  "hangs": self.tally.hangs[:5] + ([f"{hung_clients} client(s) never returned"] if hung_clients else []),
-                  "ttft_p50_s": _pct(self.tally.ttft, 0.5), "ttft_p99_s": _pct(self.tally.ttft, 0.99),
-                  "tpot_p50_s": _pct(self.tally.tpot, 0.5), "tpot_p99_s": _pct(self.tally.tpot, 0.99),
-                  "rank_peak_rss_mib_start": rss_start, "rank_peak_rss_mib_end": rss_end,
-                  "blocks_used_end": metrics.get("blocks_used"), "pinned_documents_end": pinned,
-                  "blocks_left_after_deleting_every_document": leaked,
-                  "restarts": metrics.get("restarts"), "faults": done_faults, "healthy_at_end": status == "ok",
-                  "stop_noticed_s": self.stop_noticed_s, "timeout_s": self.a.timeout, "back_after_kill_s": self.back_s,
-                  "server_start_s": self.start_s,
-                  "disk_full_warnings": (self.work / "server.log").read_text(errors="replace").count(
-                      "cannot write to the cache directory")}
+        record = {
+            "seconds": self.a.seconds,
+            "clients": self.a.clients,
+            "seed": self.a.seed,
+            "outcomes": dict(sorted(self.tally.outcomes.items())),
+            "checked": self.tally.checked,
+            "equal": self.tally.equal,
+            "differ": self.tally.differ[:5],
+            "undocumented": self.tally.undocumented[:8],
+            "hangs": self.tally.hangs[:5] + ([f"{hung_clients} client(s) never returned"] if hung_clients else []),
+            "ttft_p50_s": _pct(self.tally.ttft, 0.5),
+            "ttft_p99_s": _pct(self.tally.ttft, 0.99),
+            "tpot_p50_s": _pct(self.tally.tpot, 0.5),
+            "tpot_p99_s": _pct(self.tally.tpot, 0.99),
+            "rank_peak_rss_mib_start": rss_start,
+            "rank_peak_rss_mib_end": rss_end,
+            "blocks_used_end": metrics.get("blocks_used"),
+            "pinned_documents_end": pinned,
+            "blocks_left_after_deleting_every_document": leaked,
+            "restarts": metrics.get("restarts"),
+            "faults": done_faults,
+            "healthy_at_end": status == "ok",
+            "stop_noticed_s": self.stop_noticed_s,
+            "timeout_s": self.a.timeout,
+            "back_after_kill_s": self.back_s,
+            "server_start_s": self.start_s,
+            "disk_full_warnings": (self.work / "server.log")
+            .read_text(errors="replace")
+            .count("cannot write to the cache directory"),
+        }
         if "term" in self.a.faults.split(","):
             record["term"] = self.terminate()
         return record
@@ -481,8 +568,12 @@ class Soak:
         ids = [d["id"] for d in httpx.get(f"{self.url}/v1/documents", headers=self._auth(), timeout=30).json()["data"]]
         for key in ids:
             httpx.delete(f"{self.url}/v1/documents/{key}", headers=self._auth(), timeout=ANSWER_S)
-        r = httpx.post(f"{self.url}/v1/completions", headers=self._auth(), timeout=ANSWER_S,
-                       json={"model": self.name, "prompt": "hi", "max_tokens": 1})
+        r = httpx.post(
+            f"{self.url}/v1/completions",
+            headers=self._auth(),
+            timeout=ANSWER_S,
+            json={"model": self.name, "prompt": "hi", "max_tokens": 1},
+        )
         return self._metrics()["blocks_used"] if r.status_code == 200 else None
 
     def _pinned(self) -> int:
@@ -494,8 +585,10 @@ class Soak:
     def terminate(self) -> dict:
         """SIGTERM with streams running: the server ends (143), its process tree gone."""
         tree = [self.proc.pid, *_descendants(self.proc.pid)]
-        streams = [threading.Thread(target=self._complete, args=(self.specs[i % len(self.specs)], True), daemon=True)
-                   for i in range(3)]
+        streams = [
+            threading.Thread(target=self._complete, args=(self.specs[i % len(self.specs)], True), daemon=True)
+            for i in range(3)
+        ]
         for s in streams:
             s.start()
         time.sleep(0.5)
@@ -506,8 +599,12 @@ class Soak:
             self.proc.kill()
             rc = "hung"
         time.sleep(1.0)
-        left = [p for p in tree if Path(f"/proc/{p}").exists()
-                and "zombie" not in Path(f"/proc/{p}/status").read_text(errors="replace").lower()]
+        left = [
+            p
+            for p in tree
+            if Path(f"/proc/{p}").exists()
+            and "zombie" not in Path(f"/proc/{p}/status").read_text(errors="replace").lower()
+        ]
         return {"exit": rc, "processes_left": left}
 
     def close(self) -> None:
@@ -525,27 +622,38 @@ class Soak:
 def passed(rec: dict) -> bool:
     term = rec.get("term", {"exit": 143, "processes_left": []})
     stop = rec.get("stop_noticed_s")  # a stopped rank is lost within --timeout and the launcher's grace
-    return (not rec["differ"] and not rec["undocumented"] and not rec["hangs"] and rec["checked"] > 0
-            and (stop is None or stop <= rec["timeout_s"] + STOP_GRACE_S)
-            and rec["checked"] == rec["equal"] and rec["healthy_at_end"]
-            and rec.get("blocks_left_after_deleting_every_document", 0) == 0
-            and term["exit"] in (143, -signal.SIGTERM) and not term["processes_left"])
+    return (
+        not rec["differ"]
+        and not rec["undocumented"]
+        and not rec["hangs"]
+        and rec["checked"] > 0
+        and (stop is None or stop <= rec["timeout_s"] + STOP_GRACE_S)
+        and rec["checked"] == rec["equal"]
+        and rec["healthy_at_end"]
+        and rec.get("blocks_left_after_deleting_every_document", 0) == 0
+        and term["exit"] in (143, -signal.SIGTERM)
+        and not term["processes_left"]
+    )
 
 
 def table(rec: dict) -> str:
-    lines = [f"soak: {rec['seconds']} s, {rec['clients']} clients, seed {rec['seed']}, faults: "
-             f"{'; '.join(rec['faults']) or 'none'}"]
+    lines = [
+        f"soak: {rec['seconds']} s, {rec['clients']} clients, seed {rec['seed']}, faults: "
+        f"{'; '.join(rec['faults']) or 'none'}"
+    ]
     lines += [f"  {k:22} {v}" for k, v in rec["outcomes"].items()]
     ms = lambda x: "-" if x is None else f"{1000 * x:.0f} ms"  # noqa: E731
-    lines += [f"  answers checked {rec['checked']}, equal to alone {rec['equal']}",
-              f"  first token p50 {ms(rec['ttft_p50_s'])}, p99 {ms(rec['ttft_p99_s'])}; per token p50 "
-              f"{ms(rec['tpot_p50_s'])}, p99 {ms(rec['tpot_p99_s'])}",
-              f"  rank peak RSS MiB at start {rec['rank_peak_rss_mib_start']}, at end {rec['rank_peak_rss_mib_end']}",
-              f"  pool blocks in use at end {rec['blocks_used_end']} (pinned documents: {rec['pinned_documents_end']}); "
-              f"after deleting every document {rec.get('blocks_left_after_deleting_every_document')}",
-              f"  restarts {rec['restarts']}, hangs {len(rec['hangs'])}, healthy at end {rec['healthy_at_end']}, "
-              f"disk-full warnings {rec.get('disk_full_warnings', 0)}, serving again after a kill in "
-              f"{rec.get('back_after_kill_s') or '-'} s (the server started in {rec.get('server_start_s')} s)"]
+    lines += [
+        f"  answers checked {rec['checked']}, equal to alone {rec['equal']}",
+        f"  first token p50 {ms(rec['ttft_p50_s'])}, p99 {ms(rec['ttft_p99_s'])}; per token p50 "
+        f"{ms(rec['tpot_p50_s'])}, p99 {ms(rec['tpot_p99_s'])}",
+        f"  rank peak RSS MiB at start {rec['rank_peak_rss_mib_start']}, at end {rec['rank_peak_rss_mib_end']}",
+        f"  pool blocks in use at end {rec['blocks_used_end']} (pinned documents: {rec['pinned_documents_end']}); "
+        f"after deleting every document {rec.get('blocks_left_after_deleting_every_document')}",
+        f"  restarts {rec['restarts']}, hangs {len(rec['hangs'])}, healthy at end {rec['healthy_at_end']}, "
+        f"disk-full warnings {rec.get('disk_full_warnings', 0)}, serving again after a kill in "
+        f"{rec.get('back_after_kill_s') or '-'} s (the server started in {rec.get('server_start_s')} s)",
+    ]
     if "term" in rec:
         lines.append(f"  SIGTERM: exit {rec['term']['exit']}, processes left {rec['term']['processes_left']}")
     for k in ("differ", "undocumented", "hangs"):
@@ -564,16 +672,23 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--catalogue", type=int, default=12, help="distinct requests (each recorded alone first)")
     ap.add_argument("--faults", default="kill,stop,term", help="comma-separated: full, kill, stop, term (or none)")
-    ap.add_argument("--cache-dir", default=None, help="where the server's cache directory goes (the full fault: a "
-                    "small filesystem of its own, e.g. a tmpfs of 256 MiB; default: a temporary folder)")
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where the server's cache directory goes (the full fault: a "
+        "small filesystem of its own, e.g. a tmpfs of 256 MiB; default: a temporary folder)",
+    )
     ap.add_argument("--timeout", type=float, default=10.0, help="the server's collective --timeout (stop's fault)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if "full" in a.faults.split(","):  # (never fill a disk others use)
         st = os.statvfs(a.cache_dir) if a.cache_dir and os.path.isdir(a.cache_dir) else None
         if st is None or st.f_blocks * st.f_frsize > 2 << 30:
-            print("treeattn soak: error: the full fault fills --cache-dir's filesystem: give --cache-dir on a small "
-                  "filesystem of its own (at most 2 GiB, e.g. mount -t tmpfs -o size=256m tmpfs DIR)", file=sys.stderr)
+            print(
+                "treeattn soak: error: the full fault fills --cache-dir's filesystem: give --cache-dir on a small "
+                "filesystem of its own (at most 2 GiB, e.g. mount -t tmpfs -o size=256m tmpfs DIR)",
+                file=sys.stderr,
+            )
             return 2
     soak = Soak(a)
     try:

@@ -45,21 +45,32 @@ def time_transformers_lookup(model_dir, ids, new_tokens, lookup: int, device="cp
     decode ms per token after the first, and the token ids."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                             attn_implementation="sdpa").to(device).eval()
+    m = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+        .to(device)
+        .eval()
+    )
     x = torch.tensor([ids], device=device)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     clock = _Clock(device)
     with torch.inference_mode():
-        out = m.generate(x, attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0,
-                         max_new_tokens=new_tokens, streamer=clock, **kw)
-    toks = out[0, len(ids):].tolist()
+        out = m.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            pad_token_id=0,
+            max_new_tokens=new_tokens,
+            streamer=clock,
+            **kw,
+        )
+    toks = out[0, len(ids) :].tolist()
     first, last = clock.stamps[1], clock.stamps[-1]  # [0]: the prompt; [1]: the first new token(s)
     return {"decode_ms_per_token": 1e3 * (last - first) / max(1, len(toks) - 1), "token_ids": toks}
 
 
-def speculate_bench(model=None, doc_tokens=2000, new_tokens=128, nproc=1, device="cpu", dtype="float32",
-                    on_record=None) -> list[dict]:
+def speculate_bench(
+    model=None, doc_tokens=2000, new_tokens=128, nproc=1, device="cpu", dtype="float32", on_record=None
+) -> list[dict]:
     """Records per request and method; ``on_record(rec)`` as each request's are complete."""
     from .model import machine
 
@@ -74,17 +85,23 @@ def speculate_bench(model=None, doc_tokens=2000, new_tokens=128, nproc=1, device
             r = time_treeattn(model_dir, ids, new_tokens, nproc, dtype=dtype, speculate=spec, device=device)
             runs[f"treeattn {spec}"] = r
         for lookup in (0, 10):
-            runs[f"transformers lookup={lookup}"] = time_transformers_lookup(model_dir, ids, new_tokens, lookup,
-                                                                             device, dtype)
+            runs[f"transformers lookup={lookup}"] = time_transformers_lookup(
+                model_dir, ids, new_tokens, lookup, device, dtype
+            )
         base = runs["treeattn off"]
         for method, r in runs.items():
             rec = {
-                "request": name, "method": method, "prompt_tokens": len(ids), "new_tokens": len(r["token_ids"]),
+                "request": name,
+                "method": method,
+                "prompt_tokens": len(ids),
+                "new_tokens": len(r["token_ids"]),
                 "decode_ms_per_token": r["decode_ms_per_token"],
                 "speedup_vs_off": base["decode_ms_per_token"] / r["decode_ms_per_token"],
                 "speculation": r.get("speculation"),
                 "same_tokens_as_off": r["token_ids"] == base["token_ids"],
-                "machine": machine(device, nproc), "device": device, "dtype": dtype,
+                "machine": machine(device, nproc),
+                "device": device,
+                "dtype": dtype,
             }
             records.append(rec)
             if on_record is not None:
@@ -102,8 +119,15 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="one JSON record per line, as measured")
     a = p.parse_args(argv)
     model, device, dtype = model_from_flags(p, a)
-    recs = speculate_bench(model, a.doc_tokens, a.new_tokens, a.nproc, device, dtype,
-                           on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None)
+    recs = speculate_bench(
+        model,
+        a.doc_tokens,
+        a.new_tokens,
+        a.nproc,
+        device,
+        dtype,
+        on_record=(lambda r: print(json.dumps(r), flush=True)) if a.json else None,
+    )
     if a.json:
         return
     from rich.console import Console
@@ -115,8 +139,14 @@ def main(argv=None):
     for r in recs:
         s = r["speculation"] or {}
         acc = f"{s['accepted']}/{s['drafted']}" if s.get("drafted") else "-"
-        t.add_row(r["request"], r["method"], f"{r['decode_ms_per_token']:.1f}", f"{r['speedup_vs_off']:.2f}",
-                  acc, str(r["same_tokens_as_off"]))
+        t.add_row(
+            r["request"],
+            r["method"],
+            f"{r['decode_ms_per_token']:.1f}",
+            f"{r['speedup_vs_off']:.2f}",
+            acc,
+            str(r["same_tokens_as_off"]),
+        )
     t.caption = recs[0]["machine"] if recs else ""
     Console().print(t)
 

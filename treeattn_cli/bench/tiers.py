@@ -44,9 +44,20 @@ def tiers_rank(ctx, job, docs: list, question: list, pool_bytes: int, root: str)
     out = []
     try:
         eng = Engine(ctx, job)
-        spec = {"op": "batch", "max_new_tokens": 1, "sampling": vars(Sampling()), "stop": [], "eos_ids": [],
-                "speculate": "off", "slots": 1, "pool": pool_bytes, "host_memory": pool_bytes, "dir": root,
-                "save": True, "save_meta": {"identity": model_identity(job.model_dir), "composition": {}}}
+        spec = {
+            "op": "batch",
+            "max_new_tokens": 1,
+            "sampling": vars(Sampling()),
+            "stop": [],
+            "eos_ids": [],
+            "speculate": "off",
+            "slots": 1,
+            "pool": pool_bytes,
+            "host_memory": pool_bytes,
+            "dir": root,
+            "save": True,
+            "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
+        }
 
         def ask(key, ids):
             state.clear()
@@ -119,9 +130,11 @@ def main(argv=None) -> int:
         if a.json:
             print(json.dumps(r))
         else:
-            print(f"{r['tokens']:>7,} tokens: prefill {r['prefill_s']:7.2f} s | host {r['host_s']:6.3f} s "
-                  f"({r['host_speedup']:5.1f}x sooner) | disk {r['disk_s']:6.3f} s ({r['disk_speedup']:5.1f}x) "
-                  f"| {' '.join(r['sources'])}")
+            print(
+                f"{r['tokens']:>7,} tokens: prefill {r['prefill_s']:7.2f} s | host {r['host_s']:6.3f} s "
+                f"({r['host_speedup']:5.1f}x sooner) | disk {r['disk_s']:6.3f} s ({r['disk_speedup']:5.1f}x) "
+                f"| {' '.join(r['sources'])}"
+            )
     if not a.json:
         print(f"[{machine}; the model {model_dir.name}, {a.dtype}]")
     if bad:

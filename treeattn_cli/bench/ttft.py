@@ -48,16 +48,29 @@ def demo_ids():
 
 
 def ours() -> tuple[float, int]:
-    cmd = [sys.executable, "-m", "treeattn_cli.main", "generate", "--nproc", "1", "--dtype", "float32",
-           "--max-new-tokens", "1", "--json", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "treeattn_cli.main",
+        "generate",
+        "--nproc",
+        "1",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "1",
+        "--json",
+        "--quiet",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rec = [json.loads(line) for line in out.splitlines() if line.startswith("{")][-1]
     return rec["ttft_s"], rec["token_ids"][0] if rec.get("token_ids") else -1
 
 
 def theirs(model_dir: str, ids_file: str, threads: int) -> tuple[float, int]:
-    out = subprocess.run([sys.executable, "-c", _HF, model_dir, ids_file, str(threads)], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _HF, model_dir, ids_file, str(threads)], capture_output=True, text=True, check=True
+    ).stdout
     rec = json.loads(out.splitlines()[-1])
     return rec["seconds"], rec["token"]
 
@@ -82,17 +95,26 @@ def main(argv=None) -> int:
                 (o, ot), (t, tt) = ours(), theirs(model_dir, str(f), threads)
             pairs.append({"ours_s": o, "transformers_s": t, "ratio": o / t, "same_token": ot == tt})
             if not a.json:
-                print(f"pair {i + 1}: ours {o:.2f} s, transformers {t:.2f} s, {o / t:.2f}x"
-                      f"{'' if ot == tt else ' (first tokens differ!)'}", flush=True)
-    res = {"prompt_tokens": len(ids), "threads": threads, "pairs": pairs,
-           "median_ratio": statistics.median(p["ratio"] for p in pairs),
-           "ours_median_s": statistics.median(p["ours_s"] for p in pairs),
-           "transformers_median_s": statistics.median(p["transformers_s"] for p in pairs)}
+                print(
+                    f"pair {i + 1}: ours {o:.2f} s, transformers {t:.2f} s, {o / t:.2f}x"
+                    f"{'' if ot == tt else ' (first tokens differ!)'}",
+                    flush=True,
+                )
+    res = {
+        "prompt_tokens": len(ids),
+        "threads": threads,
+        "pairs": pairs,
+        "median_ratio": statistics.median(p["ratio"] for p in pairs),
+        "ours_median_s": statistics.median(p["ours_s"] for p in pairs),
+        "transformers_median_s": statistics.median(p["transformers_s"] for p in pairs),
+    }
     if a.json:
         print(json.dumps(res))
     else:
-        print(f"{len(ids)} prompt tokens, {threads} threads: ours {res['ours_median_s']:.2f} s, transformers "
-              f"{res['transformers_median_s']:.2f} s, median pair {res['median_ratio']:.2f}x")
+        print(
+            f"{len(ids)} prompt tokens, {threads} threads: ours {res['ours_median_s']:.2f} s, transformers "
+            f"{res['transformers_median_s']:.2f} s, median pair {res['median_ratio']:.2f}x"
+        )
     return 0
 
 

@@ -43,17 +43,24 @@ EXTRAS = "test,serve"
 TARGET_OWN = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pytorch-triton.*)$")  # the machine's own
 # What this workplace's GPU image holds (the device tool's KINDS.md, 2026-11-17) at versions that
 # satisfy treeattn's requirements; transformers (5.17 there, treeattn needs >= 5.23) is carried.
-GPU_IMAGE = frozenset("""
+GPU_IMAGE = frozenset(
+    """
 accelerate annotated-doc anyio attrs certifi charset-normalizer click filelock fsspec h11 hf-xet
 httpcore httpx huggingface-hub hypothesis idna iniconfig jinja2 markdown-it-py markupsafe matplotlib
 contourpy cycler fonttools kiwisolver mdurl mpmath networkx numpy packaging pillow pluggy psutil
 pygments pyparsing pytest python-dateutil pyyaml regex requests rich safetensors setuptools
 shellingham six sortedcontainers sympy tokenizers tqdm typer typing-extensions urllib3 uvloop
-""".split())
+""".split()
+)
 # The image's versions a carried package must agree with (as KINDS.md read them): the resolution
 # is held to them, so e.g. the transformers carried works with the image's tokenizers.
-GPU_IMAGE_PINS = {"tokenizers": "0.23.2", "huggingface-hub": "1.33.0", "safetensors": "0.8.0", "numpy": "2.5.2",
-                  "accelerate": "1.15.0"}
+GPU_IMAGE_PINS = {
+    "tokenizers": "0.23.2",
+    "huggingface-hub": "1.33.0",
+    "safetensors": "0.8.0",
+    "numpy": "2.5.2",
+    "accelerate": "1.15.0",
+}
 
 
 def _norm(name: str) -> str:
@@ -73,8 +80,10 @@ def _platform_args(python_version: str | None, platforms: list[str]) -> list[str
 
 def build_own(out: Path) -> Path:
     """This project's wheel into ``out`` (no build isolation: no network needed to build it)."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(ROOT)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
+        check=True,
+    )
     return next(out.glob("treeattn-*.whl"))
 
 
@@ -83,8 +92,20 @@ def resolve(own: Path, plat: list[str], pins: dict | None = None) -> list[tuple[
     (``pins``: versions the target holds that the resolution must keep)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--report",
-               str(report), "--find-links", str(own.parent), *plat]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            "--find-links",
+            str(own.parent),
+            *plat,
+        ]
         if pins:
             (Path(tmp) / "pins.txt").write_text("".join(f"{n}=={v}\n" for n, v in pins.items()))
             cmd += ["-c", str(Path(tmp) / "pins.txt")]
@@ -97,8 +118,21 @@ def resolve(own: Path, plat: list[str], pins: dict | None = None) -> list[tuple[
 
 def download(pins: list[tuple[str, str]], out: Path, plat: list[str]) -> None:
     if pins:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(out), *plat,
-                        *[f"{n}=={v}" for n, v in pins]], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "-d",
+                str(out),
+                *plat,
+                *[f"{n}=={v}" for n, v in pins],
+            ],
+            check=True,
+        )
 
 
 def choose(resolved: list[tuple[str, str]], skip: frozenset) -> tuple[list, list]:
@@ -147,17 +181,38 @@ def check_install(wheels: Path, work: Path, own=("torch", "triton")) -> dict:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
     py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     rec["machine_own"] = link_own(own, work / "machine-own")
     (site / "machine-own.pth").write_text(f"{work / 'machine-own'}\n")
     rec["venv_s"] = round(time.perf_counter() - t0, 1)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
     env["PIP_CONFIG_FILE"] = "/dev/null"  # the machine's pip configuration (indexes, find-links) plays no part
     t0 = time.perf_counter()
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
-                        "--disable-pip-version-check", f"treeattn[{EXTRAS}]"],
-                       capture_output=True, text=True, env=env, cwd=str(work))
+    r = subprocess.run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--disable-pip-version-check",
+            f"treeattn[{EXTRAS}]",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(work),
+    )
     rec["install_s"], rec["install_rc"] = round(time.perf_counter() - t0, 1), r.returncode
     if r.returncode:
         rec["install_error"] = (r.stderr or r.stdout).strip()[-1500:]
@@ -165,8 +220,13 @@ def check_install(wheels: Path, work: Path, own=("torch", "triton")) -> dict:
     listed = subprocess.run([str(py), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, env=env)
     rec["installed"] = len(json.loads(listed.stdout or "[]"))
     t0 = time.perf_counter()
-    r = subprocess.run([str(py), "-m", "treeattn_cli.bench.gpu_report", "--preflight"], capture_output=True,
-                       text=True, env=env, cwd=str(work))  # from outside the checkout: the installed copy
+    r = subprocess.run(
+        [str(py), "-m", "treeattn_cli.bench.gpu_report", "--preflight"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(work),
+    )  # from outside the checkout: the installed copy
     rec["preflight_s"], rec["preflight_rc"] = round(time.perf_counter() - t0, 1), r.returncode
     rec["preflight"] = r.stdout.strip()[-3000:] + (("\n" + r.stderr.strip()[-1500:]) if r.returncode else "")
     return rec
@@ -176,13 +236,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "wheelhouse"))
     ap.add_argument("--python-version", default=None, help="the target's Python, e.g. 3.12 (default: this one)")
-    ap.add_argument("--platform", action="append", default=[],
-                    help="the target's platform tag(s), e.g. manylinux_2_28_x86_64 (repeatable; default: this one)")
+    ap.add_argument(
+        "--platform",
+        action="append",
+        default=[],
+        help="the target's platform tag(s), e.g. manylinux_2_28_x86_64 (repeatable; default: this one)",
+    )
     ap.add_argument("--skip", default="", help="comma-separated distributions the target already holds")
     ap.add_argument("--gpu-image", action="store_true", help="leave out what the GPU image holds (GPU_IMAGE)")
-    ap.add_argument("--check-install", action="store_true",
-                    help="then install from the folder into a fresh venv with only torch and Triton, no index, "
-                         "and run gpu_report --preflight there")
+    ap.add_argument(
+        "--check-install",
+        action="store_true",
+        help="then install from the folder into a fresh venv with only torch and Triton, no index, "
+        "and run gpu_report --preflight there",
+    )
     ap.add_argument("--no-build", action="store_true", help="use the folder as it is (with --check-install)")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -210,9 +277,11 @@ def build(a, out: Path) -> None:
     keep, left = choose(resolve(own, plat, GPU_IMAGE_PINS if a.gpu_image else None), skip)
     download(keep, out, plat)
     size = sum(f.stat().st_size for f in out.glob("*.whl"))
-    print(f"wheelhouse: {len(keep) + 1} wheels in {out} ({size / 2**20:.1f} MiB) for "
-          f"{'Python ' + a.python_version if a.python_version else 'this Python'}"
-          f"{' on ' + ', '.join(platforms) if platforms else ''}")
+    print(
+        f"wheelhouse: {len(keep) + 1} wheels in {out} ({size / 2**20:.1f} MiB) for "
+        f"{'Python ' + a.python_version if a.python_version else 'this Python'}"
+        f"{' on ' + ', '.join(platforms) if platforms else ''}"
+    )
     for name, ver, why in sorted(left):
         print(f"  left out: {name} {ver} ({why})")
 

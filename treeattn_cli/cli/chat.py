@@ -74,7 +74,9 @@ def _question_source(o: ChatOptions):
         try:
             line = input("> ")
             while line.endswith("\\") or select.select([sys.stdin], [], [], 0.02)[0]:
-                line = (line[:-1] if line.endswith("\\") else line) + "\n" + input("" if not line.endswith("\\") else "… ")
+                line = (
+                    (line[:-1] if line.endswith("\\") else line) + "\n" + input("" if not line.endswith("\\") else "… ")
+                )
         except EOFError:
             print(file=sys.stderr)
             return
@@ -115,8 +117,13 @@ def chat_command(o: ChatOptions) -> int:
         from .citations import for_document
 
         spans = for_document(tok, text, doc_ids, composition, system=o.system)
-    save_meta = run.save_meta(o.save_kv, composition) if o.save_kv else \
-        {**run.cache_meta(o.cache_dir), "composition": composition} if o.cache_dir else None
+    save_meta = (
+        run.save_meta(o.save_kv, composition)
+        if o.save_kv
+        else {**run.cache_meta(o.cache_dir), "composition": composition}
+        if o.cache_dir
+        else None
+    )
     job = run.job(o, [], reserve=0)  # the document lives in the ranks' block pool, not in the engine's own cache
     code = _session(o, run, job, composition, doc_ids, manifest, save_meta, spans)
     return 2 if code == 0 and _REFUSED else code
@@ -180,10 +187,18 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
 def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, spans=None) -> None:
     quiet = o.quiet  # as generate: stats on stderr (with --json too: stdout stays JSON lines)
     tok = run.tokenizer
-    info = dict(nproc=run.nproc, tp=o.tp, cp=run.nproc // o.tp, scheme=run.plan[0], dtype=run.dtype, device=run.kind,
-                kv_dtype=run.kv_dtype, kv_bytes_per_token=run.kv_bytes_per_token(o.tp))
+    info = dict(
+        nproc=run.nproc,
+        tp=o.tp,
+        cp=run.nproc // o.tp,
+        scheme=run.plan[0],
+        dtype=run.dtype,
+        device=run.kind,
+        kv_dtype=run.kv_dtype,
+        kv_bytes_per_token=run.kv_bytes_per_token(o.tp),
+    )
     turns = (manifest or {}).get("composition", {}).get("turns", 0) if manifest else 0
-    cached = (manifest["tokens"]["count"] if manifest else len(doc_ids))
+    cached = manifest["tokens"]["count"] if manifest else len(doc_ids)
     pooled = _document(o, run, doc_ids, manifest, save_meta)
     progress = GenerateView(tok, stream=False, progress=sys.stderr.isatty() and not o.quiet)
     _resident(o, client, pooled, cached, progress)  # prefilled, loaded; saved with --save-kv: before the first question
@@ -223,15 +238,26 @@ def _converse(o, run, job, client, composition, doc_ids, manifest, save_meta, sp
             continue
         if not o.json and _from_file_or_pipe(o):
             _say_question(o, q)  # typed questions are on the screen already
-        rec = _answer(o, client, tok, ids, job.eos_ids, {"question": q, **info},
-                      drop_pending=last_reason == "eos" and composition["kind"] == "chat-document", spans=spans,
-                      pooled=pooled)
+        rec = _answer(
+            o,
+            client,
+            tok,
+            ids,
+            job.eos_ids,
+            {"question": q, **info},
+            drop_pending=last_reason == "eos" and composition["kind"] == "chat-document",
+            spans=spans,
+            pooled=pooled,
+        )
         if o.conversation and rec.get("kept", True):
             total += len(ids) + rec["new_tokens"]
             turns, last_reason = turns + 1, rec["stop_reason"]
         elif o.conversation:
-            print("treeattn: error: the KV pool cannot hold this turn too: the conversation goes on from before "
-                  "this question (/reset returns to the document)", file=sys.stderr)
+            print(
+                "treeattn: error: the KV pool cannot hold this turn too: the conversation goes on from before "
+                "this question (/reset returns to the document)",
+                file=sys.stderr,
+            )
     if not asked and _from_file_or_pipe(o):
         _no_questions(o)
 
@@ -249,16 +275,22 @@ def _resident(o, client, pooled, tokens: int, progress) -> None:
             if o.quiet:
                 return
             if d["source"] == "disk":
-                print(f"[loaded {d['tokens']:,} cached tokens from {o.load_kv or o.cache_dir} in {d['seconds']:.2f} s]",
-                      file=sys.stderr)
+                print(
+                    f"[loaded {d['tokens']:,} cached tokens from {o.load_kv or o.cache_dir} in {d['seconds']:.2f} s]",
+                    file=sys.stderr,
+                )
             else:
-                print(f"[document: {d['tokens']:,} tokens prefilled in {d['seconds']:.2f} s, "
-                      f"{d['tokens'] / max(d['seconds'], 1e-9):,.0f} tok/s]", file=sys.stderr)
+                print(
+                    f"[document: {d['tokens']:,} tokens prefilled in {d['seconds']:.2f} s, "
+                    f"{d['tokens'] / max(d['seconds'], 1e-9):,.0f} tok/s]",
+                    file=sys.stderr,
+                )
         elif kind == "docs" and payload.get("saved") and not o.quiet:
             print(f"[saved {tokens:,} cached tokens to {o.save_kv or o.cache_dir}]", file=sys.stderr)
 
-    client.post(op="batch", seq=client.seq, slots=1, **extra,
-                questions=[Ask([], 0, doc=replace(doc, progress=True)).wire()])
+    client.post(
+        op="batch", seq=client.seq, slots=1, **extra, questions=[Ask([], 0, doc=replace(doc, progress=True)).wire()]
+    )
     client.wait("batch_done", on_event=on_event)
     progress.finish()
 
@@ -281,15 +313,28 @@ def _no_questions(o) -> None:
     """Questions were to come from a file or a pipe, and none came: say so (the document was
     prefilled, and saved with --save-kv: a run may be meant for that alone)."""
     where = "standard input" if o.questions in (None, "-") else o.questions
-    print(f"treeattn chat: no questions in {where}; the document was prefilled"
-          + (f" and saved to {o.save_kv}" if o.save_kv else "") + ", nothing was asked", file=sys.stderr)
+    print(
+        f"treeattn chat: no questions in {where}; the document was prefilled"
+        + (f" and saved to {o.save_kv}" if o.save_kv else "")
+        + ", nothing was asked",
+        file=sys.stderr,
+    )
 
 
 def _ask(o, ids, doc: DocRef, eos_ids, spans) -> Ask:
     """A question of ``ids`` over the document, answered as the flags say."""
-    return Ask(list(ids), o.max_new_tokens, Sampling(o.temperature, o.top_k, o.top_p, o.seed), list(o.stop),
-               list(eos_ids), o.speculate, doc=doc, logprobs=o.logprobs, digest=bool(o.digest),
-               cite=spans.spec() if spans else None)
+    return Ask(
+        list(ids),
+        o.max_new_tokens,
+        Sampling(o.temperature, o.top_k, o.top_p, o.seed),
+        list(o.stop),
+        list(eos_ids),
+        o.speculate,
+        doc=doc,
+        logprobs=o.logprobs,
+        digest=bool(o.digest),
+        cite=spans.spec() if spans else None,
+    )
 
 
 def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spans=None, pooled) -> dict:
@@ -302,8 +347,9 @@ def _answer(o, client, tok, ids, eos_ids, info: dict, *, drop_pending: bool, spa
     doc, extra = pooled
     ask = _ask(o, ids, doc, eos_ids, spans)
     ask.keep, ask.drop_pending = bool(o.conversation), bool(o.conversation and drop_pending)
-    seq = client.post(op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra, interruptible=True,
-                      questions=[ask.wire()])
+    seq = client.post(
+        op="batch", seq=client.seq, slots=1, piece=o.prefill_chunk, **extra, interruptible=True, questions=[ask.wire()]
+    )
     got: dict = {}
 
     def on_event(kind, payload):
@@ -348,8 +394,10 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans,
         if cmd in ("/exit", "/quit"):
             break
         if cmd.startswith("/"):
-            _refuse(f"{cmd.split()[0]} is not a question; with --batch only /exit is understood (--batch 1 "
-                    "answers one at a time)")
+            _refuse(
+                f"{cmd.split()[0]} is not a question; with --batch only /exit is understood (--batch 1 "
+                "answers one at a time)"
+            )
             continue
         try:
             ids = P.question_ids(tok, q, composition)
@@ -392,8 +440,15 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans,
             advance()
 
     begin(0)
-    seq = client.post(op="batch", seq=client.seq, slots=o.batch, **extra, interruptible=True, piece=o.prefill_chunk,
-                      questions=[_ask(o, ids, doc, eos_ids, spans).wire() for ids in ids_list])
+    seq = client.post(
+        op="batch",
+        seq=client.seq,
+        slots=o.batch,
+        **extra,
+        interruptible=True,
+        piece=o.prefill_chunk,
+        questions=[_ask(o, ids, doc, eos_ids, spans).wire() for ids in ids_list],
+    )
     try:
         while True:
             try:
@@ -413,8 +468,11 @@ def _batch(o, run, client, composition, cached: int, eos_ids, info: dict, spans,
             show(i, records[i])
     if not o.quiet:
         if done.get("pools"):  # the ranks' pools as the batch ended (every rank's used and total blocks)
-            print(f"[KV pool: {max(u for u, _ in done['pools'])} of {done['pools'][0][1]} blocks per rank "
-                  "in use at the end]", file=sys.stderr)
+            print(
+                f"[KV pool: {max(u for u, _ in done['pools'])} of {done['pools'][0][1]} blocks per rank "
+                "in use at the end]",
+                file=sys.stderr,
+            )
         print(batch_line(done), file=sys.stderr)
 
 
@@ -458,8 +516,10 @@ def _show(o, rec: dict, spans=None, tok=None) -> None:
         rec.update(citations(spans, cited, tok, rec["token_ids"]))
     _ANSWERS.add(rec["text"])
     if rec.get("stop_reason") == "no_room":
-        _refuse(f"a question of {rec.get('prompt_tokens', 0):,} tokens was not answered: with its answer "
-                f"(--max-new-tokens {o.max_new_tokens}) it does not fit in the KV pool beside the document")
+        _refuse(
+            f"a question of {rec.get('prompt_tokens', 0):,} tokens was not answered: with its answer "
+            f"(--max-new-tokens {o.max_new_tokens}) it does not fit in the KV pool beside the document"
+        )
     if o.json:
         print(json.dumps(rec), flush=True)
     if not o.quiet:

@@ -15,8 +15,7 @@ from ..verify.kernels import kernel_checks, save_verdict, skipped
 from ..verify.ranks import dist_rank, generate_checks
 
 
-def check_command(*, nproc=None, device="auto", backend="auto", kernels_only=False,
-                  on_progress=None) -> list[dict]:
+def check_command(*, nproc=None, device="auto", backend="auto", kernels_only=False, on_progress=None) -> list[dict]:
     """Run every check for this machine (``kernels_only``: the kernel part, as ``generate`` does
     on first use); caches the kernel verdict; returns the records."""
     import tempfile
@@ -49,9 +48,19 @@ def check_command(*, nproc=None, device="auto", backend="auto", kernels_only=Fal
     return records
 
 
-def fidelity_command(*, kv_dtype: str, prompt_file: str | None, model: str | None = None, dtype: str = "auto",
-                     device: str = "auto", new_tokens: int = 32, max_tokens: int | None = None,
-                     trust_remote_code: bool = False, allow_pickle: bool = False, on_progress=None) -> dict:
+def fidelity_command(
+    *,
+    kv_dtype: str,
+    prompt_file: str | None,
+    model: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    new_tokens: int = 32,
+    max_tokens: int | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    on_progress=None,
+) -> dict:
     """``check --kv-dtype K --prompt-file DOC``: the fidelity of storing the document's KV as K
     against the model's own dtype (``verify/fidelity.py``), on one device; recorded per model."""
     from ..engine import model as M
@@ -61,7 +70,9 @@ def fidelity_command(*, kv_dtype: str, prompt_file: str | None, model: str | Non
     from ..engine.kvdtypes import KV_DTYPES
 
     if kv_dtype not in KV_DTYPES or kv_dtype == "auto":
-        raise ValueError(f"--kv-dtype must be one of {', '.join(k for k in KV_DTYPES if k != 'auto')}, got {kv_dtype!r}")
+        raise ValueError(
+            f"--kv-dtype must be one of {', '.join(k for k in KV_DTYPES if k != 'auto')}, got {kv_dtype!r}"
+        )
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype must be one of auto, float32, bfloat16, float16, got {dtype!r}")
     if prompt_file is None:
@@ -89,9 +100,17 @@ def fidelity_command(*, kv_dtype: str, prompt_file: str | None, model: str | Non
             last[0] = time.monotonic()
             say(f"prefill {done}/{n}")
 
-    rec = fidelity.measure(model_dir, ids, kv_dtype=kv_dtype, dtype=dt, device=dev,
-                           new_tokens=new_tokens, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                           on_progress=progress)
+    rec = fidelity.measure(
+        model_dir,
+        ids,
+        kv_dtype=kv_dtype,
+        dtype=dt,
+        device=dev,
+        new_tokens=new_tokens,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+        on_progress=progress,
+    )
     rec["model"] = str(model or "embedded demo model")
     rec["document"] = str(prompt_file)
     fidelity.save(model_identity(model_dir), rec, text)

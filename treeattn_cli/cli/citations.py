@@ -89,8 +89,9 @@ class DocumentSpans:
         return self.text.count("\n", 0, offset) + 1
 
 
-def place(tokenizer, ids: list, rendered: str, at: int, text: str, doc: tuple[int, int], *,
-          special: bool) -> DocumentSpans:
+def place(
+    tokenizer, ids: list, rendered: str, at: int, text: str, doc: tuple[int, int], *, special: bool
+) -> DocumentSpans:
     """The spans of ``text[doc[0]:doc[1]]`` placed on ``ids``: the tokens of ``rendered`` (the
     prompt as tokenized, ``special``: with the tokenizer's special tokens), in which ``text``
     begins at character ``at``. A token belongs to the span holding its first non-space
@@ -98,8 +99,10 @@ def place(tokenizer, ids: list, rendered: str, at: int, text: str, doc: tuple[in
     sinks). Raises :class:`CiteError` when the text's tokens cannot be placed or are too few."""
     enc = tokenizer(rendered, add_special_tokens=special, return_offsets_mapping=True)
     if list(enc["input_ids"]) != list(ids):
-        raise CiteError("--cite: the prompt's text does not tokenize to the prompt's tokens here (its chat "
-                        "template rewrites it), so citations could not be placed on it; try --no-chat")
+        raise CiteError(
+            "--cite: the prompt's text does not tokenize to the prompt's tokens here (its chat "
+            "template rewrites it), so citations could not be placed on it; try --no-chat"
+        )
     chars = split_spans(text, *doc)
     starts = [a for a, _ in chars]
     first: dict = {}
@@ -119,9 +122,11 @@ def place(tokenizer, ids: list, rendered: str, at: int, text: str, doc: tuple[in
     spans = DocumentSpans(text, [chars[s] for s in keep], [(first[s], last[s] + 1) for s in keep])
     tokens = sum(b - a for a, b in spans.positions)
     if len(keep) < MIN_SPANS or tokens < MIN_TOKENS:
-        raise CiteError(f"--cite: the document part of the prompt is too short to cite ({tokens} tokens in "
-                        f"{len(keep)} sentence(s); at least {MIN_TOKENS} tokens in {MIN_SPANS} sentences, "
-                        "before the question's paragraph)")
+        raise CiteError(
+            f"--cite: the document part of the prompt is too short to cite ({tokens} tokens in "
+            f"{len(keep)} sentence(s); at least {MIN_TOKENS} tokens in {MIN_SPANS} sentences, "
+            "before the question's paragraph)"
+        )
     return spans
 
 
@@ -132,8 +137,10 @@ def _render(tokenizer, messages: list, content: str, what: str) -> tuple[str, in
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     at = rendered.rfind(content)
     if at < 0:
-        raise CiteError(f"{what}: the chat template does not keep the text intact, so citations could not be "
-                        "placed on it; try --no-chat")
+        raise CiteError(
+            f"{what}: the chat template does not keep the text intact, so citations could not be "
+            "placed on it; try --no-chat"
+        )
     return rendered, at
 
 
@@ -178,8 +185,11 @@ def for_request(tokenizer, ids: list, *, messages: list | None = None, prompt: s
         text, rendered, at, special = prompt, prompt, 0, True
     cut = text.rfind("\n\n")
     if cut <= 0:
-        raise CiteError("'cite' needs a document part: the text before the last blank line of the "
-                        + ("last user message" if messages is not None else "prompt") + " (there is none)")
+        raise CiteError(
+            "'cite' needs a document part: the text before the last blank line of the "
+            + ("last user message" if messages is not None else "prompt")
+            + " (there is none)"
+        )
     return place(tokenizer, ids, rendered, at, text, (0, cut), special=special)
 
 
@@ -203,7 +213,7 @@ def citations(spans: DocumentSpans, masses, tokenizer, answer_ids: list, top: in
         if order[s] > 0:
             out["citations"].append(_span(spans, int(s), float(share[s])))
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
-    ends = [len(tokenizer.decode(answer_ids[:i + 1], skip_special_tokens=True)) for i in range(len(answer_ids))]
+    ends = [len(tokenizer.decode(answer_ids[: i + 1], skip_special_tokens=True)) for i in range(len(answer_ids))]
     for a, b in split_spans(answer):
         rows = [r for r in range(m.shape[0]) if r + 1 < len(ends) and a < ends[r + 1] and ends[r] < b]
         if not rows:
@@ -211,8 +221,14 @@ def citations(spans: DocumentSpans, masses, tokenizer, answer_ids: list, top: in
         own = span_scores(m[rows], lengths)
         s = int(np.argmax(own))
         if own[s] > 0:
-            out["sentence_citations"].append({"start": a, "end": b, "text": answer[a:b],
-                                              "citation": _span(spans, s, float(m[rows, s].mean()), text=False)})
+            out["sentence_citations"].append(
+                {
+                    "start": a,
+                    "end": b,
+                    "text": answer[a:b],
+                    "citation": _span(spans, s, float(m[rows, s].mean()), text=False),
+                }
+            )
     return out
 
 

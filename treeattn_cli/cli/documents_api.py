@@ -67,8 +67,12 @@ def document_ids(srv, text: str) -> list[int]:
     if d < MIN_DOCUMENT:
         raise _Bad(400, f"a document needs at least {MIN_DOCUMENT} tokens; this one has {d}", "text")
     if srv.context and d >= srv.context:
-        raise _Bad(400, f"this model's maximum context length is {srv.context} tokens; the document has {d}",
-                   "text", "context_length_exceeded")
+        raise _Bad(
+            400,
+            f"this model's maximum context length is {srv.context} tokens; the document has {d}",
+            "text",
+            "context_length_exceeded",
+        )
     too_large = srv.catalog.too_large(d, ids)
     if too_large:
         raise _Bad(400, too_large, "text", "document_too_large")
@@ -111,8 +115,12 @@ def add_routes(app: FastAPI, srv) -> None:
     async def body_of(request: Request) -> dict:
         raw = await request.body()
         if len(raw) > srv.o.max_request_bytes:
-            raise _Bad(413, f"the request body ({len(raw)} bytes) exceeds this server's limit of "
-                            f"{srv.o.max_request_bytes} bytes (--max-request-bytes)", code="request_too_large")
+            raise _Bad(
+                413,
+                f"the request body ({len(raw)} bytes) exceeds this server's limit of "
+                f"{srv.o.max_request_bytes} bytes (--max-request-bytes)",
+                code="request_too_large",
+            )
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
@@ -129,6 +137,7 @@ def add_routes(app: FastAPI, srv) -> None:
                 if e.status == 503 and srv.failed:  # the ranks were lost under it
                     return unavailable(srv)
                 return _error(e.status, str(e), e.param, e.code)
+
         return wrapped
 
     @app.post("/v1/documents")
@@ -146,8 +155,11 @@ def add_routes(app: FastAPI, srv) -> None:
         await ask(key, ids, {} if keep else {"pin": pin})
         e = catalog.entries.get(key)
         if e is None:  # another request deleted it meanwhile (the same text posted and deleted at once)
-            raise _Bad(409, f"document {key!r} was deleted by another request while this one posted it; "
-                            "post it again", code="document_deleted")
+            raise _Bad(
+                409,
+                f"document {key!r} was deleted by another request while this one posted it; post it again",
+                code="document_deleted",
+            )
         if "ttl_s" in body:
             e.ttl_s = ttl
         if refusal:

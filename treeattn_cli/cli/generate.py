@@ -28,8 +28,10 @@ def prepare(o: GenerateOptions):
     demo = text is None
     if demo:
         if o.model is not None or o.load_kv:
-            raise P.PromptError("no prompt: give --prompt, --prompt-file or pipe text to standard input"
-                                + (" (--load-kv continues the cached document with it)" if o.load_kv else ""))
+            raise P.PromptError(
+                "no prompt: give --prompt, --prompt-file or pipe text to standard input"
+                + (" (--load-kv continues the cached document with it)" if o.load_kv else "")
+            )
         text, demo_system = P.demo_prompt()
         system = system if system is not None else demo_system
         chat = True if chat is None else chat
@@ -42,22 +44,33 @@ def prepare(o: GenerateOptions):
         ids = P.question_ids(run.tokenizer, text, manifest["composition"])
     else:
         ids = P.build_ids(run.tokenizer, text, chat=bool(chat), system=system)
-    run.check_fits(cached + len(ids), o.max_new_tokens,
-                   "the cached document and the prompt" if o.load_kv else "the prompt")
+    run.check_fits(
+        cached + len(ids), o.max_new_tokens, "the cached document and the prompt" if o.load_kv else "the prompt"
+    )
     composition = manifest["composition"] if manifest else {"kind": "raw"}
     spans = None
     if o.cite:  # the document's sentences placed on the prompt's tokens (never with --load-kv: checked)
         from .citations import for_prompt
 
         spans = for_prompt(run.tokenizer, text, ids, chat=bool(chat), system=system)
-    job = run.job(o, ids, load_kv=o.load_kv, load_manifest=manifest, save_kv=o.save_kv,
-                  save_meta=run.save_meta(o.save_kv, composition) if o.save_kv else {},
-                  cache_dir=o.cache_dir, cache_meta=run.cache_meta(o.cache_dir) if o.cache_dir else {},
-                  cite=spans.spec() if spans else None)
+    job = run.job(
+        o,
+        ids,
+        load_kv=o.load_kv,
+        load_manifest=manifest,
+        save_kv=o.save_kv,
+        save_meta=run.save_meta(o.save_kv, composition) if o.save_kv else {},
+        cache_dir=o.cache_dir,
+        cache_meta=run.cache_meta(o.cache_dir) if o.cache_dir else {},
+        cite=spans.spec() if spans else None,
+    )
     if demo:
-        print(f"treeattn demo: the embedded SmolLM2-135M-Instruct on {run.nproc} {run.kind.upper()} rank(s) "
-              f"reads treeattn_cli/data/demo_document.txt ({len(ids)} tokens with the chat template) and "
-              f"answers, with its sources (--cite):\n  {P.DEMO_QUESTION}", file=sys.stderr)
+        print(
+            f"treeattn demo: the embedded SmolLM2-135M-Instruct on {run.nproc} {run.kind.upper()} rank(s) "
+            f"reads treeattn_cli/data/demo_document.txt ({len(ids)} tokens with the chat template) and "
+            f"answers, with its sources (--cite):\n  {P.DEMO_QUESTION}",
+            file=sys.stderr,
+        )
     return job, run.tokenizer, (run.kind, run.backend, run.nproc, run.devices), spans
 
 
@@ -76,12 +89,18 @@ def generate_command(o: GenerateOptions) -> int:
     try:
         if torchrun:
             local = int(os.environ.get("LOCAL_RANK", 0))
-            launch.run_torchrun(rank_generate, job, backend=be, timeout_s=o.timeout,
-                                device=f"cuda:{local}" if kind == "cuda" else "cpu",
-                                on_event=view.on_event)
+            launch.run_torchrun(
+                rank_generate,
+                job,
+                backend=be,
+                timeout_s=o.timeout,
+                device=f"cuda:{local}" if kind == "cuda" else "cpu",
+                on_event=view.on_event,
+            )
         else:
-            launch.run_local(rank_generate, n, job, backend=be, devices=devices,
-                             timeout_s=o.timeout, on_event=view.on_event)
+            launch.run_local(
+                rank_generate, n, job, backend=be, devices=devices, timeout_s=o.timeout, on_event=view.on_event
+            )
     except launch.Terminated:
         code, reason = 143, "terminated"
     except KeyboardInterrupt:

@@ -30,36 +30,72 @@ class Metrics:
     def __init__(self, live=None):
         """``live()``: ``{"running", "waiting", "documents"}`` now (read at each scrape)."""
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("treeattn_time_to_first_token_seconds", "From the request's arrival to its first "
-                              "token (its document's prefill included).", buckets=_TTFT, registry=r)
-        self.tpot = Histogram("treeattn_time_per_output_token_seconds", "Between two tokens of one answer, as "
-                              "the engine's front delivers them.", buckets=_TPOT, registry=r)
-        self.e2e = Histogram("treeattn_e2e_request_latency_seconds", "From the request's arrival to its end.",
-                             buckets=_E2E, registry=r)
+        self.ttft = Histogram(
+            "treeattn_time_to_first_token_seconds",
+            "From the request's arrival to its first token (its document's prefill included).",
+            buckets=_TTFT,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "treeattn_time_per_output_token_seconds",
+            "Between two tokens of one answer, as the engine's front delivers them.",
+            buckets=_TPOT,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "treeattn_e2e_request_latency_seconds", "From the request's arrival to its end.", buckets=_E2E, registry=r
+        )
         self.prompt = Counter("treeattn_prompt_tokens", "Prompt tokens of the requests that ended.", registry=r)
         self.generation = Counter("treeattn_generation_tokens", "Tokens generated.", registry=r)
-        self.cached = Counter("treeattn_cached_prompt_tokens", "Prompt tokens found in the document cache "
-                              "instead of prefilled.", registry=r)
-        self.requests = Counter("treeattn_requests", "Requests by how they ended: stop (EOS or a stop string), "
-                                "length, cancelled (the client left), interrupted (the server stopped), error, "
-                                "rejected (back-pressure: 429), too_large (413).", ["outcome"], registry=r)
-        self.blocks_used = Gauge("treeattn_kv_blocks_used", "Blocks of the rank's KV pool holding documents in "
-                                 "use or resident (as the latest request began, or a batch ended).", ["rank"],
-                                 registry=r)
-        self.restarts = Counter("treeattn_rank_restarts", "New sets of ranks the server started after losing "
-                                "one (serve.Server.recover).", registry=r)
-        tier = ("How a document was made resident: pool (its blocks still cached in the ranks' pools), host "
-                "(copied back from the host tier), disk (loaded from --cache-dir), prefill (computed).")
+        self.cached = Counter(
+            "treeattn_cached_prompt_tokens",
+            "Prompt tokens found in the document cache instead of prefilled.",
+            registry=r,
+        )
+        self.requests = Counter(
+            "treeattn_requests",
+            "Requests by how they ended: stop (EOS or a stop string), "
+            "length, cancelled (the client left), interrupted (the server stopped), error, "
+            "rejected (back-pressure: 429), too_large (413).",
+            ["outcome"],
+            registry=r,
+        )
+        self.blocks_used = Gauge(
+            "treeattn_kv_blocks_used",
+            "Blocks of the rank's KV pool holding documents in "
+            "use or resident (as the latest request began, or a batch ended).",
+            ["rank"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "treeattn_rank_restarts",
+            "New sets of ranks the server started after losing one (serve.Server.recover).",
+            registry=r,
+        )
+        tier = (
+            "How a document was made resident: pool (its blocks still cached in the ranks' pools), host "
+            "(copied back from the host tier), disk (loaded from --cache-dir), prefill (computed)."
+        )
         self.made = Counter("treeattn_documents_made", f"Documents made resident. {tier}", ["tier"], registry=r)
-        self.made_bytes = Counter("treeattn_documents_made_bytes", f"Bytes of KV per rank of the documents made "
-                                  f"resident. {tier}", ["tier"], registry=r)
-        self.made_seconds = Counter("treeattn_documents_made_seconds", f"Seconds from a document's request to "
-                                    f"its being resident. {tier}", ["tier"], registry=r)
+        self.made_bytes = Counter(
+            "treeattn_documents_made_bytes",
+            f"Bytes of KV per rank of the documents made resident. {tier}",
+            ["tier"],
+            registry=r,
+        )
+        self.made_seconds = Counter(
+            "treeattn_documents_made_seconds",
+            f"Seconds from a document's request to its being resident. {tier}",
+            ["tier"],
+            registry=r,
+        )
         self.blocks_total = Gauge("treeattn_kv_blocks_total", "Blocks of the rank's KV pool.", ["rank"], registry=r)
         live = live or (lambda: {})
-        for name, doc, field in (("treeattn_requests_running", "Requests answering (in a slot).", "running"),
-                                 ("treeattn_requests_waiting", "Requests queued for a slot.", "waiting"),
-                                 ("treeattn_documents_resident", "Documents in the ranks' memory.", "documents")):
+        for name, doc, field in (
+            ("treeattn_requests_running", "Requests answering (in a slot).", "running"),
+            ("treeattn_requests_waiting", "Requests queued for a slot.", "waiting"),
+            ("treeattn_documents_resident", "Documents in the ranks' memory.", "documents"),
+        ):
             Gauge(name, doc, registry=r).set_function(lambda f=field: float(live().get(f, 0)))
 
     def pools(self, per_rank: list) -> None:
@@ -140,16 +176,29 @@ class RequestLog:
     def _write(self, status, generated, ttft, now, error) -> None:
         if self.fmt == "none":
             return
-        rec = {"id": self.rid, "document": self.document or None, "prompt_tokens": self.prompt_tokens,
-               "cached_tokens": self.cached, "generated_tokens": generated,
-               "ttft_s": round(ttft, 4) if ttft is not None else None, "e2e_s": round(now - self.t0, 4),
-               "status": status, **({"error": error} if error else {})}
+        rec = {
+            "id": self.rid,
+            "document": self.document or None,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached,
+            "generated_tokens": generated,
+            "ttft_s": round(ttft, 4) if ttft is not None else None,
+            "e2e_s": round(now - self.t0, 4),
+            "status": status,
+            **({"error": error} if error else {}),
+        }
         if self.fmt == "json":
             line = json.dumps(rec)
         else:
-            line = "treeattn: request " + " ".join(
-                f"{k}={'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else v)}" for k, v in rec.items()
-                if k != "error") + (f" error={json.dumps(error)}" if error else "")
+            line = (
+                "treeattn: request "
+                + " ".join(
+                    f"{k}={'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else v)}"
+                    for k, v in rec.items()
+                    if k != "error"
+                )
+                + (f" error={json.dumps(error)}" if error else "")
+            )
         try:
             print(line, file=sys.stderr, flush=True)
         except (OSError, ValueError):  # stderr closed: the metrics still count it

@@ -34,10 +34,20 @@ from .prompt import PromptError, split_chat, split_completion
 
 # parameters a client may send at their default (the official client and others often do);
 # any other value is refused: treeattn would not honour it
-_DEFAULTS = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
-             "logprobs": (None, False), "top_logprobs": (None, 0), "n": (None, 1), "best_of": (None, 1),
-             "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "response_format": (None,),
-             "functions": (None, [])}
+_DEFAULTS = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "response_format": (None,),
+    "functions": (None, []),
+}
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "interrupted": "stop", "cancelled": "stop"}
 
 
@@ -73,8 +83,9 @@ def _content(m, i) -> str:
     c = m.get("content")
     if isinstance(c, str):
         return c
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                   for p in c):
+    if isinstance(c, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c
+    ):
         return "".join(p["text"] for p in c)
     raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
@@ -86,8 +97,9 @@ def _messages(body) -> list[dict]:
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise BadRequest(f"messages[{i}] must be an object with a role of system, user or assistant",
-                             f"messages[{i}].role")
+            raise BadRequest(
+                f"messages[{i}] must be an object with a role of system, user or assistant", f"messages[{i}].role"
+            )
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": _content(m, i)})
     return out
 
@@ -98,18 +110,23 @@ def _common(srv, body, chat: bool) -> dict:
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != srv.name:
-        raise BadRequest(f"The model `{model}` does not exist (this server serves `{srv.name}`)", "model", 404,
-                         "model_not_found")
+        raise BadRequest(
+            f"The model `{model}` does not exist (this server serves `{srv.name}`)", "model", 404, "model_not_found"
+        )
     for name, allowed in _DEFAULTS.items():
         if name in body and body[name] not in allowed:
             raise BadRequest(f"'{name}' is not supported by treeattn (exact greedy or sampled decoding only)", name)
     retention = body.get("prompt_cache_retention")
     if retention not in (None, "in_memory", "24h"):
-        raise BadRequest(f"'prompt_cache_retention' must be \"in_memory\" or \"24h\", got {json.dumps(retention)[:40]}",
-                         "prompt_cache_retention")
+        raise BadRequest(
+            f"'prompt_cache_retention' must be \"in_memory\" or \"24h\", got {json.dumps(retention)[:40]}",
+            "prompt_cache_retention",
+        )
     if retention == "24h" and srv.catalog.dir is None:  # (documents outlive memory only on disk)
-        raise BadRequest("'prompt_cache_retention': \"24h\" keeps the document on disk: start the server with "
-                         "--cache-dir", "prompt_cache_retention")
+        raise BadRequest(
+            "'prompt_cache_retention': \"24h\" keeps the document on disk: start the server with --cache-dir",
+            "prompt_cache_retention",
+        )
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, limit, 1, 1 << 30, None, integer=True)
     stream = body.get("stream", False)
@@ -118,10 +135,15 @@ def _common(srv, body, chat: bool) -> dict:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
-    return {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 0.0, 2.0, 0.0),  # greedy unless asked
-            "top_p": _number(body, "top_p", 1e-9, 1.0, 1.0), "seed": _number(body, "seed", -(1 << 62), 1 << 62, 0,
-                                                                                integer=True),
-            "stop": _stops(body), "stream": stream, "usage_in_stream": bool(opts.get("include_usage"))}
+    return {
+        "max_tokens": max_tokens,
+        "temperature": _number(body, "temperature", 0.0, 2.0, 0.0),  # greedy unless asked
+        "top_p": _number(body, "top_p", 1e-9, 1.0, 1.0),
+        "seed": _number(body, "seed", -(1 << 62), 1 << 62, 0, integer=True),
+        "stop": _stops(body),
+        "stream": stream,
+        "usage_in_stream": bool(opts.get("include_usage")),
+    }
 
 
 class _Reply:
@@ -152,14 +174,14 @@ class _Text:
         ready = len(text) if stopped else max(self.sent, len(text) - self.hold)
         while ready > self.sent and text[ready - 1] == "\ufffd":
             ready -= 1
-        out = text[self.sent:ready]
+        out = text[self.sent : ready]
         self.sent = max(self.sent, ready)
         return out
 
     def finish(self) -> tuple[str, str, bool]:
         """(the rest to send, the whole text, whether a stop string ended it)."""
         text, stopped = self._cut(self.tok.decode(self.ids, skip_special_tokens=True))
-        rest = text[self.sent:]
+        rest = text[self.sent :]
         self.sent = len(text)
         return rest, text, stopped
 
@@ -171,15 +193,20 @@ def build_app(srv) -> FastAPI:
     async def guard(request: Request, call_next):
         if srv.o.api_key and request.url.path.startswith("/v1/"):
             if request.headers.get("authorization", "") != f"Bearer {srv.o.api_key}":
-                return _error(401, "Incorrect or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
-                              kind="authentication_error")
+                return _error(
+                    401,
+                    "Incorrect or missing API key (Authorization: Bearer <key>)",
+                    code="invalid_api_key",
+                    kind="authentication_error",
+                )
         return await call_next(request)
 
     @app.get("/health")
     async def health():
         if srv.failed:
-            return JSONResponse({"status": "recovering" if srv.recovering else "error", "reason": srv.failed},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "recovering" if srv.recovering else "error", "reason": srv.failed}, status_code=503
+            )
         return {"status": "ok", "model": srv.name, "stats": srv.front.stats.snapshot() if srv.front else {}}
 
     @app.get("/metrics")
@@ -190,8 +217,10 @@ def build_app(srv) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": srv.name, "object": "model", "created": srv.created,
-                                            "owned_by": "treeattn"}]}
+        return {
+            "object": "list",
+            "data": [{"id": srv.name, "object": "model", "created": srv.created, "owned_by": "treeattn"}],
+        }
 
     async def answer(request: Request, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -201,14 +230,18 @@ def build_app(srv) -> FastAPI:
         size = request.headers.get("content-length")
         raw = b"" if size is not None and size.isdigit() and int(size) > limit else await request.body()
         if (size is not None and size.isdigit() and int(size) > limit) or len(raw) > limit:
-            why = f"the request body ({int(size) if size and size.isdigit() else len(raw)} bytes) exceeds " \
-                  f"this server's limit of {limit} bytes (--max-request-bytes)"
+            why = (
+                f"the request body ({int(size) if size and size.isdigit() else len(raw)} bytes) exceeds "
+                f"this server's limit of {limit} bytes (--max-request-bytes)"
+            )
             srv.refused(rid, 0, "too_large", why)
             return _error(413, why, code="request_too_large")
         retry = srv.admit()  # first: a refusal costs no parsing and no tokenizing
         if retry is not None:
-            why = (f"this server is answering {srv.o.batch} requests and {srv.o.max_waiting} more are waiting "
-                   f"(--batch, --max-waiting); retry in {retry:.0f} s")
+            why = (
+                f"this server is answering {srv.o.batch} requests and {srv.o.max_waiting} more are waiting "
+                f"(--batch, --max-waiting); retry in {retry:.0f} s"
+            )
             srv.refused(rid, 0, "rejected", why)
             resp = _error(429, why, code="rate_limit_exceeded", kind="rate_limit_error")
             resp.headers["Retry-After"] = str(int(retry + 0.999))
@@ -237,9 +270,12 @@ def build_app(srv) -> FastAPI:
             default = 16 if not chat else min(512, max(1, (srv.context or 4096) - len(ids)))
             max_tokens = p["max_tokens"] or default
             if srv.context and len(ids) + max_tokens > srv.context:
-                raise BadRequest(f"This model's maximum context length is {srv.context} tokens; the request has "
-                                 f"{len(ids)} prompt tokens and asks for {max_tokens} more", "max_tokens",
-                                 code="context_length_exceeded")
+                raise BadRequest(
+                    f"This model's maximum context length is {srv.context} tokens; the request has "
+                    f"{len(ids)} prompt tokens and asks for {max_tokens} more",
+                    "max_tokens",
+                    code="context_length_exceeded",
+                )
             question = len(ids) - (doc if doc >= MIN_DOCUMENT else 0)  # (a shorter document part is question)
             too_large = srv.catalog.too_large(doc, ids, tail_tokens=question + max_tokens)
             if too_large:
@@ -266,26 +302,47 @@ def build_app(srv) -> FastAPI:
             srv.release()
             raise
         reply = _Reply(asyncio.get_running_loop())
-        job = srv.submit(ids, doc, max_tokens=max_tokens, stop=p["stop"], deliver=reply, rid=rid,
-                         sampling=Sampling(p["temperature"], 0, p["top_p"], p["seed"]),
-                         cite=spans.spec() if spans else None)
+        job = srv.submit(
+            ids,
+            doc,
+            max_tokens=max_tokens,
+            stop=p["stop"],
+            deliver=reply,
+            rid=rid,
+            sampling=Sampling(p["temperature"], 0, p["top_p"], p["seed"]),
+            cite=spans.spec() if spans else None,
+        )
         text = _Text(srv.tokenizer, p["stop"])
         meta = {"cached": 0}
 
         def usage(n):
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n,
-                    "prompt_tokens_details": {"cached_tokens": meta["cached"]}}
+            return {
+                "prompt_tokens": len(ids),
+                "completion_tokens": n,
+                "total_tokens": len(ids) + n,
+                "prompt_tokens_details": {"cached_tokens": meta["cached"]},
+            }
 
         def chunk(delta: str | None, finish=None, first=False, cited=None):
             created = int(time.time())
             if chat:
                 d = ({"role": "assistant", "content": ""} if first else {}) | ({"content": delta} if delta else {})
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.name,
-                        "choices": [{"index": 0, "delta": d | (cited or {}), "finish_reason": finish,
-                                     "logprobs": None}]}
-            return {"id": rid, "object": "text_completion", "created": created, "model": srv.name,
-                    "choices": [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None,
-                                 **(cited or {})}]}
+                return {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": srv.name,
+                    "choices": [{"index": 0, "delta": d | (cited or {}), "finish_reason": finish, "logprobs": None}],
+                }
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": srv.name,
+                "choices": [
+                    {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None, **(cited or {})}
+                ],
+            }
 
         def cited(record) -> dict | None:
             """The answer's citations (``"cite": true``), from the masses its record carries."""
@@ -308,8 +365,10 @@ def build_app(srv) -> FastAPI:
                         meta["cached"] = event.cached
                         continue
                     if isinstance(event, Done) and event.stop_reason == "no_room":
-                        event = Failed("the KV pool has no room for this request's document and answer "
-                                       "next to the pinned ones (unpin or delete some: /v1/documents)")
+                        event = Failed(
+                            "the KV pool has no room for this request's document and answer "
+                            "next to the pinned ones (unpin or delete some: /v1/documents)"
+                        )
                     yield event
                     if isinstance(event, (Done, Failed)):
                         return
@@ -318,6 +377,7 @@ def build_app(srv) -> FastAPI:
                 raise
 
         if p["stream"]:
+
             async def sse():
                 yield f"data: {json.dumps(chunk(None, first=True))}\n\n"
                 async for event in events():
@@ -341,8 +401,9 @@ def build_app(srv) -> FastAPI:
                             yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
         record = None
         async for event in events():
             if isinstance(event, Failed):  # (its ranks lost under it: 503 recovering, retry)
@@ -358,12 +419,22 @@ def build_app(srv) -> FastAPI:
         n = len(record.get("token_ids", []))
         extra = cited(record) or {}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": whole, **extra}, "finish_reason": finish,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": whole, **extra},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": whole, "finish_reason": finish, "logprobs": None, **extra}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": srv.name, "choices": [choice], "usage": usage(n)}
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": srv.name,
+            "choices": [choice],
+            "usage": usage(n),
+        }
 
     from .documents_api import add_routes
 

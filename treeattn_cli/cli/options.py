@@ -42,73 +42,155 @@ ANSWER_FLAGS = (
     Flag("top_p", float, 1.0, "Nucleus sampling mass in (0, 1] (1 = off)."),
     Flag("seed", int, 0, "Random seed for sampling (every answer starts from it)."),
     Flag("stop", List[str], [], "Stop an answer when this text appears (repeatable)."),
-    Flag("logprobs", Optional[int], None, "With --json: each token's log-probability under the model and its N "
-         "most likely alternatives (0: the token's own only; at most 20)."),
-    Flag("digest", bool, False, "With --json: 'digests', one per token, 16 hex digits of the logits it was "
-         "chosen from. An answer's are the same alone, in a batch, with drafts (same model, dtype, --kv-dtype "
-         "and ranks): compare runs bit for bit."),
+    Flag(
+        "logprobs",
+        Optional[int],
+        None,
+        "With --json: each token's log-probability under the model and its N "
+        "most likely alternatives (0: the token's own only; at most 20).",
+    ),
+    Flag(
+        "digest",
+        bool,
+        False,
+        "With --json: 'digests', one per token, 16 hex digits of the logits it was "
+        "chosen from. An answer's are the same alone, in a batch, with drafts (same model, dtype, --kv-dtype "
+        "and ranks): compare runs bit for bit.",
+    ),
 )
 CITE_FLAGS = (
-    Flag("cite", bool, False, "Say where in the document the answer comes from: the sentences its tokens gave the "
-         "most attention to, exact from the merge (with --json: 'citations', character offsets into the prompt "
-         "text; on a terminal, a 'Sources' list after the answer). Never changes the answer."),
+    Flag(
+        "cite",
+        bool,
+        False,
+        "Say where in the document the answer comes from: the sentences its tokens gave the "
+        "most attention to, exact from the merge (with --json: 'citations', character offsets into the prompt "
+        "text; on a terminal, a 'Sources' list after the answer). Never changes the answer.",
+    ),
 )
 SPECULATE_FLAGS = (
-    Flag("speculate", str, "auto", "Draft tokens from the document and the answer (n-gram lookup) and verify "
-         "them in one step: off | auto (adapts; off when sampling) | ngram:K. Greedy output is unchanged, "
-         "bit for bit."),
+    Flag(
+        "speculate",
+        str,
+        "auto",
+        "Draft tokens from the document and the answer (n-gram lookup) and verify "
+        "them in one step: off | auto (adapts; off when sampling) | ngram:K. Greedy output is unchanged, "
+        "bit for bit.",
+    ),
 )
 SERVE_FLAGS = (
     Flag("host", str, "127.0.0.1", "Address to listen on (loopback only unless you say otherwise)."),
     Flag("port", int, 8000, "Port to listen on."),
     Flag("served_model_name", Optional[str], None, "The model's name in the API (default: the model directory's)."),
     Flag("api_key", Optional[str], None, "Require 'Authorization: Bearer KEY' on /v1 requests."),
-    Flag("cache_dir", Optional[str], None, "Save each document's sharded KV cache here as it is made (a restart finds them)."),
-    Flag("kv_memory", Optional[str], None, "Each rank's KV block pool for documents, allocated at start: a size "
-         "(8GiB, 512MiB, bytes) or a fraction of the memory free on the rank's device once the model is loaded "
-         "(0.9 or 90%; ranks on one CPU share its available memory). Default: 512MiB on a CPU, 8GiB on a GPU. "
-         "Least recently used documents leave when it is full."),
+    Flag(
+        "cache_dir",
+        Optional[str],
+        None,
+        "Save each document's sharded KV cache here as it is made (a restart finds them).",
+    ),
+    Flag(
+        "kv_memory",
+        Optional[str],
+        None,
+        "Each rank's KV block pool for documents, allocated at start: a size "
+        "(8GiB, 512MiB, bytes) or a fraction of the memory free on the rank's device once the model is loaded "
+        "(0.9 or 90%; ranks on one CPU share its available memory). Default: 512MiB on a CPU, 8GiB on a GPU. "
+        "Least recently used documents leave when it is full.",
+    ),
     Flag("cache_bytes", Optional[int], None, "The older name of --kv-memory, in bytes."),
-    Flag("host_memory", Optional[str], None, "Each rank's host-memory tier behind its pool: a document that "
-         "leaves the pool keeps a copy here and comes back by a copy, not a prefill (least recently used "
-         "leave first). A size (64GiB, 512MiB, bytes; 0: none). Default: a quarter of the available host memory "
-         "over the ranks, at most 512MiB on a CPU, 64GiB on a GPU."),
+    Flag(
+        "host_memory",
+        Optional[str],
+        None,
+        "Each rank's host-memory tier behind its pool: a document that "
+        "leaves the pool keeps a copy here and comes back by a copy, not a prefill (least recently used "
+        "leave first). A size (64GiB, 512MiB, bytes; 0: none). Default: a quarter of the available host memory "
+        "over the ranks, at most 512MiB on a CPU, 64GiB on a GPU.",
+    ),
     Flag("batch", int, 8, "Requests that decode together (about any documents; more wait for a free slot)."),
-    Flag("max_waiting", int, 64, "Requests that may wait for a slot; past --batch + this many, a request gets "
-         "HTTP 429 with Retry-After at once."),
+    Flag(
+        "max_waiting",
+        int,
+        64,
+        "Requests that may wait for a slot; past --batch + this many, a request gets "
+        "HTTP 429 with Retry-After at once.",
+    ),
     Flag("max_request_bytes", int, 64 << 20, "Largest request body in bytes (HTTP 413 past it)."),
     Flag("log_format", str, "text", "One line per request on stderr: text | json | none."),
-    Flag("document", List[str], [], "A text file to cache as a document before listening (repeatable; as "
-         "POST /v1/documents would)."),
+    Flag(
+        "document",
+        List[str],
+        [],
+        "A text file to cache as a document before listening (repeatable; as POST /v1/documents would).",
+    ),
     Flag("pin", bool, False, "Pin the --document files: they never leave memory."),
-    Flag("restarts", int, 3, "After a lost rank, start new ranks up to this many times (1, 2, 4... s apart; "
-         "503 'recovering' meanwhile); 0: stop at once, exit 1 (for a supervisor that restarts the server)."),
+    Flag(
+        "restarts",
+        int,
+        3,
+        "After a lost rank, start new ranks up to this many times (1, 2, 4... s apart; "
+        "503 'recovering' meanwhile); 0: stop at once, exit 1 (for a supervisor that restarts the server).",
+    ),
 )
 RUN_FLAGS = (
-    Flag("prefill_chunk", Optional[int], None, "Tokens per rank per prefill segment (bounds activation memory); in a batch (chat --batch, "
-         "serve), also the tokens of a long question prefilled per step between the other answers' tokens."),
-    Flag("prefill_sharding", str, "balanced",
-         "How prefill segments are cut: balanced (2p chunks, rank r holds r and 2p-1-r) | contiguous."),
+    Flag(
+        "prefill_chunk",
+        Optional[int],
+        None,
+        "Tokens per rank per prefill segment (bounds activation memory); in a batch (chat --batch, "
+        "serve), also the tokens of a long question prefilled per step between the other answers' tokens.",
+    ),
+    Flag(
+        "prefill_sharding",
+        str,
+        "balanced",
+        "How prefill segments are cut: balanced (2p chunks, rank r holds r and 2p-1-r) | contiguous.",
+    ),
     Flag("nproc", Optional[int], None, "Local ranks (default: visible GPUs, 2 on a CPU-only machine)."),
     Flag("tp", int, 1, "Tensor-parallel ranks per sequence shard (weights split T ways); --nproc = shards x T."),
     Flag("backend", str, "auto", "auto | nccl | gloo."),
     Flag("device", str, "auto", "auto | cuda | cpu."),
     Flag("dtype", str, "auto", "auto | float32 | bfloat16 | float16."),
-    Flag("kv_dtype", str, "auto", "KV cache storage: auto (the model's dtype) | bfloat16 | float16 | float32 | fp8 "
-         "(e4m3, rotated, a scale per token and head: about half of bf16; measure it with "
-         "`treeattn check --kv-dtype fp8 --prompt-file DOC`)."),
-    Flag("scheme", str, "auto",
-         "Merge scheme: auto (the layout `treeattn topo` chooses) | allreduce | allgather | tree | hierarchical."),
-    Flag("layout", Optional[str], None, "Interconnect profile for the layout choice: a built-in name or a YAML path "
-         "(e.g. from `topo --measure --save`)."),
+    Flag(
+        "kv_dtype",
+        str,
+        "auto",
+        "KV cache storage: auto (the model's dtype) | bfloat16 | float16 | float32 | fp8 "
+        "(e4m3, rotated, a scale per token and head: about half of bf16; measure it with "
+        "`treeattn check --kv-dtype fp8 --prompt-file DOC`).",
+    ),
+    Flag(
+        "scheme",
+        str,
+        "auto",
+        "Merge scheme: auto (the layout `treeattn topo` chooses) | allreduce | allgather | tree | hierarchical.",
+    ),
+    Flag(
+        "layout",
+        Optional[str],
+        None,
+        "Interconnect profile for the layout choice: a built-in name or a YAML path "
+        "(e.g. from `topo --measure --save`).",
+    ),
     Flag("timeout", float, 300.0, "Collective timeout in seconds (a lost rank is reported after it)."),
 )
 CACHE_FLAGS = (
     Flag("save_kv", Optional[str], None, "Save the document's (prompt's) sharded KV cache to this directory."),
-    Flag("load_kv", Optional[str], None, "Start from a saved KV cache (any --nproc): the prompt or questions follow its tokens."),
-    Flag("cache_dir", Optional[str], None, "Keep the document's KV cache in this directory, named by its tokens: a "
-         "later run over the same document (generate: the same prompt) loads it instead of prefilling it "
-         "(serve --cache-dir shares the format)."),
+    Flag(
+        "load_kv",
+        Optional[str],
+        None,
+        "Start from a saved KV cache (any --nproc): the prompt or questions follow its tokens.",
+    ),
+    Flag(
+        "cache_dir",
+        Optional[str],
+        None,
+        "Keep the document's KV cache in this directory, named by its tokens: a "
+        "later run over the same document (generate: the same prompt) loads it instead of prefilling it "
+        "(serve --cache-dir shares the format).",
+    ),
 )
 REPORT_FLAGS = (
     Flag("quiet", bool, False, "No stats lines on stderr."),
@@ -178,11 +260,14 @@ def check_flags(o: GenerateOptions) -> None:
         raise ValueError(f"--timeout must be > 0, got {o.timeout}")
     _speculation(o.speculate)
     if o.cache_dir and (o.load_kv or o.save_kv):
-        raise ValueError("--cache-dir finds and keeps the document by itself: give it or --load-kv / --save-kv, "
-                         "not both")
+        raise ValueError(
+            "--cache-dir finds and keeps the document by itself: give it or --load-kv / --save-kv, not both"
+        )
     if o.cite and o.load_kv:
-        raise ValueError("--cite needs the document's text, and a --load-kv cache holds only its tokens: give the "
-                         "document with --prompt-file instead")
+        raise ValueError(
+            "--cite needs the document's text, and a --load-kv cache holds only its tokens: give the "
+            "document with --prompt-file instead"
+        )
     from .prompt import check_file, check_folder
 
     check_file(o.prompt_file)
@@ -190,12 +275,14 @@ def check_flags(o: GenerateOptions) -> None:
     check_folder(o.output, "--output")
     if getattr(o, "batch", 1) < 1:
         raise ValueError(f"--batch must be >= 1, got {o.batch}")
-    for flag, val, choices in (("--backend", o.backend, ("auto", "nccl", "gloo")),
-                               ("--device", o.device, ("auto", "cuda", "cpu")),
-                               ("--dtype", o.dtype, ("auto", "float32", "bfloat16", "float16")),
-                               ("--kv-dtype", o.kv_dtype, KV_DTYPES),
-                               ("--scheme", o.scheme, ("auto", *SCHEMES)),
-                               ("--prefill-sharding", o.prefill_sharding, ("balanced", "contiguous"))):
+    for flag, val, choices in (
+        ("--backend", o.backend, ("auto", "nccl", "gloo")),
+        ("--device", o.device, ("auto", "cuda", "cpu")),
+        ("--dtype", o.dtype, ("auto", "float32", "bfloat16", "float16")),
+        ("--kv-dtype", o.kv_dtype, KV_DTYPES),
+        ("--scheme", o.scheme, ("auto", *SCHEMES)),
+        ("--prefill-sharding", o.prefill_sharding, ("balanced", "contiguous")),
+    ):
         if val not in choices:
             raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {val!r}")
 
@@ -251,8 +338,22 @@ def check_serve_flags(o: ServeOptions) -> None:
         o.host_bytes, _ = parse_memory(o.host_memory, "--host-memory", fractions=False)
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def parse_memory(text: str, flag: str = "--kv-memory", fractions: bool = True) -> tuple[int | None, float | None]:
@@ -262,9 +363,12 @@ def parse_memory(text: str, flag: str = "--kv-memory", fractions: bool = True) -
     import re
 
     t = str(text).strip().lower().replace(" ", "")
-    bad = ValueError(f"{flag} must be a size (8GiB, 512MiB, 2000000000 bytes) or a fraction of the free "
-                     f"memory in (0, 1] (0.9 or 90%), got {text!r}" if fractions else
-                     f"{flag} must be a size (64GiB, 512MiB, 2000000000 bytes; 0: none), got {text!r}")
+    bad = ValueError(
+        f"{flag} must be a size (8GiB, 512MiB, 2000000000 bytes) or a fraction of the free "
+        f"memory in (0, 1] (0.9 or 90%), got {text!r}"
+        if fractions
+        else f"{flag} must be a size (64GiB, 512MiB, 2000000000 bytes; 0: none), got {text!r}"
+    )
     m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%?)([a-z]*)", t)
     if m is None:
         raise bad

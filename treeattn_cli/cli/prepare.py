@@ -47,8 +47,9 @@ def _merge_plan(o: GenerateOptions, kind: str, n: int, config, tp: int = 1):
             load_profile(o.layout)  # still a usage error if it is bad
         return o.scheme, None, None, None
     sh = shapes(config)
-    lay = plan_for_run(kind, n, heads=sh["heads"] // tp, head_dim=sh["head_dim"], layers=sh["num_layers"],
-                       profile=o.layout)
+    lay = plan_for_run(
+        kind, n, heads=sh["heads"] // tp, head_dim=sh["head_dim"], layers=sh["num_layers"], profile=o.layout
+    )
     if o.scheme == "hierarchical" and lay.scheme != "hierarchical":
         return "hierarchical", [list(range(n))], lay.scheme, "tree"
     return lay.scheme, lay.groups, lay.inner, lay.outer
@@ -67,9 +68,12 @@ def _kernels_failed(device: str) -> bool:
     v = kernel_verdict(torch.device(device)) if local == 0 else wait_for_verdict(torch.device(device))
     if v.get("ok"):
         return False
-    print(f"treeattn: warning: the fast attention kernels failed their self-check on this machine "
-          f"({', '.join(v.get('failed', []))}): using the reference path (exact, slower); "
-          f"see `treeattn check`", file=sys.stderr)
+    print(
+        f"treeattn: warning: the fast attention kernels failed their self-check on this machine "
+        f"({', '.join(v.get('failed', []))}): using the reference path (exact, slower); "
+        f"see `treeattn check`",
+        file=sys.stderr,
+    )
     return True
 
 
@@ -101,17 +105,34 @@ class Run:
             print(f"treeattn: note: {line}", file=sys.stderr)
         self.notes = []
         scheme, groups, inner, outer = self.plan
-        return EngineJob(model_dir=str(self.model_dir), prompt_ids=ids, max_new_tokens=o.max_new_tokens,
-                           sampling=Sampling(o.temperature, o.top_k, o.top_p, o.seed), stop=list(o.stop),
-                           eos_ids=_eos_ids(self.model_dir, self.config, self.tokenizer), dtype=o.dtype,
-                           kv_dtype=o.kv_dtype,
-                           scheme=scheme, groups=groups, inner=inner or "allreduce", outer=outer or "tree",
-                           prefill_chunk=o.prefill_chunk, trust_remote_code=o.trust_remote_code,
-                           allow_pickle=o.allow_pickle, reference=self.reference, tp=o.tp,
-                           auto_layout=o.scheme == "auto", layout_profile=o.layout,
-                           prefill_sharding=o.prefill_sharding, speculate=o.speculate, tp_plan=self.tp_plan,
-                           tp_heads_split=self.tp_heads_split, logprobs=getattr(o, "logprobs", None),
-                           digest=getattr(o, "digest", False), **kw)
+        return EngineJob(
+            model_dir=str(self.model_dir),
+            prompt_ids=ids,
+            max_new_tokens=o.max_new_tokens,
+            sampling=Sampling(o.temperature, o.top_k, o.top_p, o.seed),
+            stop=list(o.stop),
+            eos_ids=_eos_ids(self.model_dir, self.config, self.tokenizer),
+            dtype=o.dtype,
+            kv_dtype=o.kv_dtype,
+            scheme=scheme,
+            groups=groups,
+            inner=inner or "allreduce",
+            outer=outer or "tree",
+            prefill_chunk=o.prefill_chunk,
+            trust_remote_code=o.trust_remote_code,
+            allow_pickle=o.allow_pickle,
+            reference=self.reference,
+            tp=o.tp,
+            auto_layout=o.scheme == "auto",
+            layout_profile=o.layout,
+            prefill_sharding=o.prefill_sharding,
+            speculate=o.speculate,
+            tp_plan=self.tp_plan,
+            tp_heads_split=self.tp_heads_split,
+            logprobs=getattr(o, "logprobs", None),
+            digest=getattr(o, "digest", False),
+            **kw,
+        )
 
     def kv_bytes_per_token(self, tp: int) -> int:
         """Bytes of KV one token takes on all ranks together (tp peers that attend with every
@@ -119,8 +140,9 @@ class Run:
         from ..engine.kvdtypes import token_bytes
 
         sh = self.shapes
-        return token_bytes(self.kv_dtype, sh["num_layers"], sh["kv_heads"], sh["head_dim"]) * \
-            (1 if self.tp_heads_split else tp)
+        return token_bytes(self.kv_dtype, sh["num_layers"], sh["kv_heads"], sh["head_dim"]) * (
+            1 if self.tp_heads_split else tp
+        )
 
     def identity(self) -> dict:
         from ..engine.kvstore import model_identity
@@ -133,8 +155,12 @@ class Run:
         from ..engine.kvstore import conversion, validate
 
         sh = self.shapes
-        m = validate(path, identity=self.identity(), dtype=self.dtype,
-                     shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]})
+        m = validate(
+            path,
+            identity=self.identity(),
+            dtype=self.dtype,
+            shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]},
+        )
         line = conversion(m, self.kv_dtype)
         if note and line:
             print(f"treeattn: note: {path}: {line}", file=sys.stderr)
@@ -174,8 +200,10 @@ class Run:
 
     def check_fits(self, tokens: int, new_tokens: int, what: str = "the prompt") -> None:
         if self.context and tokens + new_tokens > self.context:
-            raise ValueError(f"{what} is {tokens} tokens; with --max-new-tokens {new_tokens} "
-                             f"that exceeds the model's context of {self.context} tokens")
+            raise ValueError(
+                f"{what} is {tokens} tokens; with --max-new-tokens {new_tokens} "
+                f"that exceeds the model's context of {self.context} tokens"
+            )
 
 
 def prepare_run(o: GenerateOptions) -> Run:
@@ -186,6 +214,7 @@ def prepare_run(o: GenerateOptions) -> Run:
     kind, be, n, devices = plan_devices(o.device, o.backend, o.nproc)
     dtype = M.pick_dtype(o.dtype, torch.device(devices[0]))
     from ..engine.kvquant import storage
+
     model_dir = M.resolve(o.model, allow_pickle=o.allow_pickle)  # None: the embedded demo model
     config = M.load_config(model_dir, o.trust_remote_code)
     probe_model(config, o.trust_remote_code)  # our attention against transformers', once per family and config
@@ -201,9 +230,24 @@ def prepare_run(o: GenerateOptions) -> Run:
 
         problem = triton_problem()
         notes += [f"{problem}: decode runs on ATen's kernels instead (exact, slower)"] if problem else []
-    return Run(kind, be, n, devices, model_dir, config, tok, M.context_length(config), sh,
-               str(dtype).replace("torch.", ""), kv_name, plan, _kernels_failed(devices[0]), tp_plan, split,
-               [x for x in notes if x])
+    return Run(
+        kind,
+        be,
+        n,
+        devices,
+        model_dir,
+        config,
+        tok,
+        M.context_length(config),
+        sh,
+        str(dtype).replace("torch.", ""),
+        kv_name,
+        plan,
+        _kernels_failed(devices[0]),
+        tp_plan,
+        split,
+        [x for x in notes if x],
+    )
 
 
 def _fidelity_note(model_dir, kv_name: str) -> str | None:
@@ -212,8 +256,10 @@ def _fidelity_note(model_dir, kv_name: str) -> str | None:
     from ..verify.fidelity import recorded
 
     if recorded(model_identity(model_dir), kv_name) is None:
-        return (f"{kv_name} KV is not exact and no fidelity check is recorded for this model: "
-                "`treeattn check --kv-dtype fp8 --prompt-file DOC` measures it on your document")
+        return (
+            f"{kv_name} KV is not exact and no fidelity check is recorded for this model: "
+            "`treeattn check --kv-dtype fp8 --prompt-file DOC` measures it on your document"
+        )
     return None
 
 
@@ -234,12 +280,19 @@ def _tp_plan(config, tp: int, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # names only: no weights are read or allocated
-        names = [n for n, _ in AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-                 .named_parameters()]
+        names = [
+            n
+            for n, _ in AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).named_parameters()
+        ]
     plan = TP.attention_plan({n.rsplit(".", 1)[0] for n in names if n.endswith(".weight")} | set(names))
     if not plan:
-        raise ValueError(f"--tp {tp}: model type '{config.model_type}' has no tensor-parallel plan and no separate "
-                         "q/k/v/o projections to split by heads; use --tp 1")
-    print(f"treeattn: model type '{config.model_type}' has no tensor-parallel plan in transformers: --tp {tp} "
-          "splits its attention by heads and replicates the rest of its weights", file=sys.stderr)
+        raise ValueError(
+            f"--tp {tp}: model type '{config.model_type}' has no tensor-parallel plan and no separate "
+            "q/k/v/o projections to split by heads; use --tp 1"
+        )
+    print(
+        f"treeattn: model type '{config.model_type}' has no tensor-parallel plan in transformers: --tp {tp} "
+        "splits its attention by heads and replicates the rest of its weights",
+        file=sys.stderr,
+    )
     return plan, True

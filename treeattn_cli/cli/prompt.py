@@ -39,13 +39,14 @@ def _read_bounded(f, limit: int, where: str, context: int | None) -> bytes:
     data = f.read(limit + 1)
     if len(data) > limit:
         ctx = f"the model's context of {context} tokens" if context else "any model's context"
-        raise PromptError(f"{where} is longer than {_size(limit)} (stopped reading there): more than "
-                          f"{ctx} can hold at up to {BYTES_PER_TOKEN} bytes per token")
+        raise PromptError(
+            f"{where} is longer than {_size(limit)} (stopped reading there): more than "
+            f"{ctx} can hold at up to {BYTES_PER_TOKEN} bytes per token"
+        )
     return data
 
 
-def read_text(prompt: str | None, prompt_file: str | None, stdin=None, *,
-              context: int | None = None) -> str | None:
+def read_text(prompt: str | None, prompt_file: str | None, stdin=None, *, context: int | None = None) -> str | None:
     """The user's prompt text, or None when none was given (then the demo runs). Files and
     standard input are read up to :func:`read_limit` of the model's ``context`` (tokens)."""
     if prompt is not None and prompt_file is not None:
@@ -128,8 +129,10 @@ def build_ids(tokenizer, text: str, *, chat: bool, system: str | None = None) ->
     that contributes no token (a vocabulary that covers none of it) is refused."""
     ids = _ids(tokenizer, text, chat=chat, system=system)
     if len(ids) <= len(_ids(tokenizer, "", chat=chat, system=system)):
-        raise PromptError(f"the prompt has no tokens after tokenization with {type(tokenizer).__name__} "
-                          "(its vocabulary covers none of the text)")
+        raise PromptError(
+            f"the prompt has no tokens after tokenization with {type(tokenizer).__name__} "
+            "(its vocabulary covers none of the text)"
+        )
     return ids
 
 
@@ -137,8 +140,7 @@ def _ids(tokenizer, text: str, *, chat: bool, system: str | None) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError("--chat: this tokenizer has no chat template")
-        msgs = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": text}]
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -155,8 +157,8 @@ def demo_prompt() -> tuple[str, str]:
 
 # ---------------------------------------------------------------- a document, then questions
 
-SENTINEL = "\uE000treeattn-question\uE000"  # a private-use marker no template or text contains
-SENTINEL_ANSWER = "\uE000treeattn-answer\uE000"
+SENTINEL = "\ue000treeattn-question\ue000"  # a private-use marker no template or text contains
+SENTINEL_ANSWER = "\ue000treeattn-answer\ue000"
 
 
 def _render(tokenizer, msgs) -> str:
@@ -181,24 +183,35 @@ def document_ids(tokenizer, document: str, *, chat: bool, system: str | None = N
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("--chat: this tokenizer has no chat template")
     msgs = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": f"{document}\n\n{SENTINEL}"}]
+        {"role": "user", "content": f"{document}\n\n{SENTINEL}"}
+    ]
     prefix, suffix = _split(_render(tokenizer, msgs), SENTINEL)
     ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
     if not tokenizer(document, add_special_tokens=False)["input_ids"]:
         raise PromptError(f"the document has no tokens after tokenization with {type(tokenizer).__name__}")
-    turn_between, turn_after = _split(_render(tokenizer, [
-        {"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL_ANSWER},
-        {"role": "user", "content": SENTINEL}]).split(SENTINEL_ANSWER, 1)[1], SENTINEL)
-    return ids, {"kind": "chat-document", "suffix": suffix, "turn_between": turn_between,
-                 "turn_after": turn_after}
+    turn_between, turn_after = _split(
+        _render(
+            tokenizer,
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": SENTINEL_ANSWER},
+                {"role": "user", "content": SENTINEL},
+            ],
+        ).split(SENTINEL_ANSWER, 1)[1],
+        SENTINEL,
+    )
+    return ids, {"kind": "chat-document", "suffix": suffix, "turn_between": turn_between, "turn_after": turn_after}
 
 
 def question_ids(tokenizer, question: str, composition: dict, *, next_turn: bool = False) -> list[int]:
     """Tokens of a question after the cached document (``next_turn``: after an answer kept in
     the cache, a new user turn of the conversation). Tokenized alone, without special tokens."""
     if composition.get("kind") == "chat-document":
-        text = (composition["turn_between"] + question + composition["turn_after"]) if next_turn \
+        text = (
+            (composition["turn_between"] + question + composition["turn_after"])
+            if next_turn
             else question + composition["suffix"]
+        )
     else:
         text = question
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -208,6 +221,7 @@ def question_ids(tokenizer, question: str, composition: dict, *, next_turn: bool
 
 
 # ---------------------------------------------------------------- a request: its document part
+
 
 def _split_tokens(tokenizer, text: str, cut: int, *, special: bool) -> tuple[list[int], int]:
     """The tokens of ``text`` exactly as a whole-text tokenization gives them, and how many of

@@ -37,10 +37,9 @@ from ..parallel import forkserver
 from .options import ServeOptions
 
 
-
 def restart_waits(tries: int) -> list[float]:
     """Seconds before each try to start new ranks after a lost one (``--restarts``): 1, 2, 4... (at most 30)."""
-    return [min(30.0, 2.0 ** i) for i in range(tries)]
+    return [min(30.0, 2.0**i) for i in range(tries)]
 
 
 class Server:
@@ -82,7 +81,9 @@ class Server:
             save_meta = self.run.cache_meta(str(self.catalog.dir))  # (made, writable: else one line)
             found, refused = self.catalog.scan(self.read_manifest)
             if (found or refused) and not self.o.quiet:
-                other = f"; {refused} not usable here (another model's, or damaged): left as they are" if refused else ""
+                other = (
+                    f"; {refused} not usable here (another model's, or damaged): left as they are" if refused else ""
+                )
                 print(f"[document cache: {found} saved document(s) in {self.catalog.dir}{other}]", file=sys.stderr)
             for line in self.catalog.conversions(self.run.kv_dtype):  # said even with --quiet: answers differ
                 print(f"treeattn: note: {line}", file=sys.stderr)
@@ -94,14 +95,20 @@ class Server:
         client = self.engine.start()
         self._make_pool(client)
         o = self.o
-        self.front = EngineFront(client, self.catalog, BatchOptions(o.batch, o.cache_bytes, o.prefill_chunk,
-                                                                    self._save_meta),
-                                 self.read_manifest, on_pools=self.pools_seen, on_made=self.metrics.document_made)
+        self.front = EngineFront(
+            client,
+            self.catalog,
+            BatchOptions(o.batch, o.cache_bytes, o.prefill_chunk, self._save_meta),
+            self.read_manifest,
+            on_pools=self.pools_seen,
+            on_made=self.metrics.document_made,
+        )
         self.front.start()
 
     def watch(self, give_up) -> None:
         """From now on a lost rank (or a broken front) starts a new set of ranks (:meth:`recover`);
         ``give_up()`` when they do not come back."""
+
         def loop():
             while not self._stopping.wait(0.2):
                 reason = self._lost()
@@ -148,8 +155,12 @@ class Server:
             self._pin_again()
             print("treeattn serve: the ranks are back; serving", file=sys.stderr, flush=True)
             return True
-        self._failed = (f"the ranks did not come back after {len(waits)} tr{'y' if len(waits) == 1 else 'ies'} "
-                        f"(--restarts): {reason}" if waits else f"{reason} (--restarts 0: not restarted)")
+        self._failed = (
+            f"the ranks did not come back after {len(waits)} tr{'y' if len(waits) == 1 else 'ies'} "
+            f"(--restarts): {reason}"
+            if waits
+            else f"{reason} (--restarts 0: not restarted)"
+        )
         self._recovering, self._gave_up = None, True
         print(f"treeattn serve: error: {self._failed}", file=sys.stderr, flush=True)
         return False
@@ -168,14 +179,22 @@ class Server:
         o = self.o
         client.post(op="pool", pool=o.cache_bytes, pool_fraction=o.kv_fraction, host_memory=o.host_bytes)
         info = client.wait("pool")
-        asked = (f"--kv-memory {o.kv_fraction:g} of {info['free'] / 2**20:,.0f} MiB free" if o.kv_fraction
-                 else f"--kv-memory {o.kv_memory or o.cache_bytes}" if o.cache_bytes else f"the default on {self.run.kind}")
+        asked = (
+            f"--kv-memory {o.kv_fraction:g} of {info['free'] / 2**20:,.0f} MiB free"
+            if o.kv_fraction
+            else f"--kv-memory {o.kv_memory or o.cache_bytes}"
+            if o.cache_bytes
+            else f"the default on {self.run.kind}"
+        )
         o.cache_bytes = info["bytes"]
         self.pools_seen([(0, info["blocks"])] * self.run.nproc)
         if not o.quiet:
             host = f"; host tier {info['host'] / 2**20:,.0f} MiB per rank" if info.get("host") else "; no host tier"
-            print(f"[KV pool: {info['blocks']:,} blocks of {info['page']} tokens per rank, "
-                  f"{info['bytes'] / 2**20:,.1f} MiB ({asked}){host}]", file=sys.stderr)
+            print(
+                f"[KV pool: {info['blocks']:,} blocks of {info['page']} tokens per rank, "
+                f"{info['bytes'] / 2**20:,.1f} MiB ({asked}){host}]",
+                file=sys.stderr,
+            )
 
     def pools_seen(self, per_rank: list) -> None:
         """Each rank's pool as the ranks reported it, ``[(used, total), ...]``: the metrics'
@@ -183,17 +202,24 @@ class Server:
         if any(t for _, t in per_rank):
             self.metrics.pools(per_rank)
         o = self.o
-        self.catalog.room = PoolRoom(cp=max(1, self.run.nproc // o.tp), tp=o.tp, pool_bytes=o.cache_bytes,
-                                     bytes_per_token=self.run.kv_bytes_per_token(o.tp),
-                                     reported=min(t for _, t in per_rank))
+        self.catalog.room = PoolRoom(
+            cp=max(1, self.run.nproc // o.tp),
+            tp=o.tp,
+            pool_bytes=o.cache_bytes,
+            bytes_per_token=self.run.kv_bytes_per_token(o.tp),
+            reported=min(t for _, t in per_rank),
+        )
 
     def live(self) -> dict:
         """Requests answering and waiting, documents resident: now (the metrics' gauges)."""
         with self._lock:
             running = len(self._running)
             waiting = self._in_flight - running
-        return {"running": running, "waiting": waiting,
-                "documents": sum(1 for e in list(self.catalog.entries.values()) if e.resident)}
+        return {
+            "running": running,
+            "waiting": waiting,
+            "documents": sum(1 for e in list(self.catalog.entries.values()) if e.resident),
+        }
 
     def admit(self) -> float | None:
         """Take one more request (None), or refuse it: every slot busy and ``--max-waiting``
@@ -217,8 +243,18 @@ class Server:
 
         RequestLog(self.metrics, rid, prompt_tokens, self.o.log_format).end(status, 0, why)
 
-    def submit(self, ids, doc: int, *, max_tokens: int, sampling: Sampling, stop: list, deliver, rid: str = "",
-               cite: dict | None = None):
+    def submit(
+        self,
+        ids,
+        doc: int,
+        *,
+        max_tokens: int,
+        sampling: Sampling,
+        stop: list,
+        deliver,
+        rid: str = "",
+        cite: dict | None = None,
+    ):
         """A request of tokens ``ids`` (its document part: the first ``doc``), once :meth:`admit`
         took it, to the engine's front; ``deliver(event)`` receives its events. ``cite``: its
         answer measures its attention over these spans of the document part (``citations.py``);
@@ -300,8 +336,9 @@ def serve_command(o: ServeOptions) -> int:
 
         from .openai_api import build_app
     except ImportError:
-        raise ValueError("treeattn serve needs FastAPI, uvicorn and prometheus-client: "
-                         "pip install 'treeattn[serve]'") from None
+        raise ValueError(
+            "treeattn serve needs FastAPI, uvicorn and prometheus-client: pip install 'treeattn[serve]'"
+        ) from None
     import uvicorn
 
     from .prepare import prepare_run
@@ -324,8 +361,10 @@ def serve_command(o: ServeOptions) -> int:
 
             d = post_at_start(srv, path, o.pin)
             if not o.quiet:
-                print(f"[document {path}: {d['tokens']:,} tokens, id {d['id']}{', pinned' if d['pinned'] else ''}]",
-                      file=sys.stderr)
+                print(
+                    f"[document {path}: {d['tokens']:,} tokens, id {d['id']}{', pinned' if d['pinned'] else ''}]",
+                    file=sys.stderr,
+                )
     except BaseException:
         srv.stop()
         raise
@@ -336,12 +375,16 @@ def serve_command(o: ServeOptions) -> int:
                 srv.front.shutdown()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(build_app(srv), host=o.host, port=o.port, log_level="warning",
-                            timeout_graceful_shutdown=5, lifespan="off")
+    config = uvicorn.Config(
+        build_app(srv), host=o.host, port=o.port, log_level="warning", timeout_graceful_shutdown=5, lifespan="off"
+    )
     server = _Server(config)
     if not o.quiet:
-        print(f"treeattn serve: {srv.name} on http://{o.host}:{o.port}/v1 ({run.nproc} {run.kind} rank(s); "
-              f"Ctrl-C stops)", file=sys.stderr, flush=True)
+        print(
+            f"treeattn serve: {srv.name} on http://{o.host}:{o.port}/v1 ({run.nproc} {run.kind} rank(s); Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
     srv.watch(give_up=lambda: setattr(server, "should_exit", True))
     try:
         server.run()

@@ -12,10 +12,12 @@ SHOWN = 3  # sources listed
 WIDTH = 160  # characters of a snippet around its shared words
 _WORD = re.compile(r"\w+")
 # words too common to show that an answer and a passage agree
-_COMMON = frozenset("""a an the and or but of to in on at by for with from as is are was were be been being it its
+_COMMON = frozenset(
+    """a an the and or but of to in on at by for with from as is are was were be been being it its
 this that these those there here he she they them his her their we you your our not no yes do does did has have had
 what which who whom whose when where why how than then so such can could would should may might will shall about
-into over under after before also only just very more most other some any all each both""".split())
+into over under after before also only just very more most other some any all each both""".split()
+)
 
 
 def show(rec: dict, spans, file=None, where: str = "the document") -> None:
@@ -33,8 +35,9 @@ def show(rec: dict, spans, file=None, where: str = "the document") -> None:
     console.print(Text("Sources", style="bold"))
     for i, c in enumerate(cits[:SHOWN], 1):
         a, b = spans.line_of(c["start"]), spans.line_of(max(c["start"], c["end"] - 1))
-        line = Text(f" {i}. line {a}" + (f"-{b}" if b != a else "") + f" ({c['score']:.1%} of the attention): ",
-                    style="cyan")
+        line = Text(
+            f" {i}. line {a}" + (f"-{b}" if b != a else "") + f" ({c['score']:.1%} of the attention): ", style="cyan"
+        )
         line.append_text(_snippet(c["text"], words))
         console.print(line)
 
@@ -55,7 +58,7 @@ def _snippet(text: str, words: set):
     for m in hits:
         if m.start() < start or m.end() > end:
             continue
-        out.append(flat[at:m.start()])
+        out.append(flat[at : m.start()])
         out.append(m.group(), style="bold yellow")
         at = m.end()
     out.append(flat[at:end] + ("\u2026" if end < len(flat) else "") + "\u201d")

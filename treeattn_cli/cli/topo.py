@@ -75,20 +75,29 @@ def measure(topo, o: TopoOptions, groups):
         raise ValueError("--measure needs at least 2 ranks (--nproc)")
     msg = sum(message_bytes(o.batch, o.heads, o.head_dim).values())
     big = 64 << 20 if topo.n else 8 << 20
-    res = run_local(measure_rank, n, groups, msg, big, o.iters, o.warmup, backend=backend,
-                    devices=devices, timeout_s=o.timeout)[0]
+    res = run_local(
+        measure_rank, n, groups, msg, big, o.iters, o.warmup, backend=backend, devices=devices, timeout_s=o.timeout
+    )[0]
     per_pair = pair_links(res["pairs"], msg, big)
     by_class: dict[str, list] = {}
     for key, (alpha, bw) in per_pair.items():
         i, j = map(int, key.split("-"))
         cls = L.effective_links(topo)[i][j] if topo.n else "LOOPBACK"
         by_class.setdefault(cls, []).append((alpha, bw))
-    links = {c: {"alpha_us": round(statistics.median(a for a, _ in v) * 1e6, 2),
-                 "bandwidth_gbps": round(statistics.median(b for _, b in v) / 1e9, 3)}
-             for c, v in by_class.items()}
-    return links, {"pairs": {k: {"alpha_us": a * 1e6, "bandwidth_gbps": b / 1e9} for k, (a, b) in per_pair.items()},
-                   "allreduce_us": {k: (v * 1e6 if v is not None else None) for k, v in res["allreduce_s"].items()},
-                   "nproc": n, "backend": backend, "message_bytes": msg}
+    links = {
+        c: {
+            "alpha_us": round(statistics.median(a for a, _ in v) * 1e6, 2),
+            "bandwidth_gbps": round(statistics.median(b for _, b in v) / 1e9, 3),
+        }
+        for c, v in by_class.items()
+    }
+    return links, {
+        "pairs": {k: {"alpha_us": a * 1e6, "bandwidth_gbps": b / 1e9} for k, (a, b) in per_pair.items()},
+        "allreduce_us": {k: (v * 1e6 if v is not None else None) for k, v in res["allreduce_s"].items()},
+        "nproc": n,
+        "backend": backend,
+        "message_bytes": msg,
+    }
 
 
 def save_profile(path: str, links: dict, raw: dict, base: L.Profile) -> None:
@@ -96,16 +105,23 @@ def save_profile(path: str, links: dict, raw: dict, base: L.Profile) -> None:
 
     from ..paths import write_atomic
 
-    doc = {"name": f"measured-{platform.node() or 'host'}",
-           "description": f"measured by treeattn topo --measure on {platform.node()} "
-                          f"({raw['nproc']} ranks, {raw['backend']})",
-           "links": links,
-           "measured": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                        "allreduce_us": raw["allreduce_us"], "message_bytes": raw["message_bytes"]}}
+    doc = {
+        "name": f"measured-{platform.node() or 'host'}",
+        "description": f"measured by treeattn topo --measure on {platform.node()} "
+        f"({raw['nproc']} ranks, {raw['backend']})",
+        "links": links,
+        "measured": {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "allreduce_us": raw["allreduce_us"],
+            "message_bytes": raw["message_bytes"],
+        },
+    }
     if base.memory_bandwidth:
         doc["memory_bandwidth_gbps"] = base.memory_bandwidth / 1e9
-    header = ("# Interconnect profile measured on this machine (treeattn topo --measure).\n"
-              "# alpha: one-way latency of a merge-sized message; bandwidth: of a large message.\n")
+    header = (
+        "# Interconnect profile measured on this machine (treeattn topo --measure).\n"
+        "# alpha: one-way latency of a merge-sized message; bandwidth: of a large message.\n"
+    )
     write_atomic(path, header + yaml.safe_dump(doc, sort_keys=False))
     L.load_profile(path)  # what we wrote must load
 
@@ -129,12 +145,22 @@ def topo_command(o: TopoOptions) -> dict:
     kw = dict(batch=o.batch, heads=o.heads // o.tp, head_dim=o.head_dim, layers=o.layers, nranks=mesh.cp)
     lay = L.choose_layout(view, profile, **kw)
     record = {
-        "gpus": [vars(g) for g in topo.gpus], "links": topo.links, "nvlinks": topo.nvlinks,
-        "p2p": topo.p2p, "groups": lay.groups, "scheme": lay.scheme, "source": topo.source,
-        "notes": topo.notes, "cpu_ranks": 0 if topo.n else nranks, "profile": profile.name,
-        "profile_path": profile.path, "layout": lay.to_dict(),
+        "gpus": [vars(g) for g in topo.gpus],
+        "links": topo.links,
+        "nvlinks": topo.nvlinks,
+        "p2p": topo.p2p,
+        "groups": lay.groups,
+        "scheme": lay.scheme,
+        "source": topo.source,
+        "notes": topo.notes,
+        "cpu_ranks": 0 if topo.n else nranks,
+        "profile": profile.name,
+        "profile_path": profile.path,
+        "layout": lay.to_dict(),
         "shape": {"batch": o.batch, "heads": o.heads, "head_dim": o.head_dim, "layers": o.layers},
-        "tp": o.tp, "cp": mesh.cp, "tp_groups": [mesh.tp_ranks(c) for c in range(mesh.cp)],
+        "tp": o.tp,
+        "cp": mesh.cp,
+        "tp_groups": [mesh.tp_ranks(c) for c in range(mesh.cp)],
         "cp_groups": mesh.cp_parts(),
     }
     if o.measure:
@@ -142,8 +168,11 @@ def topo_command(o: TopoOptions) -> dict:
             raise ValueError("--measure measures the fabric of all ranks: leave out --tp")
         links, raw = measure(view, o, lay.groups)
         record["measured"] = raw
-        measured = L.Profile("measured", {c: L.Link(v["alpha_us"] * 1e-6, 1 / (v["bandwidth_gbps"] * 1e9))
-                                          for c, v in links.items()}, profile.memory_bandwidth)
+        measured = L.Profile(
+            "measured",
+            {c: L.Link(v["alpha_us"] * 1e-6, 1 / (v["bandwidth_gbps"] * 1e9)) for c, v in links.items()},
+            profile.memory_bandwidth,
+        )
         lay = L.choose_layout(view, measured, **kw)
         record.update(groups=lay.groups, scheme=lay.scheme, layout=lay.to_dict(), profile="measured")
         if o.save:

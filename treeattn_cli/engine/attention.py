@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeattn_kernels import (add_sink, dequantize, gather_pages, gpu_path, partial_attention, partial_attention_paged,
-                              reference_only, triton_available)
+from treeattn_kernels import (
+    add_sink,
+    dequantize,
+    gather_pages,
+    gpu_path,
+    partial_attention,
+    partial_attention_paged,
+    reference_only,
+    triton_available,
+)
 
 from ..parallel.comm import Comm
 from ..parallel.merge import merge_pair
@@ -74,9 +82,22 @@ def _model_type(module) -> str:
     return getattr(cfg, "model_type", None) or type(module).__name__
 
 
-def treeattn_attention(module, query, key, value, attention_mask=None, *, scaling=None, dropout=0.0,
-                       sliding_window=None, softcap=None, s_aux=None, is_causal=None, treeattn_ctx=None,
-                       **rest):
+def treeattn_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask=None,
+    *,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    is_causal=None,
+    treeattn_ctx=None,
+    **rest,
+):
     """``query [B, H, T, d]``, ``key/value [B, H_kv, T, d]`` (RoPE applied) -> ``([B, T, H, d], None)``.
 
     Every argument transformers hands over is honoured or refused: ``scaling``, ``sliding_window``,
@@ -85,11 +106,15 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
     :data:`PASSING` change nothing; anything else raises :class:`UnsupportedAttention`."""
     unknown = sorted(set(rest) - PASSING)
     if unknown:
-        raise UnsupportedAttention(f"model type '{_model_type(module)}' passes the attention argument "
-                                   f"'{unknown[0]}', which treeattn does not support (refused rather than ignored)")
+        raise UnsupportedAttention(
+            f"model type '{_model_type(module)}' passes the attention argument "
+            f"'{unknown[0]}', which treeattn does not support (refused rather than ignored)"
+        )
     if is_causal is False:
-        raise UnsupportedAttention(f"model type '{_model_type(module)}' asks for bidirectional attention "
-                                   "(is_causal=False); treeattn decodes causal language models")
+        raise UnsupportedAttention(
+            f"model type '{_model_type(module)}' asks for bidirectional attention "
+            "(is_causal=False); treeattn decodes causal language models"
+        )
     ctx: AttentionContext = treeattn_ctx
     if ctx is None:
         raise RuntimeError("treeattn attention called without its context (treeattn_ctx)")
@@ -105,12 +130,32 @@ def treeattn_attention(module, query, key, value, attention_mask=None, *, scalin
         travel = cached and ctx.method == "pass-kv" and cache.quant is None  # fp8 shards stay with their scales
         if cached:
             k, v, kv_len, pos = cache.view(layer)
-        o, lse = ring_prefill(comm, query, key, value, ctx.pieces, scale=scaling, window=window, softcap=softcap,
-                              cache=(k.to(key.dtype), v.to(key.dtype)) if travel else None,
-                              cache_lens=ctx.cache_lens if travel else None)
+        o, lse = ring_prefill(
+            comm,
+            query,
+            key,
+            value,
+            ctx.pieces,
+            scale=scaling,
+            window=window,
+            softcap=softcap,
+            cache=(k.to(key.dtype), v.to(key.dtype)) if travel else None,
+            cache_lens=ctx.cache_lens if travel else None,
+        )
         if cached and not travel:  # the cache stays; queries visit every rank's shard
-            po, pl = ring_pass_q(comm, query, k, v, kv_len, ctx.pieces, k_pos=pos, scale=scaling,
-                                 window=window, softcap=softcap, attend=_stored(cache, layer))
+            po, pl = ring_pass_q(
+                comm,
+                query,
+                k,
+                v,
+                kv_len,
+                ctx.pieces,
+                k_pos=pos,
+                scale=scaling,
+                window=window,
+                softcap=softcap,
+                attend=_stored(cache, layer),
+            )
             o, lse = merge_pair(o, lse, po, pl)
         if sink is not None:  # these queries' partials over every key are merged: the sink joins once
             o, lse = add_sink(o, lse, sink)
@@ -157,8 +202,10 @@ def _sinks(module, s_aux, heads: int):
     s = s_aux.to_local() if hasattr(s_aux, "to_local") else s_aux  # a tensor-parallel shard
     s = s.detach().reshape(-1).float()
     if s.numel() != heads:
-        raise UnsupportedAttention(f"model type '{_model_type(module)}': {s.numel()} attention sink logits "
-                                   f"for {heads} query heads on this rank")
+        raise UnsupportedAttention(
+            f"model type '{_model_type(module)}': {s.numel()} attention sink logits "
+            f"for {heads} query heads on this rank"
+        )
     return s
 
 
@@ -194,11 +241,23 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
         if asking:  # the rows that cite: each key's log-sum-exp (their sequences' rows only)
             want = torch.tensor([i in asking for i in members], device=q.device).repeat_interleave(T)[None]
             blocks = _blocks(rows, dk.shape[2], want)
-        o, lse = _stored(doc, layer)(rows, dk, dv, scale=scale, kv_len=dlen, softcap=softcap,
-                                     out_dtype=torch.float32, impl=shared_impl(q), **kw, **blocks)
+        o, lse = _stored(doc, layer)(
+            rows,
+            dk,
+            dv,
+            scale=scale,
+            kv_len=dlen,
+            softcap=softcap,
+            out_dtype=torch.float32,
+            impl=shared_impl(q),
+            **kw,
+            **blocks,
+        )
         for j, i in enumerate(members):
             if i in asking:
-                cited.append((cites[i], i, blocks["block_lse"][0, :, j * T:(j + 1) * T], doc, lambda dpos=dpos: dpos[0]))
+                cited.append(
+                    (cites[i], i, blocks["block_lse"][0, :, j * T : (j + 1) * T], doc, lambda dpos=dpos: dpos[0])
+                )
         o = o.view(H, Rg, T, d).transpose(0, 1)  # [Rg, H, T, d]
         lse = lse.view(H, Rg, T).transpose(0, 1)  # [Rg, H, T]
         if idx is None:
@@ -231,7 +290,7 @@ def _ring(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, sof
         raise ValueError("the ring decode baseline does not support sliding-window layers")
     if len(ctx.groups) != 1 or q.shape[0] != 1 or q.shape[2] != 1 or not ctx.step:
         raise ValueError("the ring decode baseline decodes one sequence a token at a time (no batch, no drafts)")
-    (doc, _, _), = ctx.groups
+    ((doc, _, _),) = ctx.groups
     tail, comm = ctx.tail, ctx.comm
     lens = (tail.counts[0] + tail.beside[0]).tolist()  # every rank's block: its document shard and tail tokens
     n_t = int(tail.counts[0, comm.rank])  # (host bookkeeping: no collective)
@@ -273,8 +332,9 @@ def _tail_dense(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
         tk, tv, tlen, tpos = tail.view_rows(layer, ctx.rows, extended=True)
     kw = dict(q_pos=pos, k_pos=tpos, window=window) if (T > 1 or window is not None) else {}
     every = ctx.step or ctx.ext is not None  # every row of the tail (else the extension's rows)
-    return _stored(tail, layer, None if every else ctx.rows)(q, tk, tv, scale=scale, kv_len=tlen, softcap=softcap,
-                                                               out_dtype=torch.float32, **_tail_kernel(q), **kw)
+    return _stored(tail, layer, None if every else ctx.rows)(
+        q, tk, tv, scale=scale, kv_len=tlen, softcap=softcap, out_dtype=torch.float32, **_tail_kernel(q), **kw
+    )
 
 
 def shared_impl(q) -> str:
@@ -352,8 +412,8 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
     qq = q.new_zeros(len(groups), H, width, d)
     qp = torch.full((len(groups), width), -1, dtype=torch.int64, device=q.device)
     for g, idx in enumerate(idxs):
-        qq[g, :, :len(idx) * T] = q[idx].transpose(0, 1).reshape(H, len(idx) * T, d)
-        qp[g, :len(idx) * T] = pos[idx].reshape(-1)
+        qq[g, :, : len(idx) * T] = q[idx].transpose(0, 1).reshape(H, len(idx) * T, d)
+        qp[g, : len(idx) * T] = pos[idx].reshape(-1)
     if ctx.paged is not None:  # sent once for the forward (batch.BatchDecoder._forward)
         tables, kv_len = ctx.paged
     else:
@@ -366,7 +426,7 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
         for g, (_, _, members) in enumerate(groups):
             for j, i in enumerate(members):
                 if i in asking[g]:
-                    want[g, j * T:(j + 1) * T] = True
+                    want[g, j * T : (j + 1) * T] = True
         kw.update(_blocks(qq, tables.shape[1] * pool.page, want.to(q.device)))
     o, lse = _pooled(pool, layer, qq, tables, kv_len, scale=scale, softcap=softcap, impl=shared_impl(q), **kw)
     o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
@@ -374,12 +434,19 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
     for g, idx in enumerate(idxs):
         for j, i in enumerate(groups[g][2]):
             if i in asking[g]:  # the document's keys in table order: their positions through its table
-                table = tables[g:g + 1]
-                cited.append((cites[i], i, kw["block_lse"][g, :, j * T:(j + 1) * T], shards[g],
-                              lambda table=table: gather_pages(pool.pos, table)[0]))
+                table = tables[g : g + 1]
+                cited.append(
+                    (
+                        cites[i],
+                        i,
+                        kw["block_lse"][g, :, j * T : (j + 1) * T],
+                        shards[g],
+                        lambda table=table: gather_pages(pool.pos, table)[0],
+                    )
+                )
         n = len(idx)
-        o_d[idx] = o[g, :, :n * T].reshape(H, n, T, d).transpose(0, 1).to(o_d.dtype)
-        l_d[idx] = lse[g, :, :n * T].reshape(H, n, T).transpose(0, 1)
+        o_d[idx] = o[g, :, : n * T].reshape(H, n, T, d).transpose(0, 1).to(o_d.dtype)
+        l_d[idx] = lse[g, :, : n * T].reshape(H, n, T).transpose(0, 1)
     return o_d, l_d
 
 
@@ -390,8 +457,17 @@ def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
     cache, pos = ctx.cache, ctx.positions
     k, v, kv_len, k_pos = cache.view(layer)  # the shard before this segment
     kw = dict(q_pos=pos, k_pos=k_pos, window=window, k_pos_sorted=True) if window is not None else {}
-    o, lse = _stored(cache, layer)(q, k, v, scale=scale, kv_len=kv_len, softcap=softcap, out_dtype=torch.float32,
-                                   sink=sink if ctx.comm.rank == 0 else None, **kw)
+    o, lse = _stored(cache, layer)(
+        q,
+        k,
+        v,
+        scale=scale,
+        kv_len=kv_len,
+        softcap=softcap,
+        out_dtype=torch.float32,
+        sink=sink if ctx.comm.rank == 0 else None,
+        **kw,
+    )
     stats = ctx.comm.stats
     B, H, n, d = q.shape
     if stats.enabled:
@@ -399,8 +475,18 @@ def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
     cache.extend(layer, k_new, v_new)
     nk, nv, npos = cache.extension_view(layer, 0)  # the new tokens this rank keeps: [1, H_kv, m, d]
     if nk.shape[2]:
-        po, pl = _stored(cache, layer, extension=True)(q, nk, nv, scale=scale, q_pos=pos, k_pos=npos, window=window,
-                                                       k_pos_sorted=True, softcap=softcap, out_dtype=torch.float32)
+        po, pl = _stored(cache, layer, extension=True)(
+            q,
+            nk,
+            nv,
+            scale=scale,
+            q_pos=pos,
+            k_pos=npos,
+            window=window,
+            k_pos_sorted=True,
+            softcap=softcap,
+            out_dtype=torch.float32,
+        )
         o, lse = merge_pair(o, lse, po, pl)
         if stats.enabled:
             stats.add_flops(flops(B, H, d, n, nk.shape[2], "full"))

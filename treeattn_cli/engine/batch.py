@@ -94,9 +94,22 @@ class BatchDecoder(StepRunner):
     (the forwards are :class:`runner.StepRunner`'s)."""
 
     @torch.inference_mode()
-    def run(self, questions: list[Question], *, drafter=None, interrupted=None, feed=None, make_question=None,
-            on_token=None, on_answer=None, documents=None, on_doc=None, budget: int | None = None,
-            citation=None, news_flag=None) -> list[dict]:
+    def run(
+        self,
+        questions: list[Question],
+        *,
+        drafter=None,
+        interrupted=None,
+        feed=None,
+        make_question=None,
+        on_token=None,
+        on_answer=None,
+        documents=None,
+        on_doc=None,
+        budget: int | None = None,
+        citation=None,
+        news_flag=None,
+    ) -> list[dict]:
         """Answer every question; returns (on every rank) one summary per question, in order.
 
         Rank 0 only: each question's ``stop_check(ids) -> reason | None``; ``interrupted() ->
@@ -122,9 +135,21 @@ class BatchDecoder(StepRunner):
         queued question needs (``documents.Documents.advance``), and questions whose documents
         are ready take free slots in their order, so a new document neither stalls the answers
         under way for longer than a segment nor holds back questions behind it."""
-        return _Run(self, questions, drafter=drafter, interrupted=interrupted, feed=feed,
-                    make_question=make_question, on_token=on_token, on_answer=on_answer, documents=documents,
-                    on_doc=on_doc, budget=budget, citation=citation, news_flag=news_flag).loop()
+        return _Run(
+            self,
+            questions,
+            drafter=drafter,
+            interrupted=interrupted,
+            feed=feed,
+            make_question=make_question,
+            on_token=on_token,
+            on_answer=on_answer,
+            documents=documents,
+            on_doc=on_doc,
+            budget=budget,
+            citation=citation,
+            news_flag=news_flag,
+        ).loop()
 
     def _admit(self, b: int, q: Question, documents, busy: bool) -> bool | None:
         """Slot ``b``'s blocks for question ``q`` (a pooled tail: the most tokens its question and
@@ -153,16 +178,20 @@ class BatchDecoder(StepRunner):
         made = s.doc.made if s.prompt == 0 and s.doc is not None and s.doc.made else None
         prompt, prefill_s = (made["tokens"], made["seconds"]) if made else (s.prompt, s.prefill_s)
         since = min(s.t_batch, made["start"]) if made else s.t_batch
-        return {"prompt_tokens": prompt, "context_tokens": s.doc_tokens + s.prompt, "new_tokens": n,
-                "ttft_s": (s.t_first or s.t_start) - since if n else None,  # (no token: none came first)
-                "prefill_s": prefill_s,
-                "prefill_tokens_per_s": prompt / prefill_s if prefill_s else None,
-                "decode_tokens_per_s": (n - 1) / decode_s if decode_s else None,
-                "stop_reason": reason, "prefill_method": "+".join(made["methods"]) if made else "batched",
-                "speculation": s.speculation.record() if s.speculation is not None else None,
-                # how its document became resident: memory, pool, host, disk, prefill (and in how long)
-                "document": {"source": s.doc.source, "seconds": s.doc.seconds} if s.doc is not None and s.doc.key
-                else None}
+        return {
+            "prompt_tokens": prompt,
+            "context_tokens": s.doc_tokens + s.prompt,
+            "new_tokens": n,
+            "ttft_s": (s.t_first or s.t_start) - since if n else None,  # (no token: none came first)
+            "prefill_s": prefill_s,
+            "prefill_tokens_per_s": prompt / prefill_s if prefill_s else None,
+            "decode_tokens_per_s": (n - 1) / decode_s if decode_s else None,
+            "stop_reason": reason,
+            "prefill_method": "+".join(made["methods"]) if made else "batched",
+            "speculation": s.speculation.record() if s.speculation is not None else None,
+            # how its document became resident: memory, pool, host, disk, prefill (and in how long)
+            "document": {"source": s.doc.source, "seconds": s.doc.seconds} if s.doc is not None and s.doc.key else None,
+        }
 
 
 class _Run:
@@ -239,8 +268,9 @@ class _Run:
             for qi in [qi for qi in self.queue if questions[qi].doc is pending]:  # rest): its questions end
                 self.queue.remove(qi)  # here, answered empty ("no_room"); the others go on
                 q = questions[qi]
-                self.finish(_Slot(qi, len(q.ids), None, time.perf_counter(), self.t0, doc=q.doc, started=False),
-                            "no_room")
+                self.finish(
+                    _Slot(qi, len(q.ids), None, time.perf_counter(), self.t0, doc=q.doc, started=False), "no_room"
+                )
             documents.abandon(pending)
             blocked = False
         return blocked
@@ -271,22 +301,33 @@ class _Run:
             room = self.bd._admit(free[0], q, documents, busy=any(slots) or bool(self.filling))
             if room is None:  # its tail can never fit: nothing running holds blocks it could wait for
                 self.queue.remove(qi)
-                self.finish(_Slot(qi, len(q.ids), None, time.perf_counter(), self.t0, doc=q.doc, started=False),
-                            "no_room")
+                self.finish(
+                    _Slot(qi, len(q.ids), None, time.perf_counter(), self.t0, doc=q.doc, started=False), "no_room"
+                )
                 continue
             if not room:  # it waits for the answers under way to give blocks back; nothing behind it starts
                 self.bd.tail_waits += 1
                 break
             self.queue.remove(qi)
             b = free.pop(0)
-            slots[b] = _Slot(qi, len(q.ids), torch.Generator(device=self.dec.device).manual_seed(q.sampling.seed)
-                             if self.lead else None, time.perf_counter(), self.t0, doc=q.doc, doc_tokens=q.doc.tokens,
-                             citation=self.citation(q.cite) if q.cite and self.citation is not None else None, row=b)
+            slots[b] = _Slot(
+                qi,
+                len(q.ids),
+                torch.Generator(device=self.dec.device).manual_seed(q.sampling.seed) if self.lead else None,
+                time.perf_counter(),
+                self.t0,
+                doc=q.doc,
+                doc_tokens=q.doc.tokens,
+                citation=self.citation(q.cite) if q.cite and self.citation is not None else None,
+                row=b,
+            )
             if documents is not None:
                 documents.start(q.doc)
             if self.lead:
                 slots[b].speculation = Speculation.for_answer(q.speculate, q.sampling, self.cost)
-                slots[b].drafter = self.drafter(q.doc, q.ids) if self.drafter and slots[b].speculation.mode != "off" else None
+                slots[b].drafter = (
+                    self.drafter(q.doc, q.ids) if self.drafter and slots[b].speculation.mode != "off" else None
+                )
             began.append(qi)
             new.append(b)
         if began:  # each rank's pool as the questions begin (every rank gathers: the same questions)
@@ -297,8 +338,10 @@ class _Run:
                     self.on_doc(qi, questions[qi])
             for qi in doc_only:
                 q = questions[qi]
-                self.finish(_Slot(qi, 0, None, time.perf_counter(), self.t0, doc=q.doc, doc_tokens=q.doc.tokens,
-                                  started=False), "document")
+                self.finish(
+                    _Slot(qi, 0, None, time.perf_counter(), self.t0, doc=q.doc, doc_tokens=q.doc.tokens, started=False),
+                    "document",
+                )
         for b in [b for b in new if not questions[slots[b].question].ids]:  # no tokens of its own: it
             new.remove(b)  # answers from its document's last logits (generate: the prompt is the document)
             doc = slots[b].doc
@@ -337,8 +380,13 @@ class _Run:
         S, slots, questions, drafts = self.S, self.slots, self.questions, self.drafts
         ready_b = [b for b in range(S) if self.ready[b]]
         qs_b = [questions[slots[b].question] for b in ready_b]
-        picks = emit_all([self.rows[b] for b in ready_b], [drafts[b] for b in ready_b], [q.sampling for q in qs_b],
-                         [slots[b].gen for b in ready_b], [q.logprobs for q in qs_b])  # the step's one read
+        picks = emit_all(
+            [self.rows[b] for b in ready_b],
+            [drafts[b] for b in ready_b],
+            [q.sampling for q in qs_b],
+            [slots[b].gen for b in ready_b],
+            [q.logprobs for q in qs_b],
+        )  # the step's one read
         if self.t_step is not None and self.clean and picks:  # the latest forward, with every slot's drafts in it
             self.cost.observe(sum(len(drafts[b]) for b in ready_b), time.perf_counter() - self.t_step)
         self.news = ([], [])
@@ -365,7 +413,7 @@ class _Run:
                 if reason is not None:
                     break
             if q.logprobs is not None:
-                s.logprobs += lps[:len(final)]
+                s.logprobs += lps[: len(final)]
             if q.digest:  # the bits each token was chosen from (the oracle of issue 49)
                 s.digests += digests(self.rows[b], len(final))
             nxt = []
@@ -374,8 +422,8 @@ class _Run:
                 nxt = s.drafter.draft(min(s.speculation.want(len(ready_b)), q.max_new_tokens - len(s.tokens) - 1, KMAX))
             row = table[b]
             row[0], row[1], row[2] = len(final), STOP_IDS[reason], len(nxt)
-            row[3:3 + len(final)] = final
-            row[4 + KMAX:4 + KMAX + len(nxt)] = nxt
+            row[3 : 3 + len(final)] = final
+            row[4 + KMAX : 4 + KMAX + len(nxt)] = nxt
         table[S][0] = _ALL_STOPPED if self.stop_all else 0
         table[S][1] = 1 if self.news[0] or self.news[1] else 0
         self.msg = self.bd.staging.send(table)[0]  # one copy to the device, nothing waits
@@ -397,8 +445,19 @@ class _Run:
             for qi in [qi for qi in self.queue if qi in self.cancelled]:  # not begun: answered empty
                 self.queue.remove(qi)
                 q = self.questions[qi]
-                self.finish(_Slot(qi, len(q.ids), None, time.perf_counter(), self.t0, doc=q.doc,
-                                  doc_tokens=q.doc.tokens if q.doc.ready else 0, started=False), "cancelled")
+                self.finish(
+                    _Slot(
+                        qi,
+                        len(q.ids),
+                        None,
+                        time.perf_counter(),
+                        self.t0,
+                        doc=q.doc,
+                        doc_tokens=q.doc.tokens if q.doc.ready else 0,
+                        started=False,
+                    ),
+                    "cancelled",
+                )
         return table
 
     def apply(self, table) -> tuple[list[bool], list[list[int]]]:
@@ -413,7 +472,7 @@ class _Run:
                 continue
             s = slots[b]
             n_out, code, n_next = table[b][:3]
-            final = table[b][3:3 + n_out]
+            final = table[b][3 : 3 + n_out]
             reason = STOP_CODES[code]
             if self.drafts[b]:  # the slot's last forward fed its token and drafts: keep what was emitted, less one
                 self.bd.tail.truncate_extension(b, keep=n_out)
@@ -428,7 +487,7 @@ class _Run:
                     self.on_token(s.question, tok)
             if reason is None:
                 going[b] = True
-                nxt[b] = table[b][4 + KMAX:4 + KMAX + n_next]
+                nxt[b] = table[b][4 + KMAX : 4 + KMAX + n_next]
                 continue
             self.finish(s, reason)
             slots[b] = None
@@ -441,8 +500,9 @@ class _Run:
         q, documents, tail = self.questions[s.question], self.documents, self.bd.tail
         kept = None
         if q.keep and documents is not None:  # what the tail holds of it joins its document
-            kept = s.fed > 0 and documents.keep(q.doc, tail, s.row, list(q.ids) + list(s.tokens),
-                                                               upto=len(q.ids) if q.keep == "question" else None)
+            kept = s.fed > 0 and documents.keep(
+                q.doc, tail, s.row, list(q.ids) + list(s.tokens), upto=len(q.ids) if q.keep == "question" else None
+            )
         if documents is not None:
             documents.release(q.doc, running=s.started)
         if s.started:  # its blocks back to the pool
@@ -474,14 +534,17 @@ class _Run:
             feeds = [[slots[b].tokens[-1]] + nxt[b] for b in busy]
             lg = bd._extend([(b, slots[b]) for b in busy], feeds, [at[b] for b in busy])
             for i, b in enumerate(busy):
-                self.rows[b] = lg[i, :len(feeds[i])] if self.lead else None
+                self.rows[b] = lg[i, : len(feeds[i])] if self.lead else None
         else:  # an idle slot's row is computed and dropped: with a busy slot's document and
             # position, it widens no window's search and reads no other document
             live = busy[0]
-            lg = bd._step([slots[b].tokens[-1] if going[b] else 0 for b in range(S)],
-                          [at.get(b, at[live]) for b in range(S)], going,
-                          [slots[b if going[b] else live] for b in range(S)])
+            lg = bd._step(
+                [slots[b].tokens[-1] if going[b] else 0 for b in range(S)],
+                [at.get(b, at[live]) for b in range(S)],
+                going,
+                [slots[b if going[b] else live] for b in range(S)],
+            )
             for b in busy:
-                self.rows[b] = lg[b:b + 1] if self.lead else None
+                self.rows[b] = lg[b : b + 1] if self.lead else None
         for b in busy:
             self.ready[b], self.drafts[b] = True, nxt[b]

@@ -15,8 +15,11 @@ def salt(eng, pool, piece: int) -> str:
     the rank's place in the mesh (its sequence shard, its heads), how segments are cut and
     sharded, the storage (the pool belongs to one engine: one model, one dtype)."""
     m = eng.mesh
-    return (f"treeattn-doc|cp={m.cp}.{m.cp_index}|tp={m.tp}.{m.tp_index}|head0={eng.head0}|"
-            f"{eng.dec.sharding}|segment={m.cp * piece}|{eng.kv_name}|{pool.dtype}|page={pool.page}")
+    return (
+        f"treeattn-doc|cp={m.cp}.{m.cp_index}|tp={m.tp}.{m.tp_index}|head0={eng.head0}|"
+        f"{eng.dec.sharding}|segment={m.cp * piece}|{eng.kv_name}|{pool.dtype}|page={pool.page}"
+    )
+
 
 def plan(eng, pool, doc, piece: int) -> None:
     """Where the document's tokens go (every rank's shard after each segment) and this rank's
@@ -46,8 +49,10 @@ def plan(eng, pool, doc, piece: int) -> None:
     last = np.minimum(np.arange(page, len(pos) + page, page), len(pos))  # each block's end
     seg_of_block = np.searchsorted(np.asarray(ends), last, side="left")
     doc.counts = counts
-    doc.keys = block_keys(ids[pos].tolist(), pos.tolist(), page, salt(eng, pool, piece),
-                          [digests[j] for j in seg_of_block], tail=True)
+    doc.keys = block_keys(
+        ids[pos].tolist(), pos.tolist(), page, salt(eng, pool, piece), [digests[j] for j in seg_of_block], tail=True
+    )
+
 
 def reuse(eng, pool, doc) -> None:
     """Take the longest prefix of ``doc``'s segments whose blocks every rank's pool holds
@@ -65,8 +70,9 @@ def reuse(eng, pool, doc) -> None:
     doc.todo = list(doc.segs[j:])
     doc.reused = sum(doc.counts[j])
 
+
 def publish(doc) -> None:
     """Offer the document's full blocks to later documents that start with the same tokens."""
     if doc.keys:
         table = doc.cache.table
-        table.publish(doc.keys if not doc.todo else doc.keys[:table.length // table.pool.page])
+        table.publish(doc.keys if not doc.todo else doc.keys[: table.length // table.pool.page])

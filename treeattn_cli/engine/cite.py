@@ -64,8 +64,18 @@ class Citation:
     peer holding the same heads as another does not).
     """
 
-    def __init__(self, spans, num_layers: int, heads: int, *, layers=None, detail: str = "sum",
-                 counts: bool = True, local_heads: int | None = None, device="cpu"):
+    def __init__(
+        self,
+        spans,
+        num_layers: int,
+        heads: int,
+        *,
+        layers=None,
+        detail: str = "sum",
+        counts: bool = True,
+        local_heads: int | None = None,
+        device="cpu",
+    ):
         spans = torch.as_tensor(spans, dtype=torch.int64).reshape(-1, 2)
         self.device = torch.device(device)
         self.starts = spans[:, 0].contiguous().to(self.device)
@@ -128,7 +138,7 @@ class Citation:
         if self.pending is None:
             return
         for t in range(min(n, self.pending.shape[-2])):
-            self.rows.append(self.pending[..., t, :self.S].clone())
+            self.rows.append(self.pending[..., t, : self.S].clone())
         self.pending = None
 
     def gather(self, comm):
@@ -140,8 +150,9 @@ class Citation:
         if self.rows:
             mine = torch.stack(self.rows, -2)
         else:
-            mine = torch.zeros(*lead, *((self.local_heads,) if self.detail == "heads" else ()), 0, self.S,
-                               device=self.device)
+            mine = torch.zeros(
+                *lead, *((self.local_heads,) if self.detail == "heads" else ()), 0, self.S, device=self.device
+            )
         total = comm.all_reduce(mine.contiguous(), "sum") if comm.world > 1 else mine
         div = {"sum": self.heads * len(self.layers), "layers": self.heads, "heads": 1}[self.detail]
         total = total.float().cpu() / div

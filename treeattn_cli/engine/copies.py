@@ -35,8 +35,12 @@ def saved_manifest(docs, saved: Path | None, ref: dict, ids: list) -> dict | Non
             manifest = json.loads((saved / kvstore.MANIFEST).read_text())
         else:
             sh = eng.saver.shapes
-            manifest = kvstore.validate(saved, identity=identity, dtype=eng.saver.dtype, shapes={
-                "layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]})
+            manifest = kvstore.validate(
+                saved,
+                identity=identity,
+                dtype=eng.saver.dtype,
+                shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]},
+            )
             if manifest["tokens"]["sha256"] != kvstore.ids_sha256(ids):
                 raise kvstore.KVError(f"{saved} holds other tokens than its name says")
     except (kvstore.KVError, ValueError, OSError) as e:
@@ -54,8 +58,12 @@ def refuse(docs, saved: Path, key: str | None, why: str | None) -> None:
     import sys
 
     if docs.engine.lead:
-        print(f"treeattn: warning: {why or f'the saved copy of document {key} is damaged on another rank'}: "
-              f"removed from the cache, the document is prefilled again", file=sys.stderr, flush=True)
+        print(
+            f"treeattn: warning: {why or f'the saved copy of document {key} is damaged on another rank'}: "
+            f"removed from the cache, the document is prefilled again",
+            file=sys.stderr,
+            flush=True,
+        )
         shutil.rmtree(saved, ignore_errors=True)
     if key is not None:
         docs.changes["corrupt"].append(key)
@@ -86,8 +94,7 @@ def load(docs, doc, evict: bool = True) -> bool:
         saved, manifest = doc.load
         why = None
         try:
-            kvstore.load_into(saved, manifest, doc.cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index,
-                              head0=eng.head0)
+            kvstore.load_into(saved, manifest, doc.cache, cp=eng.mesh.cp, cp_index=eng.mesh.cp_index, head0=eng.head0)
         except kvstore.KVError as e:  # (a checksum, a file cut since it was validated)
             if not doc.owned:
                 raise  # the user's own --load-kv: one line, not a silent prefill
@@ -126,6 +133,10 @@ def write(docs, cache, ids, target, meta: dict, soft: bool) -> bool:
     if docs.engine.lead:
         import sys
 
-        print(f"treeattn: warning: cannot write to the cache directory ({why}): no more documents are saved "
-              f"there this run; answers go on", file=sys.stderr, flush=True)
+        print(
+            f"treeattn: warning: cannot write to the cache directory ({why}): no more documents are saved "
+            f"there this run; answers go on",
+            file=sys.stderr,
+            flush=True,
+        )
     return False

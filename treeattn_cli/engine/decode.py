@@ -40,8 +40,19 @@ def segments(n: int, p: int, piece: int | None) -> list[tuple[int, int]]:
 class Decoder:
     """One rank's model and communicators: prefill into a shard, and the batch loop's forwards."""
 
-    def __init__(self, model, actx: AttentionContext, *, vocab_size: int, device, kv_heads: int,
-                 static: bool = False, cuda_graph: bool = False, world=None, sharding: str = "balanced"):
+    def __init__(
+        self,
+        model,
+        actx: AttentionContext,
+        *,
+        vocab_size: int,
+        device,
+        kv_heads: int,
+        static: bool = False,
+        cuda_graph: bool = False,
+        world=None,
+        sharding: str = "balanced",
+    ):
         self.model = model
         self.base = getattr(model, model.base_model_prefix)  # the decoder without the LM head
         self.actx = actx
@@ -55,9 +66,11 @@ class Decoder:
         self.graph_note = None
         if self.use_graph and not graph_capture_ok(self.comm):
             self.use_graph = False
-            self.graph_note = (f"CUDA graphs need torch >= {P2P_CAPTURE_TORCH} to capture the point-to-point "
-                               f"sends of the {self.comm.scheme} merge (this is torch {torch.__version__}): "
-                               "decoding eagerly")
+            self.graph_note = (
+                f"CUDA graphs need torch >= {P2P_CAPTURE_TORCH} to capture the point-to-point "
+                f"sends of the {self.comm.scheme} merge (this is torch {torch.__version__}): "
+                "decoding eagerly"
+            )
         # steps no graph replays merge as captured ones do (a step that cites runs eagerly with the same numbers)
         actx.eager = not self.use_graph
         self.sharding = sharding  # of prefill segments: "balanced" or "contiguous" (prefill.py)
@@ -117,9 +130,17 @@ class Decoder:
             pieces = shard(start + s0, s1 - s0, p, balanced=self.sharding == "balanced")
             lens = [size(pc) for pc in pieces]
             cache_lens = list(counts)
-            method, _ = plan(s1 - s0, sum(cache_lens), p=p, heads=self.q_heads, kv_heads=cache.kv_heads,
-                             head_dim=cache.head_dim, esize=cache.k[0].element_size(), window=self.window,
-                             quantized=cache.quant is not None)
+            method, _ = plan(
+                s1 - s0,
+                sum(cache_lens),
+                p=p,
+                heads=self.q_heads,
+                kv_heads=cache.kv_heads,
+                head_dim=cache.head_dim,
+                esize=cache.k[0].element_size(),
+                window=self.window,
+                quantized=cache.quant is not None,
+            )
             if self.route and sum(cache_lens):
                 method = self.route
             for i in range(p):
@@ -137,13 +158,22 @@ class Decoder:
             if lens[r]:  # a prompt shorter than p leaves a rank without tokens: nothing to attend
                 pos = positions(pieces[r], self.device)
                 self.actx.positions = pos
-                mine = torch.cat([ids[:, a - start:b - start] for a, b in pieces[r] if b > a], dim=1)
-                out = self._forward(mine.to(self.device), pos[None].expand(B, -1),
-                                    want_logits=(s1 == n and r == owner), rows=rows)
+                mine = torch.cat([ids[:, a - start : b - start] for a, b in pieces[r] if b > a], dim=1)
+                out = self._forward(
+                    mine.to(self.device), pos[None].expand(B, -1), want_logits=(s1 == n and r == owner), rows=rows
+                )
                 if out is not None:
                     logits = out
-            self.segments.append({"tokens": s1 - s0, "cached": sum(cache_lens), "method": method,
-                                  "sharding": self.sharding, "flops": stats.flops, "bytes": stats.bytes_sent})
+            self.segments.append(
+                {
+                    "tokens": s1 - s0,
+                    "cached": sum(cache_lens),
+                    "method": method,
+                    "sharding": self.sharding,
+                    "flops": stats.flops,
+                    "bytes": stats.bytes_sent,
+                }
+            )
             stats.reset()
             stats.enabled = was
         self.actx.on_layer = None
@@ -180,8 +210,16 @@ class Decoder:
         finally:
             self.actx.on_layer, self.actx.phase = None, "decode"
         cache.end_extend()
-        self.segments.append({"tokens": n, "cached": start, "method": "replicated", "sharding": "replicated",
-                              "flops": stats.flops, "bytes": stats.bytes_sent})
+        self.segments.append(
+            {
+                "tokens": n,
+                "cached": start,
+                "method": "replicated",
+                "sharding": "replicated",
+                "flops": stats.flops,
+                "bytes": stats.bytes_sent,
+            }
+        )
         stats.reset()
         stats.enabled = was
         return logits

@@ -51,6 +51,8 @@ from . import copies
 # project's 2-core CPU box, a segment of 2 x 256 tokens of the embedded model took 1.3-1.6 s;
 # 2 x 128 about half that).
 PIECE = {"cpu": 128, "cuda": 4096}
+
+
 @dataclass
 class Document:
     """One resident document: its tokens, this rank's cache of them, what remains to prefill."""
@@ -143,10 +145,16 @@ class Documents:
             want = default_budget(self.pool.device, self.engine.world.world) if want is None else int(want)
             self.host = HostTier(self.engine.world.all_min(want))  # the same on every rank
         pool = self.pool
-        per = BlockPool.bytes_per_block(pool.num_layers, pool.kv_heads, pool.head_dim, pool.page, pool.dtype,
-                                        pool.quant.groups if pool.quant else 0)
-        return {"blocks": self.pool.num_blocks, "page": self.pool.page, "bytes": self.pool.num_blocks * per,
-                "free": self.pool_free, "host": self.host.budget}
+        per = BlockPool.bytes_per_block(
+            pool.num_layers, pool.kv_heads, pool.head_dim, pool.page, pool.dtype, pool.quant.groups if pool.quant else 0
+        )
+        return {
+            "blocks": self.pool.num_blocks,
+            "page": self.pool.page,
+            "bytes": self.pool.num_blocks * per,
+            "free": self.pool_free,
+            "host": self.host.budget,
+        }
 
     def new_shard(self, ref: dict | None = None) -> PagedShard:
         """An empty shard in this rank's pool (made now, from ``ref``, if there is none yet)."""
@@ -251,7 +259,11 @@ class Documents:
         if doc.source == "pool":
             doc.seconds = time.perf_counter() - t0
         elif hosted is not None:
-            doc.restore, doc.source, doc.on_disk = hosted, "host", saved is not None and (saved / kvstore.MANIFEST).exists()
+            doc.restore, doc.source, doc.on_disk = (
+                hosted,
+                "host",
+                saved is not None and (saved / kvstore.MANIFEST).exists(),
+            )
             copies.load(self, doc, evict=False)  # (as a saved copy's load, below)
         elif manifest is not None:
             doc.load, doc.source, doc.on_disk = (saved, manifest), "disk", True
@@ -283,7 +295,9 @@ class Documents:
             self._ready(doc)
             return max(1, len(doc.ids))
         if doc.keys is not None and doc.todo == doc.segs:  # not begun: documents prefilled
-            block_reuse.reuse(self.engine, self.pool, doc)  # since it was asked for (or before a reset) may hold its prefix
+            block_reuse.reuse(
+                self.engine, self.pool, doc
+            )  # since it was asked for (or before a reset) may hold its prefix
             if not doc.todo:
                 self._ready(doc)
                 return doc.reused
@@ -296,15 +310,17 @@ class Documents:
         if doc.progress and eng.lead:  # (chat: the bar while its document is prefilled)
             progress = lambda done, _n, s0=s0, n=len(doc.ids): eng.ctx.send("prefill", (s0 + done, n))  # noqa: E731
         first = len(eng.dec.segments)
-        logits = eng.dec.prefill(doc.cache, torch.tensor([doc.ids[s0:s1]], dtype=torch.int64),
-                                 on_progress=progress)  # s1 - s0 <= p·piece
+        logits = eng.dec.prefill(
+            doc.cache, torch.tensor([doc.ids[s0:s1]], dtype=torch.int64), on_progress=progress
+        )  # s1 - s0 <= p·piece
         doc.methods |= {seg["method"] for seg in eng.dec.segments[first:]}
         doc.todo.pop(0)
         block_reuse.publish(doc)
         self._ready(doc)
         if doc.want_logits and not doc.todo:  # a question with no tokens of its own starts from them
-            doc.keep_logits(logits[-1:] if logits is not None else None, len(doc.ids), doc.seconds, doc.t_start,
-                            doc.methods)
+            doc.keep_logits(
+                logits[-1:] if logits is not None else None, len(doc.ids), doc.seconds, doc.t_start, doc.methods
+            )
         return s1 - s0
 
     def _ready(self, doc: Document) -> None:
@@ -316,11 +332,18 @@ class Documents:
 
     def _complete(self, doc: Document) -> None:
         if doc.key is not None:  # how it came (pool, host, disk, prefill), its bytes per rank, the seconds
-            self.changes["made"].append({"key": doc.key, "source": doc.source, "seconds": doc.seconds,
-                                         "bytes": self.rank_bytes(doc)})
+            self.changes["made"].append(
+                {"key": doc.key, "source": doc.source, "seconds": doc.seconds, "bytes": self.rank_bytes(doc)}
+            )
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
-            if copies.write(self, doc.cache, doc.ids, doc.save["target"], {**doc.save["meta"], "nonce": doc.key[:8]},
-                           soft=doc.save.get("soft", False)):
+            if copies.write(
+                self,
+                doc.cache,
+                doc.ids,
+                doc.save["target"],
+                {**doc.save["meta"], "nonce": doc.key[:8]},
+                soft=doc.save.get("soft", False),
+            ):
                 doc.on_disk = True
                 self.changes["saved"].append(doc.key)
             doc.save = None
@@ -405,8 +428,15 @@ class Documents:
         restoring, doc.restore = doc.restore, None
         if restoring is not None:  # not (all) copied in: the copy goes back where it was, whole; what
             self.host.add(key, restoring)  # its blocks hold is no copy of anything (not saved, not kept)
-        elif not doc.on_disk and doc.ids and doc.ready and self.spill_dir is not None and \
-                copies.write(self, doc.cache, doc.ids, Path(self.spill_dir) / key, {**self.spill_meta, "nonce": key[:8]}, soft=True):
+        elif (
+            not doc.on_disk
+            and doc.ids
+            and doc.ready
+            and self.spill_dir is not None
+            and copies.write(
+                self, doc.cache, doc.ids, Path(self.spill_dir) / key, {**self.spill_meta, "nonce": key[:8]}, soft=True
+            )
+        ):
             doc.on_disk = True
             self.changes["spilled"].append(key)
         if to_host and doc.ids and doc.ready and restoring is None:

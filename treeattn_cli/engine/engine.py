@@ -109,14 +109,31 @@ class Engine(OwnTokens):
         if mesh.tp > 1:
             check_tp_within_nodes(mesh, self.nodes)
             tp_mesh, cp_group = C.grid_mesh(device.type, mesh.cp, mesh.tp)
-        self.model = model if model is not None else load_model(
-            job.model_dir, dtype, device, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle,
-            tp_mesh=tp_mesh, tp_plan=job.tp_plan)
+        self.model = (
+            model
+            if model is not None
+            else load_model(
+                job.model_dir,
+                dtype,
+                device,
+                trust_remote_code=job.trust_remote_code,
+                allow_pickle=job.allow_pickle,
+                tp_mesh=tp_mesh,
+                tp_plan=job.tp_plan,
+            )
+        )
         self.shapes = sh = shapes(self.model.config)
         plan = (job.scheme, job.groups, job.inner, job.outer)
         if len(set(self.nodes)) > 1 and job.auto_layout:  # planned in the launcher as if on one node
-            lay = cp_layout(mesh, self.nodes, job.layout_profile, heads=sh["heads"], head_dim=sh["head_dim"],
-                            layers=sh["num_layers"], intra="LOOPBACK" if device.type == "cpu" else "NVSWITCH")
+            lay = cp_layout(
+                mesh,
+                self.nodes,
+                job.layout_profile,
+                heads=sh["heads"],
+                head_dim=sh["head_dim"],
+                layers=sh["num_layers"],
+                intra="LOOPBACK" if device.type == "cpu" else "NVSWITCH",
+            )
             plan = (lay.scheme, lay.groups, lay.inner or "allreduce", lay.outer or "tree")
         self.scheme = plan[0]
         self.comm = C.make_comm(*plan, parts=mesh.cp_parts(), group=cp_group)  # the merge runs over my cp group
@@ -133,16 +150,37 @@ class Engine(OwnTokens):
         self.head0 = mesh.tp_index * self.kv_heads if self.heads_split else 0
         kv_dtype, quant, self.kv_name = storage(job.kv_dtype, dtype, device, sh["head_dim"])
         # how every shard of this rank stores KV (the pool is sized by it: documents.Documents.make_pool)
-        self.kv = KVFormat(sh["num_layers"], self.kv_heads, sh["head_dim"], quant.dtype if quant is not None
-                           else kv_dtype, quant, device)
-        self.dec = Decoder(self.model, AttentionContext(self.comm, decode_method=job.decode_method),
-                           vocab_size=self.model.get_output_embeddings().weight.shape[0], device=device,
-                           kv_heads=self.kv_heads, static=static, world=self.world,
-                           cuda_graph=job.cuda_graph and ctx.backend == "nccl" and job.decode_method == "tree",
-                           sharding=job.prefill_sharding)
+        self.kv = KVFormat(
+            sh["num_layers"],
+            self.kv_heads,
+            sh["head_dim"],
+            quant.dtype if quant is not None else kv_dtype,
+            quant,
+            device,
+        )
+        self.dec = Decoder(
+            self.model,
+            AttentionContext(self.comm, decode_method=job.decode_method),
+            vocab_size=self.model.get_output_embeddings().weight.shape[0],
+            device=device,
+            kv_heads=self.kv_heads,
+            static=static,
+            world=self.world,
+            cuda_graph=job.cuda_graph and ctx.backend == "nccl" and job.decode_method == "tree",
+            sharding=job.prefill_sharding,
+        )
         self.lead = ctx.rank == 0
-        self.saver = Saver(self.world, self.lead, mesh, ctx.world, self.heads_split, self.head0, sh,
-                           str(dtype).replace("torch.", ""), self.kv_name)
+        self.saver = Saver(
+            self.world,
+            self.lead,
+            mesh,
+            ctx.world,
+            self.heads_split,
+            self.head0,
+            sh,
+            str(dtype).replace("torch.", ""),
+            self.kv_name,
+        )
         self.documents = Documents(self)  # the documents in the pool (documents.py)
         self.prefix: Document | None = None  # the engine's own tokens (append, decode, mark, save, load), pooled
         self.ready = False  # tokens appended since the last answer: a decode may follow
@@ -176,9 +214,16 @@ class Engine(OwnTokens):
         from .cite import Citation
 
         sh = self.shapes
-        return Citation(cite["spans"], sh["num_layers"], sh["heads"], layers=cite.get("layers"),
-                        detail=cite.get("detail") or "sum", device=self.device, local_heads=self.dec.q_heads,
-                        counts=self.heads_split or self.mesh.tp_index == 0)  # tp peers with the same heads: one
+        return Citation(
+            cite["spans"],
+            sh["num_layers"],
+            sh["heads"],
+            layers=cite.get("layers"),
+            detail=cite.get("detail") or "sum",
+            device=self.device,
+            local_heads=self.dec.q_heads,
+            counts=self.heads_split or self.mesh.tp_index == 0,
+        )  # tp peers with the same heads: one
 
     def _drafter(self, own=(), doc: Document | None = None):
         """Rank 0: a drafter over the tokens of ``doc`` (default: the engine's own), then ``own``.
@@ -188,11 +233,11 @@ class Engine(OwnTokens):
 
         doc = doc if doc is not None else self._prefix()
         base = self._drafters.get(doc.key)
-        if base is None or len(base.tokens) > len(doc.ids) or base.tokens != doc.ids[:len(base.tokens)]:
+        if base is None or len(base.tokens) > len(doc.ids) or base.tokens != doc.ids[: len(base.tokens)]:
             for k in [k for k in self._drafters if k is not None and k not in self.documents.resident]:
                 del self._drafters[k]  # their documents left memory
             base = self._drafters[doc.key] = Drafter(doc.ids)
-        return Drafter(doc.ids[len(base.tokens):] + list(own), base=base)  # (a conversation's kept turns)
+        return Drafter(doc.ids[len(base.tokens) :] + list(own), base=base)  # (a conversation's kept turns)
 
     def _op_generate(self, req):
         """``generate`` as one request on the batch loop: the prompt is a document, prefilled into
@@ -220,18 +265,33 @@ class Engine(OwnTokens):
             kept = {"dir": job.cache_dir, "save": True}
         else:
             doc_ids, question = prompt, []
-            doc = {"progress": True, "last_logits": True,
-                   **({"save_to": job.save_kv, "save_meta": job.save_meta} if job.save_kv else {})}
+            doc = {
+                "progress": True,
+                "last_logits": True,
+                **({"save_to": job.save_kv, "save_meta": job.save_meta} if job.save_kv else {}),
+            }
         doc.setdefault("key", "generate")
         doc.update(ids=doc_ids, piece=job.prefill_chunk or max(1, -(-len(doc_ids) // self.mesh.cp)))
         keep = {"keep": "question"} if job.load_kv and job.save_kv else {}
-        self._op_batch({"op": "batch", "questions": [{"ids": question, "doc": doc, **keep}], "slots": 1,
-                        "max_new_tokens": job.max_new_tokens, "stop": list(job.stop), "eos_ids": list(job.eos_ids),
-                        "sampling": vars(job.sampling), "speculate": job.speculate, "logprobs": job.logprobs,
-                        "digest": job.digest, "cite": job.cite,
-                        "pool_for": len(doc_ids) + (len(question) if keep else 0),
-                        "tails": len(question) + job.max_new_tokens, **kept},  # (tails: the question and its answer)
-                       single=True)
+        self._op_batch(
+            {
+                "op": "batch",
+                "questions": [{"ids": question, "doc": doc, **keep}],
+                "slots": 1,
+                "max_new_tokens": job.max_new_tokens,
+                "stop": list(job.stop),
+                "eos_ids": list(job.eos_ids),
+                "sampling": vars(job.sampling),
+                "speculate": job.speculate,
+                "logprobs": job.logprobs,
+                "digest": job.digest,
+                "cite": job.cite,
+                "pool_for": len(doc_ids) + (len(question) if keep else 0),
+                "tails": len(question) + job.max_new_tokens,
+                **kept,
+            },  # (tails: the question and its answer)
+            single=True,
+        )
         if keep:
             self._op_save({"dir": job.save_kv, "doc": "generate", **job.save_meta})
 
@@ -254,10 +314,29 @@ class Engine(OwnTokens):
         from .batch import Question
         from .requests import Ask
 
-        defaults = {k: req.get(k) for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs",
-                                            "digest", "cite")}
-        doc_defaults = {k: req[k] for k in ("budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks",
-                                            "pool_for", "tails", "tail_slots", "grow", "page", "host_memory") if req.get(k) is not None}
+        defaults = {
+            k: req.get(k)
+            for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs", "digest", "cite")
+        }
+        doc_defaults = {
+            k: req[k]
+            for k in (
+                "budget",
+                "dir",
+                "save_meta",
+                "piece",
+                "save",
+                "pool",
+                "pool_blocks",
+                "pool_for",
+                "tails",
+                "tail_slots",
+                "grow",
+                "page",
+                "host_memory",
+            )
+            if req.get(k) is not None
+        }
         kept_docs: set = set()  # documents a question of this batch keeps into
 
         def question(q) -> Question:
@@ -288,24 +367,49 @@ class Engine(OwnTokens):
                 kept_docs.add(doc.key)
             if keep is True and doc.pending is not None and not ask.drop_pending:
                 ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
-            return Question(ids, ask.max_new_tokens, ask.sampling, ask.speculate or "off", stop_check, ask.logprobs,
-                            doc=doc, source=source, doc_ref=doc_ref, cite=ask.cite, keep=keep, digest=ask.digest)
+            return Question(
+                ids,
+                ask.max_new_tokens,
+                ask.sampling,
+                ask.speculate or "off",
+                stop_check,
+                ask.logprobs,
+                doc=doc,
+                source=source,
+                doc_ref=doc_ref,
+                cite=ask.cite,
+                keep=keep,
+                digest=ask.digest,
+            )
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
         feed = None
         if req.get("open") and self.lead:
             feed = C.BatchFeed(seq)
-        bd = self._batch_decoder(max(1, req["slots"] if req.get("open") else min(req["slots"], len(qs))),
-                                 max([len(q.ids) + q.max_new_tokens for q in qs] or [64]))
+        bd = self._batch_decoder(
+            max(1, req["slots"] if req.get("open") else min(req["slots"], len(qs))),
+            max([len(q.ids) + q.max_new_tokens for q in qs] or [64]),
+        )
         t0 = time.perf_counter()
 
         def on_doc(qi, q):
             ch = self.documents.take_changes()
             if any(ch.values()):
                 self.ctx.send("docs", ch)
-            self.ctx.send("bdoc", (qi, {"source": q.source, "tokens": q.doc.tokens, "seconds": q.doc.seconds,
-                                         "reused": q.doc.reused, "pools": q.pools}))
+            self.ctx.send(
+                "bdoc",
+                (
+                    qi,
+                    {
+                        "source": q.source,
+                        "tokens": q.doc.tokens,
+                        "seconds": q.doc.seconds,
+                        "reused": q.doc.reused,
+                        "pools": q.pools,
+                    },
+                ),
+            )
 
         last: dict = {}
 
@@ -313,16 +417,22 @@ class Engine(OwnTokens):
             last["rec"] = rec
             self.ctx.send("answer", rec) if single else self.ctx.send("banswer", (qi, rec))
 
-        answers = bd.run(qs, drafter=(lambda doc, own: self._drafter(own, doc)) if self.lead else None,
-                         citation=self.citation,
-                         make_question=question, documents=self.documents, on_doc=on_doc if self.lead else None,
-                         interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
-                         feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,
-                         news_flag=C.news if self.lead and (feed or req.get("interruptible")) else None,
-                         on_token=(lambda qi, tok: self.ctx.send("token", tok)) if single else
-                         (lambda qi, tok: self.ctx.send("btoken", (qi, tok))),
-                         on_answer=answered,
-                         budget=req.get("piece") or PIECE.get(self.device.type, PIECE["cuda"]))
+        answers = bd.run(
+            qs,
+            drafter=(lambda doc, own: self._drafter(own, doc)) if self.lead else None,
+            citation=self.citation,
+            make_question=question,
+            documents=self.documents,
+            on_doc=on_doc if self.lead else None,
+            interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
+            feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,
+            news_flag=C.news if self.lead and (feed or req.get("interruptible")) else None,
+            on_token=(lambda qi, tok: self.ctx.send("token", tok))
+            if single
+            else (lambda qi, tok: self.ctx.send("btoken", (qi, tok))),
+            on_answer=answered,
+            budget=req.get("piece") or PIECE.get(self.device.type, PIECE["cuda"]),
+        )
         done = [a for a in answers if a is not None]
         if done:
             self.summary = done[-1]
@@ -338,18 +448,27 @@ class Engine(OwnTokens):
             self.graph_totals[k] += graphs[k]
         self.graph_totals["graph_note"] = self.graph_totals["graph_note"] or graphs["graph_note"]
         if self.lead:
-            self.ctx.send("batch_done", {"pools": pools, "answers": len(done), "new_tokens": sum(a["new_tokens"] for a in done),
-                                         "seconds": time.perf_counter() - t0, "slots": bd.slots,
-                                         "documents_per_step": bd.documents_per_step,
-                                         "segments_while_decoding": bd.segments_while_decoding,
-                                         "question_chunks": bd.question_chunks,
-                                         "chunks_while_decoding": bd.chunks_while_decoding,
-                                         "pool_waits": self.documents.waits,
-                                         "tail_waits": bd.tail_waits,  # rounds a question waited for its tail's blocks
-                                         "pool": self.documents.pool.stats() if self.documents.pool else None,
-                                         "joins": feed.taken if feed else 0, "batch_runs": bd.runs,
-                                         # its steps' CUDA graphs (graphs.StepGraphs): captured, replayed
-                                         **graphs})
+            self.ctx.send(
+                "batch_done",
+                {
+                    "pools": pools,
+                    "answers": len(done),
+                    "new_tokens": sum(a["new_tokens"] for a in done),
+                    "seconds": time.perf_counter() - t0,
+                    "slots": bd.slots,
+                    "documents_per_step": bd.documents_per_step,
+                    "segments_while_decoding": bd.segments_while_decoding,
+                    "question_chunks": bd.question_chunks,
+                    "chunks_while_decoding": bd.chunks_while_decoding,
+                    "pool_waits": self.documents.waits,
+                    "tail_waits": bd.tail_waits,  # rounds a question waited for its tail's blocks
+                    "pool": self.documents.pool.stats() if self.documents.pool else None,
+                    "joins": feed.taken if feed else 0,
+                    "batch_runs": bd.runs,
+                    # its steps' CUDA graphs (graphs.StepGraphs): captured, replayed
+                    **graphs,
+                },
+            )
 
     def _batch_decoder(self, slots: int, capacity: int):
         """The engine's batch decoder, kept from one batch to the next while the slots stay (a

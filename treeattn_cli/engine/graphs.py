@@ -140,8 +140,9 @@ class StepGraphs:
             if not self.world.all_true(err is None):
                 self.on = False
                 self._graphs.clear()
-                self.note = (f"CUDA graph capture failed, running the {self.what} eagerly: "
-                             f"{err or 'on another rank'}")[:300]
+                self.note = (f"CUDA graph capture failed, running the {self.what} eagerly: {err or 'on another rank'}")[
+                    :300
+                ]
                 return eager()
             entry = self._graphs[key] = (g, out, static)
             self.captures += 1

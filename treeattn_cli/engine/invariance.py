@@ -60,8 +60,11 @@ class RowPolicy:
 
     def describe(self) -> str:
         """One line for ``generate --json``'s record (``rows``)."""
-        what = (f"the matmul library's own (MKL_CBWR={os.environ.get('MKL_CBWR', '')})" if self.how == "library"
-                else f"every linear layer's call on {self.chunk} rows (padded)")
+        what = (
+            f"the matmul library's own (MKL_CBWR={os.environ.get('MKL_CBWR', '')})"
+            if self.how == "library"
+            else f"every linear layer's call on {self.chunk} rows (padded)"
+        )
         return f"{what}, checked" if self.checked else f"{what}: NOT row-invariant on this machine"
 
 
@@ -95,10 +98,10 @@ def fixed_linear(forward, chunk: int | None):
         n = rows.shape[0]
         outs = []
         for i in range(0, n, chunk):
-            part = rows[i:i + chunk]
+            part = rows[i : i + chunk]
             if part.shape[0] < chunk:  # (the same shape always: zeros below)
                 part = torch.cat([part, part.new_zeros(chunk - part.shape[0], width)])
-            outs.append(forward(part.contiguous(), *args, **kwargs)[:min(chunk, n - i)])
+            outs.append(forward(part.contiguous(), *args, **kwargs)[: min(chunk, n - i)])
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.reshape(*lead, out.shape[-1])
 
@@ -169,11 +172,17 @@ def _verdict_file(model, linears) -> Path | None:
         info = []
     cpu = [next((ln for ln in info if ln.startswith(k)), "") for k in ("model name", "flags")]
     w = linears[0].weight if linears else None
-    key = {"torch": torch.__version__, "treeattn": __version__, "mkl": os.environ.get("MKL_CBWR"), "cpu": cpu,
-           "device": str(w.device) if w is not None else "", "cuda": torch.cuda.get_device_name(w.device)
-           if w is not None and w.device.type == "cuda" else None,
-           "layers": sorted({(n.rsplit(".", 1)[-1], tuple(m.weight.shape), str(m.weight.dtype)) for n, m in
-                             _linears(model)})}
+    key = {
+        "torch": torch.__version__,
+        "treeattn": __version__,
+        "mkl": os.environ.get("MKL_CBWR"),
+        "cpu": cpu,
+        "device": str(w.device) if w is not None else "",
+        "cuda": torch.cuda.get_device_name(w.device) if w is not None and w.device.type == "cuda" else None,
+        "layers": sorted(
+            {(n.rsplit(".", 1)[-1], tuple(m.weight.shape), str(m.weight.dtype)) for n, m in _linears(model)}
+        ),
+    }
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return cache_root() / "rows" / f"{digest}.json"
 

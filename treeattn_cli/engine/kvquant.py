@@ -33,7 +33,7 @@ from .kvdtypes import scale_groups
 # one bf16 step (2^-7) below the format's largest value and rounds onto it: quantizing what the cache
 # holds gives back the same rows and scales (a prefill attends its own keys as stored, then stores
 # them). _SHRINK keeps the rotation's fp32 round-off (~1e-7) from pushing a scale one step up.
-_SHRINK = 1 - 2 ** -12
+_SHRINK = 1 - 2**-12
 
 
 def _ceil_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +41,7 @@ def _ceil_bf16(x: torch.Tensor) -> torch.Tensor:
     y = x.to(torch.bfloat16)
     below = (y.float() < x).to(torch.int16)
     return (y.view(torch.int16) + below).view(torch.bfloat16)  # the next bf16 up: one step of its bits
+
 
 def fp8_dtype(device) -> torch.dtype:
     """The e4m3 flavour a device stores and loads: fnuz on ROCm (gfx942), fn elsewhere. A CUDA
@@ -52,8 +53,10 @@ def fp8_dtype(device) -> torch.dtype:
             return torch.float8_e4m3fnuz
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
-            raise ValueError(f"--kv-dtype fp8 needs an fp8-capable GPU (sm_89 and newer, or MI300); this is "
-                             f"sm_{major}{minor}: use --kv-dtype bfloat16")
+            raise ValueError(
+                f"--kv-dtype fp8 needs an fp8-capable GPU (sm_89 and newer, or MI300); this is "
+                f"sm_{major}{minor}: use --kv-dtype bfloat16"
+            )
     return torch.float8_e4m3fn
 
 

@@ -81,15 +81,23 @@ def model_identity(model_dir) -> dict:
             for i in range(16):
                 fh.seek(size * i // 16)
                 h.update(fh.read(4096))
-    return {"model_type": cfg.get("model_type"),
-            "config_sha256": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest(),
-            "weights_fingerprint": h.hexdigest()}
+    return {
+        "model_type": cfg.get("model_type"),
+        "config_sha256": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest(),
+        "weights_fingerprint": h.hexdigest(),
+    }
 
 
 # ---------------------------------------------------------------- saving (on the ranks)
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+}
 _FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fnuz": torch.float8_e4m3fnuz}  # kv_dtype -> storage
 KV_NAMES = ("float32", "bfloat16", "float16", *_FP8)
 
@@ -104,8 +112,13 @@ def conversion(manifest: dict, kv_name: str) -> str | None:
     saved = kv_dtype_of(manifest)
     if saved == kv_name:
         return None
-    how = "rounded to fp8 (lossy)" if kv_name in _FP8 else "dequantized (exact to what was stored)" \
-        if saved in _FP8 else f"cast to {kv_name}"
+    how = (
+        "rounded to fp8 (lossy)"
+        if kv_name in _FP8
+        else "dequantized (exact to what was stored)"
+        if saved in _FP8
+        else f"cast to {kv_name}"
+    )
     return f"the saved cache holds {saved} KV; this run stores {kv_name} (--kv-dtype): converted as it loads, {how}"
 
 
@@ -119,8 +132,17 @@ def _write_streamed(path: Path, entries, metadata: dict) -> None:
     import numpy as np
 
     def header(crcs: dict) -> bytes:  # (the checksums fixed-width: the header's length does not change)
-        out, off = {"__metadata__": {**metadata, CHECKSUMS: json.dumps(
-            {name: f"{crcs.get(name, 0):08x}" for name, *_ in entries}, separators=(",", ":"))}}, 0
+        out, off = (
+            {
+                "__metadata__": {
+                    **metadata,
+                    CHECKSUMS: json.dumps(
+                        {name: f"{crcs.get(name, 0):08x}" for name, *_ in entries}, separators=(",", ":")
+                    ),
+                }
+            },
+            0,
+        )
         for name, dtype, shape, _ in entries:
             n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             out[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
@@ -155,12 +177,14 @@ def _write_streamed(path: Path, entries, metadata: dict) -> None:
 def _rows(t, n: int):
     """The bytes of ``t[:, :, :n]`` (``t [B, H, capacity, d]``, or a function returning it, called
     when the pieces are read) as contiguous pieces, no copy."""
+
     def pieces():
         nonlocal t
         t = t() if callable(t) else t
         for b in range(t.shape[0]):
             for h in range(t.shape[1]):
                 yield t[b, h, :n]
+
     return pieces
 
 
@@ -182,15 +206,29 @@ def save_shard(tmp: Path, cache, *, cp_index: int, tp_index: int, head0: int) ->
             entries.append((f"ks.{i}", torch.bfloat16, sshape, _rows(part(i, 2), n)))
             entries.append((f"vs.{i}", torch.bfloat16, sshape, _rows(part(i, 3), n)))
     entries.append(("pos", torch.int64, (n,), lambda: iter([cache.pos[0, :n]])))
-    meta = {"cp_index": str(cp_index), "tp_index": str(tp_index), "kv_heads": f"{head0}:{head0 + cache.kv_heads}",
-            "format": "pt"}
+    meta = {
+        "cp_index": str(cp_index),
+        "tp_index": str(tp_index),
+        "kv_heads": f"{head0}:{head0 + cache.kv_heads}",
+        "format": "pt",
+    }
     final = tmp / shard_name(cp_index, tp_index)
     _write_streamed(Path(str(final) + ".tmp"), entries, meta)
     os.replace(str(final) + ".tmp", final)
 
 
-def finish_save(tmp: Path, target: Path, *, ids, identity: dict, dtype: str, shapes: dict, mesh: dict,
-                composition: dict, kv: dict | None = None) -> dict:
+def finish_save(
+    tmp: Path,
+    target: Path,
+    *,
+    ids,
+    identity: dict,
+    dtype: str,
+    shapes: dict,
+    mesh: dict,
+    composition: dict,
+    kv: dict | None = None,
+) -> dict:
     """Rank 0, after every rank wrote its shard: the token ids, the manifest, then the rename
     into place (an older cache at ``target`` is replaced only once the new one is complete)."""
     from safetensors import safe_open
@@ -206,11 +244,28 @@ def finish_save(tmp: Path, target: Path, *, ids, identity: dict, dtype: str, sha
             m = s.metadata()
             h0, h1 = map(int, m["kv_heads"].split(":"))
             n = s.get_slice("pos").get_shape()[0]
-        shards.append({"file": f.name, "cp_index": int(m["cp_index"]), "tp_index": int(m["tp_index"]),
-                       "kv_heads": [h0, h1], "tokens": n})
-    manifest = {"format": FORMAT, "treeattn": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "model": identity, "dtype": dtype, **(kv or {"kv_dtype": dtype}), **shapes, "mesh": mesh, "composition": composition,
-                "tokens": {"count": len(ids), "sha256": ids_sha256(ids)}, "shards": shards}
+        shards.append(
+            {
+                "file": f.name,
+                "cp_index": int(m["cp_index"]),
+                "tp_index": int(m["tp_index"]),
+                "kv_heads": [h0, h1],
+                "tokens": n,
+            }
+        )
+    manifest = {
+        "format": FORMAT,
+        "treeattn": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "model": identity,
+        "dtype": dtype,
+        **(kv or {"kv_dtype": dtype}),
+        **shapes,
+        "mesh": mesh,
+        "composition": composition,
+        "tokens": {"count": len(ids), "sha256": ids_sha256(ids)},
+        "shards": shards,
+    }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     old = None
     if target.exists():
@@ -223,6 +278,7 @@ def finish_save(tmp: Path, target: Path, *, ids, identity: dict, dtype: str, sha
 
 
 # ---------------------------------------------------------------- validation (before any rank)
+
 
 def _check_safetensors(f: Path) -> dict:
     """The header of a complete safetensors file, or KVError naming what is wrong with it."""
@@ -258,8 +314,10 @@ def validate(kv_dir, *, identity: dict, dtype: str, shapes: dict) -> dict:
         raise KVError(f"{d / MANIFEST}: not a {FORMAT} manifest")
     if m.get("model") != identity:
         saved = (m.get("model") or {}).get("model_type")
-        raise KVError(f"{d} was saved from another model ({saved}, config or weights differ from "
-                      f"{identity.get('model_type')} here)")
+        raise KVError(
+            f"{d} was saved from another model ({saved}, config or weights differ from "
+            f"{identity.get('model_type')} here)"
+        )
     if m.get("dtype") != dtype:
         raise KVError(f"{d} holds a {m.get('dtype')} cache; this run is {dtype} (pass --dtype {m.get('dtype')})")
     for key in ("layers", "kv_heads", "head_dim"):
@@ -274,9 +332,13 @@ def validate(kv_dir, *, identity: dict, dtype: str, shapes: dict) -> dict:
 
         from .kvdtypes import scale_groups
 
-        if m.get("rotation") != rotation_name(shapes["head_dim"]) or m.get("scale_groups") != scale_groups(shapes["head_dim"]):
-            raise KVError(f"{d}: its fp8 rows are in a basis or scale layout this version does not know "
-                          f"({str(m.get('rotation'))[:40]}, {str(m.get('scale_groups'))[:8]} scales per row)")
+        if m.get("rotation") != rotation_name(shapes["head_dim"]) or m.get("scale_groups") != scale_groups(
+            shapes["head_dim"]
+        ):
+            raise KVError(
+                f"{d}: its fp8 rows are in a basis or scale layout this version does not know "
+                f"({str(m.get('rotation'))[:40]}, {str(m.get('scale_groups'))[:8]} scales per row)"
+            )
     ids = load_ids(d)
     if len(ids) != m["tokens"]["count"] or ids_sha256(ids) != m["tokens"]["sha256"]:
         raise KVError(f"{d / TOKENS} does not match the manifest's token count and hash")
@@ -302,8 +364,11 @@ def _plain_name(name) -> bool:
     """A file name of the cache directory itself: no separator, no parent, nothing odd."""
     import re
 
-    return isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name) is not None \
+    return (
+        isinstance(name, str)
+        and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name) is not None
         and ".." not in name
+    )
 
 
 def load_ids(d: Path) -> list[int]:
@@ -318,13 +383,16 @@ def load_ids(d: Path) -> list[int]:
 
 # ---------------------------------------------------------------- loading (on the ranks)
 
+
 def as_saved(manifest: dict, cp: int) -> bool:
     """Whether a saved cache goes back onto ``cp`` sequence shards as it was cut: saved from
     as many, each rank then takes its own shard whole, in its order (a document that left memory
     comes back bit for bit what it was: the same keys on the same ranks, so every answer over it
     is the one it gave before, issue 49); else the positions are cut again (:func:`shard_counts`)."""
-    return sorted({s["cp_index"] for s in manifest["shards"]}) == list(range(cp)) \
+    return (
+        sorted({s["cp_index"] for s in manifest["shards"]}) == list(range(cp))
         and manifest.get("mesh", {}).get("cp") == cp
+    )
 
 
 def shard_counts(manifest: dict, cp: int) -> list[int]:
@@ -345,7 +413,9 @@ def _open(path: Path):
     try:
         return safe_open(str(path), "pt")
     except Exception as e:
-        raise KVError(f"saved cache: {path} is unreadable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})") from None
+        raise KVError(
+            f"saved cache: {path} is unreadable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})"
+        ) from None
 
 
 def _checked(f, name: str, path: Path) -> torch.Tensor:
@@ -356,7 +426,9 @@ def _checked(f, name: str, path: Path) -> torch.Tensor:
         t = f.get_tensor(name)
         want = json.loads((f.metadata() or {}).get(CHECKSUMS, "{}")).get(name)
     except Exception as e:  # (safetensors' errors: a file cut or changed since it was validated)
-        raise KVError(f"saved cache: {path} is unreadable ({name}: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__})") from None
+        raise KVError(
+            f"saved cache: {path} is unreadable ({name}: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__})"
+        ) from None
     if want is not None and f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy().data):08x}" != want:
         raise KVError(f"saved cache: {path} is corrupt ({name}: its bytes do not match their checksum)")
     return t
@@ -392,8 +464,9 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
     for c in sorted(by_cp):
         if own and c != cp_index:
             continue
-        entries = sorted((s for s in by_cp[c] if s["kv_heads"][0] < h1 and s["kv_heads"][1] > h0),
-                         key=lambda s: s["kv_heads"][0])
+        entries = sorted(
+            (s for s in by_cp[c] if s["kv_heads"][0] < h1 and s["kv_heads"][1] > h0), key=lambda s: s["kv_heads"][0]
+        )
         with _open(d / entries[0]["file"]) as f:
             pos = _checked(f, "pos", d / entries[0]["file"])
         idx = torch.arange(pos.numel()) if own else ((pos >= lo) & (pos < hi)).nonzero().flatten()
@@ -413,7 +486,7 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
     with contextlib.ExitStack() as stack:
         for entries, a, z, span in sources:  # each saved piece straight into its slots and heads
             files = [stack.enter_context(_open(d / s["file"])) for s in entries]
-            slots = slot[first:first + span.numel()]
+            slots = slot[first : first + span.numel()]
             first += span.numel()
             whole = span.numel() == z - a
             for layer in range(cache.num_layers):
@@ -426,8 +499,10 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
                     v = _checked(f, f"v.{layer}", path)[:, s0:s1, a:z, :]
                     scales = None
                     if saved in _FP8:
-                        scales = (_checked(f, f"ks.{layer}", path)[:, s0:s1, a:z, :],
-                                  _checked(f, f"vs.{layer}", path)[:, s0:s1, a:z, :])
+                        scales = (
+                            _checked(f, f"ks.{layer}", path)[:, s0:s1, a:z, :],
+                            _checked(f, f"vs.{layer}", path)[:, s0:s1, a:z, :],
+                        )
                     if not whole:
                         k, v = k[:, :, span], v[:, :, span]
                         scales = scales and (scales[0][:, :, span], scales[1][:, :, span])

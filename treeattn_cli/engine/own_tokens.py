@@ -28,8 +28,9 @@ class OwnTokens:
         """The engine's own tokens as a document in the pool (made, with the pool, at first use:
         sized for ``job.reserve_tokens`` and at least the default)."""
         if self.prefix is None:
-            self.prefix = Document(None, [], self.documents.new_shard({"pool_for": self.job.reserve_tokens,
-                                                                       "grow": True}))
+            self.prefix = Document(
+                None, [], self.documents.new_shard({"pool_for": self.job.reserve_tokens, "grow": True})
+            )
         return self.prefix
 
     def _op_append(self, req):
@@ -44,8 +45,10 @@ class OwnTokens:
         most = -(-len(ids) // cp) + len(segments(len(ids), cp, req.get("piece"))) + 1  # this rank's share, at most
         if not self.documents.room(doc, most):  # the same answer on every rank: they all refuse together
             pool = self.documents.pool
-            raise RuntimeError(f"the KV pool ({pool.num_blocks} blocks of {pool.page} tokens per rank) cannot "
-                               f"hold {len(ids)} more tokens after {len(doc.ids)}")
+            raise RuntimeError(
+                f"the KV pool ({pool.num_blocks} blocks of {pool.page} tokens per rank) cannot "
+                f"hold {len(ids)} more tokens after {len(doc.ids)}"
+            )
         progress = (lambda done, total: self.ctx.send("prefill", (done, total))) if self.lead else None
         first = len(self.dec.segments)
         logits = self.dec.prefill(doc.cache, torch.tensor([ids], dtype=torch.int64), req.get("piece"), progress)
@@ -64,13 +67,25 @@ class OwnTokens:
         if not self.ready:  # known on every rank: they all refuse together
             raise RuntimeError("decode needs tokens appended first")
         if req.get("keep"):
-            raise ValueError("decode keeps no answer: a conversation keeps its turns in a named document "
-                             "(a batch question with doc and keep)")
-        q = {k: req[k] for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs", "digest",
-                                 "cite") if k in req}
-        self._op_batch({"questions": [{**q, "ids": []}], "slots": 1, "seq": req.get("seq", 0),
-                        "interruptible": req.get("interruptible"), "max_new_tokens": req["max_new_tokens"]},
-                       single=True)
+            raise ValueError(
+                "decode keeps no answer: a conversation keeps its turns in a named document "
+                "(a batch question with doc and keep)"
+            )
+        q = {
+            k: req[k]
+            for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs", "digest", "cite")
+            if k in req
+        }
+        self._op_batch(
+            {
+                "questions": [{**q, "ids": []}],
+                "slots": 1,
+                "seq": req.get("seq", 0),
+                "interruptible": req.get("interruptible"),
+                "max_new_tokens": req["max_new_tokens"],
+            },
+            single=True,
+        )
         doc = self.prefix
         doc.logits, doc.has_logits, doc.made, self.ready = None, False, None, False
 
@@ -106,8 +121,7 @@ class OwnTokens:
             cache, ids = doc.cache, doc.ids
         self.saver.save(cache, ids, Path(req["dir"]), req)
         if self.lead:
-            self.ctx.send("saved", {"dir": str(req["dir"]), "tokens": len(ids),
-                                    "seconds": time.perf_counter() - t0})
+            self.ctx.send("saved", {"dir": str(req["dir"]), "tokens": len(ids), "seconds": time.perf_counter() - t0})
 
     def _op_load(self, req):
         """The engine's own tokens from a saved cache (``kvstore.py``; re-sharded to these ranks)."""
@@ -121,9 +135,9 @@ class OwnTokens:
         need = kvstore.shard_counts(req["manifest"], self.mesh.cp)[self.mesh.cp_index]
         if not self.documents.room(doc, need):
             raise RuntimeError(f"the KV pool cannot hold the saved cache's {need} tokens on this rank")
-        kvstore.load_into(req["dir"], req["manifest"], doc.cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index,
-                          head0=self.head0)
+        kvstore.load_into(
+            req["dir"], req["manifest"], doc.cache, cp=self.mesh.cp, cp_index=self.mesh.cp_index, head0=self.head0
+        )
         doc.ids = kvstore.load_ids(Path(req["dir"]))
         if self.lead:
-            self.ctx.send("loaded", {"dir": req["dir"], "tokens": len(doc.ids),
-                                     "seconds": time.perf_counter() - t0})
+            self.ctx.send("loaded", {"dir": req["dir"], "tokens": len(doc.ids), "seconds": time.perf_counter() - t0})

@@ -148,8 +148,13 @@ class PagedShard:
             self._slots = self.table.flat(0, self.table.length)
             self.pool.place(new.to(self.device), torch.as_tensor(positions).reshape(-1))
             for layer, t in enumerate(layers):
-                self.fill_layer(layer, t[0], t[1], slots=torch.arange(start, start + m),
-                                scales=(t[2], t[3]) if self.quant is not None else None)
+                self.fill_layer(
+                    layer,
+                    t[0],
+                    t[1],
+                    slots=torch.arange(start, start + m),
+                    scales=(t[2], t[3]) if self.quant is not None else None,
+                )
             self.n += m
         self.counts[0] += torch.as_tensor(counts, dtype=torch.int64)
         self._refresh()
@@ -192,8 +197,11 @@ class PagedShard:
         (written by :meth:`extend`, not yet counted)."""
         _, slots, _ = self._ext
         page = self.pool.page
-        return (self.pool.gather(self.pool.k[layer], slots[None]), self.pool.gather(self.pool.v[layer], slots[None]),
-                self.pool.pos[slots // page, slots % page])
+        return (
+            self.pool.gather(self.pool.k[layer], slots[None]),
+            self.pool.gather(self.pool.v[layer], slots[None]),
+            self.pool.pos[slots // page, slots % page],
+        )
 
     def extension_scales(self, layer: int, b: int = 0):
         """The fp8 scales of :meth:`extension_view`'s tokens: ``(k_scale, v_scale [1, H_kv, m, G])``."""

@@ -91,8 +91,7 @@ class PagedTail:
     per layer, :meth:`end_extend`. With ``static=True`` the views are capacity-long (fixed shapes,
     for CUDA graphs); the valid lengths come with them."""
 
-    def __init__(self, pool: BlockPool, slots: int, *, rank: int, world: int, capacity: int = 0,
-                 static: bool = False):
+    def __init__(self, pool: BlockPool, slots: int, *, rank: int, world: int, capacity: int = 0, static: bool = False):
         self.pool = pool
         self.num_layers, self.batch, self.kv_heads, self.head_dim = pool.num_layers, slots, pool.kv_heads, pool.head_dim
         self.device, self.quant = pool.device, pool.quant
@@ -187,11 +186,17 @@ class PagedTail:
         pos[:, :n] = self.pos[:, :n]
         self.pos = pos
         self.capacity = new
-        self._flat = torch.stack([self._row(b, new + 1) for b in range(self.batch)]).to(self.device) \
-            if self.batch else torch.zeros(0, new + 1, dtype=torch.int64, device=self.device)
+        self._flat = (
+            torch.stack([self._row(b, new + 1) for b in range(self.batch)]).to(self.device)
+            if self.batch
+            else torch.zeros(0, new + 1, dtype=torch.int64, device=self.device)
+        )
         nb = self.blocks_for(new)
-        self._table = torch.stack([self._table_row(b, nb) for b in range(self.batch)]).to(self.device) \
-            if self.batch else torch.zeros(0, nb, dtype=torch.int32, device=self.device)
+        self._table = (
+            torch.stack([self._table_row(b, nb) for b in range(self.batch)]).to(self.device)
+            if self.batch
+            else torch.zeros(0, nb, dtype=torch.int32, device=self.device)
+        )
 
     # -- placement: decode steps ------------------------------------------------------------
     def place(self, active=None) -> torch.Tensor:
@@ -228,8 +233,7 @@ class PagedTail:
         self._store.copy_(store_dev, non_blocking=True)
         self.step_positions.copy_(positions_dev, non_blocking=True)
         # where each sequence's K/V goes: its next slot here, or the write-off slot
-        torch.where(self._store.bool(), self.length, torch.full_like(self.length, self.capacity),
-                    out=self._slot)
+        torch.where(self._store.bool(), self.length, torch.full_like(self.length, self.capacity), out=self._slot)
         torch.add(self.length, self._store, out=self._kv_len)
         self.pos[self._rows, self._slot] = self.step_positions  # masks of this step need them
         self._store_host = store
@@ -276,8 +280,11 @@ class PagedTail:
             self.pos[self._ext[0], self._ext[3]] = positions.to(dev)[self._ext[1], self._ext[2]]
         if b_idx:
             self._place(self._ext[0], self._ext[3])
-        self._ext_added = torch.bincount(torch.tensor(b_idx, dtype=torch.int64), minlength=self.batch) \
-            if b_idx else torch.zeros(self.batch, dtype=torch.int64)
+        self._ext_added = (
+            torch.bincount(torch.tensor(b_idx, dtype=torch.int64), minlength=self.batch)
+            if b_idx
+            else torch.zeros(self.batch, dtype=torch.int64)
+        )
 
     def extend(self, layer: int, k_new, v_new) -> None:
         """This rank's share of the extension's K/V, ``k_new, v_new [len(rows), H_kv, T, d]``
@@ -305,8 +312,12 @@ class PagedTail:
         row; the write-off slot for tokens kept elsewhere, and for padding)."""
         B, H, T, d = k.shape
         rows = self._rows.repeat_interleave(T)
-        self._put(layer, (rows, slice(None), slots), k.transpose(1, 2).reshape(B * T, H, d),
-                  v.transpose(1, 2).reshape(B * T, H, d))
+        self._put(
+            layer,
+            (rows, slice(None), slots),
+            k.transpose(1, 2).reshape(B * T, H, d),
+            v.transpose(1, 2).reshape(B * T, H, d),
+        )
 
     def end_extend(self) -> None:
         """After the last layer: the extension's tokens count."""
@@ -321,8 +332,10 @@ class PagedTail:
         are no longer the extension's: cutting lengths back would drop the wrong ones)."""
         owners = self._ext_owners[b]
         if owners is None or bool(self._ext_added[b]):
-            raise RuntimeError(f"truncate_extension: sequence {b} has no ended extension to cut back "
-                               "(a decode token, a reset or a rollback came after it)")
+            raise RuntimeError(
+                f"truncate_extension: sequence {b} has no ended extension to cut back "
+                "(a decode token, a reset or a rollback came after it)"
+            )
         if not 0 <= keep <= len(owners):
             raise ValueError(f"truncate_extension: keep={keep} of an extension of {len(owners)} tokens")
         for owner in owners[keep:]:
@@ -398,13 +411,16 @@ class PagedTail:
 
     def update(self, layer: int, k_new, v_new):
         self.write_step(layer, k_new, v_new)
-        flat = self._flat[:, :self.capacity if self.static else self._view_len]
+        flat = self._flat[:, : self.capacity if self.static else self._view_len]
         return self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat), self._kv_len
 
     def full(self, layer: int):
-        flat = self._flat[:, :self.capacity]
-        return (self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat),
-                self.pos[:, :self.capacity])
+        flat = self._flat[:, : self.capacity]
+        return (
+            self.pool.gather(self.pool.k[layer], flat),
+            self.pool.gather(self.pool.v[layer], flat),
+            self.pos[:, : self.capacity],
+        )
 
     def scales(self, layer: int, L: int, rows=None):
         if self.quant is None:
@@ -413,13 +429,16 @@ class PagedTail:
         return self.pool.gather(self.pool.ks[layer], flat), self.pool.gather(self.pool.vs[layer], flat)
 
     def _span(self, b: int, start: int, m: int) -> torch.Tensor:
-        return self._flat[b:b + 1, start:start + m]
+        return self._flat[b : b + 1, start : start + m]
 
     def extension_view(self, layer: int, b: int):
         start, m = int(self.host_length[b]), int(self._ext_added[b])
         flat = self._span(b, start, m)
-        return (self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat),
-                self.pos[b, start:start + m])
+        return (
+            self.pool.gather(self.pool.k[layer], flat),
+            self.pool.gather(self.pool.v[layer], flat),
+            self.pos[b, start : start + m],
+        )
 
     def extension_scales(self, layer: int, b: int):
         start, m = int(self.host_length[b]), int(self._ext_added[b])
@@ -430,8 +449,12 @@ class PagedTail:
         lens = self._lens(rows, extended)
         L = int(lens.max()) if len(rows) else 0
         flat, pos = self._pick(self._flat, rows, L), self._pick(self.pos, rows, L)
-        return (self.pool.gather(self.pool.k[layer], flat), self.pool.gather(self.pool.v[layer], flat),
-                lens.to(self.device), pos)
+        return (
+            self.pool.gather(self.pool.k[layer], flat),
+            self.pool.gather(self.pool.v[layer], flat),
+            lens.to(self.device),
+            pos,
+        )
 
     def row_stored(self, layer: int, b: int) -> list[torch.Tensor]:
         flat = self._span(b, 0, int(self.host_length[b]))

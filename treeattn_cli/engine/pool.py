@@ -31,8 +31,9 @@ class PoolFull(RuntimeError):
     """An allocation the pool cannot serve even after evicting every cached block."""
 
     def __init__(self, needed: int, free: int, cached: int, total: int, page: int):
-        super().__init__(f"the KV pool is full: {needed} blocks of {page} tokens needed, {free} free and "
-                         f"{cached} cached of {total}")
+        super().__init__(
+            f"the KV pool is full: {needed} blocks of {page} tokens needed, {free} free and {cached} cached of {total}"
+        )
         self.needed, self.free, self.cached, self.total = needed, free, cached, total
 
 
@@ -77,8 +78,18 @@ class KVFormat:
 class BlockPool:
     """``num_blocks`` blocks of ``page`` tokens for every layer of one rank (see the module)."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, page: int, num_blocks: int,
-                 dtype=torch.float32, device="cpu", quant=None):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        page: int,
+        num_blocks: int,
+        dtype=torch.float32,
+        device="cpu",
+        quant=None,
+    ):
         if page < 1 or num_blocks < 1:
             raise ValueError(f"a pool needs page >= 1 and blocks >= 1, got page={page}, blocks={num_blocks}")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
@@ -91,8 +102,12 @@ class BlockPool:
         self.write_off = num_blocks
 
         def store(width, dtype, fill):  # head-major storage, seen block-major: [blocks + 1, H_kv, page, width]
-            return [torch.full((kv_heads, num_blocks + 1, page, width), fill, dtype=dtype, device=self.device)
-                    .transpose(0, 1) for _ in range(num_layers)]
+            return [
+                torch.full((kv_heads, num_blocks + 1, page, width), fill, dtype=dtype, device=self.device).transpose(
+                    0, 1
+                )
+                for _ in range(num_layers)
+            ]
 
         self.k, self.v = store(head_dim, self.dtype, 0), store(head_dim, self.dtype, 0)
         self.ks: list[torch.Tensor] = []
@@ -130,8 +145,10 @@ class BlockPool:
         return x
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.ks + self.vs) + \
-            self.pos.numel() * self.pos.element_size()
+        return (
+            sum(t.numel() * t.element_size() for t in self.k + self.v + self.ks + self.vs)
+            + self.pos.numel() * self.pos.element_size()
+        )
 
     # -- blocks -------------------------------------------------------------------------
     @property
@@ -151,8 +168,13 @@ class BlockPool:
         return self.free + self.cached
 
     def stats(self) -> dict:
-        return {"blocks": self.num_blocks, "page": self.page, "used": self.used, "cached": self.cached,
-                "free": self.free}
+        return {
+            "blocks": self.num_blocks,
+            "page": self.page,
+            "used": self.used,
+            "cached": self.cached,
+            "free": self.free,
+        }
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for a table (reference count 1, positions cleared), free ones first, then
@@ -244,7 +266,7 @@ class BlockPool:
         blocks are consecutive ids (a ``(first, count)`` pair), else one copy (``blocks`` a
         device tensor of ids)."""
         hm = store.transpose(0, 1)  # [H_kv, blocks, page, X]: the storage's own order
-        x = hm[:, blocks[0]:blocks[0] + blocks[1]] if isinstance(blocks, tuple) else hm.index_select(1, blocks)
+        x = hm[:, blocks[0] : blocks[0] + blocks[1]] if isinstance(blocks, tuple) else hm.index_select(1, blocks)
         return x.reshape(x.shape[0], -1, x.shape[-1])[None, :, :n]
 
     @staticmethod
@@ -293,8 +315,13 @@ def block_keys(ids, positions, page: int, salt: str = "", scopes=None, tail: boo
     keys, parent = [], None
     n = -(-len(ids) // page) if tail else len(ids) // page
     for i in range(n):
-        parent = chain_key(parent, ids[i * page:(i + 1) * page], positions[i * page:(i + 1) * page], salt,
-                           scopes[i] if scopes is not None else b"")
+        parent = chain_key(
+            parent,
+            ids[i * page : (i + 1) * page],
+            positions[i * page : (i + 1) * page],
+            salt,
+            scopes[i] if scopes is not None else b"",
+        )
         keys.append(parent)
     return keys
 

@@ -38,8 +38,9 @@ def make_pool(opts: dict, eng) -> tuple[BlockPool, int]:
     block (tests: small blocks). Returns ``(pool, bytes free on this rank)``."""
     c, world = eng.kv, eng.world
     page = int(opts.get("page") or PAGE)  # tests: small blocks
-    per = BlockPool.bytes_per_block(c.num_layers, c.kv_heads, c.head_dim, page, c.dtype,
-                                    c.quant.groups if c.quant else 0)
+    per = BlockPool.bytes_per_block(
+        c.num_layers, c.kv_heads, c.head_dim, page, c.dtype, c.quant.groups if c.quant else 0
+    )
     free = free_memory(c.device, ranks=world.world)
     if opts.get("pool_blocks"):  # an exact count (tests of a full pool)
         want = int(opts["pool_blocks"]) * per
@@ -62,7 +63,17 @@ def make_pool(opts: dict, eng) -> tuple[BlockPool, int]:
             want = min(want, int(0.9 * free))
     blocks = world.all_min(want // per)  # every rank the same count: one admission rule
     if blocks < 1:
-        raise ValueError(f"--kv-memory holds no block of the documents' pool: a block of {page} tokens "
-                         f"takes {per:,} bytes per rank, this rank's share is {want:,} bytes")
-    return BlockPool(c.num_layers, c.kv_heads, c.head_dim, page=page, num_blocks=blocks, dtype=c.dtype,
-                     device=c.device, quant=c.quant), free
+        raise ValueError(
+            f"--kv-memory holds no block of the documents' pool: a block of {page} tokens "
+            f"takes {per:,} bytes per rank, this rank's share is {want:,} bytes"
+        )
+    return BlockPool(
+        c.num_layers,
+        c.kv_heads,
+        c.head_dim,
+        page=page,
+        num_blocks=blocks,
+        dtype=c.dtype,
+        device=c.device,
+        quant=c.quant,
+    ), free

@@ -88,12 +88,14 @@ def flops(batch: int, heads: int, head_dim: int, nq: int, nk: int, kind: str) ->
 
 def _needs(pieces: Pieces, window) -> list[list[bool]]:
     """``need[s][x]``: rank x's queries see some of rank s's keys."""
-    return [[any(True for _ in pairs(pieces[x], pieces[s], window)) for x in range(len(pieces))]
-            for s in range(len(pieces))]
+    return [
+        [any(True for _ in pairs(pieces[x], pieces[s], window)) for x in range(len(pieces))] for s in range(len(pieces))
+    ]
 
 
-def ring_prefill(comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None, softcap=None,
-                 cache=None, cache_lens=None):
+def ring_prefill(
+    comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None, softcap=None, cache=None, cache_lens=None
+):
     """Causal attention of a segment sharded as ``pieces``, KV travelling (pass-KV).
 
     Args:
@@ -139,18 +141,28 @@ def ring_prefill(comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None
                 continue
             kw = {}
             if kind != "full":
-                kw = dict(q_pos=torch.arange(qa, qb, device=q.device),
-                          k_pos=torch.arange(kr[j][0], kr[j][1], device=q.device), window=window)
-            po, pl = partial_attention(q[:, :, qs:qs + qb - qa], kb[:, :, ks:ke], vb[:, :, ks:ke], scale=scale,
-                                       softcap=softcap, out_dtype=torch.float32, **kw)
+                kw = dict(
+                    q_pos=torch.arange(qa, qb, device=q.device),
+                    k_pos=torch.arange(kr[j][0], kr[j][1], device=q.device),
+                    window=window,
+                )
+            po, pl = partial_attention(
+                q[:, :, qs : qs + qb - qa],
+                kb[:, :, ks:ke],
+                vb[:, :, ks:ke],
+                scale=scale,
+                softcap=softcap,
+                out_dtype=torch.float32,
+                **kw,
+            )
             if fresh[i] and o is None and qb - qa == nq:  # every query of this rank: no copy at all
                 o, lse = po, pl
             elif fresh[i]:
                 made()
-                o[:, :, qs:qs + qb - qa], lse[:, :, qs:qs + qb - qa] = po, pl
+                o[:, :, qs : qs + qb - qa], lse[:, :, qs : qs + qb - qa] = po, pl
             else:
-                mo, ml = merge_pair(o[:, :, qs:qs + qb - qa], lse[:, :, qs:qs + qb - qa], po, pl)
-                o[:, :, qs:qs + qb - qa], lse[:, :, qs:qs + qb - qa] = mo, ml
+                mo, ml = merge_pair(o[:, :, qs : qs + qb - qa], lse[:, :, qs : qs + qb - qa], po, pl)
+                o[:, :, qs : qs + qb - qa], lse[:, :, qs : qs + qb - qa] = mo, ml
             fresh[i] = False
             if stats.enabled:
                 stats.add_flops(flops(B, H, d, qb - qa, ke - ks, kind))
@@ -193,8 +205,20 @@ def ring_prefill(comm: Comm, q, k, v, pieces: Pieces, *, scale=None, window=None
     return made()
 
 
-def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scale=None, window=None,
-                softcap=None, attend=partial_attention):
+def ring_pass_q(
+    comm: Comm,
+    q,
+    k,
+    v,
+    kv_len,
+    pieces: Pieces,
+    *,
+    k_pos=None,
+    scale=None,
+    window=None,
+    softcap=None,
+    attend=partial_attention,
+):
     """Attention of every rank's queries to every rank's *cached* shard: queries travel, KV stays.
 
     Each query block (with its running ``(o, lse)``) visits every rank once and comes home:
@@ -218,8 +242,18 @@ def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scal
         qpos = positions(pieces[src], qb.device) if window else None
         if stats.enabled:
             stats.add_flops(flops(qb.shape[0], qb.shape[1], qb.shape[3], qb.shape[2], n_cache, "full"))
-        return attend(qb, k, v, scale=scale, kv_len=kv_len, softcap=softcap, window=window,
-                      q_pos=qpos, k_pos=k_pos if window else None, out_dtype=torch.float32)
+        return attend(
+            qb,
+            k,
+            v,
+            scale=scale,
+            kv_len=kv_len,
+            softcap=softcap,
+            window=window,
+            q_pos=qpos,
+            k_pos=k_pos if window else None,
+            out_dtype=torch.float32,
+        )
 
     o, lse = local(q, r)
     held = [q.contiguous(), o.contiguous(), lse.contiguous()]
@@ -231,11 +265,13 @@ def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scal
         last = t == p - 1  # the last hop brings each block home: its queries are no longer needed
         send = held[1:] if last else held
         n_in = lens[src_in]
-        recv = [q.new_empty(B, H, n_in, d), q.new_empty(B, H, n_in, d, dtype=torch.float32),
-                q.new_empty(B, H, n_in, dtype=torch.float32)]
+        recv = [
+            q.new_empty(B, H, n_in, d),
+            q.new_empty(B, H, n_in, d, dtype=torch.float32),
+            q.new_empty(B, H, n_in, dtype=torch.float32),
+        ]
         recv = recv[1:] if last else recv
-        pending = comm.shift(send if lens[(r - t) % p] else [], recv if n_in else [],
-                             dst=(r + 1) % p, src=(r - 1) % p)
+        pending = comm.shift(send if lens[(r - t) % p] else [], recv if n_in else [], dst=(r + 1) % p, src=(r - 1) % p)
         pending.wait()
         if last:
             return tuple(recv) if n_in else (held[1][:, :, :0], held[2][:, :, :0])
@@ -247,8 +283,18 @@ def ring_pass_q(comm: Comm, q, k, v, kv_len, pieces: Pieces, *, k_pos=None, scal
             held = [x[:, :, :0] for x in held]
 
 
-def plan(segment: int, cached: int, *, p: int, heads: int, kv_heads: int, head_dim: int, esize: int,
-         window=None, quantized: bool = False) -> tuple[str, dict]:
+def plan(
+    segment: int,
+    cached: int,
+    *,
+    p: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    esize: int,
+    window=None,
+    quantized: bool = False,
+) -> tuple[str, dict]:
     """``("pass-kv" | "pass-q", bytes each would move per rank per layer)`` for a segment of
     ``segment`` tokens after ``cached`` tokens spread over ``p`` ranks. Pass-KV sends every
     rank's cache shard and segment piece around the ring (p - 1 hops); pass-Q sends each
@@ -258,8 +304,7 @@ def plan(segment: int, cached: int, *, p: int, heads: int, kv_heads: int, head_d
     kv_tok = 2 * kv_heads * head_dim * esize
     q_tok = heads * head_dim * esize + heads * head_dim * 4 + heads * 4
     seg_kv = (p - 1) * segment / p * kv_tok
-    cost = {"pass-kv": seg_kv + (p - 1) * cached / p * kv_tok,
-            "pass-q": seg_kv + p * segment / p * q_tok}
+    cost = {"pass-kv": seg_kv + (p - 1) * cached / p * kv_tok, "pass-q": seg_kv + p * segment / p * q_tok}
     if cached == 0:
         return "pass-kv", cost
     if window is not None or quantized:  # even on one rank: ring_prefill sees a cache shard whole, as stored

@@ -26,27 +26,39 @@ def run_record(eng) -> dict | None:
         shards = eng.prefix.cache.counts[0] if eng.prefix is not None else [0] * eng.mesh.cp
     shards = [int(x) for x in shards]
     out = dict(eng.summary or {})
-    out.update({
-        "nproc": eng.ctx.world, "tp": eng.mesh.tp, "cp": eng.mesh.cp, "nodes": len(set(eng.nodes)),
-        "weight_bytes": weight_bytes(eng.model),
-        "shard_tokens": shards,
-        "scheme": eng.scheme, "eager_scheme": eng.comm.eager_scheme or eng.scheme, "device": str(eng.device), "dtype": str(eng.dtype).replace("torch.", ""),
-        "kv_dtype": eng.kv_name,  # bytes of KV one token takes on all ranks together, scales included
-        "kv_bytes_per_token": eng.kv.bytes_per_token() * eng.mesh.tp,
-        # the steps replayed from CUDA graphs, over every batch
-        "cuda_graph": bool(graphs["graph_captures"]),
-        "cuda_graph_replays": graphs["graph_replays"],
-        "verify_graph_replays": graphs["verify_graph_replays"],
-        "static_step": eng.dec.static,
-        **({"kv_pool": pools} if pools is not None else {}),
-        "kernels": "reference (the fast kernels failed their self-check)" if eng.job.reference else "fast",
-        "rows": eng.model.treeattn_rows.describe(),  # how a row's matmuls stay its own (issue 49)
-        "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
-        "prefill_segments": [{**{k: seg[k] for k in ("tokens", "cached", "method", "sharding")},
-                              "flops_per_rank": [int(x) for x in every[:, nm + 2 * i].tolist()],
-                              "bytes_per_rank": [int(x) for x in every[:, nm + 2 * i + 1].tolist()]}
-                             for i, seg in enumerate(segs)],
-    })
+    out.update(
+        {
+            "nproc": eng.ctx.world,
+            "tp": eng.mesh.tp,
+            "cp": eng.mesh.cp,
+            "nodes": len(set(eng.nodes)),
+            "weight_bytes": weight_bytes(eng.model),
+            "shard_tokens": shards,
+            "scheme": eng.scheme,
+            "eager_scheme": eng.comm.eager_scheme or eng.scheme,
+            "device": str(eng.device),
+            "dtype": str(eng.dtype).replace("torch.", ""),
+            "kv_dtype": eng.kv_name,  # bytes of KV one token takes on all ranks together, scales included
+            "kv_bytes_per_token": eng.kv.bytes_per_token() * eng.mesh.tp,
+            # the steps replayed from CUDA graphs, over every batch
+            "cuda_graph": bool(graphs["graph_captures"]),
+            "cuda_graph_replays": graphs["graph_replays"],
+            "verify_graph_replays": graphs["verify_graph_replays"],
+            "static_step": eng.dec.static,
+            **({"kv_pool": pools} if pools is not None else {}),
+            "kernels": "reference (the fast kernels failed their self-check)" if eng.job.reference else "fast",
+            "rows": eng.model.treeattn_rows.describe(),  # how a row's matmuls stay its own (issue 49)
+            "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
+            "prefill_segments": [
+                {
+                    **{k: seg[k] for k in ("tokens", "cached", "method", "sharding")},
+                    "flops_per_rank": [int(x) for x in every[:, nm + 2 * i].tolist()],
+                    "bytes_per_rank": [int(x) for x in every[:, nm + 2 * i + 1].tolist()],
+                }
+                for i, seg in enumerate(segs)
+            ],
+        }
+    )
     if eng.device.type == "cuda":
         out["peak_device_bytes"] = [int(x) for x in mem[:, 1].tolist()]
     if eng.dec.graph_note or graphs["graph_note"]:

@@ -89,11 +89,15 @@ class Ask:
             raise ValueError(f"a request has unknown field(s): {', '.join(sorted(unknown))}")
         sampling = spec.pop("sampling", None)
         doc = spec.pop("doc", None)
-        return cls(**{**spec, "ids": list(spec["ids"])}, sampling=Sampling(**(sampling or {})),
-                   doc=DocRef(**doc) if isinstance(doc, dict) else doc)
+        return cls(
+            **{**spec, "ids": list(spec["ids"])},
+            sampling=Sampling(**(sampling or {})),
+            doc=DocRef(**doc) if isinstance(doc, dict) else doc,
+        )
 
 
 # -- the events of a request's answer, in order: Began, Token..., then Done or Failed ----------------
+
 
 @dataclass
 class Began:
@@ -130,6 +134,7 @@ class Failed:
 
 # -- what generate asks ---------------------------------------------------------------------
 
+
 def generate_requests(job) -> list[dict]:
     """``generate`` as requests: the prompt a document in the ranks' block pool, the answer a
     question over it (``Engine._op_generate``); the ring baseline (``decode_method="ring"``,
@@ -149,12 +154,21 @@ def single_requests(job) -> list[dict]:
     reqs.append({"op": "append", "ids": list(job.prompt_ids), "piece": job.prefill_chunk})
     if job.save_kv:
         reqs.append({"op": "mark", "name": "prompt"})
-    reqs.append({"op": "decode", "seq": 0, "max_new_tokens": job.max_new_tokens, "stop": list(job.stop),
-                 "eos_ids": list(job.eos_ids), "sampling": vars(job.sampling), "keep": False,
-                 # the ring baseline decodes a token at a time: its blocks rotate for one query row
-                 "speculate": job.speculate if job.decode_method != "ring" else "off",
-                 "logprobs": job.logprobs, "cite": job.cite})
+    reqs.append(
+        {
+            "op": "decode",
+            "seq": 0,
+            "max_new_tokens": job.max_new_tokens,
+            "stop": list(job.stop),
+            "eos_ids": list(job.eos_ids),
+            "sampling": vars(job.sampling),
+            "keep": False,
+            # the ring baseline decodes a token at a time: its blocks rotate for one query row
+            "speculate": job.speculate if job.decode_method != "ring" else "off",
+            "logprobs": job.logprobs,
+            "cite": job.cite,
+        }
+    )
     if job.save_kv:
-        reqs += [{"op": "rollback", "name": "prompt"},
-                 {"op": "save", "dir": job.save_kv, **job.save_meta}]
+        reqs += [{"op": "rollback", "name": "prompt"}, {"op": "save", "dir": job.save_kv, **job.save_meta}]
     return reqs + [{"op": "stop"}]

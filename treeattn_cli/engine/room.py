@@ -54,7 +54,6 @@ def blocks_in(pool_bytes: int, kv_bytes_per_token: int, page: int = PAGE) -> int
     return pool_bytes // (page * kv_bytes_per_token + 8 * page)
 
 
-
 @dataclass(frozen=True)
 class PoolRoom:
     """The ranks' pools as admission sees them (see the module)."""
@@ -89,8 +88,10 @@ class PoolRoom:
         per_rank = self.rank_bytes(tokens)
         if per_rank <= self.pool_bytes:
             return None
-        return (f"the document part of this request ({tokens} tokens) needs {per_rank / 2**20:.1f} MiB of KV cache "
-                f"per rank; this server keeps at most {self.pool_bytes / 2**20:.1f} MiB per rank (--kv-memory)")
+        return (
+            f"the document part of this request ({tokens} tokens) needs {per_rank / 2**20:.1f} MiB of KV cache "
+            f"per rank; this server keeps at most {self.pool_bytes / 2**20:.1f} MiB per rank (--kv-memory)"
+        )
 
     def request(self, doc_tokens: int, tail_tokens: int, pinned=()) -> str | None:
         """Why a request can never be held (one line with the numbers), or None: its document
@@ -102,8 +103,9 @@ class PoolRoom:
         total, held = self.blocks, self.held(pinned)
         if need + tail <= total - held:
             return None
-        parts = ([f"its document part ({doc_tokens} tokens) {need}"] if need else []) + \
-            ([f"its question and answer ({tail_tokens} tokens) {tail}"] if tail else [])
+        parts = ([f"its document part ({doc_tokens} tokens) {need}"] if need else []) + (
+            [f"its question and answer ({tail_tokens} tokens) {tail}"] if tail else []
+        )
         what = f"this request needs {need + tail} blocks of the KV pool per rank ({', '.join(parts)})"
         if held:
             return f"{what}; pinned documents hold {held} of its {total} (unpin or delete some: /v1/documents)"
@@ -116,8 +118,10 @@ class PoolRoom:
         limit = int(total * share)
         if held + need <= limit:
             return None
-        return (f"pinning this document ({tokens} tokens: {need} blocks per rank, "
-                f"{self.rank_bytes(tokens) / 2**20:.2f} MiB) next to the pinned ones ({held} blocks) needs "
-                f"{held + need} blocks per rank; pinned documents may hold {limit} of the pool's {total} "
-                f"({share:.0%} of the KV pool's {self.pool_bytes / 2**20:.1f} MiB (--kv-memory): the rest stays for other "
-                f"documents)")
+        return (
+            f"pinning this document ({tokens} tokens: {need} blocks per rank, "
+            f"{self.rank_bytes(tokens) / 2**20:.2f} MiB) next to the pinned ones ({held} blocks) needs "
+            f"{held + need} blocks per rank; pinned documents may hold {limit} of the pool's {total} "
+            f"({share:.0%} of the KV pool's {self.pool_bytes / 2**20:.1f} MiB (--kv-memory): the rest stays for other "
+            f"documents)"
+        )

@@ -27,8 +27,7 @@ class StepRunner:
         # (the tail then has fixed-shape views)
         self.graphs = StepGraphs(dec.device, dec.world, what="batched decode step") if dec.use_graph else None
         # its verifies' (every slot's last token and drafts, padded to a power of two of rows)
-        self.verify_graphs = StepGraphs(dec.device, dec.world, what="batched verify step") \
-            if dec.use_graph else None
+        self.verify_graphs = StepGraphs(dec.device, dec.world, what="batched verify step") if dec.use_graph else None
         self.tail: PagedTail | None = None
         self.staging = Staging(dec.device)  # a forward's inputs, in one copy
         self.runs = 0  # batches run (the engine keeps one decoder: later batches reuse tail and graphs)
@@ -49,16 +48,25 @@ class StepRunner:
             if self.tail.pool is not pool:
                 self.tail = None
         if self.tail is None:
-            self.tail = PagedTail(pool, self.slots, rank=self.dec.comm.rank, world=cp, capacity=width,
-                                  static=self.dec.static or self.graphs is not None)
+            self.tail = PagedTail(
+                pool,
+                self.slots,
+                rank=self.dec.comm.rank,
+                world=cp,
+                capacity=width,
+                static=self.dec.static or self.graphs is not None,
+            )
         self.tail.reserve(width)
         self.documents_per_step = 0  # the most documents one forward read (rows of several: a mixed step)
         self.tail_waits = 0  # rounds a question waited for its tail's blocks (answers under way held the pool)
         self.segments_while_decoding = 0  # document prefill segments run while answers were under way
         self.question_chunks = 0  # chunks of questions prefilled (a question over ``budget`` tokens: several)
         self.chunks_while_decoding = 0  # rounds of question chunks run while answers were under way
-        self.counts_at_start = {g: (sg.captures, sg.replays) for g, sg in
-                                (("plain", self.graphs), ("verify", self.verify_graphs)) if sg is not None}
+        self.counts_at_start = {
+            g: (sg.captures, sg.replays)
+            for g, sg in (("plain", self.graphs), ("verify", self.verify_graphs))
+            if sg is not None
+        }
 
     def graph_counts(self) -> dict:
         """This batch's graph captures and replays (the decoder's graphs outlive a batch)."""
@@ -66,9 +74,12 @@ class StepRunner:
         if self.graphs is None:
             return out
         c0, r0 = self.counts_at_start["plain"]
-        out.update(graph_captures=self.graphs.captures - c0, graph_replays=self.graphs.replays - r0,
-                   verify_graph_replays=self.verify_graphs.replays - self.counts_at_start["verify"][1],
-                   graph_note=self.graphs.note or self.verify_graphs.note)
+        out.update(
+            graph_captures=self.graphs.captures - c0,
+            graph_replays=self.graphs.replays - r0,
+            verify_graph_replays=self.verify_graphs.replays - self.counts_at_start["verify"][1],
+            graph_note=self.graphs.note or self.verify_graphs.note,
+        )
         return out
 
     def _fill(self, slots: list, questions: list, budget: int | None) -> list:
@@ -84,7 +95,7 @@ class StepRunner:
             n = len(ids) - s.fed if budget is None else min(len(ids) - s.fed, budget)
             if chunks and left is not None and n > left:
                 break
-            chunks.append((b, s, ids[s.fed:s.fed + n]))
+            chunks.append((b, s, ids[s.fed : s.fed + n]))
             left = None if left is None else left - n
         self.question_chunks += len(chunks)
         rows = [b for b, _, _ in chunks]
@@ -92,8 +103,8 @@ class StepRunner:
         ids = torch.zeros(len(rows), T, dtype=torch.int64)
         pos = torch.full((len(rows), T), -1, dtype=torch.int64)
         for i, (_, s, c) in enumerate(chunks):
-            ids[i, T - len(c):] = torch.tensor(c)
-            pos[i, T - len(c):] = torch.arange(s.doc_tokens + s.fed, s.doc_tokens + s.fed + len(c))
+            ids[i, T - len(c) :] = torch.tensor(c)
+            pos[i, T - len(c) :] = torch.arange(s.doc_tokens + s.fed, s.doc_tokens + s.fed + len(c))
         new = [(b, s) for b, s, _ in chunks if s.fed == 0]
         self.tail.reset_rows([b for b, _ in new], [s.doc.cache.counts[0] for _, s in new])
         self.tail.begin_extend(rows, pos)
@@ -102,7 +113,7 @@ class StepRunner:
         for i, (b, s, c) in enumerate(chunks):
             s.fed += len(c)
             if s.fed == s.prompt:
-                done.append((b, lg[i:i + 1] if lg is not None else None))  # (logits: rank 0 only)
+                done.append((b, lg[i : i + 1] if lg is not None else None))  # (logits: rank 0 only)
         return done
 
     def _extend(self, slots: list, feeds: list[list[int]], positions: list[int]):
@@ -116,11 +127,19 @@ class StepRunner:
         ids = torch.zeros(len(rows), T, dtype=torch.int64)
         pos = torch.full((len(rows), T), -1, dtype=torch.int64)
         for i, (f, p) in enumerate(zip(feeds, positions)):
-            ids[i, :len(f)] = torch.tensor(f)
-            pos[i, :len(f)] = torch.arange(p, p + len(f))
+            ids[i, : len(f)] = torch.tensor(f)
+            pos[i, : len(f)] = torch.arange(p, p + len(f))
         self.tail.begin_extend(rows, pos)
-        return self._forward(ids, pos, rows, [s for _, s in slots], step=False, finish=self.tail.end_extend, keep=T,
-                             cites=[s.citation for _, s in slots])
+        return self._forward(
+            ids,
+            pos,
+            rows,
+            [s for _, s in slots],
+            step=False,
+            finish=self.tail.end_extend,
+            keep=T,
+            cites=[s.citation for _, s in slots],
+        )
 
     def _extend_captured(self, slots: list, feeds: list[list[int]], positions: list[int]):
         """:meth:`_extend` in the fixed shape a CUDA graph replays: every slot a row (an idle one
@@ -133,8 +152,8 @@ class StepRunner:
         pos = torch.full((S, T), -1, dtype=torch.int64)
         of = [slots[0][1]] * S  # an idle row reads a busy slot's document (and is dropped)
         for (b, s), f, p in zip(slots, feeds, positions):
-            ids[b, :len(f)] = torch.tensor(f)
-            pos[b, :len(f)] = torch.arange(p, p + len(f))
+            ids[b, : len(f)] = torch.tensor(f)
+            pos[b, : len(f)] = torch.arange(p, p + len(f))
             of[b] = s
         self.tail.begin_extend(list(range(S)), pos)
         ext = ([self.tail.extension_slots(i, T) for i in range(S)], self.tail.extended_lengths())  # host numbers
@@ -146,13 +165,21 @@ class StepRunner:
         whose document each row reads): logits ``[S, V]``."""
         store = self.tail.plan_step(active=going)  # host: where each slot's token is kept
         pos = torch.tensor(positions, dtype=torch.int64)[:, None]
-        return self._forward(torch.tensor(tokens)[:, None], pos, list(range(self.slots)), of, step=True,
-                             finish=self.tail.end_step, store=store,
-                             cites=[s.citation if going[b] else None for b, s in enumerate(of)])
+        return self._forward(
+            torch.tensor(tokens)[:, None],
+            pos,
+            list(range(self.slots)),
+            of,
+            step=True,
+            finish=self.tail.end_step,
+            store=store,
+            cites=[s.citation if going[b] else None for b, s in enumerate(of)],
+        )
 
     @torch.inference_mode()
-    def _forward(self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1, cites=None, store=None,
-                 ext=None):
+    def _forward(
+        self, ids, pos, rows, of: list, *, step: bool, finish, keep: int = 1, cites=None, store=None, ext=None
+    ):
         """The model on the tail ``rows`` (``ids, pos [R, T]``, host), row i continuing the
         document of slot ``of[i]``: its rows of each document are one group (``attention._cascade``).
         ``cites``: row i's ``cite.Citation`` where its tokens are an answer's that cites (a step
@@ -195,9 +222,9 @@ class StepRunner:
 
         def forward(ids_d, pos_d, mpos_d, *rest, eager=True):
             actx.paged = (rest[0], rest[1]) if paged else None
-            rest = rest[2 if paged else 0:]
+            rest = rest[2 if paged else 0 :]
             actx.ext = (rest[0].reshape(-1), rest[1]) if ext is not None else None  # [R·T], [R]
-            idx_d = iter(rest[2 if ext is not None else 0:])
+            idx_d = iter(rest[2 if ext is not None else 0 :])
             actx.groups = [(cache, None if len(idx) == len(of) else next(idx_d), idx) for cache, idx in specs]
             actx.phase, actx.tail, actx.rows, actx.step, actx.positions = "cascade", self.tail, rows, step, pos_d
             was, actx.eager = actx.eager, eager

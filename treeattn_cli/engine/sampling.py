@@ -52,11 +52,16 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[dict]:
     log-probability under the model's own distribution (raw logits: no temperature, top-k or
     top-p) and the ``k`` most likely tokens, ``{"id", "logprob", "top": [[id, logprob], ...]}``
     (OpenAI's ``logprobs`` / ``top_logprobs``)."""
-    lp = torch.log_softmax(rows[:len(tokens)].float(), dim=-1)  # [n, V]
+    lp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)  # [n, V]
     top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1) if k else None
-    return [{"id": int(t), "logprob": float(lp[i, t]),
-             "top": [[int(j), float(v)] for v, j in zip(top.values[i].tolist(), top.indices[i].tolist())]
-             if k else []} for i, t in enumerate(tokens)]
+    return [
+        {
+            "id": int(t),
+            "logprob": float(lp[i, t]),
+            "top": [[int(j), float(v)] for v, j in zip(top.values[i].tolist(), top.indices[i].tolist())] if k else [],
+        }
+        for i, t in enumerate(tokens)
+    ]
 
 
 def digests(rows: torch.Tensor, n: int) -> list[str]:

@@ -46,8 +46,9 @@ class Saver:
         self.world.barrier()
         if (self.heads_split or self.mesh.tp_index == 0) and why is None:  # tp peers with the same heads: one writes
             try:
-                kvstore.save_shard(tmp, cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index,
-                                   head0=self.head0)
+                kvstore.save_shard(
+                    tmp, cache, cp_index=self.mesh.cp_index, tp_index=self.mesh.tp_index, head0=self.head0
+                )
             except OSError as e:
                 if not soft:
                     raise
@@ -64,14 +65,24 @@ class Saver:
         if lead:
             sh = self.shapes
             try:
-                kvstore.finish_save(tmp, target, ids=ids, identity=meta["identity"], dtype=self.dtype,
-                                    kv={"kv_dtype": self.kv_name,
-                                        **({"rotation": cache.quant.rotation, "scale_groups": cache.quant.groups}
-                                           if cache.quant is not None else {})},
-                                    shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"],
-                                            "head_dim": sh["head_dim"]},
-                                    mesh={"nproc": self.nproc, "tp": self.mesh.tp, "cp": self.mesh.cp},
-                                    composition=meta.get("composition", {}))
+                kvstore.finish_save(
+                    tmp,
+                    target,
+                    ids=ids,
+                    identity=meta["identity"],
+                    dtype=self.dtype,
+                    kv={
+                        "kv_dtype": self.kv_name,
+                        **(
+                            {"rotation": cache.quant.rotation, "scale_groups": cache.quant.groups}
+                            if cache.quant is not None
+                            else {}
+                        ),
+                    },
+                    shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]},
+                    mesh={"nproc": self.nproc, "tp": self.mesh.tp, "cp": self.mesh.cp},
+                    composition=meta.get("composition", {}),
+                )
             except OSError as e:
                 if not soft:
                     raise

@@ -87,8 +87,8 @@ class Drafter:
         """``k`` tokens from index ``i`` of ``base.tokens + tokens`` (fewer at its end)."""
         lb = self._lb()
         if i >= lb:
-            return self.tokens[i - lb:i - lb + k]
-        return (self.base.tokens[i:i + k] + self.tokens[:max(0, i + k - lb)])[:k]
+            return self.tokens[i - lb : i - lb + k]
+        return (self.base.tokens[i : i + k] + self.tokens[: max(0, i + k - lb)])[:k]
 
     def draft(self, k: int) -> list[int]:
         """Up to ``k`` tokens: the continuation of the passage being copied, else what followed
@@ -181,19 +181,21 @@ def emit_all(rows: list, drafts: list, samplings: list, gens: list, logprobs: li
             out.append((toks, token_logprobs(lg, toks, k) if k is not None else []))
             continue
         n, k = p
-        best = [int(x) for x in flat[at:at + n]]
+        best = [int(x) for x in flat[at : at + n]]
         kept = 0
         while kept < len(dr) and best[kept] == dr[kept]:  # greedy keeps the drafts it agrees with
             kept += 1
-        toks = best[:kept + 1]
+        toks = best[: kept + 1]
         lps = []
         if k is not None:
             w = min(k, lg.shape[-1]) if k else 0
-            own = flat[at + n:at + 2 * n]
-            vals = flat[at + 2 * n:at + 2 * n + n * w]
-            ids = flat[at + 2 * n + n * w:at + 2 * n + 2 * n * w]
-            lps = [{"id": t, "logprob": own[i],
-                    "top": [[int(ids[i * w + j]), vals[i * w + j]] for j in range(w)]} for i, t in enumerate(toks)]
+            own = flat[at + n : at + 2 * n]
+            vals = flat[at + 2 * n : at + 2 * n + n * w]
+            ids = flat[at + 2 * n + n * w : at + 2 * n + 2 * n * w]
+            lps = [
+                {"id": t, "logprob": own[i], "top": [[int(ids[i * w + j]), vals[i * w + j]] for j in range(w)]}
+                for i, t in enumerate(toks)
+            ]
             at += n * (2 + 2 * w)
         else:
             at += n
@@ -277,8 +279,7 @@ class Speculation:
         mode, k = parse(text)
         if mode == "auto" and sampling.temperature > 0:  # keep the seed's exact draws: decode one by one
             return cls("off", 0, sampling="off: sampling")
-        return cls(mode, k, sampling="speculative" if sampling.temperature > 0 else "greedy",
-                   cost=cost or StepCost())
+        return cls(mode, k, sampling="speculative" if sampling.temperature > 0 else "greedy", cost=cost or StepCost())
 
     def gain(self, k: int, batch: int = 1) -> float:
         """Expected tokens per second of a forward where this sequence carries ``k`` drafts,
@@ -325,5 +326,10 @@ class Speculation:
                 self.a = self._kept / (self._kept + self._missed)
 
     def record(self) -> dict:
-        return {"mode": self.mode, "k": self.k, "drafted": self.drafted, "accepted": self.accepted,
-                "sampling": self.sampling}
+        return {
+            "mode": self.mode,
+            "k": self.k,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "sampling": self.sampling,
+        }

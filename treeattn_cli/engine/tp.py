@@ -42,10 +42,15 @@ def hook_problem() -> str | None:
         mesh_params = set(inspect.signature(TransformersDeviceMesh).parameters)
     except (TypeError, ValueError):
         params, mesh_params = [], set()
-    if params != ["distributed_config"] or mesh_params != {"dense_mesh", "expert_mesh"} \
-            or not hasattr(TransformersDeviceMesh, "get_mesh"):
-        return (f"--tp needs transformers' tensor-parallel loader as treeattn knows it ({where}); "
-                f"transformers {transformers.__version__} changed it")
+    if (
+        params != ["distributed_config"]
+        or mesh_params != {"dense_mesh", "expert_mesh"}
+        or not hasattr(TransformersDeviceMesh, "get_mesh")
+    ):
+        return (
+            f"--tp needs transformers' tensor-parallel loader as treeattn knows it ({where}); "
+            f"transformers {transformers.__version__} changed it"
+        )
     return None
 
 
@@ -66,8 +71,12 @@ def attention_plan(module_names) -> dict:
     if layer is None or not all(f"{layer}.{p}" in names for p in ("k_proj", "v_proj", "o_proj")):
         return {}
     stem = re.sub(r"\.\d+\.", ".*.", layer)  # e.g. model.layers.*.self_attn
-    plan = {f"{stem}.q_proj": "colwise", f"{stem}.k_proj": "colwise", f"{stem}.v_proj": "colwise",
-            f"{stem}.o_proj": "rowwise"}
+    plan = {
+        f"{stem}.q_proj": "colwise",
+        f"{stem}.k_proj": "colwise",
+        f"{stem}.v_proj": "colwise",
+        f"{stem}.o_proj": "rowwise",
+    }
     if f"{layer}.sinks" in names:  # one learned logit per query head: split with the heads
         plan[f"{stem}.sinks"] = "colwise"
     return plan

@@ -45,14 +45,15 @@ class Staging:
         if self.device.type != "cpu":
             buf = self._host[self._turn]
             if buf is None or buf.numel() < host.numel():
-                buf = self._host[self._turn] = torch.empty(max(64, 2 * host.numel()), dtype=torch.int64,
-                                                           pin_memory=True)
+                buf = self._host[self._turn] = torch.empty(
+                    max(64, 2 * host.numel()), dtype=torch.int64, pin_memory=True
+                )
             self._turn ^= 1
-            buf[:host.numel()].copy_(host)
-            host = buf[:host.numel()].to(self.device, non_blocking=True)
+            buf[: host.numel()].copy_(host)
+            host = buf[: host.numel()].to(self.device, non_blocking=True)
         out, at = [], 0
         for shape in shapes:
             n = int(torch.Size(shape).numel())
-            out.append(host[at:at + n].view(shape))
+            out.append(host[at : at + n].view(shape))
             at += n
         return out

@@ -71,14 +71,19 @@ class Stats:
         self.by_op = {}
 
     def snapshot(self) -> dict:
-        return {"collectives": self.collectives, "bytes_sent": self.bytes_sent,
-                "peak_mem_bytes": self.peak_mem_bytes, "flops": self.flops, "by_op": dict(self.by_op)}
+        return {
+            "collectives": self.collectives,
+            "bytes_sent": self.bytes_sent,
+            "peak_mem_bytes": self.peak_mem_bytes,
+            "flops": self.flops,
+            "by_op": dict(self.by_op),
+        }
 
 
 # ---------------------------------------------------------------- process group and failures
 
-def make_store(port: int, world: int, *, host: str = "127.0.0.1", is_master: bool,
-               timeout_s: float):
+
+def make_store(port: int, world: int, *, host: str = "127.0.0.1", is_master: bool, timeout_s: float):
     """The rendezvous key-value store. The master (the launcher) listens on ``host`` only, on
     ``port`` (0: a free port the OS picks; read it back from ``.port``). TCPStore's own server
     binds every interface, so the master's socket is bound here and handed over: the store's
@@ -94,8 +99,15 @@ def make_store(port: int, world: int, *, host: str = "127.0.0.1", is_master: boo
     sock.bind((host, port))
     sock.listen(128)
     try:
-        store = dist.TCPStore(host, sock.getsockname()[1], world, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            world,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
     except Exception:
         sock.close()
         raise
@@ -106,8 +118,9 @@ def make_store(port: int, world: int, *, host: str = "127.0.0.1", is_master: boo
 _state = {"store": None, "rank": 0, "world": 1, "timeout_s": 300.0, "hb": None}
 
 
-def init_process_group(backend: str, rank: int, world: int, store, timeout_s: float,
-                       device=None, heartbeat: bool = True) -> None:
+def init_process_group(
+    backend: str, rank: int, world: int, store, timeout_s: float, device=None, heartbeat: bool = True
+) -> None:
     """Join the default group through ``store`` (a c10d Store shared by all ranks; None: the
     ``env://`` rendezvous of torchrun).
 
@@ -119,16 +132,14 @@ def init_process_group(backend: str, rank: int, world: int, store, timeout_s: fl
         kw["device_id"] = device
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timeout, **kw)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout, **kw)
         store = dist.distributed_c10d._get_default_store()
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     _state.update(store=store, rank=rank, world=world, timeout_s=timeout_s)
     if heartbeat and world > 1:
         stop = threading.Event()
-        t = threading.Thread(target=_beat, args=(store, rank, stop), daemon=True,
-                             name="treeattn-heartbeat")
+        t = threading.Thread(target=_beat, args=(store, rank, stop), daemon=True, name="treeattn-heartbeat")
         t.start()
         _state["hb"] = (stop, t)
 
@@ -224,8 +235,9 @@ def _explain(op: str, exc: BaseException) -> RankFailure:
     if lost:
         who = ", ".join(str(r) for r in lost)
         return RankFailure(f"lost rank {who} (process gone) during {op}: {detail}")
-    return RankFailure(f"rank {me}: {op} failed or timed out after {_state['timeout_s']:g}s "
-                       f"waiting for the other ranks: {detail}")
+    return RankFailure(
+        f"rank {me}: {op} failed or timed out after {_state['timeout_s']:g}s waiting for the other ranks: {detail}"
+    )
 
 
 def _guarded(what: str, fn, *args, **kw):
@@ -239,6 +251,7 @@ def _guarded(what: str, fn, *args, **kw):
 
 # ---------------------------------------------------------------- the communicator
 
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -250,9 +263,17 @@ class Comm:
     hierarchical plan. ``Comm.single()`` is the one-rank oracle (no torch.distributed at all).
     """
 
-    def __init__(self, group=None, scheme: str = "allreduce", stats: Stats | None = None,
-                 inner: "Comm | None" = None, leaders: "Comm | None" = None,
-                 inner_scheme: str = "allreduce", outer_scheme: str = "tree", _single=False):
+    def __init__(
+        self,
+        group=None,
+        scheme: str = "allreduce",
+        stats: Stats | None = None,
+        inner: "Comm | None" = None,
+        leaders: "Comm | None" = None,
+        inner_scheme: str = "allreduce",
+        outer_scheme: str = "tree",
+        _single=False,
+    ):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
         self.group = group
@@ -280,8 +301,10 @@ class Comm:
         """Whether a merge on this communicator sends point to point (the ``tree`` scheme, at
         any level of a hierarchical merge)."""
         if self.scheme == "hierarchical":
-            return any(c is not None and c.world > 1 and s == "tree"
-                       for c, s in ((self.inner, self.inner_scheme), (self.leaders, self.outer_scheme)))
+            return any(
+                c is not None and c.world > 1 and s == "tree"
+                for c, s in ((self.inner, self.inner_scheme), (self.leaders, self.outer_scheme))
+            )
         return self.world > 1 and self.scheme == "tree"
 
     # -- primitives (each counts itself) ------------------------------------------------
@@ -340,18 +363,15 @@ class Comm:
         if self.world == 1:
             return obj
         box = [obj]
-        _guarded("broadcast_object", dist.broadcast_object_list, box, src=self._ranks[src],
-                 group=self.group)
+        _guarded("broadcast_object", dist.broadcast_object_list, box, src=self._ranks[src], group=self.group)
         return box[0]
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         self._count("send", t)
-        _guarded(f"send to rank {self._ranks[dst]}", dist.send, t.contiguous(), dst=self._ranks[dst],
-                 group=self.group)
+        _guarded(f"send to rank {self._ranks[dst]}", dist.send, t.contiguous(), dst=self._ranks[dst], group=self.group)
 
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        _guarded(f"recv from rank {self._ranks[src]}", dist.recv, t, src=self._ranks[src],
-                 group=self.group)
+        _guarded(f"recv from rank {self._ranks[src]}", dist.recv, t, src=self._ranks[src], group=self.group)
         return t
 
     def shift(self, send: list, recv: list, dst: int | None, src: int | None) -> "Pending":
@@ -503,8 +523,9 @@ class Pending:
         self._works = []
 
 
-def subgroup(ranks: list[int], scheme: str = "allreduce", stats: Stats | None = None,
-             timeout_s: float | None = None) -> "Comm | None":
+def subgroup(
+    ranks: list[int], scheme: str = "allreduce", stats: Stats | None = None, timeout_s: float | None = None
+) -> "Comm | None":
     """A communicator on ``ranks`` of the default group (every rank must call this, with the
     same ranks); None on ranks outside it."""
     timeout = datetime.timedelta(seconds=timeout_s or _state["timeout_s"])
@@ -512,10 +533,16 @@ def subgroup(ranks: list[int], scheme: str = "allreduce", stats: Stats | None = 
     return Comm(pg, scheme, stats) if dist.get_rank() in ranks else None
 
 
-def make_comm(scheme: str = "allreduce", groups: list[list[int]] | None = None,
-              inner_scheme: str = "allreduce", outer_scheme: str = "tree",
-              stats: Stats | None = None, timeout_s: float | None = None,
-              parts: list[list[int]] | None = None, group=None) -> Comm:
+def make_comm(
+    scheme: str = "allreduce",
+    groups: list[list[int]] | None = None,
+    inner_scheme: str = "allreduce",
+    outer_scheme: str = "tree",
+    stats: Stats | None = None,
+    timeout_s: float | None = None,
+    parts: list[list[int]] | None = None,
+    group=None,
+) -> Comm:
     """The communicator of a plan (call on every rank, same arguments).
 
     ``parts``: disjoint lists of global ranks covering the world, each its own communicator
@@ -579,8 +606,9 @@ def make_comm(scheme: str = "allreduce", groups: list[list[int]] | None = None,
         pg = new_group(lead)
         if me in lead:
             leaders = Comm(pg, outer_scheme, stats)
-    return Comm(own, "hierarchical", stats, inner=inner, leaders=leaders,
-                inner_scheme=inner_scheme, outer_scheme=outer_scheme)
+    return Comm(
+        own, "hierarchical", stats, inner=inner, leaders=leaders, inner_scheme=inner_scheme, outer_scheme=outer_scheme
+    )
 
 
 def node_of_this_rank() -> str:
@@ -616,6 +644,7 @@ def grid_mesh(device_type: str, cp: int, tp: int):
 
 
 # ---------------------------------------------------------------- requests to a running engine
+
 
 def post_request(store, seq: int, payload: dict) -> None:
     """The launcher's ``seq``-th request to the ranks of a persistent engine (JSON, through the

@@ -19,9 +19,16 @@ import signal
 # imported: imported after the group exists, they hold the default group forever, so leaving the
 # group cannot stop its threads, and a thread of gloo's still freeing the last collective's work at
 # interpreter exit aborts the process ("terminate called without an active exception").
-RANK_IMPORTS = ("torch", "transformers", "transformers.modeling_utils",
-                "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
-                "transformers.distributed", "treeattn_cli.engine.engine", "treeattn_cli.engine.job")
+RANK_IMPORTS = (
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.distributed",
+    "treeattn_cli.engine.engine",
+    "treeattn_cli.engine.job",
+)
 
 
 # A launcher that will start ranks many times (``treeattn check``, the test suite) has its fork
@@ -44,8 +51,13 @@ def context():
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["treeattn_cli.parallel.forkserver_init", *RANK_IMPORTS,
-                                *(["treeattn_cli.engine.preload"] if MANY_LAUNCHES["on"] else [])])
+    ctx.set_forkserver_preload(
+        [
+            "treeattn_cli.parallel.forkserver_init",
+            *RANK_IMPORTS,
+            *(["treeattn_cli.engine.preload"] if MANY_LAUNCHES["on"] else []),
+        ]
+    )
     return ctx
 
 

@@ -99,8 +99,15 @@ def _rank_main(fn, rank, world, port, backend, device, timeout_s, args, results,
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world)) if device == "cpu" else None
-    ctx = RankContext(rank, world, rank, backend, device, timeout_s,
-                      emit=lambda kind, payload: results.put((rank, "event", (kind, payload))))
+    ctx = RankContext(
+        rank,
+        world,
+        rank,
+        backend,
+        device,
+        timeout_s,
+        emit=lambda kind, payload: results.put((rank, "event", (kind, payload))),
+    )
     try:
         store = comm.make_store(port, world + 1, host=LOCALHOST, is_master=False, timeout_s=timeout_s)
         dev = torch.device(device)
@@ -144,8 +151,18 @@ def _signals_held():
                 signal.raise_signal(s)
 
 
-def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeout_s: float = 300.0,
-              grace_s: float = 5.0, on_event=None, on_start=None, abort=None):
+def run_local(
+    fn,
+    nproc: int,
+    *args,
+    backend: str = "gloo",
+    devices=None,
+    timeout_s: float = 300.0,
+    grace_s: float = 5.0,
+    on_event=None,
+    on_start=None,
+    abort=None,
+):
     """Run ``fn(ctx, *args)`` on ``nproc`` fresh local ranks; returns the per-rank results.
 
     ``devices``: one device string per rank (default all "cpu"). ``on_event(rank, kind,
@@ -163,10 +180,15 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
     store = comm.make_store(0, nproc + 1, host=LOCALHOST, is_master=True, timeout_s=timeout_s)
     ctx = context()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, name=f"treeattn-rank{r}", daemon=True,
-                         args=(fn, r, nproc, store.port, backend, devices[r], timeout_s, args, results,
-                               os.getpid()))
-             for r in range(nproc)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            name=f"treeattn-rank{r}",
+            daemon=True,
+            args=(fn, r, nproc, store.port, backend, devices[r], timeout_s, args, results, os.getpid()),
+        )
+        for r in range(nproc)
+    ]
     got: dict[int, tuple] = {}
     first_error = None
     dead_since = None
@@ -207,8 +229,10 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
                 for r in comm.silent_ranks(store, nproc, timeout_s):
                     if r not in got:
                         procs[r].kill()  # (SIGKILL: a stopped process ends too)
-                        got[r] = ("error", (f"rank {r} stopped responding (no heartbeat for {timeout_s:g} s, "
-                                            f"--timeout): killed", ""))
+                        got[r] = (
+                            "error",
+                            (f"rank {r} stopped responding (no heartbeat for {timeout_s:g} s, --timeout): killed", ""),
+                        )
                         first_error = first_error or got[r][1][0]
             if first_error and dead_since is None:
                 dead_since = time.monotonic()
@@ -242,8 +266,7 @@ def run_local(fn, nproc: int, *args, backend: str = "gloo", devices=None, timeou
     return [got[r][1] for r in range(nproc)]
 
 
-def run_torchrun(fn, *args, backend: str = "gloo", device: str = "cpu", timeout_s: float = 300.0,
-                 on_event=None):
+def run_torchrun(fn, *args, backend: str = "gloo", device: str = "cpu", timeout_s: float = 300.0, on_event=None):
     """Run ``fn(ctx, *args)`` as this process's rank of a torchrun job (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT set by torchrun). Rank 0's events go to ``on_event`` here."""
     import torch

@@ -60,9 +60,11 @@ def check_tp(tp: int, heads: int, kv_heads: int, nproc: int) -> None:
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
     if heads % tp or kv_heads % tp or nproc % tp:
-        raise ValueError(f"--tp {tp} does not fit: the model has H = {heads} query heads and H_kv = "
-                         f"{kv_heads} KV heads, and --nproc is {nproc}; --tp must divide all three: "
-                         f"{', '.join(map(str, valid_tp(heads, kv_heads, nproc)))}")
+        raise ValueError(
+            f"--tp {tp} does not fit: the model has H = {heads} query heads and H_kv = "
+            f"{kv_heads} KV heads, and --nproc is {nproc}; --tp must divide all three: "
+            f"{', '.join(map(str, valid_tp(heads, kv_heads, nproc)))}"
+        )
 
 
 def node_groups(nodes: list[str]) -> list[list[int]]:
@@ -78,6 +80,8 @@ def check_tp_within_nodes(mesh: Mesh, nodes: list[str]) -> None:
     for c in range(mesh.cp):
         where = {nodes[r] for r in mesh.tp_ranks(c)}
         if len(where) > 1:
-            raise ValueError(f"--tp {mesh.tp}: ranks {mesh.tp_ranks(c)} would form a tensor-parallel group "
-                             f"across nodes ({', '.join(sorted(where))}); use a --tp that divides the ranks "
-                             f"per node")
+            raise ValueError(
+                f"--tp {mesh.tp}: ranks {mesh.tp_ranks(c)} would form a tensor-parallel group "
+                f"across nodes ({', '.join(sorted(where))}); use a --tp that divides the ranks "
+                f"per node"
+            )

@@ -58,8 +58,9 @@ def ring_decode(comm: Comm, q, k, v, kv_len=None, *, shard_lens=None, scale=None
         last = t == p - 1
         nxt = bufs[t % 2] if not last else None
         pending = None if last else comm.shift(cur, nxt, dst=(r + 1) % p, src=(r - 1) % p)
-        o, lse = partial_attention(q, cur[0], cur[1], scale=scale, kv_len=cur[2], softcap=softcap,
-                                   out_dtype=torch.float32)
+        o, lse = partial_attention(
+            q, cur[0], cur[1], scale=scale, kv_len=cur[2], softcap=softcap, out_dtype=torch.float32
+        )
         parts_o[(r - t) % p], parts_l[(r - t) % p] = o, lse
         if pending is not None:
             pending.wait()

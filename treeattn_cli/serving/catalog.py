@@ -192,13 +192,32 @@ class Catalog:
         e = self.entries[key]
         n = len(e.ids)
         tier = "device" if e.resident else "host" if e.host else "disk" if e.on_disk else None
-        return {"id": key, "object": "document", "tokens": n, "pinned": e.pinned, "resident": e.resident,
-                "tier": tier, "host": e.host, "on_disk": e.on_disk, "ttl_s": e.ttl_s, "created": int(e.created), "last_used": int(e.last_used),
-                "hits": e.hits, "bytes": self.room.rank_bytes(n)}
+        return {
+            "id": key,
+            "object": "document",
+            "tokens": n,
+            "pinned": e.pinned,
+            "resident": e.resident,
+            "tier": tier,
+            "host": e.host,
+            "on_disk": e.on_disk,
+            "ttl_s": e.ttl_s,
+            "created": int(e.created),
+            "last_used": int(e.last_used),
+            "hits": e.hits,
+            "bytes": self.room.rank_bytes(n),
+        }
 
     def expired(self, now: float, in_use) -> list[str]:
         """Resident documents whose TTL ran out since their last use, unpinned and unused
         (``in_use(key)``), not already leaving."""
-        return [k for k, e in list(self.entries.items())
-                if e.ttl_s and e.resident and not e.pinned and not e.evicting
-                and now - (e.last_used or now) > e.ttl_s and not in_use(k)]
+        return [
+            k
+            for k, e in list(self.entries.items())
+            if e.ttl_s
+            and e.resident
+            and not e.pinned
+            and not e.evicting
+            and now - (e.last_used or now) > e.ttl_s
+            and not in_use(k)
+        ]

@@ -75,11 +75,17 @@ class ResidentEngine:
 
         def ranks():
             try:
-                launch.run_local(rank_engine, self.run.nproc, self.job, backend=self.run.backend,
-                                 devices=self.run.devices, timeout_s=self.timeout_s,
-                                 on_event=lambda r, k, v: self.events.put((k, v)),
-                                 on_start=lambda store: (self._box.setdefault("store", store), self._started.set()),
-                                 abort=self.abort)
+                launch.run_local(
+                    rank_engine,
+                    self.run.nproc,
+                    self.job,
+                    backend=self.run.backend,
+                    devices=self.run.devices,
+                    timeout_s=self.timeout_s,
+                    on_event=lambda r, k, v: self.events.put((k, v)),
+                    on_start=lambda store: (self._box.setdefault("store", store), self._started.set()),
+                    abort=self.abort,
+                )
             except BaseException as e:  # noqa: BLE001 - reported by the caller
                 self._box["error"] = e
             finally:

@@ -37,8 +37,15 @@ class Stats:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._n: dict[str, int] = {"requests": 0, "batches": 0, "joined": 0, "dropped": 0, "mixed_batches": 0,
-                                   "segments_while_decoding": 0, "chunks_while_decoding": 0}
+        self._n: dict[str, int] = {
+            "requests": 0,
+            "batches": 0,
+            "joined": 0,
+            "dropped": 0,
+            "mixed_batches": 0,
+            "segments_while_decoding": 0,
+            "chunks_while_decoding": 0,
+        }
         self._ended: dict[str, int] = {}
         self._now: dict = {}  # the latest values of what is not a count (the KV pool's blocks)
 
@@ -97,8 +104,7 @@ class EngineFront(threading.Thread):
     ``on_pools([(used, total), ...])``: each rank's pool as the ranks report it;
     ``on_made(record)``: a document made resident (``documents.Documents``' ``made`` record)."""
 
-    def __init__(self, client, catalog: Catalog, options: BatchOptions, read_manifest, on_pools=None,
-                 on_made=None):
+    def __init__(self, client, catalog: Catalog, options: BatchOptions, read_manifest, on_pools=None, on_made=None):
         super().__init__(name="treeattn-front", daemon=True)
         self.client, self.catalog, self.o = client, catalog, options
         self.read_manifest = read_manifest
@@ -249,22 +255,38 @@ class EngineFront(threading.Thread):
         if t.key:
             e = self.catalog.entries.get(t.key)
             manifest = e.manifest if e is not None and e.on_disk and not e.resident else None
-            doc = DocRef(t.key, ask.ids[:t.cached], manifest=manifest, **(t.action or {}))
-        return Ask(ask.ids[t.cached:], ask.max_new_tokens, ask.sampling, ask.stop, ask.eos_ids, ask.speculate,
-                   doc=doc, cite=ask.cite).wire()
+            doc = DocRef(t.key, ask.ids[: t.cached], manifest=manifest, **(t.action or {}))
+        return Ask(
+            ask.ids[t.cached :],
+            ask.max_new_tokens,
+            ask.sampling,
+            ask.stop,
+            ask.eos_ids,
+            ask.speculate,
+            doc=doc,
+            cite=ask.cite,
+        ).wire()
 
     def _batch_request(self) -> dict:
         """The open batch's options: slots, the document budget and the cache directory."""
         o = self.o
-        req = {"op": "batch", "seq": self.client.seq, "slots": o.slots, "open": True, "interruptible": True,
-               "budget": o.pool_bytes, "pool": o.pool_bytes, "piece": o.piece}
+        req = {
+            "op": "batch",
+            "seq": self.client.seq,
+            "slots": o.slots,
+            "open": True,
+            "interruptible": True,
+            "budget": o.pool_bytes,
+            "pool": o.pool_bytes,
+            "piece": o.piece,
+        }
         if self.catalog.dir is not None:
             req.update(dir=str(self.catalog.dir), save=True, save_meta=o.save_meta)
         return req
 
     def _took(self, t: Ticket) -> None:
         if t.key and not t.acts():  # a document it asked for is (or is becoming) resident
-            self.catalog.touch(t.key, t.ask.ids[:t.cached], resident=True)
+            self.catalog.touch(t.key, t.ask.ids[: t.cached], resident=True)
 
     def _batch(self, group: list[Ticket]) -> None:
         """One open batch: ``group`` first, every later request joins it (whatever its document);
@@ -292,8 +314,9 @@ class EngineFront(threading.Thread):
                     for t in late:
                         t.index = len(by_index)
                         by_index[t.index] = t
-                gone = [i for i, t in by_index.items() if t.cancelled.is_set() and i not in sent_cancel
-                        and not t.finished]
+                gone = [
+                    i for i, t in by_index.items() if t.cancelled.is_set() and i not in sent_cancel and not t.finished
+                ]
                 if gone:
                     C.post_cancel(self.client.store, seq, cancels, gone)
                     cancels += 1
@@ -349,7 +372,7 @@ class EngineFront(threading.Thread):
         self.stats.add("chunks_while_decoding", payload.get("chunks_while_decoding", 0))
         if payload.get("pool"):  # rank 0's pool after the batch: blocks used, cached, free
             self.stats.set("kv_blocks", payload["pool"])
-        late = [t for group in joins[payload.get("joins", 0):] for t in group]
+        late = [t for group in joins[payload.get("joins", 0) :] for t in group]
         if late:  # joined too late for this batch: first into the next one
             self.stats.add("joined", -len(late))
             with self.cv:
@@ -367,6 +390,10 @@ class EngineFront(threading.Thread):
             for key in self.catalog.expired(time.time(), self.in_use):
                 e = self.catalog.entries[key]
                 e.evicting = True
-                self.document(key, e.ids, {"action": "evict"},
-                              lambda ev, e=e: setattr(e, "evicting", False) if isinstance(ev, (Done, Failed)) else None)
+                self.document(
+                    key,
+                    e.ids,
+                    {"action": "evict"},
+                    lambda ev, e=e: setattr(e, "evicting", False) if isinstance(ev, (Done, Failed)) else None,
+                )
             time.sleep(1.0)

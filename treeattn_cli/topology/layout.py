@@ -18,6 +18,7 @@ import yaml
 from ..parallel.schemes import FLAT_SCHEMES
 from .probe import GPU, LINK_CLASSES, Topology
 
+
 def _profile_dir() -> Path:
     """The built-in profiles (``profiles/`` in the repository, ``treeattn_cli/profiles`` installed)."""
     from importlib import resources
@@ -30,8 +31,16 @@ def _profile_dir() -> Path:
 
 PROFILE_DIR = _profile_dir()
 LINK_KEYS = set(LINK_CLASSES) | {"STAGED", "LOOPBACK"}
-_TOP_KEYS = {"name": str, "description": str, "gpus_per_node": int, "memory_bandwidth_gbps": (int, float),
-             "memory_gb": (int, float), "compute_tflops": (int, float), "links": dict, "measured": dict}
+_TOP_KEYS = {
+    "name": str,
+    "description": str,
+    "gpus_per_node": int,
+    "memory_bandwidth_gbps": (int, float),
+    "memory_gb": (int, float),
+    "compute_tflops": (int, float),
+    "links": dict,
+    "measured": dict,
+}
 _LINK_FIELDS = {"alpha_us": (int, float), "bandwidth_gbps": (int, float)}
 
 
@@ -60,7 +69,7 @@ class Profile:
             return self.links[cls]
         # a class the profile does not list: price it as its nearest slower listed class
         order = list(LINK_CLASSES) + ["STAGED", "LOOPBACK"]
-        for c in order[order.index(cls) if cls in order else 0:]:
+        for c in order[order.index(cls) if cls in order else 0 :]:
             if c in self.links:
                 return self.links[c]
         return max(self.links.values(), key=lambda x: x.alpha_s)
@@ -114,16 +123,26 @@ def load_profile(name_or_path: str) -> Profile:
         links[cls] = Link(entry["alpha_us"] * 1e-6, 1.0 / (entry["bandwidth_gbps"] * 1e9))
     mb = data.get("memory_bandwidth_gbps")
     mem, tf = data.get("memory_gb"), data.get("compute_tflops")
-    return Profile(data.get("name", path.stem), links, mb * 1e9 if mb else None,
-                   data.get("gpus_per_node"), where, mem * 1e9 if mem else None, tf * 1e12 if tf else None)
+    return Profile(
+        data.get("name", path.stem),
+        links,
+        mb * 1e9 if mb else None,
+        data.get("gpus_per_node"),
+        where,
+        mem * 1e9 if mem else None,
+        tf * 1e12 if tf else None,
+    )
 
 
 def _tname(t):
     t = t if isinstance(t, tuple) else (t,)
-    return " or ".join({"str": "a string", "int": "an integer", "float": "a number", "dict": "a mapping"}[x.__name__] for x in t)
+    return " or ".join(
+        {"str": "a string", "int": "an integer", "float": "a number", "dict": "a mapping"}[x.__name__] for x in t
+    )
 
 
 # ---------------------------------------------------------------- costs (α–β)
+
 
 def message_bytes(batch: int, heads: int, head_dim: int) -> dict:
     """Bytes of one merge per layer: the lse (MAX) and the packed partial ``[o·w, w]`` (fp32)."""
@@ -144,8 +163,9 @@ def scheme_cost_s(scheme: str, p: int, msg: dict, link: Link, to_all: bool = Tru
         return 0.0
     m = msg["packed"]
     if scheme == "allreduce":  # over 3+ ranks its SUM is gathered, added in rank order (comm.sum_in_rank_order)
-        return ring_allreduce_s(p, msg["lse"], link) + (ring_allreduce_s(p, m, link) if p <= 2 else
-                                                        (p - 1) * (link.alpha_s + m * link.beta_s))
+        return ring_allreduce_s(p, msg["lse"], link) + (
+            ring_allreduce_s(p, m, link) if p <= 2 else (p - 1) * (link.alpha_s + m * link.beta_s)
+        )
     if scheme == "allgather":
         return (p - 1) * (link.alpha_s + m * link.beta_s)
     if scheme == "tree":
@@ -153,14 +173,16 @@ def scheme_cost_s(scheme: str, p: int, msg: dict, link: Link, to_all: bool = Tru
     raise ValueError(scheme)
 
 
-def ring_decode_s(p: int, seq_len: int, kv_heads: int, head_dim: int, batch: int, dtype_bytes: int,
-                  link: Link) -> float:
+def ring_decode_s(
+    p: int, seq_len: int, kv_heads: int, head_dim: int, batch: int, dtype_bytes: int, link: Link
+) -> float:
     """Ring attention decode: p-1 steps each moving one KV shard."""
     s_kv = 2 * batch * (seq_len / p) * kv_heads * head_dim * dtype_bytes
     return (p - 1) * (link.alpha_s + s_kv * link.beta_s)
 
 
 # ---------------------------------------------------------------- grouping and choice
+
 
 @dataclass
 class Layout:
@@ -175,10 +197,17 @@ class Layout:
     candidates: dict = field(default_factory=dict)  # name -> per-layer seconds
 
     def to_dict(self) -> dict:
-        return {"groups": self.groups, "scheme": self.scheme, "inner": self.inner, "outer": self.outer,
-                "inner_link": self.inner_link, "outer_link": self.outer_link,
-                "predicted_step_us": self.step_s * 1e6, "predicted_layer_us": self.per_layer_s * 1e6,
-                "candidates_us": {k: v * 1e6 for k, v in self.candidates.items()}}
+        return {
+            "groups": self.groups,
+            "scheme": self.scheme,
+            "inner": self.inner,
+            "outer": self.outer,
+            "inner_link": self.inner_link,
+            "outer_link": self.outer_link,
+            "predicted_step_us": self.step_s * 1e6,
+            "predicted_layer_us": self.per_layer_s * 1e6,
+            "candidates_us": {k: v * 1e6 for k, v in self.candidates.items()},
+        }
 
 
 def _rank(cls: str) -> int:
@@ -203,8 +232,11 @@ def find_groups(links: list[list[str]]) -> list[list[int]]:
         return [list(range(n))]
     for cls in sorted(classes, key=_rank):
         comps = _components(n, lambda i, j: _rank(links[i][j]) <= _rank(cls))
-        if len(comps) > 1 and any(len(c) > 1 for c in comps) and all(
-                len({links[a][b] for a in c for b in c if a != b}) <= 1 for c in comps):
+        if (
+            len(comps) > 1
+            and any(len(c) > 1 for c in comps)
+            and all(len({links[a][b] for a in c for b in c if a != b}) <= 1 for c in comps)
+        ):
             return comps
     return [list(range(n))]
 
@@ -232,8 +264,9 @@ def _slowest(links, members):
     return max(cls, key=_rank) if cls else "X"
 
 
-def choose_layout(topo: Topology, profile: Profile, *, batch=1, heads=32, head_dim=128,
-                  layers=32, nranks: int | None = None) -> Layout:
+def choose_layout(
+    topo: Topology, profile: Profile, *, batch=1, heads=32, head_dim=128, layers=32, nranks: int | None = None
+) -> Layout:
     """The cheapest layout for a decode step of ``layers`` merges of the given shape."""
     msg = message_bytes(batch, heads, head_dim)
     if topo.n == 0:  # CPU ranks: a uniform loopback fabric
@@ -258,9 +291,11 @@ def choose_layout(topo: Topology, profile: Profile, *, batch=1, heads=32, head_d
         best = None
         for inner in FLAT_SCHEMES:
             for outer in FLAT_SCHEMES:
-                t = (scheme_cost_s(inner, gmax, msg, profile.link(g_link), to_all=False)
-                     + scheme_cost_s(outer, len(groups), msg, profile.link(l_link))
-                     + tree_rounds(gmax) * (profile.link(g_link).alpha_s + msg["packed"] * profile.link(g_link).beta_s))
+                t = (
+                    scheme_cost_s(inner, gmax, msg, profile.link(g_link), to_all=False)
+                    + scheme_cost_s(outer, len(groups), msg, profile.link(l_link))
+                    + tree_rounds(gmax) * (profile.link(g_link).alpha_s + msg["packed"] * profile.link(g_link).beta_s)
+                )
                 cands[f"hierarchical({inner},{outer})"] = t
                 if best is None or t < best[0]:
                     best = (t, inner, outer)
@@ -287,19 +322,41 @@ def sub_topology(topo: Topology, n: int) -> Topology:
     """The first ``n`` GPUs of ``topo`` (the devices a run of ``n`` ranks uses)."""
     if topo.n <= n:
         return topo
-    return Topology(topo.gpus[:n], [r[:n] for r in topo.links[:n]], [r[:n] for r in topo.nvlinks[:n]],
-                    [r[:n] for r in topo.p2p[:n]], topo.source, topo.notes, topo.cpu_ranks)
+    return Topology(
+        topo.gpus[:n],
+        [r[:n] for r in topo.links[:n]],
+        [r[:n] for r in topo.nvlinks[:n]],
+        [r[:n] for r in topo.p2p[:n]],
+        topo.source,
+        topo.notes,
+        topo.cpu_ranks,
+    )
 
 
 def select_topology(topo: Topology, idx: list[int]) -> Topology:
     """The GPUs ``idx`` of ``topo`` (e.g. one cp group of a (cp x tp) mesh), in that order."""
     pick = lambda rows: [[rows[i][j] for j in idx] for i in idx] if rows else rows  # noqa: E731
-    return Topology([topo.gpus[i] for i in idx], pick(topo.links), pick(topo.nvlinks), pick(topo.p2p),
-                    topo.source, topo.notes, topo.cpu_ranks)
+    return Topology(
+        [topo.gpus[i] for i in idx],
+        pick(topo.links),
+        pick(topo.nvlinks),
+        pick(topo.p2p),
+        topo.source,
+        topo.notes,
+        topo.cpu_ranks,
+    )
 
 
-def plan_for_run(kind: str, nranks: int, *, heads: int, head_dim: int, layers: int,
-                 profile: str | None = None, topo: Topology | None = None) -> Layout:
+def plan_for_run(
+    kind: str,
+    nranks: int,
+    *,
+    heads: int,
+    head_dim: int,
+    layers: int,
+    profile: str | None = None,
+    topo: Topology | None = None,
+) -> Layout:
     """The layout ``generate``/``bench`` use for ``nranks`` ranks on ``kind`` devices: the same
     choice ``treeattn topo`` prints. CPU ranks: a flat loopback fabric."""
     from .probe import cpu_topology, probe
@@ -311,8 +368,17 @@ def plan_for_run(kind: str, nranks: int, *, heads: int, head_dim: int, layers: i
     return choose_layout(topo, prof, heads=heads, head_dim=head_dim, layers=layers, nranks=nranks)
 
 
-def cp_layout(mesh, nodes: list[str], profile: str | None, *, heads: int, head_dim: int,
-              layers: int, intra: str = "LOOPBACK", batch: int = 1):
+def cp_layout(
+    mesh,
+    nodes: list[str],
+    profile: str | None,
+    *,
+    heads: int,
+    head_dim: int,
+    layers: int,
+    intra: str = "LOOPBACK",
+    batch: int = 1,
+):
     """The merge layout of the cp groups of ``mesh`` (``parallel.mesh.Mesh``) whose ranks span nodes
     (``nodes[r]``: rank r's node), in cp-local indices: links inside a node are ``intra`` (the
     local fabric's class), across nodes the profile's ``NET``; the cost model picks a flat
@@ -322,7 +388,8 @@ def cp_layout(mesh, nodes: list[str], profile: str | None, *, heads: int, head_d
     where = [nodes[r] for r in ranks]
     n = len(ranks)
     links = [["X" if i == j else (intra if where[i] == where[j] else "NET") for j in range(n)] for i in range(n)]
-    topo = Topology([GPU(i) for i in range(n)], links, [[0] * n for _ in range(n)],
-                    [[True] * n for _ in range(n)], "nodes")
+    topo = Topology(
+        [GPU(i) for i in range(n)], links, [[0] * n for _ in range(n)], [[True] * n for _ in range(n)], "nodes"
+    )
     prof = load_profile(profile or ("cpu-gloo" if intra == "LOOPBACK" else "dgx-h100"))
     return choose_layout(topo, prof, batch=batch, heads=heads // mesh.tp, head_dim=head_dim, layers=layers)

@@ -70,8 +70,7 @@ def measure_rank(ctx, groups, msg_bytes: int, big_bytes: int, iters: int, warmup
                 _sync(dev)
                 if k >= warmup:
                     times.append(time.perf_counter() - t0)
-        allreduce[",".join(map(str, g))] = comm.broadcast_object(
-            statistics.median(times) if times else None, src=g[0])
+        allreduce[",".join(map(str, g))] = comm.broadcast_object(statistics.median(times) if times else None, src=g[0])
     return {"pairs": gathered, "allreduce_s": allreduce} if r == 0 else None
 
 

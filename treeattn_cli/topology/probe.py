@@ -52,8 +52,10 @@ class Topology:
 
 
 def _square(n, fill):
-    return [[("X" if fill == "link" else fill) if i == j else (None if fill == "link" else fill)
-             for j in range(n)] for i in range(n)]
+    return [
+        [("X" if fill == "link" else fill) if i == j else (None if fill == "link" else fill) for j in range(n)]
+        for i in range(n)
+    ]
 
 
 def _finish(gpus, links, nvlinks=None, p2p=None, source="", notes=None) -> Topology:
@@ -70,8 +72,7 @@ def _promote_nvswitch(links, nvlinks):
     all-to-all NVLink mesh exists beyond 4 GPUs)."""
     n = len(links)
     off = [(i, j) for i in range(n) for j in range(n) if i != j]
-    if n > 4 and off and all(links[i][j] == "NVLINK" for i, j in off) and \
-            len({nvlinks[i][j] for i, j in off}) == 1:
+    if n > 4 and off and all(links[i][j] == "NVLINK" for i, j in off) and len({nvlinks[i][j] for i, j in off}) == 1:
         for i, j in off:
             links[i][j] = "NVSWITCH"
 
@@ -106,7 +107,7 @@ def parse_nvidia_smi_topo(text: str) -> Topology:
     if [int(c[3:]) for c in gpu_cols] != list(range(ng)):
         raise TopologyError("GPU columns are not GPU0..GPUn in order")
     rows = {}
-    for ln in lines[header_i + 1:]:
+    for ln in lines[header_i + 1 :]:
         tok = ln.split()
         if not tok:
             if rows:
@@ -165,13 +166,13 @@ def parse_nvidia_smi_p2p(text: str, n: int):
         if tok and re.fullmatch(r"GPU\d+", tok[0]) and len(tok) >= n + 1:
             i = int(tok[0][3:])
             if i < n:
-                for j, c in enumerate(tok[1:n + 1]):
-                    p2p[i][j] = True if c in ("OK", "X") else False if c in (
-                        "CNS", "GNS", "TNS", "NS", "DR") else None
+                for j, c in enumerate(tok[1 : n + 1]):
+                    p2p[i][j] = True if c in ("OK", "X") else False if c in ("CNS", "GNS", "TNS", "NS", "DR") else None
     return p2p
 
 
 # ---------------------------------------------------------------- rocm-smi --showtopo
+
 
 def parse_rocm_smi_topo(text: str) -> Topology:
     """Parse ``rocm-smi --showtopo``: weight, hops and link-type matrices plus NUMA lines.
@@ -182,8 +183,17 @@ def parse_rocm_smi_topo(text: str) -> Topology:
         s = ln.strip()
         if s.startswith("=") and s.endswith("="):
             title = s.strip("= ").lower()
-            current = ("weight" if "weight" in title else "hops" if "hops" in title else
-                       "type" if "link type" in title else "numa" if "numa" in title else None)
+            current = (
+                "weight"
+                if "weight" in title
+                else "hops"
+                if "hops" in title
+                else "type"
+                if "link type" in title
+                else "numa"
+                if "numa" in title
+                else None
+            )
             if current:
                 sections[current] = []
             continue
@@ -198,7 +208,7 @@ def parse_rocm_smi_topo(text: str) -> Topology:
         for r in rows[1:]:
             tok = r.split()
             if tok and re.fullmatch(r"GPU\d+", tok[0]):
-                out[int(tok[0][3:])] = tok[1:1 + len(head)]
+                out[int(tok[0][3:])] = tok[1 : 1 + len(head)]
         return len(head), out
 
     n, types = matrix(sections["type"])
@@ -243,6 +253,7 @@ def parse_topo_text(text: str) -> Topology:
 
 
 # ---------------------------------------------------------------- live probes
+
 
 def _probe_nvml(notes):
     import pynvml as nv  # optional dependency: nvidia-ml-py
@@ -323,8 +334,9 @@ def _run(cmd):
     exe = shutil.which(cmd[0])
     if exe is None:
         raise FileNotFoundError(f"{cmd[0]} not found")
-    r = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=_SMI_TIMEOUT_S,
-                       shell=False, check=False)
+    r = subprocess.run(
+        [exe, *cmd[1:]], capture_output=True, text=True, timeout=_SMI_TIMEOUT_S, shell=False, check=False
+    )
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr.strip()[:120]}")
     return r.stdout
@@ -357,8 +369,10 @@ def _probe_amdsmi(notes):
         if not hs:
             raise RuntimeError("amdsmi sees no GPU")
         n = len(hs)
-        gpus = [GPU(i, "AMD GPU", str(a.amdsmi_get_gpu_device_bdf(h)).lower(),
-                    a.amdsmi_topo_get_numa_node_number(h)) for i, h in enumerate(hs)]
+        gpus = [
+            GPU(i, "AMD GPU", str(a.amdsmi_get_gpu_device_bdf(h)).lower(), a.amdsmi_topo_get_numa_node_number(h))
+            for i, h in enumerate(hs)
+        ]
         links = _square(n, "link")
         p2p = [[True if i == j else None for j in range(n)] for i in range(n)]
         for i in range(n):
@@ -390,8 +404,12 @@ def _probe_rocm_smi(notes):
     return topo
 
 
-PROBES = (("nvml", _probe_nvml), ("nvidia-smi", _probe_nvidia_smi),
-          ("amdsmi", _probe_amdsmi), ("rocm-smi", _probe_rocm_smi))
+PROBES = (
+    ("nvml", _probe_nvml),
+    ("nvidia-smi", _probe_nvidia_smi),
+    ("amdsmi", _probe_amdsmi),
+    ("rocm-smi", _probe_rocm_smi),
+)
 
 
 def _short(e: BaseException) -> str:
@@ -416,4 +434,3 @@ def probe(cpu_ranks: int = 2) -> Topology:
 def cpu_topology(nranks: int) -> Topology:
     """CPU ranks as a uniform fabric (shared memory, loopback gloo): one flat level."""
     return Topology(source="cpu", cpu_ranks=nranks, notes=["CPU ranks over gloo (loopback)"])
-

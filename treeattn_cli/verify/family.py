@@ -33,7 +33,12 @@ import torch
 from .. import __version__
 from .tiny import greedy
 
-DOCUMENT, SEGMENT, QUESTION, NEW = 23, 12, 4, 10  # the document's tokens, a prefill segment's, a question's, an answer's
+DOCUMENT, SEGMENT, QUESTION, NEW = (
+    23,
+    12,
+    4,
+    10,
+)  # the document's tokens, a prefill segment's, a question's, an answer's
 DRAFTS, PAGE = 2, 8  # drafts a verify carries; tokens per block of the probe's pool (a document spans blocks)
 WINDOW = 5  # a sliding window the probe is longer than
 SOFTCAP = 2.0  # attention logits' soft-capping, low enough to bend the probe's scores
@@ -41,8 +46,16 @@ INIT = 0.2  # the random weights' spread: attention scores of several units (the
 # under 0.1, every row a near-uniform average, and soft-capping or a key too many barely shows)
 PROBE = 2  # what the probe runs (2: the engine's pooled path, issue 50): a verdict of another is not reused
 TOL = 1e-3  # log-probabilities, relative to their scale: fp32 on both sides, different summation orders
-_VOLATILE = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "attn_implementation",
-             "architectures", "auto_map"}
+_VOLATILE = {
+    "transformers_version",
+    "_name_or_path",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "attn_implementation",
+    "architectures",
+    "auto_map",
+}
 
 
 class ProbeFailed(ValueError):
@@ -53,8 +66,17 @@ def _key(config) -> str:
     import transformers
 
     d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
-    blob = json.dumps({"config": d, "transformers": transformers.__version__, "torch": torch.__version__,
-                       "treeattn": __version__, "probe": PROBE}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "config": d,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "treeattn": __version__,
+            "probe": PROBE,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -122,7 +144,7 @@ class _Drafts:
         if k <= 0:
             return []
         n = len(self.tokens)
-        out = next((o[n:n + k] for o in self.oracle if len(o) >= n + k and o[:n] == self.tokens), None)
+        out = next((o[n : n + k] for o in self.oracle if len(o) >= n + k and o[:n] == self.tokens), None)
         if out is None:
             out = greedy(self.eager, self.tokens, k)
         wrong = (None, 1, 0)[self.calls % 3]
@@ -132,8 +154,9 @@ class _Drafts:
         return out
 
 
-def _answers(ours, eager, vocab: int, document: list[int], question: list[int], gpu: bool,
-             oracle: list[list[int]]) -> list[dict]:
+def _answers(
+    ours, eager, vocab: int, document: list[int], question: list[int], gpu: bool, oracle: list[list[int]]
+) -> list[dict]:
     """The probe's two questions over ``document`` through the engine on one rank, as ``chat
     --batch`` and ``generate`` run them (``gpu``: on the GPU's branches, the reference kernels
     under them); each answer's record (``token_ids``, ``logprobs`` of the whole vocabulary,
@@ -150,18 +173,42 @@ def _answers(ours, eager, vocab: int, document: list[int], question: list[int], 
             return _Drafts(eager, list(doc.ids if doc is not None else self.ids) + list(own), vocab, oracle)
 
     got: dict = {}
-    ctx = RankContext(rank=0, world=1, local_rank=0, backend="gloo", device="cpu", timeout_s=60.0,
-                      emit=lambda kind, p: got.__setitem__(p[0], p[1]) if kind == "banswer" else None)
+    ctx = RankContext(
+        rank=0,
+        world=1,
+        local_rank=0,
+        backend="gloo",
+        device="cpu",
+        timeout_s=60.0,
+        emit=lambda kind, p: got.__setitem__(p[0], p[1]) if kind == "banswer" else None,
+    )
     job = EngineJob("", [], dtype="float32", static=gpu, cuda_graph=False, reference=gpu, reserve=0)
     doc = {"key": "probe", "ids": document}
     with gpu_branches() if gpu else contextlib.nullcontext():
-        Probe(ctx, job, model=ours).serve([
-            {"op": "batch", "questions": [{"ids": [], "doc": {**doc, "last_logits": True}},  # generate's
-                                          {"ids": question, "doc": doc}],
-             "slots": 2, "max_new_tokens": NEW, "sampling": vars(Sampling()), "stop": [], "eos_ids": [],
-             "speculate": f"ngram:{DRAFTS}", "logprobs": vocab, "piece": SEGMENT, "page": PAGE,
-             "pool_for": len(document), "tails": len(question) + NEW, "tail_slots": 2},
-            {"op": "stop"}])
+        Probe(ctx, job, model=ours).serve(
+            [
+                {
+                    "op": "batch",
+                    "questions": [
+                        {"ids": [], "doc": {**doc, "last_logits": True}},  # generate's
+                        {"ids": question, "doc": doc},
+                    ],
+                    "slots": 2,
+                    "max_new_tokens": NEW,
+                    "sampling": vars(Sampling()),
+                    "stop": [],
+                    "eos_ids": [],
+                    "speculate": f"ngram:{DRAFTS}",
+                    "logprobs": vocab,
+                    "piece": SEGMENT,
+                    "page": PAGE,
+                    "pool_for": len(document),
+                    "tails": len(question) + NEW,
+                    "tail_slots": 2,
+                },
+                {"op": "stop"},
+            ]
+        )
     return [got[0], got[1]]
 
 
@@ -181,10 +228,12 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
     cfg = small_config(config)
     mtype = getattr(config, "model_type", "?")
     torch.manual_seed(0)
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.float32,
-                                             trust_remote_code=trust_remote_code).eval()
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=A.register(), dtype=torch.float32,
-                                            trust_remote_code=trust_remote_code).eval()
+    eager = AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.float32, trust_remote_code=trust_remote_code
+    ).eval()
+    ours = AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation=A.register(), dtype=torch.float32, trust_remote_code=trust_remote_code
+    ).eval()
     ours.load_state_dict(eager.state_dict())
     invariance.prepare(ours)  # as load_model leaves a model
     vocab = eager.get_output_embeddings().weight.shape[0]
@@ -209,8 +258,10 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
         transformers.AttentionInterface.register(A.ATTN_NAME, real)
         use_reference(reference)
     if not calls[0]:
-        raise ProbeFailed(f"model type '{mtype}': its layers never call transformers' attention interface, "
-                          "so treeattn cannot shard its attention")
+        raise ProbeFailed(
+            f"model type '{mtype}': its layers never call transformers' attention interface, "
+            "so treeattn cannot shard its attention"
+        )
     err, out = 0.0, {"answers": 0, "tokens": 0, "drafted": 0, "accepted": 0, "calls": calls[0]}
     for answers in runs:
         for asked, rec in zip(([], question), answers):
@@ -219,7 +270,7 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
             with torch.inference_mode():
                 logits = eager(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
             at = len(document) + len(asked) - 1  # the position each token was chosen at: at + i
-            want = torch.log_softmax(logits[at:at + len(toks)], dim=-1)  # [n, V]
+            want = torch.log_softmax(logits[at : at + len(toks)], dim=-1)  # [n, V]
             got = torch.full_like(want, -math.inf)
             for i, lp in enumerate(rec["logprobs"]):
                 top = torch.tensor(lp["top"], dtype=torch.float64)  # [V, 2]: (id, logprob)
@@ -244,9 +295,16 @@ def probe_model(config, trust_remote_code: bool = False) -> None:
         mtype = getattr(config, "model_type", "?")
         try:
             err = run_probe(config, trust_remote_code)["max_err"]
-            v = {"ok": err <= TOL, "max_err": err, "reason": None if err <= TOL else (
-                f"model type '{mtype}': treeattn's attention differs from transformers' on a short check "
-                f"(logits off by {err:.2g} relative, tolerance {TOL:g}): refused rather than answering wrong")}
+            v = {
+                "ok": err <= TOL,
+                "max_err": err,
+                "reason": None
+                if err <= TOL
+                else (
+                    f"model type '{mtype}': treeattn's attention differs from transformers' on a short check "
+                    f"(logits off by {err:.2g} relative, tolerance {TOL:g}): refused rather than answering wrong"
+                ),
+            }
         except ProbeFailed as e:
             v = {"ok": False, "max_err": None, "reason": str(e)}
         v["when"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -56,9 +56,19 @@ def _compare(ref_logits, test_logits) -> tuple[int, float]:
 
 
 @torch.inference_mode()
-def measure(model_dir, ids: list[int], *, kv_dtype: str = "fp8", dtype: torch.dtype = torch.float32,
-            device="cpu", new_tokens: int = 32, chunk: int = CHUNK, trust_remote_code: bool = False,
-            allow_pickle: bool = False, on_progress=None) -> dict:
+def measure(
+    model_dir,
+    ids: list[int],
+    *,
+    kv_dtype: str = "fp8",
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    new_tokens: int = 32,
+    chunk: int = CHUNK,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    on_progress=None,
+) -> dict:
     """The fidelity record of storing ``ids``' KV as ``kv_dtype`` against the model's ``dtype``."""
     from ..engine.attention import AttentionContext
     from ..engine.decode import Decoder
@@ -79,8 +89,16 @@ def measure(model_dir, ids: list[int], *, kv_dtype: str = "fp8", dtype: torch.dt
     page = 64
     for which, kv in (("reference", "auto"), ("test", kv_dtype)):
         kv_store, quant, name = storage(kv, dtype, device, sh["head_dim"])
-        pool = BlockPool(sh["num_layers"], sh["kv_heads"], sh["head_dim"], page=page,
-                         num_blocks=-(-(n + new_tokens) // page) + 2, dtype=kv_store, device=device, quant=quant)
+        pool = BlockPool(
+            sh["num_layers"],
+            sh["kv_heads"],
+            sh["head_dim"],
+            page=page,
+            num_blocks=-(-(n + new_tokens) // page) + 2,
+            dtype=kv_store,
+            device=device,
+            quant=quant,
+        )
         shards[which] = (PagedShard(pool, rank=0, world=1), name)
     agree, kl, last = 0, 0.0, {}
     x = torch.tensor([ids], dtype=torch.int64)
@@ -104,12 +122,19 @@ def measure(model_dir, ids: list[int], *, kv_dtype: str = "fp8", dtype: torch.dt
     same = [a == b for a, b in zip(answers["reference"], answers["test"])]
     prefix = next((i for i, s in enumerate(same) if not s), len(same))
     rec = {
-        "check": "kv-fidelity", "kv_dtype": shards["test"][1], "reference": shards["reference"][1],
-        "tokens": n, "device": str(device),
-        "top1_agreement": agree / n, "kl_mean": kl / n,
-        "greedy_tokens": len(same), "greedy_agreement": sum(same) / max(1, len(same)), "greedy_prefix": prefix,
+        "check": "kv-fidelity",
+        "kv_dtype": shards["test"][1],
+        "reference": shards["reference"][1],
+        "tokens": n,
+        "device": str(device),
+        "top1_agreement": agree / n,
+        "kl_mean": kl / n,
+        "greedy_tokens": len(same),
+        "greedy_agreement": sum(same) / max(1, len(same)),
+        "greedy_prefix": prefix,
         "kv_bytes_per_token": {w: shard.bytes_per_token() for w, (shard, _) in shards.items()},
-        "thresholds": THRESHOLDS, "seconds": time.perf_counter() - t0,
+        "thresholds": THRESHOLDS,
+        "seconds": time.perf_counter() - t0,
     }
     rec["ok"] = rec["top1_agreement"] >= THRESHOLDS["top1_agreement"] and rec["kl_mean"] <= THRESHOLDS["kl_mean"]
     return rec
@@ -121,6 +146,15 @@ def save(identity: dict, record: dict, document: str) -> Path:
 
     path = _record_path(identity, record["kv_dtype"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({**record, "document_sha256": hashlib.sha256(document.encode()).hexdigest(),
-                                   "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
+    write_atomic(
+        path,
+        json.dumps(
+            {
+                **record,
+                "document_sha256": hashlib.sha256(document.encode()).hexdigest(),
+                "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            },
+            indent=1,
+        ),
+    )
     return path

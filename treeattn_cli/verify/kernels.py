@@ -52,16 +52,23 @@ def rel_err(actual, expected) -> float:
 
 
 def _record(path, case, err, tol, seconds, note=""):
-    return {"path": path, "case": case, "max_err": err, "tol": tol, "seconds": round(seconds, 4),
-            "verdict": "pass" if err <= tol else "FAIL", "note": note}
+    return {
+        "path": path,
+        "case": case,
+        "max_err": err,
+        "tol": tol,
+        "seconds": round(seconds, 4),
+        "verdict": "pass" if err <= tol else "FAIL",
+        "note": note,
+    }
 
 
 def skipped(path, why):
-    return {"path": path, "case": "-", "max_err": None, "tol": None, "seconds": 0.0,
-            "verdict": "skipped", "note": why}
+    return {"path": path, "case": "-", "max_err": None, "tol": None, "seconds": 0.0, "verdict": "skipped", "note": why}
 
 
 # ---------------------------------------------------------------- kernels (this process)
+
 
 def _kernel_cases(full: bool):
     """(kind, B, G, H_kv, Q, N, d, dtype, extra) of the partial-attention checks: every launch
@@ -93,12 +100,31 @@ def _kernel_cases(full: bool):
         yield ("prefill-window", 1, 2, 2, 200, 200, 64, dt, {"causal": True, "window": 64, "softcap": 30.0})
     for d in (64, 96, 128):
         for G in (1, 4, 8):
-            yield ("decode-fp8", 3, G, 8 // G if G < 8 else 1, 1, 1000, d, torch.bfloat16, {"fp8": True, "ragged": True})
+            yield (
+                "decode-fp8",
+                3,
+                G,
+                8 // G if G < 8 else 1,
+                1,
+                1000,
+                d,
+                torch.bfloat16,
+                {"fp8": True, "ragged": True},
+            )
     if full:  # a long shard: 64-bit offsets and many splits over fp8 rows
         yield ("decode-fp8", 3, 4, 2, 1, 65536 + 7, 128, torch.bfloat16, {"fp8": True, "ragged": True})
     yield ("decode-fp8", 3, 4, 2, 1, 1000, 128, torch.float32, {"fp8": True, "ragged": True})
-    yield ("decode-fp8-window-sorted", 3, 4, 2, 1, 3000, 128, torch.bfloat16,
-           {"fp8": True, "window": 1024, "ragged": True, "sorted": True})
+    yield (
+        "decode-fp8-window-sorted",
+        3,
+        4,
+        2,
+        1,
+        3000,
+        128,
+        torch.bfloat16,
+        {"fp8": True, "window": 1024, "ragged": True, "sorted": True},
+    )
     yield ("verify-fp8", 1, 4, 2, 5, 2000, 128, torch.bfloat16, {"fp8": True})
     yield ("cascade-fp8", 1, 4, 2, 12, 3000, 128, torch.bfloat16, {"fp8": True, "cascade": True})
 
@@ -207,8 +233,9 @@ def _kernel_checks(device, full, kinds, say, warming) -> list[dict]:
             out.append({**skipped("partial/fp8", no_fp8.split(":")[0]), "case": case})
             continue
         q, k, v, kw, fast = _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen)
-        ref_o, ref_l = partial_attention_ref(q.float(), k if extra.get("fp8") else k.float(),
-                                             v if extra.get("fp8") else v.float(), **kw)
+        ref_o, ref_l = partial_attention_ref(
+            q.float(), k if extra.get("fp8") else k.float(), v if extra.get("fp8") else v.float(), **kw
+        )
         for impl in _impls(device, G, Q):
             t0 = time.perf_counter()
             try:
@@ -226,8 +253,10 @@ def _kernel_checks(device, full, kinds, say, warming) -> list[dict]:
         say("fused merge kernels")
         out += _fused_merge_checks(device, gen)
         if full:
-            say(f"every kernel configuration compiled for this GPU (compile/<target>; {len(warming)} "
-                "processes compiled them into the cache meanwhile)")
+            say(
+                f"every kernel configuration compiled for this GPU (compile/<target>; {len(warming)} "
+                "processes compiled them into the cache meanwhile)"
+            )
             for p in warming:
                 try:
                     p.wait(timeout=600)
@@ -273,18 +302,31 @@ def _compile_check(device) -> dict:
     # launch: the kernel path fails (generate falls back to the reference). A spill only costs
     # speed: CI holds its Triton to none, and another release may spill a few bytes (Triton 3.6
     # on sm_90: 8 bytes in two fp32 soft-capped decode kernels), so it is a note, not a failure.
-    bad = [f"{k['kernel']} ({k['first_config']}): shared {k['shared_bytes']} B of {k['max_shared']}"
-           for k in res["kernels"] if k["shared_bytes"] > k["max_shared"]]
+    bad = [
+        f"{k['kernel']} ({k['first_config']}): shared {k['shared_bytes']} B of {k['max_shared']}"
+        for k in res["kernels"]
+        if k["shared_bytes"] > k["max_shared"]
+    ]
     bad += [f"{e['config']}: {e['error']}" for e in res["errors"]]
-    spills = [f"spill {k['spill_bytes']} B: {k['kernel']} ({k['first_config']})"
-              for k in res["kernels"] if k["spill_bytes"] > 0]
-    rec = _record(f"compile/{target.name}", f"{res['configs']} configurations, {len(res['kernels'])} kernels",
-                  1.0 if bad else 0.0, 0.0, time.perf_counter() - t0, "; ".join(bad + spills)[:300])
+    spills = [
+        f"spill {k['spill_bytes']} B: {k['kernel']} ({k['first_config']})"
+        for k in res["kernels"]
+        if k["spill_bytes"] > 0
+    ]
+    rec = _record(
+        f"compile/{target.name}",
+        f"{res['configs']} configurations, {len(res['kernels'])} kernels",
+        1.0 if bad else 0.0,
+        0.0,
+        time.perf_counter() - t0,
+        "; ".join(bad + spills)[:300],
+    )
     rec["max_err"] = None
     return rec
 
 
 # ---------------------------------------------------------------- the verdict cache
+
 
 def machine_key(device) -> dict:
     """What a kernel verdict depends on: the device, its driver, torch, triton, treeattn."""
@@ -318,8 +360,7 @@ def _verdict_file(device) -> Path:
 def verdict_of(device, records) -> dict:
     """The kernel part's outcome: ``{"key", "ok", "failed": [paths], "when"}``."""
     failed = sorted({r["path"] for r in records if r["path"].startswith(KERNEL_PATHS) and r["verdict"] == "FAIL"})
-    return {"key": machine_key(device), "ok": not failed, "failed": failed,
-            "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {"key": machine_key(device), "ok": not failed, "failed": failed, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def save_verdict(device, records) -> dict:
@@ -360,8 +401,13 @@ def kernel_verdict(device) -> dict:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     idx = device.index or 0
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible.split(",")[idx] if visible else str(idx))
-    p = subprocess.run([sys.executable, "-m", "treeattn_cli.main", "check", "--kernels-only", "--json",
-                        "--quiet"], capture_output=True, text=True, timeout=900, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "treeattn_cli.main", "check", "--kernels-only", "--json", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     records = records_in(p.stdout)
     if records is None:
         why = (p.stderr.strip().splitlines() or ["no output"])[-1][:200]

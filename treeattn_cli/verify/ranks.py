@@ -26,17 +26,17 @@ def dist_rank(ctx, seed: int):
     p = ctx.world
     half = max(1, p // 2)
     comms = {s: make_comm(s) for s in ("allreduce", "allgather", "tree")}
-    comms["hierarchical"] = make_comm("hierarchical", [list(range(half)), list(range(half, p))]
-                                      if p > 1 else [[0]])
+    comms["hierarchical"] = make_comm("hierarchical", [list(range(half)), list(range(half, p))] if p > 1 else [[0]])
     gen = torch.Generator().manual_seed(seed)
     out = []
     for dt in (torch.float32, torch.bfloat16):
         B, H_kv, G, d, N = 2, 2, 4, 64, 4099
-        q, k, v = (torch.randn(*s, generator=gen).to(dev, dt) for s in
-                   ((B, G * H_kv, 1, d), (B, H_kv, N, d), (B, H_kv, N, d)))
+        q, k, v = (
+            torch.randn(*s, generator=gen).to(dev, dt) for s in ((B, G * H_kv, 1, d), (B, H_kv, N, d), (B, H_kv, N, d))
+        )
         ref_o, ref_l = partial_attention_ref(q.float(), k.float(), v.float())
         b = chunk_bounds(N, p)
-        ks, vs = k[:, :, b[ctx.rank]:b[ctx.rank + 1]], v[:, :, b[ctx.rank]:b[ctx.rank + 1]]
+        ks, vs = k[:, :, b[ctx.rank] : b[ctx.rank + 1]], v[:, :, b[ctx.rank] : b[ctx.rank + 1]]
         o_i, lse_i = partial_attention(q, ks, vs, out_dtype=torch.float32)
         lens = [b[i + 1] - b[i] for i in range(p)]
         runs = {f"merge/{s}": (lambda c=c: c.merge(o_i, lse_i)) for s, c in comms.items()}
@@ -50,8 +50,14 @@ def dist_rank(ctx, seed: int):
             err = max(rel_err(o.to(dt), ref_o), rel_err(lse, ref_l))
             every = comms["allgather"].all_gather(torch.cat([o.float(), lse.float()[..., None]], -1))
             same = all(torch.equal(every[0], e) for e in every)
-            rec = _record(path, f"{p} ranks G={G} d={d} N={N} {_NAMES[dt]} B={B}", err, TOL[dt], secs,
-                          "" if same else "results differ between ranks")
+            rec = _record(
+                path,
+                f"{p} ranks G={G} d={d} N={N} {_NAMES[dt]} B={B}",
+                err,
+                TOL[dt],
+                secs,
+                "" if same else "results differ between ranks",
+            )
             if not same:
                 rec["verdict"] = "FAIL"
             out.append(rec)
@@ -66,8 +72,9 @@ def generate_checks(nproc: int, backend: str, devices: list[str], workdir: Path)
     from ..engine.job import EngineJob
     from .tiny import hf_greedy, make_model
 
-    model = make_model("llama", workdir / "tiny-llama", head_dim=32, hidden_size=128,
-                       num_attention_heads=4, num_key_value_heads=2)
+    model = make_model(
+        "llama", workdir / "tiny-llama", head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
     ids = [(7 * i + 3) % 250 for i in range(61)]
     want = hf_greedy(model, ids, 16)
     graph_modes = (False, True) if devices[0].startswith("cuda") else (False,)
@@ -76,20 +83,35 @@ def generate_checks(nproc: int, backend: str, devices: list[str], workdir: Path)
         t0 = time.perf_counter()
         toks, note = [], ""
         try:
-            res = run_local(rank_generate, nproc, EngineJob(str(model), ids, max_new_tokens=16, dtype="float32",
-                                                              cuda_graph=graph),
-                            backend=backend, devices=devices, timeout_s=120,
-                            on_event=lambda r, kind, v: toks.append(v) if kind == "token" else None)
+            res = run_local(
+                rank_generate,
+                nproc,
+                EngineJob(str(model), ids, max_new_tokens=16, dtype="float32", cuda_graph=graph),
+                backend=backend,
+                devices=devices,
+                timeout_s=120,
+                on_event=lambda r, kind, v: toks.append(v) if kind == "token" else None,
+            )
             if graph and not res[0].get("cuda_graph"):
                 note = res[0].get("note", "the CUDA graph was not used")
         except Exception as e:
             note = f"{type(e).__name__}: {e}".splitlines()[0][:160]
         same = toks == want and not note
-        rec = {"path": f"generate/{'cuda-graph' if graph else 'eager'}",
-               "case": f"tiny llama, {nproc} ranks, 61+16 tokens", "max_err": None, "tol": None,
-               "seconds": round(time.perf_counter() - t0, 3), "verdict": "pass" if same else "FAIL",
-               "note": note or ("" if same else f"token ids differ from transformers at "
-                                             f"{next((i for i, (a, b) in enumerate(zip(toks, want)) if a != b), len(toks))}")}
+        rec = {
+            "path": f"generate/{'cuda-graph' if graph else 'eager'}",
+            "case": f"tiny llama, {nproc} ranks, 61+16 tokens",
+            "max_err": None,
+            "tol": None,
+            "seconds": round(time.perf_counter() - t0, 3),
+            "verdict": "pass" if same else "FAIL",
+            "note": note
+            or (
+                ""
+                if same
+                else f"token ids differ from transformers at "
+                f"{next((i for i, (a, b) in enumerate(zip(toks, want)) if a != b), len(toks))}"
+            ),
+        }
         out.append(rec)
     if not devices[0].startswith("cuda"):  # listed, as every GPU-only row is, with why it did not run
         out.append(skipped("generate/cuda-graph", "no GPU: the CUDA-graph decode step runs on CUDA devices"))
@@ -117,12 +139,24 @@ def batch_rank(ctx, job, doc, questions, slots, new):
 
     real, ctx.emit = ctx.emit, emit
     try:
-        Engine(ctx, job).serve([{"op": "batch", "questions": [{"ids": q, "doc": {"key": "check", "ids": doc}}
-                                                              for q in questions],
-                                 "slots": slots, "max_new_tokens": new, "sampling": vars(Sampling()), "stop": [],
-                                 "eos_ids": [], "speculate": "off", "pool_for": len(doc),
-                                 "tails": max(len(q) for q in questions) + new, "tail_slots": slots},
-                                {"op": "stop"}])
+        Engine(ctx, job).serve(
+            [
+                {
+                    "op": "batch",
+                    "questions": [{"ids": q, "doc": {"key": "check", "ids": doc}} for q in questions],
+                    "slots": slots,
+                    "max_new_tokens": new,
+                    "sampling": vars(Sampling()),
+                    "stop": [],
+                    "eos_ids": [],
+                    "speculate": "off",
+                    "pool_for": len(doc),
+                    "tails": max(len(q) for q in questions) + new,
+                    "tail_slots": slots,
+                },
+                {"op": "stop"},
+            ]
+        )
     finally:
         ctx.emit = real
     return ([got.get(i) for i in range(len(questions))], done[0]) if ctx.rank == 0 else None
@@ -143,20 +177,35 @@ def _batch_checks(model, doc, nproc: int, backend: str, devices: list[str]) -> l
         t0 = time.perf_counter()
         got, note = [], ""
         try:
-            got, rec = run_local(batch_rank, nproc, EngineJob(str(model), [], max_new_tokens=8, dtype="float32",
-                                                                cuda_graph=graph),
-                                 doc, qs, 2, 8, backend=backend, devices=devices, timeout_s=120)[0]
+            got, rec = run_local(
+                batch_rank,
+                nproc,
+                EngineJob(str(model), [], max_new_tokens=8, dtype="float32", cuda_graph=graph),
+                doc,
+                qs,
+                2,
+                8,
+                backend=backend,
+                devices=devices,
+                timeout_s=120,
+            )[0]
             if graph and (rec.get("graph_note") or not rec.get("graph_replays")):
                 note = rec.get("graph_note") or "no step was replayed from a CUDA graph"
         except Exception as e:
             note = f"{type(e).__name__}: {e}".splitlines()[0][:160]
         bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None) if got else 0
         same = got == want and not note
-        out.append({"path": f"batch/{'cuda-graph' if graph else 'eager'}",
-                    "case": f"tiny llama, {nproc} ranks, the block pool, 3 questions 2 at a time, 8 tokens each",
-                    "max_err": None,
-                    "tol": None, "seconds": round(time.perf_counter() - t0, 3), "verdict": "pass" if same else "FAIL",
-                    "note": note or ("" if same else f"answer {bad} differs from transformers")})
+        out.append(
+            {
+                "path": f"batch/{'cuda-graph' if graph else 'eager'}",
+                "case": f"tiny llama, {nproc} ranks, the block pool, 3 questions 2 at a time, 8 tokens each",
+                "max_err": None,
+                "tol": None,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "verdict": "pass" if same else "FAIL",
+                "note": note or ("" if same else f"answer {bad} differs from transformers"),
+            }
+        )
     if not devices[0].startswith("cuda"):
         out.append(skipped("batch/cuda-graph", "no GPU: batched steps are captured on CUDA devices"))
     return out
@@ -178,16 +227,29 @@ def _fp8_generate_check(model, ids, nproc, backend, devices) -> dict:
     runs = {}
     try:
         for reference in (False, True):
-            job = EngineJob(str(model), ids, max_new_tokens=16, dtype="bfloat16", kv_dtype="fp8", logprobs=2,
-                              reference=reference, speculate="off")
-            runs[reference] = run_local(rank_generate, nproc, job, backend=backend, devices=devices,
-                                        timeout_s=120)[0]
+            job = EngineJob(
+                str(model),
+                ids,
+                max_new_tokens=16,
+                dtype="bfloat16",
+                kv_dtype="fp8",
+                logprobs=2,
+                reference=reference,
+                speculate="off",
+            )
+            runs[reference] = run_local(rank_generate, nproc, job, backend=backend, devices=devices, timeout_s=120)[0]
         note, ok = _fp8_agreement(runs[False], runs[True])
     except Exception as e:
         note, ok = f"{type(e).__name__}: {e}".splitlines()[0][:160], False
-    return {"path": "generate/fp8", "case": f"tiny llama bf16, fp8 KV, {nproc} ranks, fast vs reference kernels",
-            "max_err": None, "tol": None, "seconds": round(time.perf_counter() - t0, 3),
-            "verdict": "pass" if ok else "FAIL", "note": note}
+    return {
+        "path": "generate/fp8",
+        "case": f"tiny llama bf16, fp8 KV, {nproc} ranks, fast vs reference kernels",
+        "max_err": None,
+        "tol": None,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "verdict": "pass" if ok else "FAIL",
+        "note": note,
+    }
 
 
 def _fp8_agreement(fast: dict, ref: dict) -> tuple[str, bool]:
@@ -200,5 +262,7 @@ def _fp8_agreement(fast: dict, ref: dict) -> tuple[str, bool]:
         return ("" if len(a) == len(b) else "answers of different lengths"), len(a) == len(b)
     top = dict((int(t), lp) for t, lp in ref["logprobs"][i]["top"])
     gap = top[b[i]] - top[a[i]] if a[i] in top else float("inf")
-    return (f"token {i}: {a[i]} against the reference's {b[i]}, {gap:.3f} nats apart"
-            + (" (a near tie)" if gap <= NEAR_TIE else "")), gap <= NEAR_TIE
+    return (
+        f"token {i}: {a[i]} against the reference's {b[i]}, {gap:.3f} nats apart"
+        + (" (a near tie)" if gap <= NEAR_TIE else "")
+    ), gap <= NEAR_TIE

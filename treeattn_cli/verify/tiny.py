@@ -31,23 +31,48 @@ def make_model(kind: str, out: Path, seed: int = 0, **over) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if kind == "mistral":
         base.update(sliding_window=None)
     if kind == "qwen3":
         base.update(head_dim=16)
     if kind == "gemma2":
-        base.update(head_dim=16, sliding_window=6, attn_logit_softcapping=5.0,
-                    final_logit_softcapping=None, query_pre_attn_scalar=16)
+        base.update(
+            head_dim=16,
+            sliding_window=6,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=16,
+        )
     if kind == "gemma3_text":  # sliding and full layers, local RoPE, q/k norms
-        base.update(head_dim=16, sliding_window=6, query_pre_attn_scalar=16, num_hidden_layers=3,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        base.update(
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=16,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
     if kind == "gpt_oss":  # attention sinks, alternating sliding windows, experts
-        base.update(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                    layer_types=["sliding_attention", "full_attention"])
+        base.update(
+            head_dim=16,
+            sliding_window=6,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            layer_types=["sliding_attention", "full_attention"],
+        )
     if kind in ("mixtral", "qwen3_moe"):
         base.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2)
         if kind == "qwen3_moe":
@@ -102,9 +127,15 @@ def greedy(model, prompt_ids, max_new_tokens: int) -> list:
     early end)."""
     ids = torch.tensor([list(prompt_ids)])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def hf_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, kv_round=None):
