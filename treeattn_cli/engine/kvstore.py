@@ -41,7 +41,8 @@ from .. import __version__
 from ..parallel.ring import chunk_bounds
 
 FORMAT = "treeattn-kv/1"
-CHECKSUMS = "crc32"  # a shard file's metadata: {tensor: CRC-32 of its bytes, 8 hex digits} (JSON)
+CHECKSUMS = "crc32"  # a shard file's metadata (JSON): {"rows": R, tensor: each block's CRC-32, 8 hex digits each}
+CHECKED_ROWS = 256  # a checked block: this many rows (positions) of one tensor, every head (_Shard.read)
 MANIFEST = "manifest.json"
 TOKENS = "tokens.safetensors"
 
@@ -128,21 +129,17 @@ def _write_streamed(path: Path, entries, metadata: dict) -> None:
     whose bytes, in order, are the tensor's. The header is known up front (shapes and dtypes),
     so the file is written front to back straight from the cache's own memory (a device cache
     through one pinned host buffer): a save adds no copy of the shard to the host, whatever its
-    size."""
+    size. Each piece's first axis is the tensor's rows (positions: ``[n, d]`` of one head, or
+    ``pos [n]``), and every block of :data:`CHECKED_ROWS` rows gets the CRC-32 of its bytes over
+    the pieces in order (every head), so a reader checks the blocks it reads and no more."""
     import numpy as np
 
+    R = CHECKED_ROWS
+    blocks = {name: -(-_rows_of(shape) // R) for name, _, shape, _ in entries}
+
     def header(crcs: dict) -> bytes:  # (the checksums fixed-width: the header's length does not change)
-        out, off = (
-            {
-                "__metadata__": {
-                    **metadata,
-                    CHECKSUMS: json.dumps(
-                        {name: f"{crcs.get(name, 0):08x}" for name, *_ in entries}, separators=(",", ":")
-                    ),
-                }
-            },
-            0,
-        )
+        sums = {name: "".join(f"{c:08x}" for c in crcs.get(name, [0] * blocks[name])) for name, *_ in entries}
+        out, off = {"__metadata__": {**metadata, CHECKSUMS: json.dumps({"rows": R, **sums}, separators=(",", ":"))}}, 0
         for name, dtype, shape, _ in entries:
             n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             out[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
@@ -155,23 +152,30 @@ def _write_streamed(path: Path, entries, metadata: dict) -> None:
     crcs = {}
     with open(path, "wb") as f:
         f.write(header({}))
-        for name, _, _, pieces in entries:
-            crc = 0
+        for name, _, shape, pieces in entries:
+            crc = [0] * blocks[name]
             for t in pieces():
                 nbytes = t.numel() * t.element_size()
+                row = nbytes // max(1, _rows_of(shape))  # bytes of one row of the piece
                 if t.device.type != "cpu":
                     if staging is None or staging.numel() < nbytes:
                         staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                     staging[:nbytes].view(t.dtype).view(t.shape).copy_(t)
                     t = staging[:nbytes]
-                data = np.asarray(t.view(torch.uint8).view(-1)).data
-                crc = zlib.crc32(data, crc)
-                f.write(data)
+                data = np.asarray(t.view(torch.uint8).view(-1))
+                for i in range(blocks[name]):
+                    crc[i] = zlib.crc32(data[i * R * row : (i + 1) * R * row].data, crc[i])
+                f.write(data.data)
             crcs[name] = crc
         f.seek(0)
-        f.write(header(crcs))  # with every tensor's checksum, read back on every load (_checked)
+        f.write(header(crcs))  # with every block's checksum, read back on every load (_Shard.read)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _rows_of(shape) -> int:
+    """How many rows (positions) a saved tensor holds: ``[B, H, n, d]`` or ``pos [n]``."""
+    return shape[2] if len(shape) == 4 else shape[0]
 
 
 def _rows(t, n: int):
@@ -228,9 +232,12 @@ def finish_save(
     mesh: dict,
     composition: dict,
     kv: dict | None = None,
+    prefix: dict | None = None,
 ) -> dict:
     """Rank 0, after every rank wrote its shard: the token ids, the manifest, then the rename
-    into place (an older cache at ``target`` is replaced only once the new one is complete)."""
+    into place (an older cache at ``target`` is replaced only once the new one is complete).
+    ``prefix``: how its document was prefilled (``{"salt", "digests"}``, ``block_reuse.plan``):
+    a longer document starting with the same segments loads them from it (``copies.find_prefix``)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -265,6 +272,7 @@ def finish_save(
         "composition": composition,
         "tokens": {"count": len(ids), "sha256": ids_sha256(ids)},
         "shards": shards,
+        **({"prefix": prefix} if prefix else {}),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     old = None
@@ -405,48 +413,76 @@ def shard_counts(manifest: dict, cp: int) -> list[int]:
     return [b[i + 1] - b[i] for i in range(cp)]
 
 
-def _open(path: Path):
-    """A saved shard file opened for reading; KVError when it cannot be (cut or removed since it
-    was validated)."""
-    from safetensors import safe_open
+class _Shard:
+    """A saved shard file open for reading, its checksums parsed once; KVError when it cannot be
+    opened (cut or removed since it was validated)."""
 
-    try:
-        return safe_open(str(path), "pt")
-    except Exception as e:
-        raise KVError(
-            f"saved cache: {path} is unreadable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})"
-        ) from None
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        try:
+            self.f = safe_open(str(path), "pt").__enter__()
+            sums = json.loads((self.f.metadata() or {}).get(CHECKSUMS, "{}"))
+        except Exception as e:
+            raise KVError(f"saved cache: {path} is unreadable ({_why(e)})") from None
+        self.rows = sums.pop("rows", None)  # None: one checksum per tensor (files saved before blocks)
+        self.sums = sums  # tensor -> its blocks' CRC-32s, 8 hex digits each (none: saved before checksums)
+
+    def read(self, name: str, upto: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` (``[B, H, n, d]`` or ``pos [n]``), its rows ``[0, upto)`` (None: all), after
+        checking the bytes of every block it reads against their CRC-32s (only those blocks are
+        read); KVError naming the file, tensor and block when they differ or cannot be read."""
+        try:
+            sl = self.f.get_slice(name)
+            shape = sl.get_shape()
+            n = _rows_of(shape)
+            R = self.rows or max(1, n)
+            z = n if upto is None else min(n, -(-upto // R) * R)  # whole blocks
+            t = sl[:, :, :z, :] if len(shape) == 4 else sl[:z]
+        except Exception as e:  # (safetensors' errors: a file cut or changed since it was validated)
+            raise KVError(f"saved cache: {self.path} is unreadable ({name}: {_why(e)})") from None
+        want = self.sums.get(name)
+        if want is not None:
+            heads = [t[b, h] for b in range(t.shape[0]) for h in range(t.shape[1])] if t.dim() == 4 else [t]
+            for i in range(-(-z // R)):
+                crc = 0
+                for x in heads:
+                    crc = zlib.crc32(x[i * R : (i + 1) * R].contiguous().view(torch.uint8).numpy().data, crc)
+                if f"{crc:08x}" != want[8 * i : 8 * i + 8]:
+                    where = f", block {i} (rows {i * R}-{min(n, (i + 1) * R) - 1})" if -(-n // R) > 1 else ""
+                    raise KVError(
+                        f"saved cache: {self.path} is corrupt ({name}{where}: its bytes do not match their checksum)"
+                    )
+        return t if upto is None or upto == z else (t[:, :, :upto] if t.dim() == 4 else t[:upto])
+
+    def close(self) -> None:
+        self.f.__exit__(None, None, None)
 
 
-def _checked(f, name: str, path: Path) -> torch.Tensor:
-    """Tensor ``name`` of the open shard file ``f`` (at ``path``), whole, after checking its
-    bytes against the CRC-32 its file's header carries (files saved before checksums: as they
-    are); KVError naming the file and tensor when they differ or cannot be read."""
-    try:
-        t = f.get_tensor(name)
-        want = json.loads((f.metadata() or {}).get(CHECKSUMS, "{}")).get(name)
-    except Exception as e:  # (safetensors' errors: a file cut or changed since it was validated)
-        raise KVError(
-            f"saved cache: {path} is unreadable ({name}: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__})"
-        ) from None
-    if want is not None and f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy().data):08x}" != want:
-        raise KVError(f"saved cache: {path} is corrupt ({name}: its bytes do not match their checksum)")
-    return t
+def _why(e: Exception) -> str:
+    return str(e).splitlines()[0][:80] if str(e) else type(e).__name__
 
 
-def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: int) -> list[int]:
+def load_into(
+    kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: int, upto: list[int] | None = None
+) -> list[int]:
     """Fill ``cache`` with this rank's part of a saved cache under the current mesh: its own
     saved shard where the cache was saved on as many sequence shards (:func:`as_saved`), else
     positions ``chunk_bounds(n, cp)[cp_index]`` (contiguous, balanced); KV heads ``head0 ..
     head0 + cache.kv_heads``, taken from whichever saved shards hold them, one layer at a time
-    (the host holds one layer of a saved file, never the part whole), each tensor checked
-    against its checksum as it is read (:func:`_checked`: KVError when one differs). Returns
-    every rank's token count (the same on all ranks)."""
+    (the host holds one layer of a saved file, never the part whole), each block checked
+    against its checksum as it is read (:meth:`_Shard.read`: KVError when one differs).
+    ``upto``: every rank's tokens of a prefix of the saved shards to load, not all (a longer
+    document's first segments, :func:`prefix_of`; as saved only). Returns every rank's token
+    count (the same on all ranks)."""
     d = Path(kv_dir)
     n = manifest["tokens"]["count"]
     b = chunk_bounds(n, cp)
     lo, hi = b[cp_index], b[cp_index + 1]
     own = as_saved(manifest, cp)
+    assert upto is None or own, "a prefix loads onto the mesh it was saved from"
+    mine = None if upto is None else upto[cp_index]
     h0, h1 = head0, head0 + cache.kv_heads
     saved = kv_dtype_of(manifest)
     quant = cache.quant
@@ -467,8 +503,9 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
         entries = sorted(
             (s for s in by_cp[c] if s["kv_heads"][0] < h1 and s["kv_heads"][1] > h0), key=lambda s: s["kv_heads"][0]
         )
-        with _open(d / entries[0]["file"]) as f:
-            pos = _checked(f, "pos", d / entries[0]["file"])
+        f = _Shard(d / entries[0]["file"])
+        pos = f.read("pos", mine)
+        f.close()
         idx = torch.arange(pos.numel()) if own else ((pos >= lo) & (pos < hi)).nonzero().flatten()
         if idx.numel() == 0:
             continue
@@ -480,12 +517,14 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
     order = torch.arange(pos.numel()) if own else torch.argsort(pos)
     slot = torch.empty_like(order)
     slot[order] = torch.arange(order.numel())  # where each selected position goes in the shard
-    counts = shard_counts(manifest, cp)
+    counts = shard_counts(manifest, cp) if upto is None else list(upto)
     cache.begin_fill(pos[order], counts)
     first = 0
     with contextlib.ExitStack() as stack:
         for entries, a, z, span in sources:  # each saved piece straight into its slots and heads
-            files = [stack.enter_context(_open(d / s["file"])) for s in entries]
+            files = [_Shard(d / s["file"]) for s in entries]
+            for f in files:
+                stack.callback(f.close)
             slots = slot[first : first + span.numel()]
             first += span.numel()
             whole = span.numel() == z - a
@@ -494,14 +533,13 @@ def load_into(kv_dir, manifest: dict, cache, *, cp: int, cp_index: int, head0: i
                     s0 = max(h0, s["kv_heads"][0]) - s["kv_heads"][0]
                     s1 = min(h1, s["kv_heads"][1]) - s["kv_heads"][0]
                     at = slice(s["kv_heads"][0] + s0 - h0, s["kv_heads"][0] + s1 - h0)  # my heads it holds
-                    path = d / s["file"]
-                    k = _checked(f, f"k.{layer}", path)[:, s0:s1, a:z, :]
-                    v = _checked(f, f"v.{layer}", path)[:, s0:s1, a:z, :]
+                    k = f.read(f"k.{layer}", mine)[:, s0:s1, a:z, :]
+                    v = f.read(f"v.{layer}", mine)[:, s0:s1, a:z, :]
                     scales = None
                     if saved in _FP8:
                         scales = (
-                            _checked(f, f"ks.{layer}", path)[:, s0:s1, a:z, :],
-                            _checked(f, f"vs.{layer}", path)[:, s0:s1, a:z, :],
+                            f.read(f"ks.{layer}", mine)[:, s0:s1, a:z, :],
+                            f.read(f"vs.{layer}", mine)[:, s0:s1, a:z, :],
                         )
                     if not whole:
                         k, v = k[:, :, span], v[:, :, span]
