@@ -74,6 +74,7 @@ class Config:
     page: int | None = None  # mixed: tokens per block of the pool (16: tiny documents fill blocks, share prefixes)
     qchunk: int | None = None  # batch, serve: question tokens prefilled per round (the batch's piece; mixed: chunk)
     graphs: bool = False  # steps replayed from (stand-in) CUDA graphs, over the GPU's kernels (graph_standin)
+    cold: bool = False  # mixed, alike, asked again: as after a restart, only the longest document's saved copy left
 
     @property
     def world(self) -> int:
@@ -102,6 +103,7 @@ class Config:
             f"joins={self.joins}" if self.joins else "",
             f"cancels={self.cancels}" if self.cancels else "",
             "again" if self.again else "",
+            "cold" if self.cold else "",
             f"docs={self.docs}" if self.docs else "",
             f"budget={self.budget}" if self.budget is not None else "",
             "" if self.budget is None else "host" if self.host else "no-host",
@@ -316,6 +318,17 @@ def d_host(rng, c, fx):
         c.restore_parts = c.host and rng.random() < 0.5
 
 
+def d_cold(rng, c, fx):
+    """Documents that begin alike asked again as after a restart: nothing in memory, no cached
+    block, no host copy, and only the longest document's saved copy in the cache directory (the
+    others deleted), so each shorter one loads its first segments from that copy and prefills
+    the rest (issue 52: a prefix found on disk by its blocks' chained keys). Drawn last, and only
+    adding (a budget without a host tier, asked again), so what was drawn before stays as it was."""
+    if c.route == "mixed" and c.docs and all(s == 0 for s, _ in c.docs) and rng.random() < 0.5:
+        c.cold, c.again, c.budget, c.host, c.restore_parts = True, True, 1, False, False
+        c.chunk = c.chunk or rng.randint(3, 8)  # (segments shorter than the documents: prefixes to share)
+
+
 DIMENSIONS = [
     d_family,
     d_mesh,
@@ -336,6 +349,7 @@ DIMENSIONS = [
     d_graphs,
     d_short,
     d_host,
+    d_cold,
 ]
 
 
@@ -606,6 +620,7 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
             elif kind == "bdoc":
                 events.setdefault("sources", []).append(p[1]["source"])
                 events.setdefault("reused", []).append(p[1].get("reused", 0))
+                events.setdefault("loaded", []).append(p[1].get("loaded", 0))
             elif kind == "docs":
                 for k, v in p.items():
                     events.setdefault(k, []).extend(v)
@@ -649,6 +664,17 @@ def _serve_case(ctx, eng, c: Config, fx: dict, save_root: str, answers: dict, ev
                     }
                 ]
             )
+        if c.cold:  # as after a restart: out of memory and the pools, and only the longest one's copy kept
+            import shutil
+
+            longest = max(range(len(c.docs)), key=lambda k: c.docs[k][1])
+            for k, (start, n) in enumerate(c.docs):  # (saved first: the last one made may still be in memory)
+                ids = fx[c.family]["doc"][start : start + n]
+                for action in ("evict", "drop"):
+                    eng.documents.act({"key": f"d{c.seed}-{k}", "ids": ids, "action": action, "piece": c.chunk})
+                if ctx.rank == 0 and k != longest:
+                    shutil.rmtree(Path(save_root) / f"spill-{c.seed}" / f"d{c.seed}-{k}", ignore_errors=True)
+            eng.world.barrier()
         events["again"] = {}
         run_batch(seq + 2, list(range(len(c.questions))), events["again"], posts=False)
 
@@ -870,6 +896,8 @@ def features(c: Config, r: dict) -> set[str]:
         out.add("document evicted to host memory and copied back")
         if c.restore_parts:
             out.add("document copied back a layer per round")
+    if any(r["events"].get("loaded", [])):
+        out.add("document's first segments loaded from a longer one's saved copy")
     if "pool" in r["events"].get("sources", []):
         out.add("document found whole in the pool's cached blocks")
     if any(n and s == "prefill" for n, s in zip(r["events"].get("reused", []), r["events"].get("sources", []))):

@@ -12,21 +12,24 @@ import os
 class Recorded:
     """What rank 0's engine said while ``recording(ctx)`` ran: each question's answer
     (``answers``: index -> token ids), how its document became resident (``sources``: index ->
-    memory, pool, host, disk, prefill), the documents' reports (``reports``: each ``docs``
+    memory, pool, host, disk, prefill; ``reused``: its tokens that did not need a prefill here),
+    the documents' reports (``reports``: each ``docs``
     payload: evicted, saved, corrupt, made, host), and its stderr (``stderr``, at the end)."""
 
     def __init__(self):
-        self.answers, self.sources, self.reports, self.stderr = {}, {}, [], ""
+        self.answers, self.sources, self.reused, self.reports, self.stderr = {}, {}, {}, [], ""
 
     def clear(self) -> None:
         self.answers.clear()
         self.sources.clear()
+        self.reused.clear()
 
     def emit(self, kind, p) -> None:
         if kind == "banswer":
             self.answers[p[0]] = p[1]["token_ids"]
         elif kind == "bdoc":
             self.sources[p[0]] = p[1]["source"]
+            self.reused[p[0]] = p[1].get("reused")
         elif kind == "docs":
             self.reports.append(p)
 

@@ -43,6 +43,8 @@ COVERAGE = {
     37: "documents that begin alike on 3 ranks: a later one takes the earlier one's blocks and prefills the rest",
     231: "a conversation's verifies replayed from (stand-in) CUDA graphs (a batch of one over its pooled document)",
     13: "a conversation's question of one token on 2 ranks (shorter than the shards: every rank computes it)",
+    745: "documents asked again as after a restart (fp8, 2 ranks): a shorter one loads its first segments from "
+    "the longest one's saved copy and prefills the rest",
 }
 
 
@@ -95,7 +97,8 @@ def test_the_configurations_meet_where_defects_live(outcome):
     on other ranks, a document from the server's memory, short questions and a document shorter
     than the shards, rows of several documents in one step, a document prefilled while others decode, a long question prefilled in
     chunks between the other answers' steps, documents evicted to disk
-    and loaded back or to host memory and copied back (at once or a layer per round), a document waiting for blocks of a full pool, a question waiting for its
+    and loaded back or to host memory and copied back (at once or a layer per round), a document's
+    first segments loaded from a longer one's saved copy (the rest prefilled), a document waiting for blocks of a full pool, a question waiting for its
     tail's blocks (the batch's tail lives in the pool), documents found in the pool's
     cached blocks (whole, or a prefix of them), a batch's steps and its verifies replayed from
     (stand-in) CUDA graphs (every answer, the alone reference's too, runs on the one step loop),
@@ -124,6 +127,7 @@ def test_the_configurations_meet_where_defects_live(outcome):
         "document evicted to disk and loaded back",
         "document evicted to host memory and copied back",
         "document copied back a layer per round",
+        "document's first segments loaded from a longer one's saved copy",
         "a document waited for blocks",
         "document found whole in the pool's cached blocks",
         "document prefilled after a prefix found in the pool",

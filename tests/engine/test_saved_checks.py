@@ -174,3 +174,65 @@ def test_a_full_disk_stops_the_writes_with_one_line_and_answers_go_on(tiny, tmp_
     assert not any(r.get("saved") or r.get("spilled") for r in lead["reports"]), lead["reports"]
     lines = [x for x in lead["stderr"].splitlines() if "warning" in x]
     assert len(lines) == 1 and "No space left on device" in lines[0] and "answers go on" in lines[0], lead["stderr"]
+
+
+def prefixes_from_disk(ctx, job, doc, docs, q, new, root):
+    """``doc`` saved to ``root`` as it is made, then dropped from memory (its cached blocks
+    forgotten); then ``q`` over each of ``docs`` (each dropped after its answer, so nothing is
+    found in the pool). Rank 0 returns, per document, the answer, how it became resident, the
+    tokens it did not prefill, and the engine's count of prefixes loaded after it."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.engine.requests import document_key
+    from treeattn_cli.engine.sampling import Sampling
+
+    spec = {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+        "slots": 1,
+        "page": 16,
+        "host_memory": 0,
+        "dir": str(root),
+        "save": True,
+        "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
+    }
+    out: dict = {"answers": [], "sources": [], "reused": [], "loads": []}
+    with recording(ctx) as rec:
+        eng = Engine(ctx, job)
+        for i, d in enumerate([doc, *docs]):
+            rec.clear()
+            eng.serve([{**spec, "questions": [{"ids": q, "doc": {"key": document_key(d), "ids": d}}]}])
+            eng.documents.act({"key": document_key(d), "ids": d, "action": "drop", "piece": 8})
+            if i:
+                out["answers"].append(rec.answers.get(0))
+                out["sources"].append(rec.sources.get(0))
+                out["reused"].append(rec.reused.get(0))
+                out["loads"].append(eng.documents.prefix_loads)
+        eng.serve([{"op": "stop"}])
+    out["stderr"] = rec.stderr
+    return out
+
+
+def test_a_document_starting_with_a_saved_ones_segments_loads_them_and_prefills_the_rest(tiny, tmp_path):
+    """Issue 52, item 2: a document found on disk by a prefix of its blocks' chained keys. With
+    2 ranks and 8-token pieces a segment is 16 tokens; ``DOC`` (60 tokens) is saved. A document
+    sharing its first 48 tokens then diverging loads 3 segments (48 tokens) from DOC's copy and
+    prefills the rest; one made of its first 32 tokens is all in it (source disk); one sharing
+    only 40 tokens loads 2 segments (the third differs); one diverging at its first token loads
+    nothing. Every answer is transformers' over the same tokens."""
+    model = tiny("llama", seed=3)
+    tail = [(31 * i + 7) % 230 + 20 for i in range(20)]
+    docs = [DOC[:48] + tail, DOC[:32], DOC[:40] + tail, tail + DOC[:40]]
+    job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
+    outs = run_local(prefixes_from_disk, 2, job, DOC, docs, Q, NEW, tmp_path, timeout_s=180)
+    lead = outs[0]
+    assert lead["answers"] == [tiny_models.hf_greedy(model, d + Q, NEW) for d in docs]
+    assert lead["sources"] == ["prefill", "disk", "prefill", "prefill"], lead["sources"]
+    assert lead["reused"][0] == 48 and lead["reused"][2] == 32 and not lead["reused"][3], lead["reused"]
+    assert lead["loads"] == [1, 2, 3, 3], lead["loads"]
+    assert "warning" not in lead["stderr"], lead["stderr"][-2000:]

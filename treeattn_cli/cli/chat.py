@@ -280,8 +280,9 @@ def _resident(o, client, pooled, tokens: int, progress) -> None:
                     file=sys.stderr,
                 )
             else:
+                loaded = f", the first {d['loaded']:,} loaded from {o.cache_dir}, the rest" if d.get("loaded") else ""
                 print(
-                    f"[document: {d['tokens']:,} tokens prefilled in {d['seconds']:.2f} s, "
+                    f"[document: {d['tokens']:,} tokens{loaded} prefilled in {d['seconds']:.2f} s, "
                     f"{d['tokens'] / max(d['seconds'], 1e-9):,.0f} tok/s]",
                     file=sys.stderr,
                 )

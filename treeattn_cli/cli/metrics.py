@@ -89,6 +89,12 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+        self.made_loaded = Counter(
+            "treeattn_documents_prefix_tokens_loaded",
+            "Tokens of documents loaded from a longer document's saved copy in --cache-dir (their first "
+            "prefill segments, the same tokens prefilled the same way) before the rest was prefilled.",
+            registry=r,
+        )
         self.blocks_total = Gauge("treeattn_kv_blocks_total", "Blocks of the rank's KV pool.", ["rank"], registry=r)
         live = live or (lambda: {})
         for name, doc, field in (
@@ -110,6 +116,7 @@ class Metrics:
         self.made.labels(tier).inc()
         self.made_bytes.labels(tier).inc(rec.get("bytes", 0))
         self.made_seconds.labels(tier).inc(rec.get("seconds", 0.0))
+        self.made_loaded.inc(rec.get("loaded", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

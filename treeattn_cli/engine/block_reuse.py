@@ -10,15 +10,23 @@ from __future__ import annotations
 from .pool import block_keys
 
 
-def salt(eng, pool, piece: int) -> str:
-    """What, besides the tokens, fixes the numbers a prefill writes into this rank's blocks:
-    the rank's place in the mesh (its sequence shard, its heads), how segments are cut and
-    sharded, the storage (the pool belongs to one engine: one model, one dtype)."""
+def prefill_salt(eng, pool, piece: int) -> str:
+    """What, besides the tokens and the model, fixes the numbers a prefill writes into every
+    rank's blocks: the mesh, how segments are cut and sharded, the storage. A saved copy's
+    manifest carries it with its segments' digests (``prefix``): a longer document prefilled
+    the same way starts with the same numbers (:func:`copies.find_prefix`)."""
     m = eng.mesh
     return (
-        f"treeattn-doc|cp={m.cp}.{m.cp_index}|tp={m.tp}.{m.tp_index}|head0={eng.head0}|"
-        f"{eng.dec.sharding}|segment={m.cp * piece}|{eng.kv_name}|{pool.dtype}|page={pool.page}"
+        f"treeattn-doc|cp={m.cp}|tp={m.tp}|{eng.dec.sharding}|segment={m.cp * piece}|{eng.kv_name}|"
+        f"{pool.dtype}|page={pool.page}"
     )
+
+
+def salt(eng, pool, piece: int) -> str:
+    """:func:`prefill_salt` and the rank's place in the mesh (its sequence shard, its heads):
+    what fixes the numbers of this rank's blocks (the pool belongs to one engine: one model)."""
+    m = eng.mesh
+    return f"{prefill_salt(eng, pool, piece)}|rank={m.cp_index}.{m.tp_index}|head0={eng.head0}"
 
 
 def plan(eng, pool, doc, piece: int) -> None:
@@ -49,6 +57,8 @@ def plan(eng, pool, doc, piece: int) -> None:
     last = np.minimum(np.arange(page, len(pos) + page, page), len(pos))  # each block's end
     seg_of_block = np.searchsorted(np.asarray(ends), last, side="left")
     doc.counts = counts
+    doc.digests = [x.hex() for x in digests]  # of its tokens up to each segment's end (a saved copy's prefix)
+    doc.salt = prefill_salt(eng, pool, piece)
     doc.keys = block_keys(
         ids[pos].tolist(), pos.tolist(), page, salt(eng, pool, piece), [digests[j] for j in seg_of_block], tail=True
     )

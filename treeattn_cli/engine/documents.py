@@ -71,10 +71,16 @@ class Document:
     hits: int = 0
     keys: list | None = None  # this rank's chained key of each full block of its shard (pool.block_keys)
     counts: list | None = None  # every rank's shard tokens after each segment: [segments + 1][ranks]
-    reused: int = 0  # tokens (over all ranks) found in the pool's cached blocks instead of prefilled
+    reused: int = (
+        0  # tokens (over all ranks) found in the pool's cached blocks (or a saved prefix) instead of prefilled
+    )
+    loaded: int = 0  # of them, those loaded from a longer document's saved copy (copies.find_prefix)
     pinned: bool = False  # never leaves memory (the documents API's pin)
     progress: bool = False  # rank 0 reports its prefill's progress (``prefill`` events: tokens done, of all)
     load: tuple | None = None  # (dir, manifest): a saved copy to load once every rank has the blocks
+    load_upto: int = 0  # of that copy, only the first segments (a longer document's: copies.find_prefix)
+    digests: list | None = None  # sha256 of its tokens up to each segment's end (hex; block_reuse.plan)
+    salt: str | None = None  # how its prefill was cut and stored (block_reuse.prefill_salt)
     owned: bool = True  # that copy is the cache directory's (a damaged one is removed), not the user's --load-kv
     piece: int | None = None  # tokens per rank of its prefill segments as asked (None: documents.PIECE)
     restore: object = None  # a host_tier.HostCopy of it to copy in once every rank has the blocks
@@ -128,6 +134,8 @@ class Documents:
         self.pool_free: int | None = None  # bytes free for KV on this rank when the pool was made
         self.waits = 0  # segments a document waited for blocks (the pool was full of documents in use)
         self.restore_parts = 0  # rounds that copied a part of a document back from the host tier
+        self.prefix_loads = 0  # documents whose first segments came from a longer one's saved copy
+        self.prefix_index: dict = {}  # rank 0: the cache directory's manifests' prefixes (copies.find_prefix)
         self.writes_off = False  # a write to the cache directory failed (a full disk): no more this run
 
     def _pool(self, ref: dict) -> BlockPool:
@@ -195,7 +203,7 @@ class Documents:
                 self._evict(key)
             elif d.todo != d.segs or d.reused:  # another pending document's blocks: it starts over
                 d.cache.free()  # when its turn comes (its published blocks stay cached while room lasts)
-                d.todo, d.reused = list(d.segs), 0
+                d.todo, d.reused, d.loaded = list(d.segs), 0, 0
 
     def nbytes(self) -> int:
         """Bytes of KV the resident documents hold per rank, counted from their token counts
@@ -253,12 +261,19 @@ class Documents:
                 doc.source = "pool"
         # its saved copy, checked (a collective), only when neither the pool nor the host tier holds it
         manifest = copies.saved_manifest(self, saved, ref, ids) if hosted is None and doc.source != "pool" else None
+        prefix = None  # else a longer document's saved copy holding its first segments, more than the pool did
+        if hosted is None and manifest is None and doc.source != "pool" and doc.digests and ref.get("dir"):
+            prefix = copies.find_prefix(self, Path(ref["dir"]), doc, ref)
+        if prefix is not None:
+            cache.free()
+            doc.todo, doc.reused = list(doc.segs), 0
         if doc.source != "pool" and (hosted is not None or manifest is not None) and doc.segs:
             cache.free()  # a copy holds it all: load that instead of the part the pool had
             doc.segs, doc.todo, doc.reused = [], [], 0
         if doc.source == "pool":
             doc.seconds = time.perf_counter() - t0
         elif hosted is not None:
+            doc.digests = hosted.digests  # (those of the rows it holds, not of a prefill here)
             doc.restore, doc.source, doc.on_disk = (
                 hosted,
                 "host",
@@ -269,6 +284,10 @@ class Documents:
             doc.load, doc.source, doc.on_disk = (saved, manifest), "disk", True
             copies.load(self, doc, evict=False)  # now if the blocks are free; else it waits for them like a
             # prefill segment (advance): evicting here could evict the documents of questions queued before it
+        elif prefix is not None:  # its first segments loaded, then the rest prefilled
+            doc.load, doc.load_upto = prefix[:2], prefix[2]
+            doc.source = "disk" if prefix[2] == len(doc.segs) else "prefill"
+            copies.load(self, doc, evict=False)
         else:
             doc.source = "prefill"
             if not doc.segs:
@@ -333,7 +352,13 @@ class Documents:
     def _complete(self, doc: Document) -> None:
         if doc.key is not None:  # how it came (pool, host, disk, prefill), its bytes per rank, the seconds
             self.changes["made"].append(
-                {"key": doc.key, "source": doc.source, "seconds": doc.seconds, "bytes": self.rank_bytes(doc)}
+                {
+                    "key": doc.key,
+                    "source": doc.source,
+                    "seconds": doc.seconds,
+                    "bytes": self.rank_bytes(doc),
+                    "loaded": doc.loaded,
+                }
             )
         if doc.save is not None and doc.ids:  # write-through: a restart keeps it
             if copies.write(
@@ -341,7 +366,7 @@ class Documents:
                 doc.cache,
                 doc.ids,
                 doc.save["target"],
-                {**doc.save["meta"], "nonce": doc.key[:8]},
+                {**doc.save["meta"], "nonce": doc.key[:8], "prefix": copies.prefix_of(doc)},
                 soft=doc.save.get("soft", False),
             ):
                 doc.on_disk = True
@@ -434,13 +459,18 @@ class Documents:
             and doc.ready
             and self.spill_dir is not None
             and copies.write(
-                self, doc.cache, doc.ids, Path(self.spill_dir) / key, {**self.spill_meta, "nonce": key[:8]}, soft=True
+                self,
+                doc.cache,
+                doc.ids,
+                Path(self.spill_dir) / key,
+                {**self.spill_meta, "nonce": key[:8], "prefix": copies.prefix_of(doc)},
+                soft=True,
             )
         ):
             doc.on_disk = True
             self.changes["spilled"].append(key)
         if to_host and doc.ids and doc.ready and restoring is None:
-            self.host.put(key, doc.cache, doc.ids, self.rank_bytes(doc))
+            self.host.put(key, doc.cache, doc.ids, self.rank_bytes(doc), doc.digests)
         doc.cache.free()
         doc.evicted = True
         self.changes["evicted"].append(key)

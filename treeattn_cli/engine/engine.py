@@ -406,6 +406,7 @@ class Engine(OwnTokens):
                         "tokens": q.doc.tokens,
                         "seconds": q.doc.seconds,
                         "reused": q.doc.reused,
+                        "loaded": q.doc.loaded,
                         "pools": q.pools,
                     },
                 ),

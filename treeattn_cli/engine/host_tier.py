@@ -45,6 +45,7 @@ class HostCopy:
     counts: torch.Tensor  # [world] every rank's tokens
     layers: list  # per layer [k, v (, ks, vs)] [1, H_kv, n, X], as the pool stores them
     charge: int  # bytes the budget counts (the same on every rank)
+    digests: list | None = None  # its document's (Document.digests): kept across the host tier
 
 
 def copy_out(shard, ids, charge: int) -> HostCopy:
@@ -111,14 +112,15 @@ class HostTier:
     def fits(self, charge: int) -> bool:
         return 0 < charge <= self.budget
 
-    def put(self, key: str, shard, ids, charge: int) -> bool:
-        """Keep a copy of ``shard`` (holding ``ids``) under ``key``, ``charge`` bytes; False
-        (nothing kept) when it alone exceeds the budget."""
+    def put(self, key: str, shard, ids, charge: int, digests: list | None = None) -> bool:
+        """Keep a copy of ``shard`` (holding ``ids``; its document's ``digests``) under ``key``,
+        ``charge`` bytes; False (nothing kept) when it alone exceeds the budget."""
         self.copies.pop(key, None)
         if not self.fits(charge):
             return False
         self._room(charge)
         self.copies[key] = copy_out(shard, ids, charge)
+        self.copies[key].digests = digests
         return True
 
     def add(self, key: str, copy: HostCopy) -> None:

@@ -82,6 +82,7 @@ class Saver:
                     shapes={"layers": sh["num_layers"], "kv_heads": sh["kv_heads"], "head_dim": sh["head_dim"]},
                     mesh={"nproc": self.nproc, "tp": self.mesh.tp, "cp": self.mesh.cp},
                     composition=meta.get("composition", {}),
+                    prefix=meta.get("prefix"),
                 )
             except OSError as e:
                 if not soft:
