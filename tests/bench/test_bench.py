@@ -367,11 +367,15 @@ def test_divergence_names_the_first_differing_token_and_transformers_margin_ther
 def test_the_tiers_script_times_a_document_three_ways(tiny, capsys):
     """``bench/tiers.py`` (issue 52's measurement) on a tiny model: each document made resident by
     a prefill, from the host tier and from disk, in that order, with the same first token; one
-    JSON line per length."""
+    JSON line per length. With ``--longer``: a document half as long again over each, its first
+    segments loaded from the saved copy where it has a whole one (300 tokens: one 256-token
+    segment on 2 CPU ranks; 40: none), the same first token as its fresh prefill."""
     from treeattn_cli.bench import tiers
 
-    assert tiers.main(["--model", str(tiny("llama", seed=3)), "--tokens", "40,90", "--nproc", "2", "--json"]) == 0
+    model = str(tiny("llama", seed=3))
+    assert tiers.main(["--model", model, "--tokens", "40,300", "--nproc", "2", "--longer", "0.5", "--json"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert [r["tokens"] for r in rows] == [40, 90]
+    assert [r["tokens"] for r in rows] == [40, 300] and [r["longer_tokens"] for r in rows] == [60, 450]
     assert all(r["sources"] == ["prefill", "host", "disk"] and len(set(r["first"])) == 1 for r in rows), rows
     assert all(r["prefill_s"] > 0 and r["host_s"] > 0 and r["disk_s"] > 0 for r in rows)
+    assert [r["loaded"] for r in rows] == [0, 1] and all(len(set(r["longer_first"])) == 1 for r in rows), rows
