@@ -154,6 +154,11 @@ def stats_line(rec: dict) -> str:
     }.get((rec.get("document") or {}).get("source"))
     if how:  # (a document not prefilled by this request)
         parts.append(f"document {how} in {rec['document']['seconds']:.2f} s")
+    elif (rec.get("document") or {}).get("loaded"):  # its first segments from a longer one's saved copy
+        d = rec["document"]
+        parts.append(
+            f"document's first {d['loaded']:,} tokens loaded from the cache directory, the rest prefilled in {d['seconds']:.2f} s"
+        )
     if rec.get("prefill_tokens_per_s"):
         parts.append(f"prefill {rec['prefill_tokens_per_s']:,.0f} tok/s")
     if rec.get("ttft_s"):

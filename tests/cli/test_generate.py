@@ -173,6 +173,13 @@ def test_cache_dir_keeps_the_prompt_and_the_next_run_loads_it(models, tmp_path):
     assert second["prefill_segments"] == []  # nothing of the document prefilled
     other = run_json(*flags[:3], text_of(50, seed=5), *flags[4:], "--nproc", "2")
     assert other["document"]["source"] == "prefill" and len(list(d.iterdir())) == 2
+    # a longer prompt that begins with a saved one, cut in the same segments: its first ones are loaded
+    base, longer = text_of(60, seed=6), text_of(60, seed=6) + " " + text_of(12, seed=7)
+    cut = ("--nproc", "2", "--prefill-chunk", "8")
+    run_json(*flags[:3], base, *flags[4:], *cut)
+    grown = run_json(*flags[:3], longer, *flags[4:], *cut)
+    assert grown["token_ids"] == tiny_models.hf_greedy(m, tok(longer)["input_ids"], 4)
+    assert grown["document"]["source"] == "prefill" and grown["document"]["loaded"] >= 32, grown["document"]
     for extra, needle in (
         (["--load-kv", str(tmp_path / "x")], "--cache-dir"),
         (["--save-kv", str(tmp_path / "y")], "--cache-dir"),

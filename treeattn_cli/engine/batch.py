@@ -189,8 +189,11 @@ class BatchDecoder(StepRunner):
             "stop_reason": reason,
             "prefill_method": "+".join(made["methods"]) if made else "batched",
             "speculation": s.speculation.record() if s.speculation is not None else None,
-            # how its document became resident: memory, pool, host, disk, prefill (and in how long)
-            "document": {"source": s.doc.source, "seconds": s.doc.seconds} if s.doc is not None and s.doc.key else None,
+            # how its document became resident: memory, pool, host, disk, prefill (and in how long; loaded:
+            # of a prefill, the first tokens from a longer document's saved copy)
+            "document": {"source": s.doc.source, "seconds": s.doc.seconds, "loaded": s.doc.loaded}
+            if s.doc is not None and s.doc.key
+            else None,
         }
 
 
