@@ -38,18 +38,13 @@ def damage(path: Path, how: str) -> None:
     path.write_bytes(bytes(data))
 
 
-def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
-    """``q`` over ``doc`` three times, the document leaving memory after each answer (no host
-    tier; saved to ``root`` as it is made); before the second, rank 0 damages the saved
-    copy's ``file`` (``how``: flip, cut). Rank 0 returns the answers, how the document became
-    resident each time, whether its saved copy was there after each, and the engine's reports."""
-    from treeattn_cli.engine.engine import Engine
+def written_through(job, new, root) -> dict:
+    """A batch of one slot, 8-token pieces and 16-token blocks, no host tier, every document
+    saved to ``root`` as it is made."""
     from treeattn_cli.engine.kvstore import model_identity
-    from treeattn_cli.engine.requests import document_key
     from treeattn_cli.engine.sampling import Sampling
 
-    key = document_key(doc)
-    spec = {
+    return {
         "op": "batch",
         "max_new_tokens": new,
         "piece": 8,
@@ -64,6 +59,18 @@ def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
         "save": True,
         "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
     }
+
+
+def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
+    """``q`` over ``doc`` three times, the document leaving memory after each answer (no host
+    tier; saved to ``root`` as it is made); before the second, rank 0 damages the saved
+    copy's ``file`` (``how``: flip, cut). Rank 0 returns the answers, how the document became
+    resident each time, whether its saved copy was there after each, and the engine's reports."""
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.requests import document_key
+
+    key = document_key(doc)
+    spec = written_through(job, new, root)
     out: dict = {"answers": [], "sources": [], "saved": []}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)
@@ -182,25 +189,9 @@ def prefixes_from_disk(ctx, job, doc, docs, q, new, root):
     found in the pool). Rank 0 returns, per document, the answer, how it became resident, the
     tokens it did not prefill, and the engine's count of prefixes loaded after it."""
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.kvstore import model_identity
     from treeattn_cli.engine.requests import document_key
-    from treeattn_cli.engine.sampling import Sampling
 
-    spec = {
-        "op": "batch",
-        "max_new_tokens": new,
-        "piece": 8,
-        "sampling": vars(Sampling()),
-        "stop": [],
-        "eos_ids": [],
-        "speculate": "off",
-        "slots": 1,
-        "page": 16,
-        "host_memory": 0,
-        "dir": str(root),
-        "save": True,
-        "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
-    }
+    spec = written_through(job, new, root)
     out: dict = {"answers": [], "sources": [], "reused": [], "loads": []}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)
