@@ -13,7 +13,8 @@ Two launches:
      from the capacity (CUDA graphs keep their shapes); each program skips the tiles past the
      live length and, with positions sorted, outside the window (a search over the positions, not
      a walk): a skipped tile is one no row sees, which would add exact zeros. The K/V loads are
-     software-pipelined (``num_stages=3``: two tiles in flight per CTA). An fp8 cache
+     software-pipelined (``num_stages=3``: two tiles in flight per CTA; through a block table, 5
+     on CUDA: the table's entry is a level of its own, :func:`plan_split`). An fp8 cache
      (``k_scale``/``v_scale``, docs/architecture.md §11) is read as stored: the program loads the fp8 K/V
      tiles and their per-row scales (bf16, ``SCALE_G`` per row, one per ``d / SCALE_G``
      channels) and dequantizes each tile in registers (one rounding to the compute dtype)
@@ -678,11 +679,13 @@ class SplitPlan:
     block_g: int = 0  # fp8 K/V: scale groups per row, padded to a power of two (0: no scales)
     split_min: int = 0  # keys of a split at the least (a fixed split's length)
     split_cap: int = 0  # the most splits of one row's keys
+    levels: int = 1  # loads a K/V tile's address depends on in the loop, it included (paged on CUDA: 2)
 
     @property
     def depth(self) -> int:
-        """K/V tiles in flight per CTA (the software pipeline's buffers): ``num_stages - 1``."""
-        return max(1, self.num_stages - 1)
+        """K/V tiles in flight per CTA (the software pipeline's buffers): ``num_stages - 1``, shared
+        among the loop's indirection ``levels`` (:func:`plan_split`)."""
+        return max(1, (self.num_stages - 1) // self.levels)
 
 
 def plan_split(
@@ -702,6 +705,7 @@ def plan_split(
     kv_dtype=None,
     scale_groups: int = 0,
     fixed_splits: bool = False,
+    paged: bool = False,
 ) -> SplitPlan:
     """The launch parameters the runtime uses for ``q [B, H_kv·G, Q, d]`` against ``N`` keys on
     ``target`` (``Q`` at most one slice of :func:`tile_rows`). ``kv_dtype``: K/V's dtype when it
@@ -716,7 +720,19 @@ def plan_split(
     two waves' worth of runs (``2 × n_sms``: a shard of one KV head still fills the machine, as
     the batch-sized plan did; a document's keys, read by rows of any batch). ``num_splits``
     (tests, tuning) cuts each row's length in that many runs of at least one tile. The grid covers
-    the longest row ``N`` allows."""
+    the longest row ``N`` allows.
+
+    ``paged`` (a block table, issue 51): each K/V tile's address comes from a table entry loaded
+    in the same loop, and Triton's CUDA pipeliner gives every indirection level ``(num_stages -
+    1) / levels`` iterations of lead (its ``AssignLatencies``): at the dense kernel's 3 stages the
+    table and the tile get one each, one tile in flight. So a paged launch on CUDA (the caller
+    passing ``paged`` only where no positions are read: a decode step's rows over their
+    documents and the tail's step) takes ``2 · (stages - 1) + 1`` stages (5): the dense kernel's
+    tiles in flight and buffers (the offline compile checks), and the same splits (``depth``).
+    Calls that read positions through the table too (a window, a verify's causal rows) keep 3:
+    at 5 their loop spills on sm_90. Stages move loads ahead and change no arithmetic: a row's
+    numbers stay the same whatever the call (issue 49). ROCm's stream pipeliner and the
+    interpreter keep their stages."""
     upcast = target.backend == "interpreter" or dtype == torch.float32
     block_g = triton.next_power_of_2(scale_groups) if scale_groups else 0
     # every call the decode step's tile: a verify's G·(K + 1) rows, a batch's rows of one document
@@ -730,12 +746,13 @@ def plan_split(
     # warps on CUDA; on ROCm a wavefront is 64 lanes, so 4 of them already hold the tile.
     bn, stages = kv_tile(target, block_m, block_d, (kv_dtype or dtype).itemsize, upcast, p_size=dtype.itemsize)
     block_n = block_n or bn
-    num_stages = num_stages or stages
+    levels = 2 if paged and not upcast and not target.is_hip else 1
+    num_stages = num_stages or levels * (stages - 1) + 1
     # (fp8: a decode tile at d = 256 stays on 4 warps, 2 CTAs per SM, where 8 warps fit one)
     heavy = block_m * block_d * (2 if gpu_fp32 else 1) >= (8192 if block_g else 4096)
     num_warps = num_warps or (8 if heavy and not target.is_hip and not _cramped(target, block_d, gpu_fp32) else 4)
     n = max(N, 1)
-    least = block_n * (1 if num_splits else max(1, num_stages - 1))
+    least = block_n * (1 if num_splits else max(1, (num_stages - 1) // levels))
     if fixed_splits and not num_splits:
         return SplitPlan(
             triton.cdiv(n, least),
@@ -749,6 +766,7 @@ def plan_split(
             block_g,
             split_min=least,
             split_cap=triton.cdiv(n, least),
+            levels=levels,
         )
     cap = num_splits or 2 * target.n_sms
     return SplitPlan(
@@ -763,6 +781,7 @@ def plan_split(
         block_g,
         split_min=least,
         split_cap=cap,
+        levels=levels,
     )
 
 
@@ -969,10 +988,13 @@ def _attend(
         if page % min(bn, page):
             raise ValueError(f"a page of {page} keys is no multiple of the kernel's {bn}-key tile")
         tuning = {**tuning, "block_n": min(bn, page)}
-    plan = plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups, **tuning)
+    has_pos = q_pos is not None
+    paged = bool(page) and not has_pos  # (rows through a table, no positions: two levels, plan_split)
+    plan = plan_split(
+        B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups, paged=paged, **tuning
+    )
     op = torch.empty(B, H, Q, plan.splits, d, dtype=torch.float32, device=dev)
     lp = torch.empty(B, H, Q, plan.splits, dtype=torch.float32, device=dev)
-    has_pos = q_pos is not None
     if has_pos:
         qp = q_pos.to(device=dev, dtype=torch.int64)
         kp = k_pos.to(device=dev, dtype=torch.int64)

@@ -104,6 +104,15 @@ def test_plan_rules():
     assert [pt.tile_rows(G) for G in (1, 3, 4, 16, 32)] == [16, 16, 16, 16, 32]
     verify = pt.plan_split(1, 8, 4, 4, 1 << 20, 128, torch.bfloat16, T["sm_90"])
     assert verify == plan  # four positions of four heads: the decode step's tile
+    # through a block table on CUDA (issue 51): 5 stages, the table's entry a level of its own,
+    # so the same two tiles in flight and the same splits (four rows of a batch over a document
+    # too: the same compiled kernel); ROCm keeps its stages
+    for t in ("sm_90", "sm_80"):
+        dense, paged = (pt.plan_split(1, 8, 4, 1, 1 << 20, 128, torch.bfloat16, T[t], paged=p) for p in (False, True))
+        assert (paged.num_stages, paged.levels, paged.depth) == (5, 2, 2), paged
+        assert (paged.splits, paged.split_min, paged.block_n) == (dense.splits, dense.split_min, dense.block_n)
+    assert pt.plan_split(1, 8, 4, 4, 1 << 20, 128, torch.bfloat16, T["sm_90"], paged=True).num_stages == 5
+    assert pt.plan_split(1, 8, 4, 1, 1 << 17, 128, torch.bfloat16, T["gfx942"], paged=True) == amd
 
 
 def test_split_counts_fill_the_machine():
@@ -256,8 +265,11 @@ def test_fp8_steps_of_many_rows_read_about_half_of_bf16s_bytes(compiled, target)
 def test_the_paged_split_kernel_compiles(compiled, target):
     """The split kernel reading through block tables (issue 35): compiled for every target with
     64-key blocks (no spills, shared memory within the limit, 64-bit offsets: the tests above),
-    over fp8 pools where the target stores fp8, and the causal verify a batch's pooled tail takes. Its K/V tiles are not software-pipelined yet
-    (one in flight, against the dense kernel's two: BENCHMARKS.md)."""
+    over fp8 pools where the target stores fp8, and the causal verify a batch's pooled tail takes.
+    On CUDA a decode step's K/V tiles are in flight two at a time, as the dense kernel's (issue
+    51, item 4: 5 stages, the table's entry a pipeline level of its own, ``plan_split(paged=True)``;
+    calls reading positions through the table, a window's or a verify's, keep 3 stages and one tile:
+    at 5 they spill)."""
     paged = [k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel" and k["constexprs"].get("PAGE")]
     assert {k["constexprs"]["PAGE"] for k in paged} == {64}
     assert {k["constexprs"]["HEAD_D"] for k in paged} >= {64, 128}
@@ -270,6 +282,11 @@ def test_the_paged_split_kernel_compiles(compiled, target):
         k for k in compiled[target]["kernels"] if k["kernel"] == "_split_kernel" and not k["constexprs"].get("PAGE")
     ]
     assert dense  # the dense kernel is compiled apart (PAGE = 0 compiles the table out)
+    if target.startswith("sm_"):  # a decode step's (no positions read: a window's and a verify's keep 3 stages)
+        step = [k for k in paged if not k["constexprs"].get("HAS_POS")]
+        assert len(step) >= 4 and all(k["tiles_in_flight"] >= 2 for k in step), [
+            (k["first_config"], k["tiles_in_flight"], k["num_stages"]) for k in step
+        ]
 
 
 @pytest.mark.parametrize("target", TARGETS)
