@@ -59,6 +59,14 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "evicted-mid-restore-saved",
+        "host tier: a document evicted while its restore is under way is saved and kept from its partial blocks",
+        "treeattn_cli/engine/documents.py",
+        "        if restoring is not None:  # not (all) copied in",
+        "        if False:  # not (all) copied in",
+        ("tests/engine/test_host_tier.py",),
+    ),
+    Mutant(
         "deleted-document-blocks-kept",
         "documents API: a deleted document leaves memory but its blocks are never freed",
         "treeattn_cli/engine/documents.py",

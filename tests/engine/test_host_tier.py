@@ -6,6 +6,8 @@ tier keeps the least recently used copies within its budget; without a tier (``-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -162,6 +164,54 @@ def restore_in_parts(ctx, job, small, big, q, new):
     return out if ctx.rank == 0 else None
 
 
+def evicted_mid_restore(ctx, job, small, big, q, new, root):
+    """As :func:`restore_in_parts` up to ``small`` in the host tier; then ``small`` asked for and
+    its restore begun (one layer of four copied), and evicted there, a cache directory known
+    (``root``). Rank 0 returns what the restore had copied, whether the tier holds the same
+    copy again (whole), what ``root`` holds, and then the answer over ``small`` asked again,
+    with how it came."""
+    from treeattn_cli.engine import host_tier
+    from treeattn_cli.engine.engine import Engine
+    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.engine.sampling import Sampling
+
+    host_tier.RESTORE_BYTES_PER_ROUND = 1  # one layer a round
+    base = {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+        "slots": 1,
+        "pool_blocks": 16,
+        "page": 16,
+    }
+    out = {}
+    with recording(ctx) as rec:
+        eng = Engine(ctx, job)
+        docs = eng.documents
+        for name, ids in (("small", small), ("big", big)):
+            eng.serve([{**base, "questions": [{"ids": q, "doc": {"key": name, "ids": ids}}]}])
+        keys = docs.resident["small"].keys
+        docs.evict(0)
+        docs.pool.forget(keys)
+        copy = docs.host.copies["small"]
+        doc = docs.get({"key": "small", "ids": small, "piece": 8})
+        out["copied"] = (doc.restore is copy, doc.restored, len(copy.layers))
+        docs.spill_dir, docs.spill_meta = str(root), {"identity": model_identity(job.model_dir), "composition": {}}
+        docs._evict("small")  # mid-restore: the copy goes back whole; its blocks are no copy of anything
+        out["back"] = docs.host.copies.get("small") is copy and len(copy.layers) == 4
+        out["saved"] = sorted(p.name for p in Path(root).iterdir()) if Path(root).exists() else []
+        docs.spill_dir = docs.spill_meta = None
+        rec.clear()
+        eng.serve([{**base, "questions": [{"ids": q, "doc": {"key": "small", "ids": small}}]}])
+        out["answer"], out["source"] = rec.answers.get(0), rec.sources.get(0)
+        eng.serve([{"op": "stop"}])
+    return out if ctx.rank == 0 else None
+
+
 @pytest.fixture(scope="module")
 def llama(tiny):
     path = tiny("llama", seed=3)
@@ -211,3 +261,17 @@ def test_a_restore_comes_a_part_per_round_while_other_answers_step(tiny):
     assert lead["hosted"], lead
     assert lead["sources"] == ["memory", "host"] and lead["answers"] == want, lead
     assert lead["parts"] == 4 and lead["alongside"] >= 2, lead  # 4 layers, one a round; some while `big` answered
+
+
+def test_a_document_evicted_mid_restore_gives_its_copy_back_whole_and_saves_nothing(tiny, tmp_path):
+    """Issue 52: a document leaving the pool while its restore is under way (one layer of four
+    copied in) puts the host tier's copy back as it was, whole, and writes nothing to the cache
+    directory (its blocks hold part of a copy, not the document); asked again, it comes back
+    from that copy and answers transformers' tokens."""
+    path = tiny("llama", seed=5, num_hidden_layers=4)
+    want = tiny_models.hf_greedy(path, SMALL + Q, NEW)
+    job = EngineJob(str(path), [], dtype="float32", max_new_tokens=NEW)
+    lead = run_local(evicted_mid_restore, 2, job, SMALL, BIG, Q, NEW, tmp_path / "cache", timeout_s=180)[0]
+    assert lead["copied"] == (True, 1, 4) and lead["back"], lead
+    assert lead["saved"] == [], lead["saved"]
+    assert lead["source"] == "host" and lead["answer"] == want, lead
