@@ -67,6 +67,14 @@ MUTANTS = [
         ("tests/engine/test_host_tier.py",),
     ),
     Mutant(
+        "census-one-more-op-a-layer",
+        "the decode step: one more operation a layer (a copy of the attention's output)",
+        "treeattn_cli/engine/attention.py",
+        "        return _cascade(ctx, layer, query, key, value, scaling, window, softcap, sink), None",
+        "        return _cascade(ctx, layer, query, key, value, scaling, window, softcap, sink).clone(), None",
+        ("tests/bench/test_census.py",),
+    ),
+    Mutant(
         "deleted-document-blocks-kept",
         "documents API: a deleted document leaves memory but its blocks are never freed",
         "treeattn_cli/engine/documents.py",

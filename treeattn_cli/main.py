@@ -326,6 +326,11 @@ def bench(
         help="With --simulate: the longest context that fits --gpus GPUs for "
         "--model-shape (default 8B and 70B) with bf16 and fp8 KV (or --kv-dtype).",
     ),
+    census: bool = typer.Option(
+        False,
+        help="Count the decode step's device operations per layer and per step for --model-shape "
+        "(default llama-3.1-8b), as it runs here: one CPU rank, random weights, the model cut to 2 and 3 layers.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the records as a JSON list."),
     csv: Optional[str] = typer.Option(None, help="Also write the records as CSV."),
     plot: Optional[str] = typer.Option(None, help="Also write a PNG: step time vs sequence length per method."),
@@ -371,10 +376,13 @@ def bench(
                     draft_k=draft_k,
                     kv_dtype=kv_dtype,
                     max_context=max_context,
+                    census=census,
                 ),
                 on_progress=progress,
             )
-        if max_context:
+        if census:
+            report.print_census(recs, as_json=json_out)
+        elif max_context:
             report.print_max_context(recs, as_json=json_out)
         elif prefill:
             report.print_prefill(recs, as_json=json_out)

@@ -638,6 +638,22 @@ def print_mesh_projection(records, as_json=False, file=None) -> None:
     _console(file).print(t)
 
 
+def print_census(records, as_json=False, file=None) -> None:
+    """``bench --census``: the decode step's operations per layer and per step (one record)."""
+    file = file or sys.stdout
+    r = records[0]
+    if as_json:
+        print(json.dumps(r), file=file)
+        return
+    top = ", ".join(f"{k} {v}" for k, v in list(r["layer_ops"].items())[:8])
+    print(
+        f"{r['model_shape']}: {r['kernels_per_layer']} operations a layer, {r['kernels_per_step']:,} a step "
+        f"({r['layers']} layers + {r['model_level']} outside them); a layer's most: {top}\n"
+        f"[{r['counted_on']}]",
+        file=file,
+    )
+
+
 def print_max_context(records, as_json=False, file=None) -> None:
     """``bench --simulate --max-context``: the longest context that fits, per model, GPUs, KV dtype, tp."""
     file = file or sys.stdout

@@ -42,6 +42,7 @@ class BenchOptions:
     mfu: float = 0.5  # --simulate --prefill: the fraction of peak FLOP/s compute runs at
     kv_dtype: str = "auto"  # the KV cache's storage: auto | bfloat16 | float16 | float32 | fp8
     max_context: bool = False  # --simulate: the longest context that fits, per model shape and KV dtype
+    census: bool = False  # the decode step's operations per layer and per step (--model-shape), counted here
 
 
 def parse_ints(flag: str, text: str) -> list[int]:
@@ -134,6 +135,10 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
             mfu=o.mfu,
             dtype=o.dtype if o.dtype != "auto" else "bfloat16",
         )
+    if o.census:
+        from .census import census
+
+        return [census(o.model_shape or "llama-3.1-8b")]
     from ..engine.kvdtypes import KV_DTYPES
 
     if o.kv_dtype not in KV_DTYPES:

@@ -1,0 +1,30 @@
+"""The decode step's kernel census (issue 51, item 1): ``treeattn bench --census`` counts the
+device operations one batched decode step dispatches, per layer and per step. This test holds
+the count of the engine's step on CPU: it fails when a change adds operations to a layer or to
+the step, so a fusion that removes some lowers the numbers here (and they are lowered with it)."""
+
+from __future__ import annotations
+
+from helpers import assert_usage_error, cli
+
+# Llama-3.1-8B's heads (32 query, 8 KV) at head dim 16, bf16, counted on one CPU rank (the
+# named shape's own head dim 128 counts 137 and 47: BENCHMARKS.md; the CPU's attention takes
+# other paths at other head dims, so the test holds its own shape's numbers)
+PER_LAYER, OUTSIDE = 123, 45
+
+
+def test_the_census_counts_a_decode_step_and_the_count_does_not_grow(tmp_path):
+    from treeattn_cli.bench.census import census
+
+    r = census("llama-3.1-8b", tmp_path, head_dim=16)
+    assert r["layer_ops"].get("linear") == 7, r["layer_ops"]  # q, k, v, o, gate, up, down: the step ran its layers
+    assert r["kernels_per_layer"] <= PER_LAYER and r["model_level"] <= OUTSIDE, r
+    assert r["kernels_per_step"] == r["model_level"] + 32 * r["kernels_per_layer"]
+    assert r["kernels_per_layer"] == sum(r["layer_ops"].values())
+
+
+def test_bench_census_refuses_a_shape_it_does_not_know():
+    """``treeattn bench --census`` with an unknown ``--model-shape``: one line, exit 2."""
+    assert_usage_error(
+        cli("bench", "--census", "--model-shape", "llama-3.1-9b", "--json"), "--model-shape must be one of"
+    )
