@@ -114,6 +114,24 @@ def host_round_trip(ctx, job, small, big, q, new, host_memory):
     return out
 
 
+def small_pool(new: int, slots: int) -> dict:
+    """A batch of ``slots`` answers of ``new`` tokens, 8-token pieces, a pool of 16 blocks of 16."""
+    from treeattn_cli.engine.sampling import Sampling
+
+    return {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+        "slots": slots,
+        "pool_blocks": 16,
+        "page": 16,
+    }
+
+
 def restore_in_parts(ctx, job, small, big, q, new):
     """``small`` then ``big`` answered in a pool with room for both; ``small`` sent to the host
     tier (``Documents.evict(0)``: all but the newest out) and its cached blocks forgotten; then one batch of two questions, one
@@ -122,21 +140,9 @@ def restore_in_parts(ctx, job, small, big, q, new):
     restore's rounds and the document rounds run while an answer was under way."""
     from treeattn_cli.engine import host_tier
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.sampling import Sampling
 
     host_tier.RESTORE_BYTES_PER_ROUND = 1  # one layer a round (the least a round copies)
-    base = {
-        "op": "batch",
-        "max_new_tokens": new,
-        "piece": 8,
-        "sampling": vars(Sampling()),
-        "stop": [],
-        "eos_ids": [],
-        "speculate": "off",
-        "slots": 2,
-        "pool_blocks": 16,
-        "page": 16,
-    }
+    base = small_pool(new, slots=2)
     out = {}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)
@@ -173,21 +179,9 @@ def evicted_mid_restore(ctx, job, small, big, q, new, root):
     from treeattn_cli.engine import host_tier
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.kvstore import model_identity
-    from treeattn_cli.engine.sampling import Sampling
 
     host_tier.RESTORE_BYTES_PER_ROUND = 1  # one layer a round
-    base = {
-        "op": "batch",
-        "max_new_tokens": new,
-        "piece": 8,
-        "sampling": vars(Sampling()),
-        "stop": [],
-        "eos_ids": [],
-        "speculate": "off",
-        "slots": 1,
-        "pool_blocks": 16,
-        "page": 16,
-    }
+    base = small_pool(new, slots=1)
     out = {}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)
