@@ -504,8 +504,10 @@ def load_into(
             (s for s in by_cp[c] if s["kv_heads"][0] < h1 and s["kv_heads"][1] > h0), key=lambda s: s["kv_heads"][0]
         )
         f = _Shard(d / entries[0]["file"])
-        pos = f.read("pos", mine)
-        f.close()
+        try:
+            pos = f.read("pos", mine)
+        finally:
+            f.close()
         idx = torch.arange(pos.numel()) if own else ((pos >= lo) & (pos < hi)).nonzero().flatten()
         if idx.numel() == 0:
             continue
