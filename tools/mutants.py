@@ -107,6 +107,14 @@ MUTANTS = [
         ("tests/engine/test_saved_checks.py",),
     ),
     Mutant(
+        "prefix-judges-foreign-copies",
+        "saved caches: a prefix is looked for in another model's copies too (found, refused: removed)",
+        "treeattn_cli/engine/copies.py",
+        "            if (identity is not None and model != identity) or saved_dtype != dtype:",
+        "            if False:",
+        ("tests/engine/test_saved_checks.py",),
+    ),
+    Mutant(
         "saved-checks-first-block-only",
         "saved caches: only a tensor's first block is checked (a flipped byte further on is loaded)",
         "treeattn_cli/engine/kvstore.py",

@@ -183,11 +183,14 @@ def test_a_full_disk_stops_the_writes_with_one_line_and_answers_go_on(tiny, tmp_
     assert len(lines) == 1 and "No space left on device" in lines[0] and "answers go on" in lines[0], lead["stderr"]
 
 
-def prefixes_from_disk(ctx, job, doc, docs, q, new, root):
+def prefixes_from_disk(ctx, job, doc, docs, q, new, root, other):
     """``doc`` saved to ``root`` as it is made, then dropped from memory (its cached blocks
     forgotten); then ``q`` over each of ``docs`` (each dropped after its answer, so nothing is
-    found in the pool). Rank 0 returns, per document, the answer, how it became resident, the
-    tokens it did not prefill, and the engine's count of prefixes loaded after it."""
+    found in the pool). Then every saved copy's manifest says another model made it, and ``q``
+    over ``other``: nothing of theirs is loaded and nothing removed. Rank 0 returns, per
+    document, the answer, how it became resident, the tokens it did not prefill, and the
+    engine's count of prefixes loaded after it; and for ``other`` the same, with the copies
+    in ``root`` before and after."""
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.requests import document_key
 
@@ -204,6 +207,15 @@ def prefixes_from_disk(ctx, job, doc, docs, q, new, root):
                 out["sources"].append(rec.sources.get(0))
                 out["reused"].append(rec.reused.get(0))
                 out["loads"].append(eng.documents.prefix_loads)
+        copies = sorted(p.name for p in Path(root).iterdir())
+        if ctx.rank == 0:
+            for name in copies:
+                damage(Path(root) / name / "kv-c0-t0.safetensors", "foreign")
+        eng.world.barrier()
+        rec.clear()
+        eng.serve([{**spec, "questions": [{"ids": q, "doc": {"key": document_key(other), "ids": other}}]}])
+        out["other"] = (rec.answers.get(0), rec.sources.get(0), eng.documents.prefix_loads)
+        out["copies"] = (copies, sorted(p.name for p in Path(root).iterdir()))
         eng.serve([{"op": "stop"}])
     out["stderr"] = rec.stderr
     return out
@@ -215,15 +227,21 @@ def test_a_document_starting_with_a_saved_ones_segments_loads_them_and_prefills_
     sharing its first 48 tokens then diverging loads 3 segments (48 tokens) from DOC's copy and
     prefills the rest; one made of its first 32 tokens is all in it (source disk); one sharing
     only 40 tokens loads 2 segments (the third differs); one diverging at its first token loads
-    nothing. Every answer is transformers' over the same tokens."""
+    nothing. Every answer is transformers' over the same tokens. A copy another model saved is
+    passed over, not judged: with every manifest saying so, a document sharing DOC's first
+    segments prefills them, and every copy stays."""
     model = tiny("llama", seed=3)
     tail = [(31 * i + 7) % 230 + 20 for i in range(20)]
     docs = [DOC[:48] + tail, DOC[:32], DOC[:40] + tail, tail + DOC[:40]]
     job = EngineJob(str(model), [], dtype="float32", max_new_tokens=NEW)
-    outs = run_local(prefixes_from_disk, 2, job, DOC, docs, Q, NEW, tmp_path, timeout_s=180)
+    other = DOC[:48] + tail[::-1]
+    outs = run_local(prefixes_from_disk, 2, job, DOC, docs, Q, NEW, tmp_path, other, timeout_s=180)
     lead = outs[0]
     assert lead["answers"] == [tiny_models.hf_greedy(model, d + Q, NEW) for d in docs]
     assert lead["sources"] == ["prefill", "disk", "prefill", "prefill"], lead["sources"]
     assert lead["reused"][0] == 48 and lead["reused"][2] == 32 and not lead["reused"][3], lead["reused"]
     assert lead["loads"] == [1, 2, 3, 3], lead["loads"]
+    assert lead["other"] == (tiny_models.hf_greedy(model, other + Q, NEW), "prefill", 3), lead["other"]
+    before, after = lead["copies"]
+    assert len(before) == 5 and set(before) <= set(after), lead["copies"]  # nothing of theirs removed
     assert "warning" not in lead["stderr"], lead["stderr"][-2000:]

@@ -100,6 +100,9 @@ def load(docs, doc, evict: bool = True) -> bool:
         doc.restore, doc.restored = None, 0
     else:
         saved, manifest = doc.load
+        if upto is not None and not eng.world.all_true(_unchanged(saved, manifest)):
+            doc.load, doc.load_upto, doc.source = None, 0, "prefill"  # replaced since it was found: prefilled
+            return True
         why = None
         try:
             kvstore.load_into(
@@ -123,6 +126,17 @@ def load(docs, doc, evict: bool = True) -> bool:
     return True
 
 
+def _unchanged(saved: Path, manifest: dict) -> bool:
+    """Whether the copy at ``saved`` is still the one ``manifest`` was read from (another run may
+    have replaced it since a document found its prefix there)."""
+    from . import kvstore
+
+    try:
+        return json.loads((saved / kvstore.MANIFEST).read_text()) == manifest
+    except (OSError, ValueError):
+        return False
+
+
 def damaged(docs, doc, why: str | None) -> None:
     """``doc``'s saved copy in the cache directory failed its checks as it loaded (on some
     rank; ``why``: this rank's reason, if it was one of them): removed (:func:`refuse`), the
@@ -142,14 +156,21 @@ def find_prefix(docs, root: Path, doc, ref: dict) -> tuple | None:
     most of ``doc``'s first segments, more than the pool gave it, and how many (``upto``) — a
     longer or diverging document prefilled the same way (its manifest's ``prefix``: the same
     :func:`block_reuse.prefill_salt`, the same digest of the tokens up to a segment's end), found
-    by its blocks' chained keys whether or not this engine saw it; checked as any saved copy
-    (:func:`saved_manifest`). None: prefill. Rank 0 reads the directory (each manifest once,
-    :attr:`Documents.prefix_index`) and tells the others."""
+    by its blocks' chained keys whether or not this engine saw it. Rank 0 reads the directory
+    (each manifest once, :attr:`Documents.prefix_index`; only this model's and dtype's copies: a
+    copy another model saved there is not this engine's to judge) and tells the others; every
+    rank then checks the copy as any saved copy (:func:`saved_manifest`) and its ``prefix``
+    against its own document (:func:`_same_prefix`). None: prefill."""
     from . import kvstore
 
     eng = docs.engine
     have = len(doc.segs) - len(doc.todo)  # segments the pool gave
-    best = _best_prefix(docs, root, doc, have) if eng.lead else None
+    best = None
+    if eng.lead:
+        try:
+            best = _best_prefix(docs, root, doc, have, (ref.get("save_meta") or {}).get("identity"))
+        except Exception:  # noqa: BLE001 - a directory it cannot read is no prefix; the ranks wait below
+            best = None
     best = eng.world.broadcast_object(best)
     if best is None:
         return None
@@ -158,34 +179,53 @@ def find_prefix(docs, root: Path, doc, ref: dict) -> tuple | None:
     manifest = saved_manifest(
         docs, saved, {**ref, "key": name, "manifest": None}, doc.ids, prefix=doc.segs[upto - 1][1]
     )
-    ok = manifest is not None and kvstore.as_saved(manifest, eng.mesh.cp)
+    ok = manifest is not None and kvstore.as_saved(manifest, eng.mesh.cp) and _same_prefix(manifest, doc, upto)
     return (saved, manifest, upto) if eng.world.all_true(ok) else None
 
 
-def _best_prefix(docs, root: Path, doc, have: int) -> tuple | None:
-    """Rank 0's side of :func:`find_prefix`: ``(name, segments)`` of the longest match, or None."""
+def _same_prefix(manifest: dict, doc, upto: int) -> bool:
+    """Whether ``manifest``'s ``prefix`` says its first ``upto`` segments are ``doc``'s, prefilled
+    as ``doc`` is here."""
+    prefix = manifest.get("prefix")
+    return (
+        isinstance(prefix, dict)
+        and prefix.get("salt") == doc.salt
+        and list(prefix.get("digests") or [])[:upto] == list(doc.digests[:upto])
+    )
+
+
+def _best_prefix(docs, root: Path, doc, have: int, identity: dict | None) -> tuple | None:
+    """Rank 0's side of :func:`find_prefix`: ``(name, segments)`` of the longest match, or None.
+    ``identity``: this model's (``kvstore.model_identity``); a copy of another model or dtype is
+    passed over, never judged."""
     best = None
     index = docs.prefix_index
     try:
         entries = sorted(root.iterdir())
     except OSError:
         return None
+    dtype = docs.engine.saver.dtype
     for d in entries:
         if d.name == doc.key or ".partial-" in d.name or ".old-" in d.name:
             continue
         try:
             stamp = (d / "manifest.json").stat().st_mtime_ns
             if index.get(d.name, (None,))[0] != stamp:
-                index[d.name] = (stamp, json.loads((d / "manifest.json").read_text()).get("prefix") or {})
-        except (OSError, ValueError):
+                m = json.loads((d / "manifest.json").read_text())
+                index[d.name] = (stamp, m.get("prefix") or {}, m.get("model"), m.get("dtype"))
+            _, prefix, model, saved_dtype = index[d.name]
+            if (identity is not None and model != identity) or saved_dtype != dtype:
+                continue
+            if not isinstance(prefix, dict) or prefix.get("salt") != doc.salt:
+                continue
+            theirs = list(prefix.get("digests") or [])
+        except (OSError, ValueError, TypeError, AttributeError):  # (not a manifest this version reads)
             continue
-        prefix = index[d.name][1]
-        if not isinstance(prefix, dict) or prefix.get("salt") != doc.salt:
-            continue
-        theirs = prefix.get("digests") or []
         n = next((i for i, (a, b) in enumerate(zip(theirs, doc.digests)) if a != b), min(len(theirs), len(doc.digests)))
         if n > max(have, best[1] if best else 0):
             best = (d.name, n)
+    for name in [k for k in index if not (root / k).exists()]:  # (copies gone since)
+        del index[name]
     return best
 
 

@@ -420,11 +420,12 @@ class _Shard:
     def __init__(self, path: Path):
         from safetensors import safe_open
 
-        self.path = path
+        self.path, self.f = path, None
         try:
             self.f = safe_open(str(path), "pt").__enter__()
             sums = json.loads((self.f.metadata() or {}).get(CHECKSUMS, "{}"))
         except Exception as e:
+            self.close()
             raise KVError(f"saved cache: {path} is unreadable ({_why(e)})") from None
         self.rows = sums.pop("rows", None)  # None: one checksum per tensor (files saved before blocks)
         self.sums = sums  # tensor -> its blocks' CRC-32s, 8 hex digits each (none: saved before checksums)
@@ -457,7 +458,9 @@ class _Shard:
         return t if upto is None or upto == z else (t[:, :, :upto] if t.dim() == 4 else t[:upto])
 
     def close(self) -> None:
-        self.f.__exit__(None, None, None)
+        if self.f is not None:
+            self.f.__exit__(None, None, None)
+            self.f = None
 
 
 def _why(e: Exception) -> str:
