@@ -34,6 +34,24 @@ class Recorded:
             self.reports.append(p)
 
 
+def greedy_batch(new: int, slots: int = 1, **extra) -> dict:
+    """A batch request's fields for greedy answers of ``new`` tokens in ``slots`` slots, 8-token
+    prefill pieces, no drafts, no stop strings; ``extra``: the rest (pool, page, dir, ...)."""
+    from treeattn_cli.engine.sampling import Sampling
+
+    return {
+        "op": "batch",
+        "max_new_tokens": new,
+        "piece": 8,
+        "sampling": vars(Sampling()),
+        "stop": [],
+        "eos_ids": [],
+        "speculate": "off",
+        "slots": slots,
+        **extra,
+    }
+
+
 @contextlib.contextmanager
 def recording(ctx):
     """Rank 0's engine events (and this rank's stderr) into a :class:`Recorded` while the block runs."""

@@ -18,7 +18,7 @@ from treeattn_cli.engine.pool import BlockPool
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
 
-from ranks import recording
+from ranks import greedy_batch, recording
 
 NEW = 5
 SMALL = [(13 * i + 5) % 230 + 20 for i in range(60)]  # 30 tokens a rank: 2 blocks of 16
@@ -115,21 +115,8 @@ def host_round_trip(ctx, job, small, big, q, new, host_memory):
 
 
 def small_pool(new: int, slots: int) -> dict:
-    """A batch of ``slots`` answers of ``new`` tokens, 8-token pieces, a pool of 16 blocks of 16."""
-    from treeattn_cli.engine.sampling import Sampling
-
-    return {
-        "op": "batch",
-        "max_new_tokens": new,
-        "piece": 8,
-        "sampling": vars(Sampling()),
-        "stop": [],
-        "eos_ids": [],
-        "speculate": "off",
-        "slots": slots,
-        "pool_blocks": 16,
-        "page": 16,
-    }
+    """A batch of ``slots`` answers of ``new`` tokens, a pool of 16 blocks of 16."""
+    return greedy_batch(new, slots, pool_blocks=16, page=16)
 
 
 def restore_in_parts(ctx, job, small, big, q, new):

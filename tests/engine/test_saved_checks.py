@@ -15,7 +15,7 @@ from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
 
-from ranks import recording
+from ranks import greedy_batch, recording
 
 NEW = 5
 DOC = [(13 * i + 5) % 230 + 20 for i in range(60)]
@@ -39,26 +39,12 @@ def damage(path: Path, how: str) -> None:
 
 
 def written_through(job, new, root) -> dict:
-    """A batch of one slot, 8-token pieces and 16-token blocks, no host tier, every document
-    saved to ``root`` as it is made."""
+    """A batch of one slot, 16-token blocks, no host tier, every document saved to ``root`` as
+    it is made."""
     from treeattn_cli.engine.kvstore import model_identity
-    from treeattn_cli.engine.sampling import Sampling
 
-    return {
-        "op": "batch",
-        "max_new_tokens": new,
-        "piece": 8,
-        "sampling": vars(Sampling()),
-        "stop": [],
-        "eos_ids": [],
-        "speculate": "off",
-        "slots": 1,
-        "page": 16,
-        "host_memory": 0,
-        "dir": str(root),
-        "save": True,
-        "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
-    }
+    save_meta = {"identity": model_identity(job.model_dir), "composition": {}}
+    return greedy_batch(new, page=16, host_memory=0, dir=str(root), save=True, save_meta=save_meta)
 
 
 def saved_then_damaged(ctx, job, doc, q, new, root, file, how):
