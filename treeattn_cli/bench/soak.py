@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .serve import _free_port, wait_until_serving
+from ..parallel.launch import alive
 from .serve_mixed import _descendants
 
 KEY = "soak-key"
@@ -598,13 +599,10 @@ class Soak:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             rc = "hung"
-        time.sleep(1.0)
-        left = [
-            p
-            for p in tree
-            if Path(f"/proc/{p}").exists()
-            and "zombie" not in Path(f"/proc/{p}/status").read_text(errors="replace").lower()
-        ]
+        # the tree ends with the server, its ranks a moment after: wait for that, not for a fixed time
+        deadline = time.monotonic() + 15.0
+        while (left := [p for p in tree if alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return {"exit": rc, "processes_left": left}
 
     def close(self) -> None:
