@@ -101,6 +101,8 @@ def test_tune_sweep_reports_resources():
     recs = tune([4096], iters=2, warmup=1, copy_bw=1e12)
     best = [r for r in recs if r.get("best")]
     assert len(best) == 1 and best[0]["regs"] > 0 and best[0]["spill_bytes"] == 0
+    # timed on graph replays: eager calls would rank the host's launch time (issue 51)
+    assert {r["timing"] for r in recs if "time_us" in r} == {"graph"}
 
 
 def test_check_passes_on_this_gpu(tmp_path, monkeypatch):

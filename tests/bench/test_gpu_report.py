@@ -33,6 +33,8 @@ def test_without_a_gpu_every_gpu_step_is_skipped(tmp_path):
     assert steps["devices"]["status"] == "pass"
     gpu_steps = [s for n, s in steps.items() if n != "devices"]
     assert {s["name"] for s in gpu_steps} == {
+        "gpu-kernels",
+        "gpu-step",
         "check",
         "pytest-gpu",
         "kernel",
@@ -184,7 +186,7 @@ def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
     import treeattn_cli.bench.kernel as kb
     import treeattn_cli.bench.run as br
     import treeattn_cli.cli.check as cc
-    from treeattn_cli.bench import gpu_decode
+    from treeattn_cli.bench import gpu_decode, gpu_kernels, gpu_step
     from treeattn_cli.main import app
 
     calls = []
@@ -229,6 +231,9 @@ def test_every_step_command_is_accepted_by_its_script(monkeypatch, tmp_path):
             kb.main(argv[3:])
         elif argv[2] in scripts:
             scripts[argv[2]](argv[3:])
+        elif argv[2] in ("treeattn_cli.bench.gpu_kernels", "treeattn_cli.bench.gpu_step"):
+            mod = gpu_kernels if argv[2].endswith("kernels") else gpu_step
+            assert mod.main(argv[3:]) == 1  # its options parsed; then: no CUDA device here
         elif argv[2] == "treeattn_cli.bench.gpu_decode":
             with pytest.raises(Stop):  # its options parsed; then it measures the GPU's bandwidth
                 gpu_decode.main(argv[3:])
@@ -264,6 +269,55 @@ def test_the_calls_cover_every_step_once_and_each_fits_the_budget(tmp_path):
         for g in groups:
             caps = sum(steps[x].cap_s for x in g if n >= steps[x].min_gpus)
             assert caps <= gr.DEFAULT_BUDGET_S, (n, g, caps)
+
+
+def test_the_two_measurement_runs_fit_six_minutes_each(tmp_path, capsys):
+    """Issue 51: ``--run 1`` (the kernels, the whole step) and ``--run 2`` (the batched step
+    eager against captured, the device tests without the tuning sweep), each within 6 minutes
+    on a machine with 1 GPU or 8, and no test the two runs skip is in pytest-gpu's list."""
+    for n in (1, 8):
+        steps = {s.name: s for s in gr.default_steps(n, tmp_path)}
+        for names in gr.RUNS.values():
+            caps = sum(steps[x].cap_s for x in names.split(",") if n >= steps[x].min_gpus)
+            assert caps <= gr.RUN_BUDGET_S - 10, (n, names, caps)  # the devices step's seconds too
+    argv = next(s.argv for s in gr.default_steps(1, tmp_path) if s.name == "pytest-gpu")
+    assert "tests/test_gpu.py::test_tune_sweep_reports_resources" in argv
+    with pytest.raises(SystemExit):
+        gr.main(["--out", str(tmp_path), "--run", "1", "--steps", "check"])
+    assert "not both" in capsys.readouterr().err
+
+
+def test_the_measurement_records_become_key_numbers(tmp_path):
+    def lines(*recs):
+        return "\n".join(json.dumps(r) for r in recs)
+
+    k = gr.parse_gpu_kernels(
+        lines(
+            {"kind": "device", "name": "H200", "copy_gbps": 4000.0},
+            {"kind": "bf16", "N": 32768, "us": 50.0, "frac_copy": 0.9},
+            {"kind": "fp8", "N": 32768, "us": 30.0, "frac_copy": 0.8, "splits": 33},
+            {"kind": "fp8-splits", "N": 32768, "us": 28.0, "splits": 49},
+            {"kind": "fp8-splits", "N": 32768, "us": 27.0, "splits": 66},
+            {"kind": "paged-bf16", "N": 32768, "us": 52.0, "stages": "shipped"},
+        ),
+        tmp_path,
+    )
+    row = k["by_keys"][32768]
+    assert (row["fp8_vs_bf16"], row["paged_vs_dense"]) == (0.6, 1.04)
+    assert [r["splits"] for r in row["records"]["fp8-splits"]] == [49, 66]
+    st = gr.parse_gpu_step(
+        lines(
+            {"kind": "step", "N": 32768, "kv": "bf16", "replay_ms": 8.0, "overlapped_ms": 8.2, "floor_ms": 6.4},
+            {"kind": "census", "N": 32768, "kv": "bf16", "per_step": {"gemm": {"kernels": 225.0, "device_ms": 5.0}}},
+            {"kind": "step", "N": 131072, "kv": "bf16", "error": "skipped: needs 40 GiB"},
+        ),
+        tmp_path,
+    )
+    assert st["steps"][0]["of_floor"] == 0.8 and len(st["errors"]) == 1
+    md = gr._key_numbers({"name": "gpu-step", "summary": st})
+    assert "bf16 32768: 8 ms (0.8 of floor)" in md and "225 kernels/step" in md
+    md = gr._key_numbers({"name": "gpu-kernels", "summary": k})
+    assert md == "32768: bf16 50 us, fp8 0.6x, paged 1.04x dense"
 
 
 def test_pytest_counts_of_a_run_stopped_early(tmp_path):

@@ -31,14 +31,15 @@ LLAMA_8B = dict(
 )
 
 
-def _model(attn):
+def _model(attn, device="cuda", **shape):
+    """A random-weight Llama of Llama-3.1-8B's shape (``shape``: fields of it replaced), bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..engine.attention import register
 
     register()
-    with torch.device("cuda"):
-        m = LlamaForCausalLM(LlamaConfig(**LLAMA_8B, attn_implementation=attn)).to(torch.bfloat16)
+    with torch.device(device):
+        m = LlamaForCausalLM(LlamaConfig(**{**LLAMA_8B, **shape}, attn_implementation=attn)).to(torch.bfloat16)
     return m.eval()
 
 
@@ -89,9 +90,10 @@ def _time(fn, n):
 PAGE = 64  # tokens per block of the bench's pool (the engine's default: room.PAGE)
 
 
-def pooled(model, N: int, device="cuda", dtype=torch.bfloat16, extra: int = 0):
+def pooled(model, N: int, device="cuda", dtype=torch.bfloat16, extra: int = 0, quant=None, graphs: bool = True):
     """A one-rank decoder and a document of ``N`` random tokens in a block pool with room for
-    ``extra`` more (the engine's layout: ``paged_shard.PagedShard``): ``(dec, shard)``."""
+    ``extra`` more (the engine's layout: ``paged_shard.PagedShard``; ``quant``: an fp8 pool's
+    ``KVQuant``): ``(dec, shard)``. ``graphs``: steps replayed from CUDA graphs where they can."""
     from ..engine.attention import AttentionContext
     from ..engine.decode import Decoder
     from ..engine.paged_shard import PagedShard
@@ -108,6 +110,7 @@ def pooled(model, N: int, device="cuda", dtype=torch.bfloat16, extra: int = 0):
         num_blocks=-(-(N + extra) // PAGE) + 4,
         dtype=dtype,
         device=device,
+        quant=quant,
     )
     shard = PagedShard(pool, rank=0, world=1)
     dec = Decoder(
@@ -117,35 +120,46 @@ def pooled(model, N: int, device="cuda", dtype=torch.bfloat16, extra: int = 0):
         device=device,
         kv_heads=c.num_key_value_heads,
         static=torch.device(device).type == "cuda",
-        cuda_graph=True,
+        cuda_graph=graphs,
     )
     return dec, shard
 
 
-def ours(model, N, steps, device="cuda"):
-    """Milliseconds of treeattn's decode step at ``N`` cached tokens (median), whether it replayed
-    from a CUDA graph, and the graph's note: one slot of the batch loop over a document of ``N``
-    random tokens in the pool (``BatchDecoder._step``, the forward every command's steps run)."""
+def pooled_step(model, N: int, steps: int, device="cuda", quant=None, graphs: bool = True):
+    """``(one, bd)``: ``one()`` runs one decode step of one question over a document of ``N``
+    random tokens in the block pool (``BatchDecoder._step``, the forward every command's steps
+    run), ``steps`` of them at most; ``bd`` its batch decoder (``bd.graphs``: its captures)."""
     from ..engine.batch import BatchDecoder, _Slot
     from ..engine.documents import Document
 
-    dec, shard = pooled(model, N, device, next(model.parameters()).dtype, extra=steps + 8)
+    dec, shard = pooled(model, N, device, next(model.parameters()).dtype, extra=steps + 8, quant=quant, graphs=graphs)
     shard.begin_fill(torch.arange(N), [N])  # N tokens, as if prefilled: random keys and values
-    for store in shard.pool.k + shard.pool.v:
-        store.normal_()
-    bd = BatchDecoder(dec, slots=1, capacity=steps + 8, pool=shard.pool)
+    pool = shard.pool
+    for store in pool.k + pool.v:  # (an fp8 pool: random rows cast; the step's cost is not in their values)
+        store.copy_(torch.randn(store.shape, device=store.device).to(store.dtype))
+    for store in pool.ks + pool.vs:
+        store.fill_(0.01)
+    bd = BatchDecoder(dec, slots=1, capacity=steps + 8, pool=pool)
     slot = _Slot(0, 0, None, 0.0, 0.0, doc=Document("bench", [0] * N, shard), doc_tokens=N, row=0)
     bd.tail.reset_rows([0], [shard.counts[0]])
     bd.tail.admit(0, steps + 8)
     pos = [N]
 
     def one():
-        bd._step([1], [pos[0]], [True], [slot])
+        out = bd._step([1], [pos[0]], [True], [slot])
         pos[0] += 1
+        return out
 
+    return one, bd
+
+
+def ours(model, N, steps, device="cuda"):
+    """Milliseconds of treeattn's decode step at ``N`` cached tokens (median), whether it replayed
+    from a CUDA graph, and the graph's note (:func:`pooled_step`)."""
+    one, bd = pooled_step(model, N, steps, device)
     ms = _time(one, steps) * 1e3
     replayed = bd.graphs is not None and bd.graphs.replays > 0
-    return ms, replayed, bd.graphs.note if bd.graphs is not None else dec.graph_note
+    return ms, replayed, bd.graphs.note if bd.graphs is not None else bd.dec.graph_note
 
 
 def hf_step(model, N, steps, compiled):
@@ -192,10 +206,19 @@ def step_weight_bytes(model) -> int:
     return total
 
 
-def floor_ms(model, N, copy_bw):
+def floor_ms(model, N, copy_bw, quant=None):
     """The memory floor of one decode step at ``N`` cached tokens: the bytes it reads (weights,
-    one embedding row, every layer's K and V) at the device's copy bandwidth."""
-    return (step_weight_bytes(model) + cache_bytes(model.config, N)) / copy_bw * 1e3
+    one embedding row, every layer's K and V; ``quant``: an fp8 cache's rows and scales) at the
+    device's copy bandwidth."""
+    from ..engine.pool import token_bytes
+
+    c = model.config
+    if quant is None:
+        kv = cache_bytes(c, N)
+    else:
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv = N * token_bytes(c.num_hidden_layers, c.num_key_value_heads, hd, quant.dtype, quant)
+    return (step_weight_bytes(model) + kv) / copy_bw * 1e3
 
 
 def main(argv=None):

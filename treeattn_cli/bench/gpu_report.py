@@ -1,14 +1,18 @@
 """Every GPU measurement the project owes, in one command, into one report.
 
+    python -m treeattn_cli.bench.gpu_report --out DIR --run 1      # then --run 2: 6 minutes each
     python -m treeattn_cli.bench.gpu_report --out DIR [--budget-s 540] [--only a,b]
     python -m treeattn_cli.bench.gpu_report --preflight
 
-The steps' limits add up to more than one 10-minute call: run them in four calls into the same
-``--out`` (:data:`CALLS`: ``--steps check,check-ranks,pytest-gpu``, then ``--steps
-kernel,decode,prefill,batch,batch-fp8``, then ``--steps model,speculate,serve``, then ``--steps
-batch-graphs,kernel-tune``; each call's limits fit the budget); each call merges into the report
-already there. Measuring steps print
-each record as it is measured, so a step stopped at its limit keeps what it printed.
+``--run 1`` and ``--run 2`` are the two measurement commands of at most 6 minutes (:data:`RUNS`),
+the most valuable numbers first: the split kernel's levers and the whole decode step with its
+kernel census (``gpu-kernels``, ``gpu-step``); then the batched step eager against captured and
+the device tests (``batch-graphs``, ``pytest-gpu``). The steps' limits add up to more than one
+10-minute call: run them in the calls of :data:`CALLS` into the same ``--out`` (the two runs,
+then ``--steps check,check-ranks``, ``--steps kernel,decode,prefill,batch,batch-fp8``, ``--steps
+model,speculate,serve`` and ``--steps kernel-tune``; each call's limits fit the budget); each
+call merges into the report already there. Measuring steps print each record as it is
+measured, so a step stopped at its limit keeps what it printed.
 
 ``--preflight`` runs nothing: it says whether every step could run here (the imports each step
 needs, the GPU tools, the GPUs seen), a table of steps "ready" or "needs X", and exits 0 when
@@ -21,6 +25,10 @@ whole run fits the budget (540 s: inside 10 minutes on one H100), and a failure 
 recorded and the next step runs:
 
 - ``devices``: the GPUs, their memory, the CUDA/HIP runtime and driver;
+- ``gpu-kernels``: the split kernel at Llama-8B's decode shape from graph replays: bf16, fp8 and
+  its levers, paged against dense, rows over a document, a verify (``bench/gpu_kernels.py``);
+- ``gpu-step``: the Llama-3.1-8B-shaped step through the engine's batch loop, bf16 and fp8, at
+  32K and 128K against the memory floor, its kernel census and each GEMV (``bench/gpu_step.py``);
 - ``check``: ``treeattn check --json`` on one GPU (kernels, merges, ``generate`` eager and with
   the CUDA graph against transformers);
 - ``check-ranks``: with two or more GPUs, ``treeattn check --nproc N`` (merges and CUDA-graph
@@ -272,6 +280,44 @@ def parse_decode(text: str, out_dir: Path) -> dict:
     return {"decode": rows, "ttft": ttft}
 
 
+def parse_gpu_kernels(text: str, out_dir: Path) -> dict:
+    """Per key count: each record's microseconds and fraction of the copy bandwidth by kind (a
+    kind measured at several settings keeps them all), fp8's time against bf16's and the paged
+    kernel's against the dense one's (issue 51's goals: <= 0.65 and within 5 %)."""
+    out: dict = {}
+    for r in _records(text):
+        if "us" not in r or "N" not in r:
+            continue
+        row = out.setdefault(r["N"], {"records": {}})
+        keep = {k: v for k, v in r.items() if k not in ("kind", "N", "t_s", "gbps")}
+        row["records"].setdefault(r["kind"], []).append(keep)
+    for row in out.values():
+        first = {k: v[0]["us"] for k, v in row["records"].items()}
+        if "bf16" in first and "fp8" in first:
+            row["fp8_vs_bf16"] = round(first["fp8"] / first["bf16"], 3)
+        if "bf16" in first and "paged-bf16" in first:
+            row["paged_vs_dense"] = round(first["paged-bf16"] / first["bf16"], 3)
+    return {"by_keys": out}
+
+
+def parse_gpu_step(text: str, out_dir: Path) -> dict:
+    """The step records (with their fraction of the floor), the censuses and the GEMVs."""
+    recs = _records(text)
+    steps = []
+    for r in recs:
+        if r.get("kind") == "step":
+            ms = r.get("replay_ms") or r.get("overlapped_ms")
+            floor = r.get("floor_ms")
+            steps.append({**r, "of_floor": round(floor / ms, 3) if ms and floor else None})
+    return {
+        "device": next((r for r in recs if r.get("kind") == "device"), None),
+        "steps": steps,
+        "census": [r for r in recs if r.get("kind") == "census"],
+        "gemv": [r for r in recs if r.get("kind") == "gemv"],
+        "errors": [r for r in recs if "error" in r],
+    }
+
+
 def parse_prefill(text: str, out_dir: Path) -> dict:
     return {
         "cases": [
@@ -379,6 +425,24 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
     junit = out_dir / "logs" / "pytest-gpu.xml"
     steps = [
         Step(
+            "gpu-kernels",
+            "the split kernel at Llama-8B's decode shape, 32K then 128K then 8K keys: bf16, fp8 and its "
+            "levers (splits, warps, tiles), paged against dense, rows over a document, a verify of 17",
+            [_PY, "-m", "treeattn_cli.bench.gpu_kernels", "--keys", "32768,131072,8192"],
+            cap_s=170,
+            parse=parse_gpu_kernels,
+            needs=KERNEL,
+        ),
+        Step(
+            "gpu-step",
+            "Llama-3.1-8B-shaped decode step through the engine's batch loop, bf16 and fp8 at 32K and 128K: "
+            "synced, overlapped and replayed ms against the memory floor, its kernel census, each GEMV's bandwidth",
+            [_PY, "-m", "treeattn_cli.bench.gpu_step", "--contexts", "32768,131072"],
+            cap_s=170,
+            parse=parse_gpu_step,
+            needs=ENGINE,
+        ),
+        Step(
             "check",
             "treeattn check on one GPU: kernels, merges, generate eager and CUDA graph vs transformers",
             # progress lines (to the step's .err, each with its start time): on an H100 the check
@@ -415,6 +479,8 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
                 # absolute path against none, and the check ran a second time (seen on an H100)
                 "--deselect",
                 "tests/test_gpu.py::test_check_passes_on_this_gpu",
+                "--deselect",  # a minute of compiles; the kernel-tune step sweeps the same
+                "tests/test_gpu.py::test_tune_sweep_reports_resources",
                 f"--junitxml={junit}",
                 str(ROOT / "tests"),
             ],
@@ -633,13 +699,21 @@ def default_steps(n_gpus: int, out_dir: Path) -> list[Step]:
     return steps
 
 
-# The calls that cover every step within one 10-minute call each (caps: 350, 540, 390 and 300 s;
-# on a machine with 2+ GPUs check-ranks adds 150 s to the first): ``--steps`` of each, in order.
+# Issue 51's two measurement commands, the most valuable numbers first, each at most 6 minutes
+# (``--run 1``, ``--run 2``): the kernels and the whole step; the batched step eager against
+# captured, then the device tests.
+RUNS = {"1": "gpu-kernels,gpu-step", "2": "batch-graphs,pytest-gpu"}
+RUN_BUDGET_S = 360.0
+
+# The calls that cover every step within one 10-minute call each (caps: 340, 350, 150, 540, 390
+# and 150 s; on a machine with 2+ GPUs check-ranks adds 150 s to the third): ``--steps`` of each.
 CALLS = (
-    "check,check-ranks,pytest-gpu",
+    RUNS["1"],
+    RUNS["2"],
+    "check,check-ranks",
     "kernel,decode,prefill,batch,batch-fp8",
     "model,speculate,serve",
-    "batch-graphs,kernel-tune",
+    "kernel-tune",
 )
 
 
@@ -1015,6 +1089,24 @@ def _key_numbers(step: dict) -> str:
             for n, m in s.get("by_seq_len", {}).items()
             if "treeattn" in m
         )
+    if name == "gpu-kernels":
+        return "; ".join(
+            f"{n}: bf16 {_fmt(r['records']['bf16'][0]['us'])} us, fp8 {_fmt(r.get('fp8_vs_bf16'))}x, "
+            f"paged {_fmt(r.get('paged_vs_dense'))}x dense"
+            for n, r in s.get("by_keys", {}).items()
+            if "bf16" in r["records"]
+        )
+    if name == "gpu-step":
+        parts = [
+            f"{r['kv']} {r['N']}: {_fmt(r.get('replay_ms') or r.get('overlapped_ms'))} ms "
+            f"({_fmt(r.get('of_floor'))} of floor)"
+            for r in s.get("steps", [])
+        ]
+        parts += [
+            f"{c['kv']} census: {sum(v['kernels'] for v in c['per_step'].values()):.0f} kernels/step"
+            for c in s.get("census", [])
+        ]
+        return "; ".join(parts)
     if name == "kernel-tune":
         parts = []
         for n, r in s.get("by_seq_len", {}).items():
@@ -1119,7 +1211,18 @@ def main(argv=None) -> int:
         help=f"wall-clock budget of the whole run (default {DEFAULT_BUDGET_S:.0f})",
     )
     ap.add_argument("--only", "--steps", default=None, help="comma list of steps to run (default: all)")
+    ap.add_argument(
+        "--run",
+        choices=sorted(RUNS),
+        default=None,
+        help=f"issue 51's measurement command 1 ({RUNS['1']}) or 2 ({RUNS['2']}), "
+        f"within {RUN_BUDGET_S:.0f} s each (sets --steps and --budget-s)",
+    )
     a = ap.parse_args(argv)
+    if a.run:
+        if a.only:
+            ap.error("--run sets the steps itself; give --run or --steps, not both")
+        a.only, a.budget_s = RUNS[a.run], min(a.budget_s, RUN_BUDGET_S)
     if a.preflight:
         code, text = preflight(a.out)
         print(text)
