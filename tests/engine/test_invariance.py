@@ -118,6 +118,7 @@ def test_sums_over_three_ranks_do_not_see_the_batch(seed):
 
 
 DOC_CHARS = 2600  # ~600 tokens of the shipped demo document
+NEW = 6  # tokens an answer: a row that saw its batch differs in its first logits' bits already
 QUESTIONS = ["What is this document about?", "Who wrote it?", "What does the text say about free software?"]
 
 
@@ -141,9 +142,9 @@ def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
     doc = tok(text)["input_ids"]
     questions = [tok(q)["input_ids"] for q in QUESTIONS]
     job = EngineJob(
-        str(model), [], dtype="float32", kv_dtype="fp8", max_new_tokens=10, reserve=len(doc) + 64, speculate="off"
+        str(model), [], dtype="float32", kv_dtype="fp8", max_new_tokens=NEW, reserve=len(doc) + 64, speculate="off"
     )
-    runs = run_local(invariance_runs, 2, job, doc, questions, 10, timeout_s=600)[0]
+    runs = run_local(invariance_runs, 2, job, doc, questions, NEW, timeout_s=600)[0]
     alone = runs["alone"]["answers"]
     for name in ("batch3", "ngram", "batch3+ngram"):
         got = runs[name]["answers"]
