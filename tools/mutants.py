@@ -133,7 +133,7 @@ MUTANTS = [
     Mutant(
         "serve-no-recovery",
         "serve: a lost rank is never replaced (the server answers 503 until a person acts)",
-        "treeattn_cli/cli/serve.py",
+        "treeattn_cli/serving/supervision.py",
         "if reason is not None and not self.recover(reason):",
         "if reason is not None and False:",
         (

@@ -13,11 +13,9 @@ copies in ``--cache-dir``, pins, TTLs, the room rules) are the front's catalogue
 What this module keeps is the server's own: admission (at most ``--batch`` requests answer and
 ``--max-waiting`` wait, :meth:`Server.admit`; past that, HTTP 429 with ``Retry-After`` at once),
 each request followed from arrival to end by a ``metrics.RequestLog`` (Prometheus metrics at
-``GET /metrics``, one line on stderr), a lost rank (:meth:`Server.recover`: the requests in flight
-end with the reason, ``/health`` and new requests get 503 ``recovering`` while a new set of ranks
-starts, the documents come back from ``--cache-dir``; ``--restarts`` bounds the tries,
-and a server whose ranks do not come back stops with one line), and SIGTERM or Ctrl-C: stop
-accepting, end the answers under way within seconds, stop the ranks.
+``GET /metrics``, one line on stderr), and SIGTERM or Ctrl-C: stop accepting, end the answers
+under way within seconds, stop the ranks. A lost rank is the ranks' life
+(``serving/supervision.py``: 503 ``recovering`` while a new set starts, ``--restarts`` tries).
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from pathlib import Path
 
 from ..serving.catalog import Catalog
 from ..serving.front import BatchOptions, EngineFront
+from ..serving.supervision import Supervised
 from ..engine.requests import Ask, Began
 from ..engine.room import PoolRoom
 from ..engine.sampling import Sampling
@@ -37,31 +36,22 @@ from ..parallel import forkserver
 from .options import ServeOptions
 
 
-def restart_waits(tries: int) -> list[float]:
-    """Seconds before each try to start new ranks after a lost one (``--restarts``): 1, 2, 4... (at most 30)."""
-    return [min(30.0, 2.0**i) for i in range(tries)]
-
-
-class Server:
-    """The ranks, the engine's front and the HTTP app of one ``treeattn serve``."""
+class Server(Supervised):
+    """The ranks, the engine's front and the HTTP app of one ``treeattn serve`` (the ranks' life:
+    ``serving/supervision.py``)."""
 
     def __init__(self, o: ServeOptions, run, job):
-        from ..serving.engine_client import ResidentEngine
         from .metrics import Metrics
 
+        super().__init__(o.restarts)
         self.o, self.run = o, run
         self.tokenizer = run.tokenizer
         self.tokenizing = threading.Lock()  # requests are tokenized off the event loop, one at a time
         self.eos_ids = list(job.eos_ids)
         self.context = run.context
         self.job = job
-        self.engine = ResidentEngine(run, job, o.timeout)
+        self.engine = self._new_engine()
         self.catalog = Catalog(Path(o.cache_dir) if o.cache_dir else None)
-        self.front: EngineFront | None = None
-        self._failed: str | None = None
-        self._recovering: str | None = None  # why the ranks are being started again (503 meanwhile)
-        self._watching = self._gave_up = False
-        self._stopping = threading.Event()
         self.metrics = Metrics(live=self.live)
         self._lock = threading.Lock()
         self._in_flight = 0  # requests taken and not ended (answering or waiting for a slot)
@@ -90,6 +80,14 @@ class Server:
         self._save_meta = save_meta
         self._start_ranks()
 
+    def _new_engine(self):
+        from ..serving.engine_client import ResidentEngine
+
+        return ResidentEngine(self.run, self.job, self.o.timeout)
+
+    def _restarted(self) -> None:
+        self.metrics.restarts.inc()
+
     def _start_ranks(self) -> None:
         """The ranks, their pool and the engine's front (at start, and again after a lost rank)."""
         client = self.engine.start()
@@ -104,73 +102,6 @@ class Server:
             on_made=self.metrics.document_made,
         )
         self.front.start()
-
-    def watch(self, give_up) -> None:
-        """From now on a lost rank (or a broken front) starts a new set of ranks (:meth:`recover`);
-        ``give_up()`` when they do not come back."""
-
-        def loop():
-            while not self._stopping.wait(0.2):
-                reason = self._lost()
-                if reason is not None and not self.recover(reason):
-                    give_up()
-                    return
-
-        self._watching = True
-        threading.Thread(target=loop, name="treeattn-watch", daemon=True).start()
-
-    def recover(self, reason: str) -> bool:
-        """The ranks are gone (``reason``): the requests in flight have ended with it (the front
-        fails them); new requests get 503 ``recovering`` while the old ranks are stopped and a new
-        set starts, up to ``--restarts`` times (:func:`restart_waits` apart). Nothing is resident in
-        new ranks: the documents come back from ``--cache-dir`` as they are asked for, pinned ones
-        at once.
-        Returns whether the server serves again (or is stopping)."""
-        from ..serving.engine_client import ResidentEngine
-
-        waits = restart_waits(self.o.restarts)
-        if waits:
-            self._recovering = reason
-            print(f"treeattn serve: {reason}; starting the ranks again", file=sys.stderr, flush=True)
-        if self.front is not None:
-            self.front.shutdown()
-            self.front.join(timeout=15)
-        self.engine.stop(now=True)
-        self.catalog.restarted()
-        for wait in waits:
-            if self._stopping.wait(wait):
-                return True
-            self.engine = ResidentEngine(self.run, self.job, self.o.timeout)
-            try:
-                self._start_ranks()
-            except Exception as e:  # noqa: BLE001 - said below, and tried again
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                self.engine.stop(now=True)
-                continue
-            if self._stopping.is_set():  # stopped while they started: stop them too
-                self.engine.stop(now=True)
-                return True
-            self._failed, self._recovering = None, None
-            self.metrics.restarts.inc()
-            self._pin_again()
-            print("treeattn serve: the ranks are back; serving", file=sys.stderr, flush=True)
-            return True
-        self._failed = (
-            f"the ranks did not come back after {len(waits)} tr{'y' if len(waits) == 1 else 'ies'} "
-            f"(--restarts): {reason}"
-            if waits
-            else f"{reason} (--restarts 0: not restarted)"
-        )
-        self._recovering, self._gave_up = None, True
-        print(f"treeattn serve: error: {self._failed}", file=sys.stderr, flush=True)
-        return False
-
-    def _pin_again(self) -> None:
-        """Pinned documents never leave memory: into the new ranks' pools now (from disk, else
-        prefilled from their tokens), off the request path."""
-        pinned = [(k, e.ids) for k, e in list(self.catalog.entries.items()) if e.pinned]
-        for key, ids in pinned:
-            self.front.document(key, ids, {"pin": True}, deliver=lambda event: None)
 
     def _make_pool(self, client) -> None:
         """The ranks allocate the documents' pool now (``--kv-memory``: a size, or a fraction of
@@ -287,38 +218,6 @@ class Server:
     def cancel(self, ticket) -> None:
         """A client gone: its request ends (its slot freed)."""
         self.front.cancel(ticket)
-
-    def fail(self, reason: str) -> None:
-        self._failed = self._failed or reason
-
-    def _lost(self) -> str | None:
-        """Why the ranks or the front stopped (a lost rank, a broken front), or None."""
-        if self._failed is None and self.front is not None and self.front.failed:
-            self._failed = self.front.failed
-        if self._failed is None and self.engine.thread is not None and not self.engine.thread.is_alive():
-            err = self.engine.error
-            self._failed = str(err) if err is not None else "the ranks stopped"
-        return self._failed
-
-    @property
-    def recovering(self) -> str | None:
-        """Why the ranks are being started again (lost, and :meth:`watch` will start new ones), or None."""
-        if self._recovering is None and self._watching and self.o.restarts and not self._gave_up:
-            return self._lost()
-        return self._recovering
-
-    @property
-    def failed(self) -> str | None:
-        """Why the server cannot answer now (its ranks being started again, or gone), or None."""
-        return self.recovering or self._lost()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        front = self.front
-        if front is not None:
-            front.shutdown()
-            front.join(timeout=15)
-        self.engine.stop(now=(front is not None and front.is_alive()) or self.failed is not None)
 
 
 def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
