@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from .fused_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from .paged_ref import gather_pages, partial_attention_paged_ref
 from .partial_ref import add_sink, dequantize, partial_attention_ref
 
@@ -22,6 +23,12 @@ __all__ = [
     "partial_attention_paged",
     "partial_attention_ref",
     "partial_attention_paged_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "silu_mul",
+    "silu_mul_ref",
+    "rope",
+    "rope_ref",
     "gather_pages",
     "gpu_path",
     "gpu_branches",
@@ -128,6 +135,50 @@ def gpu_path(q) -> bool:
     (Triton's interpreter on a CPU, for tests of that path end to end), or within
     :func:`gpu_branches`."""
     return q.is_cuda or _GPU_BRANCHES["on"] or os.environ.get("TREEATTN_KERNEL") == "triton"
+
+
+def _small_impl(x, impl: str) -> str:
+    """``auto``: Triton on CUDA (on a CPU with ``TREEATTN_KERNEL=triton``, interpreted) where
+    it can run and the kernels passed their self-check (:func:`use_reference`), else torch."""
+    if impl == "auto":
+        fast = (x.is_cuda or os.environ.get("TREEATTN_KERNEL") == "triton") and not _REFERENCE["on"]
+        impl = "triton" if fast and triton_available() else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"unknown impl {impl!r} (expected auto, triton or torch)")
+    return impl
+
+
+def rms_norm(x, weight, eps: float, *, impl: str = "auto"):
+    """The RMS norm of Llama-style models (:func:`fused_ref.rms_norm_ref`): one Triton launch on
+    CUDA (``fused_triton``), else the torch reference, transformers' own operations (a CPU's
+    bits are its bits)."""
+    if _small_impl(x, impl) == "triton":
+        from .fused_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def silu_mul(gate, up, *, impl: str = "auto"):
+    """``silu(gate) * up`` of a Llama-style MLP (:func:`fused_ref.silu_mul_ref`): one Triton
+    launch on CUDA, else the torch reference."""
+    if _small_impl(gate, impl) == "triton":
+        from .fused_triton import silu_mul_triton
+
+        return silu_mul_triton(gate, up)
+    return silu_mul_ref(gate, up)
+
+
+def rope(q, k, cos, sin, *, impl: str = "auto"):
+    """The rotary embedding of ``q [B, H, T, d]`` and ``k [B, H_kv, T, d]`` by ``cos, sin [B, T,
+    d]`` (:func:`fused_ref.rope_ref`, transformers' ``apply_rotary_pos_emb``): one Triton launch
+    for both on CUDA (``d`` a power of two), else the torch reference."""
+    d = q.shape[-1]
+    if _small_impl(q, impl) == "triton" and d & (d - 1) == 0:
+        from .fused_triton import rope_triton
+
+        return rope_triton(q, k, cos, sin)
+    return rope_ref(q, k, cos, sin)
 
 
 def partial_attention_paged(

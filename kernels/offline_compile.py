@@ -506,6 +506,18 @@ def step_report(target: Target) -> list[dict]:
     return out
 
 
+# hidden sizes of the norms (and MLP widths) the fused layer kernels meet: Qwen2-0.5B's 896, 2048
+# to 8192 (Llama 1B to 70B), and a query/key norm of head dim 128 (Qwen3)
+NORM_WIDTHS = (128, 896, 2048, 4096, 8192)
+
+
+def fused_calls():
+    """The layer's small kernels (``fused_triton``: the RMS norm per width and dtype, SiLU × up per
+    dtype), at a decode step's rows."""
+    for n, dt in itertools.product(NORM_WIDTHS, DTYPES):
+        yield f"rms_norm n={n} {NAMES[dt]}", n, dt
+
+
 def merge_calls():
     """The fused pack/finish of the allreduce merge and the one-launch merge of an all-gather
     (8 ranks), per head dim and output dtype."""
@@ -785,6 +797,16 @@ def launches(target: Target, calls=None):
         yield label, lambda kw=kw: partial_attention_triton_paged(**kw)
     for label, fn, kw in block_lse_calls(target):
         yield label, lambda fn=fn, kw=kw: fn(**kw)
+    from .fused_triton import rms_norm_triton, silu_mul_triton
+
+    for label, n, dt in fused_calls():
+
+        def layer(n=n, dt=dt):
+            rms_norm_triton(_meta(4, n, dtype=dt), _meta(n, dtype=dt), 1e-6)
+            if n == NORM_WIDTHS[-1]:  # (one block size for every width)
+                silu_mul_triton(_meta(4, 14336, dtype=dt), _meta(4, 14336, dtype=dt))
+
+        yield label, layer
     for label, d, dt in merge_calls():
 
         def merge(d=d, dt=dt):

@@ -124,6 +124,7 @@ def test_check_passes_on_this_gpu(tmp_path, monkeypatch):
         "partial/triton",
         "partial/aten",
         "merge/fused",
+        "layer/fused",
         "generate/eager",
         "generate/cuda-graph",
         "batch/eager",

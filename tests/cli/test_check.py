@@ -44,6 +44,7 @@ def test_check_on_cpu_ranks_passes(cache):
     assert all(x["verdict"] in ("pass", "skipped") for x in recs)
     assert {x["path"] for x in recs if x["verdict"] == "skipped"} == {
         "merge/fused",
+        "layer/fused",
         "compile/<gpu>",
         "generate/cuda-graph",
         "batch/cuda-graph",

@@ -49,7 +49,15 @@ def test_every_configuration_compiles(compiled, target):
     assert res["configs"] > 2000  # head dims x groups x dtypes x lengths x flags, decode and prefill
     assert not res["errors"], res["errors"][:5]
     names = {k["kernel"] for k in res["kernels"]}
-    assert names == {"_split_kernel", "_reduce_kernel", "_weigh_kernel", "_unweigh_kernel", "_gathered_kernel"}
+    assert names == {
+        "_split_kernel",
+        "_reduce_kernel",
+        "_weigh_kernel",
+        "_unweigh_kernel",
+        "_gathered_kernel",
+        "_rms_norm_kernel",  # the layer's fused norm and SiLU × up (issue 51)
+        "_silu_mul_kernel",
+    }
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -243,7 +243,7 @@ def load_model(
     only this rank's slices (transformers' TP loader; see ``tp.py``)."""
     from transformers import AutoModelForCausalLM
 
-    from . import invariance, tp
+    from . import fused, invariance, tp
     from .attention import register
 
     name = register()
@@ -270,6 +270,7 @@ def load_model(
         ) from None
     check_supported(model)
     model = (model if tp_mesh is not None else model.to(device)).eval()
+    fused.install(model)  # transformers' norms as one operation each (one launch on a GPU), same bits on a CPU
     invariance.prepare(model)  # each row's numbers its own, alone or among others (model.treeattn_rows)
     return model
 

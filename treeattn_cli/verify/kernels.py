@@ -11,6 +11,8 @@ each runs where the user will run it, against its reference:
   of 5 and 17 rows, the cascade's document rows of a batch (a padded row among them), and an
   fp8 cache (head dims 64/96/128, groups 1/4/8, ragged; where the device stores fp8);
 * ``merge/fused`` (CUDA): the fused pack/finish of the allreduce merge vs the torch merge;
+* ``layer/fused`` (CUDA): the layer's small kernels (the RMS norm, SiLU × up; ``engine/fused.py``)
+  vs their torch references, transformers' own operations;
 * ``compile/<target>`` (GPU): every Triton kernel configuration compiled for the local target,
   no spills, shared memory within the limit (``treeattn_kernels.offline_compile``).
 
@@ -36,7 +38,7 @@ from .. import __version__
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-KERNEL_PATHS = ("partial/", "merge/fused", "compile/")  # what the cached verdict covers
+KERNEL_PATHS = ("partial/", "merge/fused", "layer/fused", "compile/")  # what the cached verdict covers
 
 
 def rel_err(actual, expected) -> float:
@@ -250,8 +252,9 @@ def _kernel_checks(device, full, kinds, say, warming) -> list[dict]:
     if kinds is not None:
         return out
     if device.type == "cuda":
-        say("fused merge kernels")
+        say("fused merge kernels, the layer's fused kernels")
         out += _fused_merge_checks(device, gen)
+        out += _fused_layer_checks(device, gen)
         if full:
             say(
                 f"every kernel configuration compiled for this GPU (compile/<target>; {len(warming)} "
@@ -265,6 +268,7 @@ def _kernel_checks(device, full, kinds, say, warming) -> list[dict]:
             out.append(_compile_check(device))
     else:
         out.append(skipped("merge/fused", "CPU: the merge is the torch code itself"))
+        out.append(skipped("layer/fused", "CPU: the norms and the MLP are transformers' operations themselves"))
         if full:
             out.append(skipped("compile/<gpu>", "no GPU here (CI compiles for sm_80, sm_90, gfx942)"))
     return out
@@ -288,6 +292,32 @@ def _fused_merge_checks(device, gen) -> list[dict]:
         except Exception as e:
             err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
         out.append(_record("merge/fused", f"d={d} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note))
+    return out
+
+
+def _fused_layer_checks(device, gen) -> list[dict]:
+    """The layer's small kernels (issue 51: the RMS norm, SiLU × up) against their torch
+    references, which are transformers' own operations."""
+    from treeattn_kernels.fused_ref import rms_norm_ref, silu_mul_ref
+    from treeattn_kernels.fused_triton import rms_norm_triton, silu_mul_triton
+
+    out = []
+    for n, dt in ((4096, torch.bfloat16), (896, torch.float16), (128, torch.float32)):
+        x = (torch.randn(3, n, generator=gen) * 4).to(device, dt)
+        w = (torch.randn(n, generator=gen) * 0.3 + 1).to(device, dt)
+        up = torch.randn(3, n, generator=gen).to(device, dt)
+        for what, fast, ref in (
+            ("rms_norm", lambda: rms_norm_triton(x, w, 1e-6), lambda: rms_norm_ref(x, w, 1e-6)),
+            ("silu_mul", lambda: silu_mul_triton(x, up), lambda: silu_mul_ref(x, up)),
+        ):
+            t0 = time.perf_counter()
+            try:
+                err, note = rel_err(fast(), ref()), ""
+            except Exception as e:
+                err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
+            out.append(
+                _record("layer/fused", f"{what} n={n} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note)
+            )
     return out
 
 

@@ -1,0 +1,111 @@
+"""Transformers' norms and MLPs as one operation each (``engine/fused.py``, issue 51): which
+modules are replaced, that a replaced model's logits keep their bits on a CPU, that a module of
+another formula keeps its own, and that the engine's step dispatches one operation a norm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeattn_cli.engine import fused
+from treeattn_cli.verify import tiny as tiny_models
+
+LAYERS = 2
+
+
+def _load(path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize(
+    "family, norms, mlps, rope",
+    [
+        ("llama", 2 * LAYERS + 1, LAYERS, 1),
+        ("mistral", 2 * LAYERS + 1, LAYERS, 1),
+        ("qwen2", 2 * LAYERS + 1, LAYERS, 1),
+        ("qwen3", 4 * LAYERS + 1, LAYERS, 1),  # and each layer's query and key norms
+        ("gemma2", 0, 0, 1),  # (1 + weight) norms, a tanh-GELU MLP: transformers' modules stay
+        ("gpt_oss", 2 * LAYERS + 1, 0, 0),  # experts, and a rotary embedding of its own
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replaced_modules_keep_the_logits_bits(tmp_path, family, norms, mlps, rope, dtype):
+    path = tiny_models.make_model(family, tmp_path / family, seed=7, num_hidden_layers=LAYERS)
+    model = _load(path, dtype)
+    ids = torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        before = model(ids).logits
+        assert fused.install(model) == {"rms_norm": norms, "silu_mul": mlps, "rope": rope}
+        after = model(ids).logits
+    assert torch.equal(before, after), family
+
+
+def test_a_rotary_embedding_of_another_formula_is_left_alone(tmp_path):
+    """Channels rotated in interleaved pairs (GPT-J's), not halves: not the reference. The family's
+    own function replaced keeps it for calls the kernel does not take (another unsqueeze_dim)."""
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    assert not fused.is_rope(interleaved, torch.device("cpu"), torch.float32, 64)
+    path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=1)
+    fused.install(_load(path, torch.float32))
+    import transformers.models.llama.modeling_llama as llama
+
+    fn = llama.apply_rotary_pos_emb
+    assert fused.is_rope(fn.treeattn_original, torch.device("cpu"), torch.float32, 64)
+    q = torch.randn(1, 3, 2, 8)  # [B, T, H, d]: rotated along unsqueeze_dim=2, by transformers' own
+    c, s = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    for a, b in zip(fn(q, q, c, s, unsqueeze_dim=2), fn.treeattn_original(q, q, c, s, unsqueeze_dim=2)):
+        assert torch.equal(a, b)
+
+
+def test_a_module_of_another_formula_is_left_alone(tmp_path):
+    """A Llama norm whose weight is applied before the cast (Gemma's order) is not the reference:
+    left as it is; the same for an MLP whose activation is not SiLU."""
+
+    class OtherNorm(torch.nn.Module):  # named like a norm, not the formula
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(64, dtype=torch.bfloat16) + 0.5)
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (h * self.weight.float()).to(x.dtype)
+
+    OtherNorm.__name__ = "OtherRMSNorm"
+    assert not fused.is_rms_norm(OtherNorm())
+    path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=1)
+    model = _load(path, torch.bfloat16)
+    mlp = model.model.layers[0].mlp
+    assert fused.is_silu_mlp(mlp) and fused.is_rms_norm(model.model.norm)
+    mlp.act_fn = torch.nn.GELU()
+    assert not fused.is_silu_mlp(mlp)
+
+
+def test_the_step_dispatches_one_operation_a_norm(tmp_path):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=LAYERS)
+    model = _load(path, torch.float32)
+    fused.install(model)
+    seen = []
+
+    class Names(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Names():
+        model(torch.tensor([[5, 6, 7]]))
+    assert seen.count("rms_norm") == 2 * LAYERS + 1 and seen.count("silu_mul") == LAYERS
+    assert seen.count("rope") == LAYERS
+    assert "rsqrt" not in seen and "silu" not in seen and "neg" not in seen  # (the references' ran below them)

@@ -1,0 +1,193 @@
+"""Fused operations of the decode step (issue 51): work of transformers' modules that is one
+launch on a GPU, as torch custom operations, so a step dispatches one operation where the
+module dispatched several (the census counts them as they run, ``bench/census.py``).
+
+* ``treeattn::rms_norm``: the RMS norm of Llama, Qwen2/3 and Mistral (eight launches a norm as
+  transformers' module; two norms a layer, Qwen3's query and key norms two more);
+* ``treeattn::silu_mul``: their MLP's ``silu(gate) * up`` (two launches);
+* ``treeattn::rope``: their attention's rotary embedding of the queries and keys (transformers'
+  ``apply_rotary_pos_emb``, ten launches; replaced in the family's modeling module, as Liger
+  Kernel does, where that function gives the reference's bits).
+
+Each is one Triton launch on a GPU (``treeattn_kernels.fused_triton``) and transformers' own
+operations elsewhere (``fused_ref``): a CPU's numbers stay transformers' bits. :func:`install`
+replaces a module's forward only where it gives the reference's bits on random rows (a norm of
+another formula, Gemma's ``1 + weight``, or an MLP of another activation keeps its module), and
+not under tensor parallelism (whose weights are shards)."""
+
+from __future__ import annotations
+
+import torch
+
+
+# The operations, registered with the dispatcher once per process: one implementation for every
+# device (``treeattn_kernels`` picks Triton on CUDA, the reference elsewhere), and their shapes
+# for meta tensors. (``torch.library.custom_op`` costs ~30 µs more a call on a CPU.)
+_LIB = torch.library.Library("treeattn", "FRAGMENT")
+_LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIB.define("silu_mul(Tensor gate, Tensor up) -> Tensor")
+_LIB.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
+
+
+def _rms_norm(x, weight, eps):
+    from treeattn_kernels import rms_norm as kernel
+
+    return kernel(x, weight, eps)
+
+
+def _silu_mul(gate, up):
+    from treeattn_kernels import silu_mul as kernel
+
+    return kernel(gate, up)
+
+
+def _rope(q, k, cos, sin):
+    from treeattn_kernels import rope as kernel
+
+    return kernel(q, k, cos, sin)
+
+
+_LIB.impl("rms_norm", _rms_norm, "CompositeExplicitAutograd")
+_LIB.impl("rope", _rope, "CompositeExplicitAutograd")
+_LIB.impl("rope", lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k)), "Meta")
+_LIB.impl("silu_mul", _silu_mul, "CompositeExplicitAutograd")
+_LIB.impl("rms_norm", lambda x, w, eps: x.new_empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype)), "Meta")
+_LIB.impl("silu_mul", lambda gate, up: torch.empty_like(up), "Meta")
+rms_norm = torch.ops.treeattn.rms_norm  # x [..., n], weight [n], eps -> [..., n] (fused_ref.rms_norm_ref)
+silu_mul = torch.ops.treeattn.silu_mul  # gate, up [...] -> silu(gate) * up (fused_ref.silu_mul_ref)
+rope = torch.ops.treeattn.rope  # q [B, H, T, d], k [B, H_kv, T, d], cos, sin [B, T, d] -> (q, k) rotated
+
+
+def _plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and not hasattr(t, "to_local")  # (a tensor-parallel DTensor: left)
+
+
+def is_rms_norm(m, seed: int = 0) -> bool:
+    """Whether module ``m`` is a Llama-style RMS norm: a plain ``weight [n]``, a float
+    ``variance_epsilon``, and the reference's bits on random rows (1 and 5 of them, scaled
+    wide) on its own device and dtype."""
+    from treeattn_kernels import rms_norm_ref
+
+    w, eps = getattr(m, "weight", None), getattr(m, "variance_epsilon", None)
+    if not (type(m).__name__.endswith("RMSNorm") and _plain(w) and w.dim() == 1 and isinstance(eps, float)):
+        return False
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        for rows in (1, 5):
+            x = (torch.randn(rows, w.shape[0], generator=g) * 8).to(w.device, w.dtype)
+            try:
+                same = torch.equal(m(x), rms_norm_ref(x, w, eps))
+            except Exception:  # noqa: BLE001 - a module that takes other arguments: not ours to fuse
+                return False
+            if not same:
+                return False
+    return True
+
+
+def is_silu_mlp(m, seed: int = 0) -> bool:
+    """Whether module ``m`` is a Llama-style MLP, ``down(silu(gate(x)) * up(x))`` with plain
+    weights: its own output's bits equal :func:`_mlp_forward`'s on random rows."""
+    parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(p, torch.nn.Linear) and _plain(p.weight) for p in parts):
+        return False
+    if type(getattr(m, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):  # (torch's, transformers')
+        return False
+    w = parts[0].weight
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(rows, w.shape[1], generator=g).to(w.device, w.dtype)
+            try:
+                if not torch.equal(m(x), _mlp_forward(m)(x)):
+                    return False
+            except Exception:  # noqa: BLE001 - a module that takes other arguments: not ours to fuse
+                return False
+    return True
+
+
+def is_rope(fn, device, dtype, head_dim: int, seed: int = 0) -> bool:
+    """Whether ``fn`` (a modeling module's ``apply_rotary_pos_emb``) gives the reference's bits
+    (``fused_ref.rope_ref``) on random queries, keys and angles of ``head_dim`` (even)."""
+    from treeattn_kernels import rope_ref
+
+    if head_dim % 2:
+        return False
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, 3, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(2, 2, 3, head_dim, generator=g).to(device, dtype)
+    angles = torch.randn(2, 3, head_dim // 2, generator=g) * 20
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    with torch.inference_mode():
+        try:
+            got, want = fn(q, k, cos, sin), rope_ref(q, k, cos, sin)
+        except Exception:  # noqa: BLE001 - another signature: not ours to replace
+            return False
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _rope_in_place_of(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # transformers' signature
+        if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return rope(q, k, cos, sin)
+
+    apply_rotary_pos_emb.treeattn_original = original
+    return apply_rotary_pos_emb
+
+
+def install_rope(model) -> int:
+    """Replace ``apply_rotary_pos_emb`` in the modeling module of ``model``'s attention by one
+    using ``treeattn::rope`` where :func:`is_rope` says it is the reference (once per process and
+    module: every model of that family loaded here then uses it, with a CPU's bits unchanged);
+    returns how many modules use it."""
+    import sys
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = next(model.parameters())
+    names = {type(m).__module__ for m in model.modules() if type(m).__name__.endswith("Attention")}
+    done = 0
+    for name in sorted(names):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None or not callable(fn) or not _plain(w):
+            continue
+        if not hasattr(fn, "treeattn_original"):
+            if not is_rope(fn, w.device, w.dtype, head_dim):
+                continue
+            mod.apply_rotary_pos_emb = _rope_in_place_of(fn)
+        done += 1
+    return done
+
+
+def install(model) -> dict:
+    """Replace the forward of every Llama-style RMS norm (:func:`is_rms_norm`) and MLP
+    (:func:`is_silu_mlp`) of ``model`` by one using ``treeattn::rms_norm`` / ``silu_mul``, and its
+    family's rotary embedding (:func:`install_rope`); returns how many of each
+    (``model.treeattn_fused``)."""
+    done = {"rms_norm": 0, "silu_mul": 0}
+    for m in model.modules():
+        if is_rms_norm(m):
+            m.forward = _norm_forward(m)
+            done["rms_norm"] += 1
+        elif is_silu_mlp(m):
+            m.forward = _mlp_forward(m)
+            done["silu_mul"] += 1
+    done["rope"] = install_rope(model)
+    model.treeattn_fused = done
+    return done
+
+
+def _norm_forward(m):
+    def forward(hidden_states):
+        return rms_norm(hidden_states, m.weight, m.variance_epsilon)
+
+    return forward
+
+
+def _mlp_forward(m):
+    def forward(x):
+        return m.down_proj(silu_mul(m.gate_proj(x), m.up_proj(x)))
+
+    return forward
