@@ -61,24 +61,41 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=ok, other=0.0)
+def _silu_mul_kernel(G, U, Y, n, sg, su, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    g = tl.load(G + row * sg + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * su + cols, mask=ok, other=0.0)
     s = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty)  # silu, rounded as the reference's own launch
-    tl.store(Y + offs, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + row * n + cols, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """:func:`fused_ref.silu_mul_ref` in one launch (``gate`` and ``up`` of one shape and dtype)."""
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(u)
-    n = u.numel()
-    if n:
+    """:func:`fused_ref.silu_mul_ref` in one launch (``gate`` and ``up`` of one shape and dtype;
+    rows of any stride, as the columns of a fused gate-and-up product are)."""
+    n = up.shape[-1]
+    g, u = gate.reshape(-1, n), up.reshape(-1, n)
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    if u.stride(-1) != 1:
+        u = u.contiguous()
+    out = torch.empty(u.shape, dtype=up.dtype, device=up.device)
+    if out.numel():
         block = 1024
-        launch(_silu_mul_kernel, (triton.cdiv(n, block),), g, u, out, n, BLOCK=block, num_warps=4)
-    return out
+        launch(
+            _silu_mul_kernel,
+            (u.shape[0], triton.cdiv(n, block)),
+            g,
+            u,
+            out,
+            n,
+            g.stride(0),
+            u.stride(0),
+            BLOCK=block,
+            num_warps=4,
+        )
+    return out.reshape(up.shape)
 
 
 @triton.jit

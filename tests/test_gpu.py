@@ -160,3 +160,33 @@ def test_fp8_cache_with_diffuse_attention_keeps_its_values(dtype):
     o_ref, lse_ref = attention_f64(q, dequantize(k8, ks, torch.float64), dequantize(v8, vs, torch.float64))
     assert_close(o, o_ref, dtype, "o")
     assert_close(lse, lse_ref, dtype, "lse")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_layer_operations_keep_the_logits_within_bf16_rounding(tmp_path, family):
+    """Issue 51: on the GPU the norms, SiLU × up and the rotary embedding are one Triton launch
+    each; a bf16 model's logits with them against transformers' own modules on the same GPU:
+    within bf16's rounding (the fused kernels round where the modules round; the norm's sum runs
+    in another order). A wrong fusion (gate and up swapped, a rotation turned the other way, eps
+    left out) moves them by far more: the CPU tests plant those."""
+    from transformers import AutoModelForCausalLM
+
+    from treeattn_cli.engine import fused
+    from treeattn_cli.verify import tiny as tiny_models
+
+    path = tiny_models.make_model(family, tmp_path / family, seed=7, num_hidden_layers=4, hidden_size=256)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+    ids = torch.randint(3, 100, (2, 33), generator=torch.Generator().manual_seed(1)).cuda()
+    import sys
+
+    mod = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    if hasattr(mod.apply_rotary_pos_emb, "treeattn_original"):  # (replaced by an earlier load in this process)
+        mod.apply_rotary_pos_emb = mod.apply_rotary_pos_emb.treeattn_original
+    with torch.inference_mode():
+        before = model(ids).logits.float()
+        done = fused.install(model)
+        after = model(ids).logits.float()
+    assert done["rms_norm"] > 0 and done["silu_mul"] == 4 and done["rope"] == 1, done
+    scale = before.abs().max()
+    assert (after - before).abs().max() <= 0.05 * scale, ((after - before).abs().max(), scale)
+    assert (after.argmax(-1) == before.argmax(-1)).float().mean() >= 0.95

@@ -107,6 +107,14 @@ MUTANTS = [
         ("tests/engine/test_fused.py",),
     ),
     Mutant(
+        "fused-weights-concatenated-backwards",
+        "a layer's q, k and v (gate and up) weights concatenated in the wrong order",
+        "treeattn_cli/engine/fused_weights.py",
+        "torch.cat([p.weight.detach() for p in parts])",
+        "torch.cat([p.weight.detach() for p in reversed(parts)])",
+        ("tests/engine/test_fused.py",),
+    ),
+    Mutant(
         "fused-mlp-gate-and-up-swapped",
         "the fused MLP puts up through SiLU and multiplies by gate",
         "treeattn_cli/engine/fused.py",

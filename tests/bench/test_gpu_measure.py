@@ -50,4 +50,4 @@ def test_the_step_run_steps_the_engines_batch_loop_in_bf16_and_fp8():
     assert all(r["synced_ms"] > 0 and r["floor_ms"] > 0 and r["replayed"] is False for r in steps)
     census_recs = [r for r in out if r["kind"] == "census"]
     assert all(r["per_step"]["gemm"]["kernels"] > 0 for r in census_recs)
-    assert {r["name"] for r in out if r["kind"] == "gemv"} == {"q", "k", "o", "gate", "down", "lm_head"}
+    assert {r["name"] for r in out if r["kind"] == "gemv"} == {"qkv", "o", "gate_up", "down", "lm_head"}  # fused

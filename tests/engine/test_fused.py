@@ -20,26 +20,36 @@ def _load(path, dtype):
 
 
 @pytest.mark.parametrize(
-    "family, norms, mlps, rope",
+    "family, norms, mlps, rope, gate_up",
     [
-        ("llama", 2 * LAYERS + 1, LAYERS, 1),
-        ("mistral", 2 * LAYERS + 1, LAYERS, 1),
-        ("qwen2", 2 * LAYERS + 1, LAYERS, 1),
-        ("qwen3", 4 * LAYERS + 1, LAYERS, 1),  # and each layer's query and key norms
-        ("gemma2", 0, 0, 1),  # (1 + weight) norms, a tanh-GELU MLP: transformers' modules stay
-        ("gpt_oss", 2 * LAYERS + 1, 0, 0),  # experts, and a rotary embedding of its own
+        ("llama", 2 * LAYERS + 1, LAYERS, 1, LAYERS),
+        ("mistral", 2 * LAYERS + 1, LAYERS, 1, LAYERS),
+        ("qwen2", 2 * LAYERS + 1, LAYERS, 1, LAYERS),  # (q, k and v with biases)
+        ("qwen3", 4 * LAYERS + 1, LAYERS, 1, LAYERS),  # and each layer's query and key norms
+        ("gemma2", 0, 0, 1, LAYERS),  # (1 + weight) norms, a tanh-GELU MLP: transformers' modules stay
+        ("gpt_oss", 2 * LAYERS + 1, 0, 0, 0),  # experts, and a rotary embedding of its own
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_replaced_modules_keep_the_logits_bits(tmp_path, family, norms, mlps, rope, dtype):
+def test_replaced_modules_keep_the_logits_bits(tmp_path, family, norms, mlps, rope, gate_up, dtype):
+    """The same logits, bit for bit, before and after: for a batch of two and a row alone (the
+    fused projections' product is taken once for q, k and v, and kept for no other input)."""
     path = tiny_models.make_model(family, tmp_path / family, seed=7, num_hidden_layers=LAYERS)
     model = _load(path, dtype)
     ids = torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         before = model(ids).logits
-        assert fused.install(model) == {"rms_norm": norms, "silu_mul": mlps, "rope": rope}
-        after = model(ids).logits
-    assert torch.equal(before, after), family
+        done = fused.install(model)
+        after, alone = model(ids).logits, model(ids[1:]).logits
+    assert done == {
+        "rms_norm": norms,
+        "silu_mul": mlps,
+        "rope": rope,
+        "treeattn_qkv": LAYERS,
+        "treeattn_gate_up": gate_up,
+    }
+    assert torch.equal(before, after) and torch.equal(before[1:], alone), family
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in _load(path, dtype).parameters())
 
 
 def test_a_rotary_embedding_of_another_formula_is_left_alone(tmp_path):
@@ -108,4 +118,5 @@ def test_the_step_dispatches_one_operation_a_norm(tmp_path):
         model(torch.tensor([[5, 6, 7]]))
     assert seen.count("rms_norm") == 2 * LAYERS + 1 and seen.count("silu_mul") == LAYERS
     assert seen.count("rope") == LAYERS
+    assert seen.count("linear") == 4 * LAYERS + 1  # q, k and v in one; o; gate and up in one; down; the head
     assert "rsqrt" not in seen and "silu" not in seen and "neg" not in seen  # (the references' ran below them)

@@ -31,8 +31,11 @@ LLAMA_8B = dict(
 )
 
 
-def _model(attn, device="cuda", **shape):
-    """A random-weight Llama of Llama-3.1-8B's shape (``shape``: fields of it replaced), bf16."""
+def _model(attn, device="cuda", ready: bool = False, **shape):
+    """A random-weight Llama of Llama-3.1-8B's shape (``shape``: fields of it replaced), bf16.
+    ``ready``: made ready as ``load_model`` makes a model (``made_ready``: fused operations,
+    concatenated projections, row-invariant linear layers; ``gpu_step``'s). This script's own
+    rows compare with transformers' step on the same model, so it keeps transformers' modules."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..engine.attention import register
@@ -40,7 +43,12 @@ def _model(attn, device="cuda", **shape):
     register()
     with torch.device(device):
         m = LlamaForCausalLM(LlamaConfig(**{**LLAMA_8B, **shape}, attn_implementation=attn)).to(torch.bfloat16)
-    return m.eval()
+    m = m.eval()
+    if ready:  # as every command runs it
+        from ..engine.model import made_ready
+
+        made_ready(m)
+    return m
 
 
 GiB = 1 << 30

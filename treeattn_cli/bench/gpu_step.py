@@ -9,7 +9,7 @@ A random-weight model of Llama-3.1-8B's shape in bf16 (16 GB of weights; 17 GB o
 ``t_s``, the seconds since the run began):
 
 - ``device``: ``name``, ``copy_gbps`` (measured now), ``weight_bytes`` (what a step reads of them);
-- ``gemv``: each weight shape (q, k, o, gate, down, lm_head) as torch's ``linear`` on one row,
+- ``gemv``: each weight shape (qkv, o, gate_up, down, lm_head: the step's, fused) as torch's ``linear`` on one row,
   device time from graph replays, ``frac_copy`` against the copy bandwidth;
 - ``step`` (``N``, ``kv`` bf16 or fp8): ``synced_ms`` (a sync after each step),
   ``overlapped_ms`` (20 steps back to back, one sync), ``replay_ms`` (the step's graph replayed
@@ -52,12 +52,13 @@ def gemv(model, device, emit, bw) -> None:
     from .kernel import time_fn, time_graph
 
     layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = getattr(attn, "treeattn_qkv", None), getattr(mlp, "treeattn_gate_up", None)  # (fused_weights)
     shapes = {
-        "q": layer.self_attn.q_proj.weight,
-        "k": layer.self_attn.k_proj.weight,
-        "o": layer.self_attn.o_proj.weight,
-        "gate": layer.mlp.gate_proj.weight,
-        "down": layer.mlp.down_proj.weight,
+        **({"qkv": qkv.weight} if qkv is not None else {"q": attn.q_proj.weight, "k": attn.k_proj.weight}),
+        "o": attn.o_proj.weight,
+        **({"gate_up": gate_up.weight} if gate_up is not None else {"gate": mlp.gate_proj.weight}),
+        "down": mlp.down_proj.weight,
         "lm_head": model.lm_head.weight,
     }
     timer = time_graph if device.type == "cuda" else time_fn
@@ -163,7 +164,7 @@ def run(contexts: list[int], device, emit) -> None:
 
     cuda = device.type == "cuda"
     bw = copy_bandwidth(device, nbytes=(1 << 30) if cuda else (1 << 20), iters=10 if cuda else 2)
-    model = _model("treeattn", device.type, **({} if cuda else TINY))
+    model = _model("treeattn", device.type, ready=True, **({} if cuda else TINY))
     cfg = model.config
     emit(
         kind="device",

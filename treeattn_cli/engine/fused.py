@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from . import fused_weights
+
 
 # The operations, registered with the dispatcher once per process: one implementation for every
 # device (``treeattn_kernels`` picks Triton on CUDA, the reference elsewhere), and their shapes
@@ -127,20 +129,26 @@ def is_rope(fn, device, dtype, head_dim: int, seed: int = 0) -> bool:
 
 
 def _rope_in_place_of(original):
+    checked: set = set()  # the dtypes is_rope found the original to be the reference in
+
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # transformers' signature
-        if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
+        if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3 or q.dtype not in checked:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        if not (k.dtype == cos.dtype == sin.dtype == q.dtype):
             return original(q, k, cos, sin, unsqueeze_dim)
         return rope(q, k, cos, sin)
 
     apply_rotary_pos_emb.treeattn_original = original
+    apply_rotary_pos_emb.treeattn_checked = checked
     return apply_rotary_pos_emb
 
 
 def install_rope(model) -> int:
     """Replace ``apply_rotary_pos_emb`` in the modeling module of ``model``'s attention by one
-    using ``treeattn::rope`` where :func:`is_rope` says it is the reference (once per process and
-    module: every model of that family loaded here then uses it, with a CPU's bits unchanged);
-    returns how many modules use it."""
+    using ``treeattn::rope`` for calls in the dtypes where :func:`is_rope` found it the reference
+    (once per process, module and dtype: every model of that family loaded here then uses it,
+    with a CPU's bits unchanged; calls of another dtype or shape go to transformers' own);
+    returns how many modules use it for ``model``'s dtype."""
     import sys
 
     cfg = model.config
@@ -153,10 +161,14 @@ def install_rope(model) -> int:
         fn = getattr(mod, "apply_rotary_pos_emb", None)
         if fn is None or not callable(fn) or not _plain(w):
             continue
-        if not hasattr(fn, "treeattn_original"):
-            if not is_rope(fn, w.device, w.dtype, head_dim):
-                continue
-            mod.apply_rotary_pos_emb = _rope_in_place_of(fn)
+        original = getattr(fn, "treeattn_original", fn)
+        if not hasattr(fn, "treeattn_checked"):
+            fn = _rope_in_place_of(original)
+        if w.dtype not in fn.treeattn_checked:
+            if not is_rope(original, w.device, w.dtype, head_dim):
+                continue  # (in this dtype: calls in it keep transformers' own)
+            fn.treeattn_checked.add(w.dtype)
+            mod.apply_rotary_pos_emb = fn
         done += 1
     return done
 
@@ -164,8 +176,9 @@ def install_rope(model) -> int:
 def install(model) -> dict:
     """Replace the forward of every Llama-style RMS norm (:func:`is_rms_norm`) and MLP
     (:func:`is_silu_mlp`) of ``model`` by one using ``treeattn::rms_norm`` / ``silu_mul``, and its
-    family's rotary embedding (:func:`install_rope`); returns how many of each
-    (``model.treeattn_fused``)."""
+    family's rotary embedding (:func:`install_rope`), and concatenate its query, key and value
+    projections and its MLP's gate and up where exact (``fused_weights``); returns how many of
+    each (``model.treeattn_fused``)."""
     done = {"rms_norm": 0, "silu_mul": 0}
     for m in model.modules():
         if is_rms_norm(m):
@@ -175,6 +188,7 @@ def install(model) -> dict:
             m.forward = _mlp_forward(m)
             done["silu_mul"] += 1
     done["rope"] = install_rope(model)
+    done.update(fused_weights.install(model))
     model.treeattn_fused = done
     return done
 

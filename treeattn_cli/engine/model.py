@@ -243,7 +243,7 @@ def load_model(
     only this rank's slices (transformers' TP loader; see ``tp.py``)."""
     from transformers import AutoModelForCausalLM
 
-    from . import fused, invariance, tp
+    from . import tp
     from .attention import register
 
     name = register()
@@ -270,8 +270,18 @@ def load_model(
         ) from None
     check_supported(model)
     model = (model if tp_mesh is not None else model.to(device)).eval()
-    fused.install(model)  # transformers' norms as one operation each (one launch on a GPU), same bits on a CPU
-    invariance.prepare(model)  # each row's numbers its own, alone or among others (model.treeattn_rows)
+    return made_ready(model)
+
+
+def made_ready(model):
+    """``model`` (on its device, in eval mode) as every step runs it: its layers' small
+    operations fused and projections concatenated where exact (``fused``; one launch each on a
+    GPU, the same bits on a CPU), each row's numbers its own alone or among others
+    (``invariance``: ``model.treeattn_rows``). What ``load_model`` does, and the GPU benches."""
+    from . import fused, invariance
+
+    fused.install(model)
+    invariance.prepare(model)
     return model
 
 
