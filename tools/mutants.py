@@ -118,8 +118,8 @@ MUTANTS = [
         "fused-mlp-gate-and-up-swapped",
         "the fused MLP puts up through SiLU and multiplies by gate",
         "treeattn_cli/engine/fused.py",
-        "silu_mul(m.gate_proj(x), m.up_proj(x))",
-        "silu_mul(m.up_proj(x), m.gate_proj(x))",
+        "act_mul(m.gate_proj(x), m.up_proj(x))",
+        "act_mul(m.up_proj(x), m.gate_proj(x))",
         ("tests/engine/test_fused.py",),
     ),
     Mutant(

@@ -647,8 +647,10 @@ def print_census(records, as_json=False, file=None) -> None:
         return
     top = ", ".join(f"{k} {v}" for k, v in list(r["layer_ops"].items())[:8])
     print(
-        f"{r['model_shape']}: {r['kernels_per_layer']} operations a layer, {r['kernels_per_step']:,} a step "
-        f"({r['layers']} layers + {r['model_level']} outside them); a layer's most: {top}\n"
+        f"{r['model_shape']}: {r['kernels_per_layer']} operations a layer"
+        + (f" ({r['triton_per_layer']} of them Triton launches)" if r.get("triton_per_layer") else "")
+        + f", {r['kernels_per_step']:,} a step ({r['layers']} layers + {r['model_level']} outside them); "
+        f"a layer's most: {top}\n"
         f"[{r['counted_on']}]",
         file=file,
     )

@@ -18,7 +18,7 @@ PER_LAYER, OUTSIDE = 100, 40
 def test_the_census_counts_a_decode_step_and_the_count_does_not_grow(tmp_path):
     from treeattn_cli.bench.census import census
 
-    r = census("llama-3.1-8b", tmp_path, head_dim=16)
+    r = census("llama-3.1-8b", tmp_path, head_dim=16, gpu=False)  # (the GPU's branches: interpreted, minutes)
     assert r["layer_ops"].get("linear") == 4, r["layer_ops"]  # qkv, o, gate_up, down: the step ran its layers
     ops = r["layer_ops"]
     assert (ops.get("rms_norm"), ops.get("silu_mul"), ops.get("rope")) == (2, 1, 1), ops  # one operation each

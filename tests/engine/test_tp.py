@@ -321,9 +321,10 @@ def tp_shards_and_collectives(ctx, model_dir, tp, new_tokens):
     from treeattn_cli.engine.batch import BatchDecoder
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.job import EngineJob
-    from treeattn_cli.engine.model import load_model
+    from transformers import AutoModelForCausalLM
 
-    full = load_model(model_dir, torch.float32, torch.device("cpu"))
+    # the checkpoint's own layers (load_model would fuse the unsharded model's projections)
+    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     job = EngineJob(
         model_dir, (torch.arange(20) + 30).tolist(), max_new_tokens=new_tokens, dtype="float32", tp=tp, speculate="off"
     )

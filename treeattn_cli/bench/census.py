@@ -1,5 +1,8 @@
 """The decode step's kernel census (issue 51, item 1): how many device operations one batched
-decode step dispatches, per layer and per step, for a named model shape.
+decode step dispatches, per layer and per step, for a named model shape. By default on the GPU's
+branches (``TREEATTN_KERNEL=triton``; on a CPU the Triton kernels run interpreted, each launch
+counted as one operation: what a GPU launches, ``triton_per_layer`` of them Triton's); with
+``gpu=False`` the CPU's own step (its torch attention).
 
 Counted on this machine's ranks as the step runs: a random-weight Llama of the shape (its
 heads, KV heads and head dim; the MLP and vocabulary cut, which change no count), one rank, a
@@ -31,11 +34,19 @@ def _launches(func) -> bool:
     return not getattr(func, "is_view", False) and func.overloadpacket.__name__ not in FREE
 
 
-def census_rank(ctx, jobs: list, doc: list[int], new: int):
+def census_rank(ctx, jobs: list, doc: list[int], new: int, gpu: bool = False):
     """One rank, for each of ``jobs`` (an engine each, one after the other): one question over
     ``doc`` (in the block pool), ``new`` tokens; the operations of each decode step the batch
-    runs, by name. Returns each job's last step's counts (the first may set things up)."""
+    runs, by name. Returns each job's last step's counts (the first may set things up). ``gpu``:
+    on the GPU's branches (``TREEATTN_KERNEL=triton``: the Triton kernels a GPU launches, run by
+    Triton's interpreter), each kernel launch counted as one operation (``triton:<name>``)."""
+    import os
+
     from torch.utils._python_dispatch import TorchDispatchMode
+    from treeattn_kernels import targets
+
+    if gpu:
+        os.environ["TREEATTN_KERNEL"] = "triton"
 
     from ..engine.batch import BatchDecoder
     from ..engine.engine import Engine
@@ -47,16 +58,24 @@ def census_rank(ctx, jobs: list, doc: list[int], new: int):
             self.ops = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _launches(func):
-                self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+            launched = targets._state["counted"]
+            before = len(launched) if launched is not None else 0
+            out = func(*args, **(kwargs or {}))
+            if _launches(func) and not (launched is not None and len(launched) > before):
+                self.ops[func.overloadpacket.__name__] += 1  # (an operation that launched kernels: they count)
+            return out
 
     steps, out = [], []
     real = BatchDecoder._step
 
     def counted(self, *a, **kw):
-        with Count() as c:
-            out = real(self, *a, **kw)
+        launched = targets._state["counted"] = []
+        try:
+            with Count() as c:
+                out = real(self, *a, **kw)
+        finally:
+            targets._state["counted"] = None
+        c.ops.update(f"triton:{k}" for k in launched)
         steps.append(c.ops)
         return out
 
@@ -87,9 +106,11 @@ def census_rank(ctx, jobs: list, doc: list[int], new: int):
     return out
 
 
-def census(shape_name: str, root: Path | None = None, head_dim: int | None = None) -> dict:
+def census(shape_name: str, root: Path | None = None, head_dim: int | None = None, gpu: bool = True) -> dict:
     """The census record of ``shape_name`` (``projection.MODEL_SHAPES``). ``head_dim``: narrower
-    heads than the shape's (the test's: the same operations on smaller tensors, measured equal)."""
+    heads than the shape's (the test's: the same operations on smaller tensors, measured equal).
+    ``gpu`` (the default): the step on the GPU's branches, its Triton kernels interpreted and each
+    launch counted once (what a GPU launches); else the CPU's own step (its torch attention)."""
     from ..engine.job import EngineJob
     from ..parallel.launch import run_local
     from ..verify.tiny import make_model
@@ -117,7 +138,14 @@ def census(shape_name: str, root: Path | None = None, head_dim: int | None = Non
             )
         jobs.append(EngineJob(str(path), [], dtype="bfloat16", max_new_tokens=NEW))  # (a GPU's step dtype)
     doc = [(13 * i + 5) % (VOCAB - 20) + 10 for i in range(DOC)]
-    counts = dict(zip((2, 3), run_local(census_rank, 1, jobs, doc, NEW, timeout_s=600)[0]))
+    if gpu:
+        import os
+
+        import torch
+
+        if not torch.cuda.is_available():  # Triton's interpreter in the ranks (set before they start)
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    counts = dict(zip((2, 3), run_local(census_rank, 1, jobs, doc, NEW, gpu, timeout_s=600)[0]))
     two, three = (sum(counts[n].values()) for n in (2, 3))
     per_layer = three - two
     layer_ops = {k: counts[3].get(k, 0) - counts[2].get(k, 0) for k in set(counts[3]) | set(counts[2])}
@@ -130,5 +158,11 @@ def census(shape_name: str, root: Path | None = None, head_dim: int | None = Non
         "kernels_per_step": model_level + shape.layers * per_layer,
         "model_level": model_level,
         "layer_ops": {k: v for k, v in sorted(layer_ops.items(), key=lambda kv: -kv[1]) if v},
-        "counted_on": "cpu, bf16: one rank, a batched decode step (BatchDecoder._step), the engine's torch attention",
+        "triton_per_layer": sum(v for k, v in layer_ops.items() if k.startswith("triton:")),
+        "counted_on": (
+            "the GPU's branches on a CPU (Triton interpreted, a launch one operation), bf16: one rank, "
+            "a batched decode step (BatchDecoder._step)"
+            if gpu
+            else "cpu, bf16: one rank, a batched decode step (BatchDecoder._step), the engine's torch attention"
+        ),
     }

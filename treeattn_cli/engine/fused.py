@@ -88,7 +88,10 @@ def is_rms_norm(m, seed: int = 0) -> bool:
 
 def is_silu_mlp(m, seed: int = 0) -> bool:
     """Whether module ``m`` is a Llama-style MLP, ``down(silu(gate(x)) * up(x))`` with plain
-    weights: its own output's bits equal :func:`_mlp_forward`'s on random rows."""
+    weights: its own output's bits equal the reference formula's (``fused_ref.silu_mul_ref``
+    between its projections) on random rows."""
+    from treeattn_kernels import silu_mul_ref
+
     parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, torch.nn.Linear) and _plain(p.weight) for p in parts):
         return False
@@ -100,7 +103,7 @@ def is_silu_mlp(m, seed: int = 0) -> bool:
         for rows in (1, 3):
             x = torch.randn(rows, w.shape[1], generator=g).to(w.device, w.dtype)
             try:
-                if not torch.equal(m(x), _mlp_forward(m)(x)):
+                if not torch.equal(m(x), _mlp_forward(m, silu_mul_ref)(x)):
                     return False
             except Exception:  # noqa: BLE001 - a module that takes other arguments: not ours to fuse
                 return False
@@ -200,8 +203,10 @@ def _norm_forward(m):
     return forward
 
 
-def _mlp_forward(m):
+def _mlp_forward(m, act_mul=None):
+    act_mul = act_mul or silu_mul  # (is_silu_mlp checks the formula with the reference's)
+
     def forward(x):
-        return m.down_proj(silu_mul(m.gate_proj(x), m.up_proj(x)))
+        return m.down_proj(act_mul(m.gate_proj(x), m.up_proj(x)))
 
     return forward
