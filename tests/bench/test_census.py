@@ -7,19 +7,18 @@ from __future__ import annotations
 
 from helpers import assert_usage_error, cli
 
-# Llama-3.1-8B's heads (32 query, 8 KV) at head dim 16, bf16, counted on one CPU rank (the
-# named shape's own head dim 128 counts 108 and 42: BENCHMARKS.md; the CPU's attention takes
-# other paths at other head dims, so the test holds its own shape's numbers). 123 and 45 before
-# the norms, the MLP's silu × up and the rotary embedding became one operation each and the
-# projections that read one input one matrix multiply (engine/fused.py, fused_weights.py).
-PER_LAYER, OUTSIDE = 100, 40
+# Llama-3.1-8B's heads (32 query, 8 KV) at head dim 16, bf16, the CPU's own step on one rank
+# (its torch attention; the CPU keeps its projections apart, engine/fused.py). 123 and 45
+# before the norms, the MLP's silu × up and the rotary embedding became one operation each.
+# The GPU's branches (the census's default, Triton interpreted: minutes) are BENCHMARKS.md's.
+PER_LAYER, OUTSIDE = 103, 40
 
 
 def test_the_census_counts_a_decode_step_and_the_count_does_not_grow(tmp_path):
     from treeattn_cli.bench.census import census
 
     r = census("llama-3.1-8b", tmp_path, head_dim=16, gpu=False)  # (the GPU's branches: interpreted, minutes)
-    assert r["layer_ops"].get("linear") == 4, r["layer_ops"]  # qkv, o, gate_up, down: the step ran its layers
+    assert r["layer_ops"].get("linear") == 7, r["layer_ops"]  # q, k, v, o, gate, up, down: the step ran its layers
     ops = r["layer_ops"]
     assert (ops.get("rms_norm"), ops.get("silu_mul"), ops.get("rope")) == (2, 1, 1), ops  # one operation each
     assert r["kernels_per_layer"] <= PER_LAYER and r["model_level"] <= OUTSIDE, r

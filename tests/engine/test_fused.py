@@ -39,7 +39,7 @@ def test_replaced_modules_keep_the_logits_bits(tmp_path, family, norms, mlps, ro
     ids = torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         before = model(ids).logits
-        done = fused.install(model)
+        done = fused.install(model, weights=True)
         after, alone = model(ids).logits, model(ids[1:]).logits
     assert done == {
         "rms_norm": norms,
@@ -106,7 +106,7 @@ def test_the_step_dispatches_one_operation_a_norm(tmp_path):
 
     path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=LAYERS)
     model = _load(path, torch.float32)
-    fused.install(model)
+    fused.install(model, weights=True)
     seen = []
 
     class Names(TorchDispatchMode):
@@ -120,3 +120,10 @@ def test_the_step_dispatches_one_operation_a_norm(tmp_path):
     assert seen.count("rope") == LAYERS
     assert seen.count("linear") == 4 * LAYERS + 1  # q, k and v in one; o; gate and up in one; down; the head
     assert "rsqrt" not in seen and "silu" not in seen and "neg" not in seen  # (the references' ran below them)
+
+
+def test_a_cpu_keeps_its_projections_apart_and_the_gpu_branches_fuse_them(tmp_path, monkeypatch):
+    path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=LAYERS)
+    assert fused.install(_load(path, torch.float32))["treeattn_qkv"] == 0
+    monkeypatch.setenv("TREEATTN_KERNEL", "triton")
+    assert fused.install(_load(path, torch.float32))["treeattn_gate_up"] == LAYERS
