@@ -127,3 +127,14 @@ def test_a_cpu_keeps_its_projections_apart_and_the_gpu_branches_fuse_them(tmp_pa
     assert fused.install(_load(path, torch.float32))["treeattn_qkv"] == 0
     monkeypatch.setenv("TREEATTN_KERNEL", "triton")
     assert fused.install(_load(path, torch.float32))["treeattn_gate_up"] == LAYERS
+
+
+def test_a_tensor_parallel_model_keeps_its_projections(tmp_path, monkeypatch):
+    """Under --tp the projections' plan hooks split and gather their inputs and outputs: a
+    tensor-parallel model is never concatenated, on the GPU's branches too."""
+    from treeattn_cli.engine.model import made_ready
+
+    monkeypatch.setenv("TREEATTN_KERNEL", "triton")
+    path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=LAYERS)
+    model = made_ready(_load(path, torch.float32), tp=True)
+    assert model.treeattn_fused["treeattn_qkv"] == 0 and model.treeattn_fused["rms_norm"] == 2 * LAYERS + 1

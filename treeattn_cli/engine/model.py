@@ -270,17 +270,19 @@ def load_model(
         ) from None
     check_supported(model)
     model = (model if tp_mesh is not None else model.to(device)).eval()
-    return made_ready(model)
+    return made_ready(model, tp=tp_mesh is not None)
 
 
-def made_ready(model):
+def made_ready(model, tp: bool = False):
     """``model`` (on its device, in eval mode) as every step runs it: its layers' small
     operations fused and projections concatenated where exact (``fused``; one launch each on a
     GPU, the same bits on a CPU), each row's numbers its own alone or among others
-    (``invariance``: ``model.treeattn_rows``). What ``load_model`` does, and the GPU benches."""
+    (``invariance``: ``model.treeattn_rows``). What ``load_model`` does, and the GPU benches.
+    ``tp``: a tensor-parallel model, whose projections keep their own modules (their plan's
+    hooks split and gather their inputs and outputs)."""
     from . import fused, invariance
 
-    fused.install(model)
+    fused.install(model, weights=False if tp else None)
     invariance.prepare(model)
     return model
 
