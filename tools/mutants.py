@@ -107,6 +107,14 @@ MUTANTS = [
         ("tests/engine/test_fused.py",),
     ),
     Mutant(
+        "fused-rope-takes-partial-rotations",
+        "the rotary replacement takes a partial rotation's narrower angles (Phi-3's partial_rotary_factor)",
+        "treeattn_cli/engine/fused.py",
+        "if not (q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]):",
+        "if False:",
+        ("tests/engine/test_fused.py",),
+    ),
+    Mutant(
         "fused-weights-concatenated-backwards",
         "a layer's q, k and v (gate and up) weights concatenated in the wrong order",
         "treeattn_cli/engine/fused_weights.py",

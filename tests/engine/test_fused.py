@@ -138,3 +138,24 @@ def test_a_tensor_parallel_model_keeps_its_projections(tmp_path, monkeypatch):
     path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=LAYERS)
     model = made_ready(_load(path, torch.float32), tp=True)
     assert model.treeattn_fused["treeattn_qkv"] == 0 and model.treeattn_fused["rms_norm"] == 2 * LAYERS + 1
+
+
+def test_a_partial_rotation_and_a_multimodal_config_keep_working(tmp_path):
+    """Phi-3 rotates a part of each head (``partial_rotary_factor``): its ``apply_rotary_pos_emb``
+    is the reference on whole heads, and then takes narrower angles than the heads: those calls
+    go to transformers' own, the logits keep their bits. A model whose config holds its language
+    model's in ``text_config`` (a multimodal one) is read through it."""
+    import types
+
+    path = tiny_models.make_model(
+        "phi3", tmp_path / "phi3", seed=7, num_hidden_layers=LAYERS, partial_rotary_factor=0.5
+    )
+    model = _load(path, torch.float32)
+    ids = torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        before = model(ids).logits
+        assert fused.install(model)["rope"] == 1
+        assert torch.equal(model(ids).logits, before)
+    llama = _load(tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=1), torch.float32)
+    llama.config = types.SimpleNamespace(text_config=llama.config)
+    assert fused.install_rope(llama) == 1

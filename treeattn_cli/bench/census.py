@@ -138,14 +138,18 @@ def census(shape_name: str, root: Path | None = None, head_dim: int | None = Non
             )
         jobs.append(EngineJob(str(path), [], dtype="bfloat16", max_new_tokens=NEW))  # (a GPU's step dtype)
     doc = [(13 * i + 5) % (VOCAB - 20) + 10 for i in range(DOC)]
-    if gpu:
-        import os
+    import os
 
-        import torch
-
-        if not torch.cuda.is_available():  # Triton's interpreter in the ranks (set before they start)
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    counts = dict(zip((2, 3), run_local(census_rank, 1, jobs, doc, NEW, gpu, timeout_s=600)[0]))
+    before = os.environ.get("TRITON_INTERPRET")
+    if gpu:  # the ranks are CPU ranks: Triton's interpreter runs the kernels (set before they start)
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        counts = dict(zip((2, 3), run_local(census_rank, 1, jobs, doc, NEW, gpu, timeout_s=600)[0]))
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
     two, three = (sum(counts[n].values()) for n in (2, 3))
     per_layer = three - two
     layer_ops = {k: counts[3].get(k, 0) - counts[2].get(k, 0) for k in set(counts[3]) | set(counts[2])}

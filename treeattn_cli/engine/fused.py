@@ -51,7 +51,14 @@ def _rope(q, k, cos, sin):
 
 _LIB.impl("rms_norm", _rms_norm, "CompositeExplicitAutograd")
 _LIB.impl("rope", _rope, "CompositeExplicitAutograd")
-_LIB.impl("rope", lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k)), "Meta")
+_LIB.impl(
+    "rope",
+    lambda q, k, cos, sin: (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+    ),
+    "Meta",
+)
 _LIB.impl("silu_mul", _silu_mul, "CompositeExplicitAutograd")
 _LIB.impl("rms_norm", lambda x, w, eps: x.new_empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype)), "Meta")
 _LIB.impl("silu_mul", lambda gate, up: torch.empty_like(up), "Meta")
@@ -137,6 +144,8 @@ def _rope_in_place_of(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # transformers' signature
         if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3 or q.dtype not in checked:
             return original(q, k, cos, sin, unsqueeze_dim)
+        if not (q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]):  # (a partial rotation)
+            return original(q, k, cos, sin, unsqueeze_dim)
         if not (k.dtype == cos.dtype == sin.dtype == q.dtype):
             return original(q, k, cos, sin, unsqueeze_dim)
         return rope(q, k, cos, sin)
@@ -155,6 +164,7 @@ def install_rope(model) -> int:
     import sys
 
     cfg = model.config
+    cfg = getattr(cfg, "text_config", None) or cfg  # (a multimodal model's language model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = next(model.parameters())
     names = {type(m).__module__ for m in model.modules() if type(m).__name__.endswith("Attention")}

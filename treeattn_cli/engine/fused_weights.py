@@ -57,7 +57,7 @@ def _plain(t) -> bool:
 
 
 def _fusable(parts) -> bool:
-    if not all(isinstance(p, nn.Linear) and _plain(p.weight) for p in parts):
+    if not all(type(p) is nn.Linear and _plain(p.weight) for p in parts):  # (not a quantized subclass)
         return False
     w = parts[0].weight
     biased = {p.bias is not None for p in parts}
@@ -109,8 +109,12 @@ def install(model, only=None) -> dict:
             parts = [getattr(m, n, None) for n in group]
             if hasattr(m, name) or not _fusable(parts):
                 continue
-            fused = _concat(parts)
-            if not exact(parts, fused):
+            try:
+                fused = _concat(parts)
+                same = exact(parts, fused)
+            except Exception:  # noqa: BLE001 - weights that do not concatenate or multiply so: left apart
+                same = False
+            if not same:
                 continue
             setattr(m, name, fused)
             product = _Product(fused, [p.weight.shape[0] for p in parts])

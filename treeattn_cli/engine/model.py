@@ -273,16 +273,17 @@ def load_model(
     return made_ready(model, tp=tp_mesh is not None)
 
 
-def made_ready(model, tp: bool = False):
+def made_ready(model, tp: bool = False, weights: bool | None = None):
     """``model`` (on its device, in eval mode) as every step runs it: its layers' small
     operations fused and projections concatenated where exact (``fused``; one launch each on a
     GPU, the same bits on a CPU), each row's numbers its own alone or among others
     (``invariance``: ``model.treeattn_rows``). What ``load_model`` does, and the GPU benches.
     ``tp``: a tensor-parallel model, whose projections keep their own modules (their plan's
-    hooks split and gather their inputs and outputs)."""
+    hooks split and gather their inputs and outputs). ``weights``: concatenate the projections
+    whatever the device (default: on the GPU's branches, ``fused.install``)."""
     from . import fused, invariance
 
-    fused.install(model, weights=False if tp else None)
+    fused.install(model, weights=False if tp else weights)
     invariance.prepare(model)
     return model
 

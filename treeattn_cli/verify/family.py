@@ -223,7 +223,7 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
     from treeattn_kernels import reference_only, use_reference
 
     from ..engine import attention as A
-    from ..engine import invariance
+    from ..engine.model import made_ready
 
     cfg = small_config(config)
     mtype = getattr(config, "model_type", "?")
@@ -235,7 +235,9 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
         copy.deepcopy(cfg), attn_implementation=A.register(), dtype=torch.float32, trust_remote_code=trust_remote_code
     ).eval()
     ours.load_state_dict(eager.state_dict())
-    invariance.prepare(ours)  # as load_model leaves a model
+    # as load_model leaves a model (fused operations, row invariance), its projections concatenated
+    # as on a GPU's branches (on a CPU the same bits: checked as they are made)
+    made_ready(ours, weights=True)
     vocab = eager.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (DOCUMENT + QUESTION,), generator=g).tolist()

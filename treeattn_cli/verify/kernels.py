@@ -298,8 +298,8 @@ def _fused_merge_checks(device, gen) -> list[dict]:
 def _fused_layer_checks(device, gen) -> list[dict]:
     """The layer's small kernels (issue 51: the RMS norm, SiLU × up) against their torch
     references, which are transformers' own operations."""
-    from treeattn_kernels.fused_ref import rms_norm_ref, silu_mul_ref
-    from treeattn_kernels.fused_triton import rms_norm_triton, silu_mul_triton
+    from treeattn_kernels.fused_ref import rms_norm_ref, rope_ref, silu_mul_ref
+    from treeattn_kernels.fused_triton import rms_norm_triton, rope_triton, silu_mul_triton
 
     out = []
     for n, dt in ((4096, torch.bfloat16), (896, torch.float16), (128, torch.float32)):
@@ -318,6 +318,23 @@ def _fused_layer_checks(device, gen) -> list[dict]:
             out.append(
                 _record("layer/fused", f"{what} n={n} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note)
             )
+    for d, dt in ((128, torch.bfloat16), (64, torch.float32)):
+        # q and k as columns of one fused product (strided, each its own strides), angles shared
+        # by the batch ([1, T, d]) as transformers' rotary embedding gives them
+        B, H, Hk, T = 2, 8, 2, 5
+        qkv = torch.randn(B, T, (H + 2 * Hk) * d, generator=gen).to(device, dt)
+        q = qkv[..., : H * d].view(B, T, H, d).transpose(1, 2)
+        k = qkv[..., H * d : (H + Hk) * d].view(B, T, Hk, d).transpose(1, 2)
+        half = torch.randn(1, T, d // 2, generator=gen) * 30
+        emb = torch.cat([half, half], dim=-1)
+        cos, sin = emb.cos().to(device, dt), emb.sin().to(device, dt)
+        t0 = time.perf_counter()
+        try:
+            err = max(rel_err(a, b) for a, b in zip(rope_triton(q, k, cos, sin), rope_ref(q, k, cos, sin)))
+            note = ""
+        except Exception as e:
+            err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
+        out.append(_record("layer/fused", f"rope d={d} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note))
     return out
 
 
@@ -359,9 +376,10 @@ def _compile_check(device) -> dict:
 
 
 def machine_key(device) -> dict:
-    """What a kernel verdict depends on: the device, its driver, torch, triton, treeattn."""
+    """What a kernel verdict depends on: the device, its driver, torch, triton, treeattn, and
+    which paths the checks cover (a verdict from before a path was checked is not reused)."""
     device = torch.device(device)
-    key = {"device": device.type, "torch": torch.__version__, "treeattn": __version__}
+    key = {"device": device.type, "torch": torch.__version__, "treeattn": __version__, "checks": list(KERNEL_PATHS)}
     if device.type == "cuda":
         key["name"] = torch.cuda.get_device_name(device)
         key["runtime"] = torch.version.hip or torch.version.cuda
