@@ -140,9 +140,8 @@ def gpu_path(q) -> bool:
 def _small_impl(x, impl: str) -> str:
     """``auto``: Triton on CUDA (on a CPU with ``TREEATTN_KERNEL=triton``, interpreted) where
     it can run and the kernels passed their self-check (:func:`use_reference`), else torch."""
-    if impl == "auto":
-        fast = (x.is_cuda or os.environ.get("TREEATTN_KERNEL") == "triton") and not _REFERENCE["on"]
-        impl = "triton" if fast and triton_available() else "torch"
+    if impl == "auto":  # (within gpu_branches the reference is on: torch)
+        impl = "triton" if gpu_path(x) and not _REFERENCE["on"] and triton_available() else "torch"
     if impl not in ("triton", "torch"):
         raise ValueError(f"unknown impl {impl!r} (expected auto, triton or torch)")
     return impl

@@ -13,13 +13,14 @@ Each is one Triton launch on a GPU (``treeattn_kernels.fused_triton``) and trans
 operations elsewhere (``fused_ref``): a CPU's numbers stay transformers' bits. :func:`install`
 replaces a module's forward only where it gives the reference's bits on random rows (a norm of
 another formula, Gemma's ``1 + weight``, or an MLP of another activation keeps its module), and
-not under tensor parallelism (whose weights are shards)."""
+not over a tensor-parallel DTensor's shards."""
 
 from __future__ import annotations
 
 import torch
 
 from . import fused_weights
+from .fused_weights import _plain
 
 
 # The operations, registered with the dispatcher once per process: one implementation for every
@@ -50,7 +51,10 @@ def _rope(q, k, cos, sin):
 
 
 _LIB.impl("rms_norm", _rms_norm, "CompositeExplicitAutograd")
+_LIB.impl("silu_mul", _silu_mul, "CompositeExplicitAutograd")
 _LIB.impl("rope", _rope, "CompositeExplicitAutograd")
+_LIB.impl("rms_norm", lambda x, w, eps: x.new_empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype)), "Meta")
+_LIB.impl("silu_mul", lambda gate, up: torch.empty_like(up), "Meta")
 _LIB.impl(
     "rope",
     lambda q, k, cos, sin: (
@@ -59,16 +63,9 @@ _LIB.impl(
     ),
     "Meta",
 )
-_LIB.impl("silu_mul", _silu_mul, "CompositeExplicitAutograd")
-_LIB.impl("rms_norm", lambda x, w, eps: x.new_empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype)), "Meta")
-_LIB.impl("silu_mul", lambda gate, up: torch.empty_like(up), "Meta")
 rms_norm = torch.ops.treeattn.rms_norm  # x [..., n], weight [n], eps -> [..., n] (fused_ref.rms_norm_ref)
 silu_mul = torch.ops.treeattn.silu_mul  # gate, up [...] -> silu(gate) * up (fused_ref.silu_mul_ref)
 rope = torch.ops.treeattn.rope  # q [B, H, T, d], k [B, H_kv, T, d], cos, sin [B, T, d] -> (q, k) rotated
-
-
-def _plain(t) -> bool:
-    return isinstance(t, torch.Tensor) and not hasattr(t, "to_local")  # (a tensor-parallel DTensor: left)
 
 
 def is_rms_norm(m, seed: int = 0) -> bool:
@@ -214,10 +211,10 @@ def _gpu_branches(model) -> bool:
     CPU running them, Triton interpreted). A CPU's own path keeps its projections apart: MKL's
     one-row product of a concatenated gate and up is slower than the two apart (measured on the
     embedded model: 266 µs against 253; its decode step 56.5 ms fused against 52.7 apart)."""
-    import os
+    from treeattn_kernels import gpu_path
 
     w = next(model.parameters(), None)
-    return (w is not None and w.is_cuda) or os.environ.get("TREEATTN_KERNEL") == "triton"
+    return w is not None and gpu_path(w)
 
 
 def _norm_forward(m):

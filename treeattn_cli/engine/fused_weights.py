@@ -53,6 +53,7 @@ class Part(nn.Module):
 
 
 def _plain(t) -> bool:
+    """A plain tensor (not a tensor-parallel DTensor's shard)."""
     return isinstance(t, torch.Tensor) and not hasattr(t, "to_local")
 
 
