@@ -237,7 +237,6 @@ def engine_mixed(ctx, job, docs, questions, slots, new, extra=None, graphs=False
     rank 0 returns the token ids per question and the batch_done event (with ``extra``, also
     each answer's stop reason). ``graphs``: as :func:`engine_batch`'s."""
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.sampling import Sampling
 
     got, done, reasons = {}, [], {}
 
@@ -258,23 +257,8 @@ def engine_mixed(ctx, job, docs, questions, slots, new, extra=None, graphs=False
         eng = Engine(ctx, job)
         if graphs:
             fake_cuda_graphs(eng.dec, ctx.rank)
-        eng.serve(
-            [
-                {
-                    "op": "batch",
-                    "slots": slots,
-                    "max_new_tokens": new,
-                    "piece": 8,
-                    "sampling": vars(Sampling()),
-                    "stop": [],
-                    "eos_ids": [],
-                    "speculate": "off",
-                    "questions": [{"ids": q, "doc": {"key": f"d{d}", "ids": docs[d]}} for d, q in questions],
-                    **(extra or {}),
-                },
-                {"op": "stop"},
-            ]
-        )
+        asks = [{"ids": q, "doc": {"key": f"d{d}", "ids": docs[d]}} for d, q in questions]
+        eng.serve([greedy_batch(new, slots, questions=asks, **(extra or {})), {"op": "stop"}])
     finally:
         ctx.emit = real
         os.environ.pop("TREEATTN_KERNEL", None)

@@ -474,7 +474,6 @@ def documents_all_pooled(ctx, job, short_docs, short_qs, saved, big, q, new, roo
     kind of each short document's cache; rank 0 also the answers and what became of ``saved``."""
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.kvstore import model_identity
-    from treeattn_cli.engine.sampling import Sampling
 
     got, sources = {}, {}
 
@@ -484,15 +483,7 @@ def documents_all_pooled(ctx, job, short_docs, short_qs, saved, big, q, new, roo
         elif kind == "bdoc":
             sources[p[0]] = p[1]["source"]
 
-    base = {
-        "op": "batch",
-        "max_new_tokens": new,
-        "piece": 8,
-        "sampling": vars(Sampling()),
-        "stop": [],
-        "eos_ids": [],
-        "speculate": "off",
-    }
+    base = ranks.greedy_batch(new)  # (slots: each call's own)
     real, ctx.emit = ctx.emit, emit
     out = {}
     try:

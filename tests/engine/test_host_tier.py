@@ -73,21 +73,8 @@ def host_round_trip(ctx, job, small, big, q, new, host_memory):
     ``big``, and whether its shard after the return holds the bytes it held before; rank 0 also
     the answers, how each document became resident and the engine's reports."""
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.sampling import Sampling
 
-    base = {
-        "op": "batch",
-        "max_new_tokens": new,
-        "piece": 8,
-        "sampling": vars(Sampling()),
-        "stop": [],
-        "eos_ids": [],
-        "speculate": "off",
-        "slots": 1,
-        "pool_blocks": 8,
-        "page": 16,
-        "host_memory": host_memory,
-    }
+    base = greedy_batch(new, pool_blocks=8, page=16, host_memory=host_memory)
     out: dict = {"answers": [], "sources": []}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)

@@ -116,7 +116,6 @@ def full_disk(ctx, job, docs, q, new, root):
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.kvstore import model_identity
     from treeattn_cli.engine.requests import document_key
-    from treeattn_cli.engine.sampling import Sampling
 
     if ctx.rank == 1:
 
@@ -124,21 +123,14 @@ def full_disk(ctx, job, docs, q, new, root):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         kvstore.save_shard = no_space
-    spec = {
-        "op": "batch",
-        "max_new_tokens": new,
-        "piece": 8,
-        "sampling": vars(Sampling()),
-        "stop": [],
-        "eos_ids": [],
-        "speculate": "off",
-        "slots": 1,
-        "host_memory": 0,
-        "budget": 1,
-        "dir": str(root),
-        "save": True,
-        "save_meta": {"identity": model_identity(job.model_dir), "composition": {}},
-    }
+    spec = greedy_batch(
+        new,
+        host_memory=0,
+        budget=1,
+        dir=str(root),
+        save=True,
+        save_meta={"identity": model_identity(job.model_dir), "composition": {}},
+    )
     out: dict = {"answers": []}
     with recording(ctx) as rec:
         eng = Engine(ctx, job)
