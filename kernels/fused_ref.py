@@ -2,7 +2,7 @@
 ``fused_triton`` (same signatures), and what a CPU runs. Their operations and order are
 transformers' (``LlamaRMSNorm.forward``; ``LlamaMLP``'s ``act_fn(gate) * up`` with SiLU;
 ``apply_rotary_pos_emb``; Qwen2/3's and Mistral's are the same), so a CPU's numbers are its bits
-(``treeattn_cli/engine/fused.py`` checks that before it replaces a module or a function)."""
+(``treeattn_cli/model/fused.py`` checks that before it replaces a module or a function)."""
 
 from __future__ import annotations
 

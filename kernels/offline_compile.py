@@ -100,7 +100,7 @@ FP8_MODELS = ("llama-3.1-8b", "llama-3.1-70b")  # the decode report's fp8 shapes
 
 
 def scale_groups(d: int) -> int:
-    """Scales per fp8 row of a head dim (``engine/kvdtypes.scale_groups``: one per 32 channels,
+    """Scales per fp8 row of a head dim (``storage/kvdtypes.scale_groups``: one per 32 channels,
     else one): the kernels package imports nothing of the CLI's."""
     return d // 32 if d % 32 == 0 else 1
 

@@ -33,7 +33,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from treeattn_cli.engine.host_tier import RESTORE_BYTES_PER_ROUND as RESTORE_DEFAULT
+from treeattn_cli.storage.host_tier import RESTORE_BYTES_PER_ROUND as RESTORE_DEFAULT
 
 FAMILIES = {"llama": 3, "gemma2": 4, "gpt_oss": 5}  # plain GQA; window + soft-capping; sinks + windows
 ORDER = [(3, 1), (1, 1), (2, 1), (2, 2)]  # (cp, tp) rank sets, in the order they run (saves come first)
@@ -492,7 +492,7 @@ def _job(c: Config, fx: dict, graphs: bool = False):
 
 def _save(ctx, key: str, c: Config, fx: dict, save_root: str) -> None:
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.storage.kvstore import model_identity
 
     d = Path(save_root) / key
     if (d / "manifest.json").exists():
@@ -544,7 +544,7 @@ def serve_spec(c: Config, fx: dict, save_root: str) -> tuple[dict, dict]:
         if c.page:
             spec["page"] = c.page
         if c.budget is not None:
-            from treeattn_cli.engine.kvstore import model_identity
+            from treeattn_cli.storage.kvstore import model_identity
 
             spill = Path(save_root) / f"spill-{c.seed}"
             spec.update(
@@ -685,7 +685,7 @@ def run_one(ctx, c: Config, fx: dict, save_root: str) -> dict:
 
     import os
 
-    from treeattn_cli.engine import host_tier
+    from treeattn_cli.storage import host_tier
 
     answers, events, alone = {}, {}, {}
     host_tier.RESTORE_BYTES_PER_ROUND = 1 if c.restore_parts else RESTORE_DEFAULT  # (one layer a round)

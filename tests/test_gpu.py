@@ -171,7 +171,7 @@ def test_fused_layer_operations_keep_the_logits_within_bf16_rounding(tmp_path, f
     left out) moves them by far more: the CPU tests plant those."""
     from transformers import AutoModelForCausalLM
 
-    from treeattn_cli.engine import fused
+    from treeattn_cli.model import fused
     from treeattn_cli.verify import tiny as tiny_models
 
     path = tiny_models.make_model(family, tmp_path / family, seed=7, num_hidden_layers=4, hidden_size=256)

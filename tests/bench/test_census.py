@@ -8,7 +8,7 @@ from __future__ import annotations
 from helpers import assert_usage_error, cli
 
 # Llama-3.1-8B's heads (32 query, 8 KV) at head dim 16, bf16, the CPU's own step on one rank
-# (its torch attention; the CPU keeps its projections apart, engine/fused.py). 123 and 45
+# (its torch attention; the CPU keeps its projections apart, model/fused.py). 123 and 45
 # before the norms, the MLP's silu × up and the rotary embedding became one operation each.
 # The GPU's branches (the census's default, Triton interpreted: minutes) are BENCHMARKS.md's.
 PER_LAYER, OUTSIDE = 103, 40

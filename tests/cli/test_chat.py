@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from treeattn_cli.cli import prompt as P
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.main import app
-from treeattn_cli.engine.model import load_tokenizer
+from treeattn_cli.model.load import load_tokenizer
 from helpers import assert_usage_error, descendants, kernel_view, rank_pids
 
 TREEATTN = str(Path(sys.executable).with_name("treeattn"))
@@ -623,7 +623,7 @@ def test_no_questions_is_said_not_silent(setup, tmp_path):
         assert r.exit_code == 0, r.output
         assert f"no questions in {empty}" in r.stderr and r.stdout == "", (batch, r.stderr)
         assert json.loads((kv / "manifest.json").read_text())["tokens"]["count"] > 0, batch  # saved all the same
-    from treeattn_cli.engine.kvstore import load_ids
+    from treeattn_cli.storage.kvstore import load_ids
 
     assert load_ids(tmp_path / "kv1") == load_ids(tmp_path / "kv4")  # --batch 4 saved the document from its pool
 
@@ -691,7 +691,7 @@ def test_save_at_the_prompt_saves_the_pooled_document(setup, tmp_path):
     )  # (with --batch, /commands are refused)
     assert r.exit_code == 0, r.output
     assert f"cached tokens to {kv}" in r.stderr, r.stderr
-    from treeattn_cli.engine.kvstore import load_ids
+    from treeattn_cli.storage.kvstore import load_ids
 
     tok = load_tokenizer(model)
     doc_ids, _ = P.document_ids(tok, doc.read_text(), chat=True)

@@ -74,7 +74,7 @@ def test_broken_kernel_fails_check_and_generate_falls_back(cache, tmp_path, monk
     assert "FAILED: partial/cpu" in r.stdout.replace("\n", " ")
     monkeypatch.setattr(pa, "_OP_CPU", real)
 
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     d = tiny_models.make_model("llama", tmp_path / "m")
     prompt = "the quick brown fox jumps over the lazy dog, twice: the quick brown fox"

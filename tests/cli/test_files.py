@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treeattn_cli import paths, report
-from treeattn_cli.engine import kvstore
+from treeattn_cli.storage import kvstore
 from treeattn_cli.engine.paged_shard import PagedShard
 from treeattn_cli.engine.pool import BlockPool
 

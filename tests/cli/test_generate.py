@@ -44,7 +44,7 @@ def run_json(*args) -> dict:
 @pytest.mark.parametrize("n", [2, 37])
 def test_greedy_token_ids_equal_transformers(models, kind, n):
     prompt = text_of(n, seed=n)
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     prompt_ids = load_tokenizer(models[kind])(prompt)["input_ids"]
     assert len(prompt_ids) == n
@@ -85,7 +85,7 @@ def test_a_loaded_cache_continued_and_saved_again_holds_the_prompt_too(models, t
     """generate --load-kv A --prompt P --save-kv B saves A's document and P (not the answer):
     a later --load-kv B continues both. Each step on another number of ranks; every answer is
     transformers' greedy decode of everything before it."""
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     m = models["llama"]
     tok = load_tokenizer(m)
@@ -149,7 +149,7 @@ def test_cache_dir_keeps_the_prompt_and_the_next_run_loads_it(models, tmp_path):
     transformers'; another prompt gets its own entry. chat --cache-dir: the second chat over a
     document loads it and answers as the first. --cache-dir with --load-kv / --save-kv, or on a
     file, is one line."""
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     m, d = models["llama"], tmp_path / "cache"
     tok = load_tokenizer(m)
@@ -224,7 +224,7 @@ def test_logprobs_are_the_models_own(models):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     prompt = text_of(9, seed=5) * 3  # repeats: drafts from the prompt get verified
     ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
@@ -321,7 +321,7 @@ def test_chunked_prefill_is_exact(models):
         "--prefill-chunk",
         "3",
     )
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     ids = load_tokenizer(models["gemma2"])(prompt)["input_ids"]
     assert rec["token_ids"] == tiny_models.hf_greedy(models["gemma2"], ids, 8)  # windows + softcap
@@ -385,7 +385,7 @@ def test_sampling_is_reproducible_for_every_nproc(models):
 
 def test_eos_stops_like_transformers(models, tmp_path):
     prompt = text_of(15, seed=11)
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     ids = load_tokenizer(models["llama"])(prompt)["input_ids"]
     ref = tiny_models.hf_greedy(models["llama"], ids, 10)
@@ -416,7 +416,7 @@ def test_stop_string_and_output_file(models, tmp_path):
         "--nproc",
         "2",
     )
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     stop, n = stop_string_in(full["text"], full["token_ids"], load_tokenizer(models["llama"]).decode, start=4)
     assert n < 12, (stop, n)  # the premise: the stop string ends the answer early
@@ -609,7 +609,7 @@ def test_missing_model_and_prompt_file(tmp_path, models):
 
 def test_embedded_demo_model_knows_paris():
     pytest.importorskip("gguf")
-    from treeattn_cli.engine.model import ModelError, demo_gguf
+    from treeattn_cli.model.load import ModelError, demo_gguf
 
     try:
         demo_gguf()
@@ -623,7 +623,7 @@ def test_static_decode_step_is_exact(models):
     """The fixed-shape decode step (capacity-long views, write-off slot, no host reads) that a
     CUDA graph captures gives the eager path's token ids (here eagerly, on CPU ranks)."""
     from treeattn_cli.parallel.launch import run_local
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
     from treeattn_cli.engine.engine import rank_generate
     from treeattn_cli.engine.job import EngineJob
 
@@ -745,7 +745,7 @@ def test_a_torchrun_rank_leaves_its_group_with_no_gloo_thread_left():
 def test_ring_decode_baseline_generates_the_same_tokens(models):
     """`bench --model`'s ring baseline is exact too (same ids as the tree path)."""
     from treeattn_cli.parallel.launch import run_local
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
     from treeattn_cli.engine.engine import rank_generate
     from treeattn_cli.engine.job import EngineJob
 

@@ -163,7 +163,7 @@ def test_ctrl_c_stops_everything_and_keeps_text(slow_model, as_json):
     if as_json:
         rec = json.loads(out.decode().strip().splitlines()[-1])
         assert rec["stop_reason"] == "interrupted" and isinstance(rec["token_ids"], list)
-        from treeattn_cli.engine.model import load_tokenizer
+        from treeattn_cli.model.load import load_tokenizer
 
         assert rec["text"] == load_tokenizer(slow_model).decode(rec["token_ids"], skip_special_tokens=True)
 
@@ -315,7 +315,7 @@ def test_full_context_generation_is_exact(tmp_path):
     from typer.testing import CliRunner
 
     from treeattn_cli.main import app
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     d = tiny_models.make_model("qwen2", tmp_path / "m", max_position_embeddings=96)
     prompt = "".join(chr(97 + (i * 7) % 26) for i in range(90))
@@ -350,7 +350,7 @@ def test_full_context_generation_is_exact(tmp_path):
 def test_dtype_the_device_cannot_run(monkeypatch):
     import torch
 
-    from treeattn_cli.engine.model import ModelError, pick_dtype
+    from treeattn_cli.model.load import ModelError, pick_dtype
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")

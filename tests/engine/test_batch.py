@@ -139,7 +139,7 @@ def test_chat_batch_equals_one_at_a_time(models, tmp_path):
     assert [json.loads(x)["token_ids"] for x in r.stdout.splitlines() if x.startswith("{")] == [
         x["token_ids"] for x in one
     ]
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     # a stop string from the second answer ends it early (and any other that says it)
     stop, n = stop_string_in(one[1]["text"], one[1]["token_ids"], load_tokenizer(paths["llama"]).decode)
@@ -473,7 +473,7 @@ def documents_all_pooled(ctx, job, short_docs, short_qs, saved, big, q, new, roo
     copy waits for them (``big`` leaves) and is loaded into the pool. Every rank returns the
     kind of each short document's cache; rank 0 also the answers and what became of ``saved``."""
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.storage.kvstore import model_identity
 
     got, sources = {}, {}
 

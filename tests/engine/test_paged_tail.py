@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dense_tail import DenseTail
-from treeattn_cli.engine.kvquant import KVQuant
+from treeattn_cli.storage.kvquant import KVQuant
 from treeattn_cli.engine.paged_tail import PagedTail, fewest_first, most_here
 from treeattn_cli.engine.pool import BlockPool, PoolFull
 from treeattn_kernels import gather_pages

@@ -91,7 +91,7 @@ def test_a_key_names_one_block_and_depends_on_the_whole_prefix():
 
 
 def test_block_bytes_and_fp8_blocks_are_smaller():
-    from treeattn_cli.engine.kvquant import KVQuant
+    from treeattn_cli.storage.kvquant import KVQuant
 
     per = BlockPool.bytes_per_block(2, 2, 64, 16, torch.bfloat16)
     assert per == 2 * 2 * 2 * 16 * 64 * 2 + 8 * 16
@@ -192,7 +192,7 @@ def test_paged_reference_equals_the_dense_reference(seed, fp8, window):
     """Rows of different sequences in one call: ragged tables (one empty), two rows sharing a
     document's blocks, fp8 blocks with their scales, a sliding window over the pool's positions,
     and sinks; each row equals the dense reference over the same keys."""
-    from treeattn_cli.engine.kvquant import KVQuant
+    from treeattn_cli.storage.kvquant import KVQuant
     from treeattn_kernels import gather_pages
 
     d, H_kv, G, page = 16, 2, 3, 4
@@ -260,7 +260,7 @@ def test_the_triton_kernel_reads_through_block_tables(seed, dtype, fp8, window):
     several splits and two tiles a block, so tiles of one row come from blocks all over the pool
     and from both halves of a block; against the paged
     reference, fp8 blocks with their scales, a window and sinks."""
-    from treeattn_cli.engine.kvquant import KVQuant
+    from treeattn_cli.storage.kvquant import KVQuant
     from treeattn_kernels.partial_triton import partial_attention_triton_paged
 
     d, H_kv, G, page = 64, 2, 4, 32
@@ -402,7 +402,7 @@ def test_a_shard_of_consecutive_blocks_is_read_in_place(fp8):
     35: gathering it cost a pooled chat answer on CPU 1.5x the step of one over a plain cache);
     another shard's blocks, out of order, are gathered. Both hold exactly the tokens written,
     in order, scales and positions included."""
-    from treeattn_cli.engine.kvquant import KVQuant
+    from treeattn_cli.storage.kvquant import KVQuant
     from treeattn_cli.engine.paged_shard import PagedShard
     from treeattn_kernels import gather_pages
 

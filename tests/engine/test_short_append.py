@@ -65,7 +65,7 @@ def test_generate_load_kv_and_chat_with_one_letter_questions(models, tmp_path):
     """Through the commands: `generate --load-kv DIR --prompt x` on tp 2 x cp 2, and `chat` with
     one- and two-letter questions on 3 ranks, promptly (a collective timeout of 30 s would
     turn a hang into a failure) and exactly."""
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     m = models["llama"]
     tok = load_tokenizer(m)

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 from helpers import copying_question  # noqa: E402
 from treeattn_cli.engine.job import EngineJob  # noqa: E402
-from treeattn_cli.engine.kvquant import KVQuant  # noqa: E402
+from treeattn_cli.storage.kvquant import KVQuant  # noqa: E402
 from treeattn_cli.engine.sampling import Sampling  # noqa: E402
 from treeattn_cli.parallel.launch import run_local  # noqa: E402
 from treeattn_cli.verify import tiny as tiny_models  # noqa: E402

@@ -30,7 +30,7 @@ TEMPLATE = (
 def small_disk(tmp_path):
     """A filesystem of its own for the full fault: a 64 MiB tmpfs (mounting needs root, as CI's
     machine has); None where it cannot be mounted (the fault is then left out, and
-    tests/engine/test_saved_checks.py's full-disk test, which fails the writes in the ranks, stands)."""
+    tests/storage/test_saved_checks.py's full-disk test, which fails the writes in the ranks, stands)."""
     d = tmp_path / "fs"
     d.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)], capture_output=True, text=True)

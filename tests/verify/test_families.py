@@ -46,7 +46,7 @@ def models(tiny):
 
 @pytest.mark.parametrize("world,tp", [(1, 1), (3, 1), (4, 2)], ids=["1-rank", "3-ranks", "tp2-cp2"])
 def test_every_family_equals_transformers(models, world, tp):
-    from treeattn_cli.engine.model import load_config
+    from treeattn_cli.model.load import load_config
     from treeattn_cli.cli.prepare import _tp_plan
 
     paths, want = models
@@ -80,7 +80,7 @@ def test_probe_passes_every_family_and_refuses_a_dropped_sink(models, monkeypatc
     branches and the GPU's. With the sinks ignored, as before issue 21, it refuses gpt-oss
     instead of letting it answer wrong."""
     from treeattn_cli.engine import attention
-    from treeattn_cli.engine.model import load_config
+    from treeattn_cli.model.load import load_config
     from treeattn_cli.verify.family import NEW, TOL, run_probe
 
     paths, _ = models
@@ -97,7 +97,7 @@ def test_the_probe_runs_the_branches_a_gpu_takes(models, monkeypatch):
     """The probe's second run takes the GPU's branches on the CPU (documents and tails read
     through their block tables, every call on the reference kernels): each is called."""
     from treeattn_cli.engine import attention
-    from treeattn_cli.engine.model import load_config
+    from treeattn_cli.model.load import load_config
     from treeattn_cli.verify.family import run_probe
 
     paths, _ = models

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..cli import citations as C
 from ..cli.prompt import DEMO_SYSTEM, build_ids
-from ..engine import model as M
+from ..model import load as M
 from ..engine.job import EngineJob
 from ..engine.sampling import Sampling
 from ..parallel.launch import run_local

@@ -16,7 +16,7 @@ import torch
 
 from treeattn_kernels import partial_attention
 
-from ..engine.kvquant import KVQuant
+from ..storage.kvquant import KVQuant
 from ..parallel.comm import Stats, make_comm
 from ..parallel.ring import chunk_bounds, ring_decode
 from .spec import DTYPES, BenchSpec, device_name, pct, timed_then_counted

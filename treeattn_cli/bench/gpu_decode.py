@@ -45,7 +45,7 @@ def _model(attn, device="cuda", ready: bool = False, **shape):
         m = LlamaForCausalLM(LlamaConfig(**{**LLAMA_8B, **shape}, attn_implementation=attn)).to(torch.bfloat16)
     m = m.eval()
     if ready:  # as every command runs it
-        from ..engine.model import made_ready
+        from ..model.load import made_ready
 
         made_ready(m)
     return m

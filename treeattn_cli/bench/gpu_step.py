@@ -158,7 +158,7 @@ def step_times(model, N: int, device, emit, bw, quant=None) -> None:
 
 
 def run(contexts: list[int], device, emit) -> None:
-    from ..engine.kvquant import KVQuant
+    from ..storage.kvquant import KVQuant
     from .gpu_decode import _guarded, _model, cache_bytes, step_weight_bytes
     from .kernel import copy_bandwidth
 

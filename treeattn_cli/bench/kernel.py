@@ -106,7 +106,7 @@ def fp8_inputs(k, v):
     """``(k8, v8, k_scale, v_scale, bytes)``: ``k``/``v`` as an fp8 cache holds them (the
     engine's own quantizer: rotated rows, bf16 scales per 32 channels) and the bytes one
     decode step reads of them, scales included."""
-    from ..engine.kvquant import KVQuant, fp8_dtype
+    from ..storage.kvquant import KVQuant, fp8_dtype
 
     quant = KVQuant(k.shape[-1], k.device)
     (k8, ks), (v8, vs) = quant.quantize(k), quant.quantize(v)

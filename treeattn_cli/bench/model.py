@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ..engine import model as M
+from ..model import load as M
 from ..engine.sampling import Sampling
 from ..parallel.launch import run_local
 from ..paths import demo_document

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..engine.kvdtypes import token_bytes
+from ..storage.kvdtypes import token_bytes
 from .spec import DTYPES
 
 

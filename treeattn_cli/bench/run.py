@@ -139,7 +139,7 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
         from .census import census
 
         return [census(o.model_shape or "llama-3.1-8b")]
-    from ..engine.kvdtypes import KV_DTYPES
+    from ..storage.kvdtypes import KV_DTYPES
 
     if o.kv_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {o.kv_dtype!r}")
@@ -266,7 +266,7 @@ def prefill_mode(o: BenchOptions, on_progress=None) -> list[dict]:
 def model_mode(o: BenchOptions, n: int, tp: int = 1) -> list[dict]:
     """Decode ms/token of ``generate`` for each method on a real model (``tp``: ranks per
     tensor-parallel group of the tree method)."""
-    from ..engine import model as M
+    from ..model import load as M
     from .model import prompt_ids, time_treeattn
 
     model_dir = M.resolve(o.model)

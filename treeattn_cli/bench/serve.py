@@ -126,7 +126,7 @@ def run(
 ) -> list[dict]:
     import httpx
 
-    from ..engine.model import load_tokenizer, resolve
+    from ..model.load import load_tokenizer, resolve
     from .spec import demo_document_cut
 
     model_dir = resolve(model)

@@ -42,7 +42,7 @@ def run(
 ) -> list[dict]:
     import openai
 
-    from ..engine.model import load_tokenizer, resolve
+    from ..model.load import load_tokenizer, resolve
 
     tok = load_tokenizer(resolve(model))
     doc = documents(tok, 1200, 1)[0]

@@ -148,7 +148,7 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1200, long_tokens: int = 1
     import httpx
     import openai
 
-    from ..engine.model import load_tokenizer, resolve
+    from ..model.load import load_tokenizer, resolve
 
     model_dir = resolve(model)
     tok = load_tokenizer(model_dir)
@@ -254,7 +254,7 @@ def run(model=None, nproc: int = 2, doc_tokens: int = 1200, long_tokens: int = 1
         # (d) memory: the KV the resident documents hold (fp32 on the CPU, as serve runs there)
         from transformers import AutoConfig
 
-        from ..engine.model import shapes
+        from ..model.load import shapes
 
         sh = shapes(AutoConfig.from_pretrained(model_dir))
         per_token = 2 * sh["num_layers"] * sh["kv_heads"] * sh["head_dim"] * 4

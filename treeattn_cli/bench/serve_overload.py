@@ -31,7 +31,7 @@ def run(model=None, nproc: int = 2, requests: int = 32, on_record=None) -> list[
     import httpx
     import openai
 
-    from ..engine.model import load_tokenizer, resolve
+    from ..model.load import load_tokenizer, resolve
 
     tok = load_tokenizer(resolve(model))
     doc = documents(tok, 600, 1)[0]

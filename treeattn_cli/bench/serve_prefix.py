@@ -29,7 +29,7 @@ def kv_bytes_per_token(model_dir) -> int:
     """K and V of one token over all layers, fp32 (serve's dtype on a CPU)."""
     from transformers import AutoConfig
 
-    from ..engine.model import shapes
+    from ..model.load import shapes
 
     sh = shapes(AutoConfig.from_pretrained(model_dir))
     return 2 * sh["num_layers"] * sh["kv_heads"] * sh["head_dim"] * 4
@@ -38,7 +38,7 @@ def kv_bytes_per_token(model_dir) -> int:
 def run(model=None, nproc: int = 2, doc_tokens: int = 1200, on_record=None) -> list[dict]:
     import openai
 
-    from ..engine.model import load_tokenizer, resolve
+    from ..model.load import load_tokenizer, resolve
 
     model_dir = resolve(model)
     tok = load_tokenizer(model_dir)

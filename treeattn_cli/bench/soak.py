@@ -205,7 +205,7 @@ class Soak:
 
     # -- the catalogue and its oracle ----------------------------------------------------------
     def catalogue(self) -> None:
-        from ..engine.model import load_tokenizer, resolve
+        from ..model.load import load_tokenizer, resolve
         from .serve_mixed import documents
 
         tok = load_tokenizer(resolve(self.a.model))

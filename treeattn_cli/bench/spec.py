@@ -27,7 +27,7 @@ class BenchSpec:
     kv_heads: int = 8
     head_dim: int = 128
     dtype: str = "float32"
-    kv_dtype: str = "auto"  # "fp8": the shards stored as the engine stores fp8 KV (engine/kvquant.py)
+    kv_dtype: str = "auto"  # "fp8": the shards stored as the engine stores fp8 KV (storage/kvquant.py)
     layers: int = 1
     iters: int = 10
     warmup: int = 3

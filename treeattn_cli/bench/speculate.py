@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from ..engine import model as M
+from ..model import load as M
 from .model import _Clock, time_treeattn
 from .random_model import add_model_flags, model_from_flags
 from .spec import demo_document_cut

@@ -35,7 +35,7 @@ def tiers_rank(ctx, job, docs: list, question: list, pool_bytes: int, root: str,
     Rank 0 returns ``[{tokens, prefill_s, host_s, disk_s, sources, first}]`` (and ``longer_tokens,
     prefix_s, longer_prefill_s, loaded, longer_first``)."""
     from ..engine.engine import Engine
-    from ..engine.kvstore import model_identity
+    from ..storage.kvstore import model_identity
     from ..engine.sampling import Sampling
     from ..engine.requests import document_key
 
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     )
     a = ap.parse_args(argv)
     from ..engine.job import EngineJob
-    from ..engine.model import load_config, load_tokenizer, resolve, shapes
+    from ..model.load import load_config, load_tokenizer, resolve, shapes
     from ..parallel.launch import run_local
 
     import os

@@ -168,7 +168,7 @@ def _document(o, run, doc_ids, manifest, save_meta) -> tuple[dict, dict]:
 
     cp = max(1, run.nproc // o.tp)
     if manifest is not None:
-        from ..engine.kvstore import load_ids
+        from ..storage.kvstore import load_ids
 
         doc_ids = load_ids(Path(o.load_kv))
     n = len(doc_ids)

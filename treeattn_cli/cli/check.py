@@ -63,11 +63,11 @@ def fidelity_command(
 ) -> dict:
     """``check --kv-dtype K --prompt-file DOC``: the fidelity of storing the document's KV as K
     against the model's own dtype (``verify/fidelity.py``), on one device; recorded per model."""
-    from ..engine import model as M
-    from ..engine.kvstore import model_identity
+    from ..model import load as M
+    from ..storage.kvstore import model_identity
     from ..verify import fidelity
     from . import prompt as P
-    from ..engine.kvdtypes import KV_DTYPES
+    from ..storage.kvdtypes import KV_DTYPES
 
     if kv_dtype not in KV_DTYPES or kv_dtype == "auto":
         raise ValueError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from ..engine.kvdtypes import KV_DTYPES
+from ..storage.kvdtypes import KV_DTYPES
 from ..parallel.schemes import SCHEMES
 
 
@@ -218,7 +218,7 @@ class GenerateOptions:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    kv_dtype: str = "auto"  # the KV cache's storage: auto | bfloat16 | float16 | float32 | fp8 (engine/kvquant.py)
+    kv_dtype: str = "auto"  # the KV cache's storage: auto | bfloat16 | float16 | float32 | fp8 (storage/kvquant.py)
     scheme: str = "auto"
     output: str | None = None
     json: bool = False
@@ -228,7 +228,7 @@ class GenerateOptions:
     layout: str | None = None  # a profile (name or YAML path) for the layout choice
     debug: bool = False  # full tracebacks (a failed rank's too)
     tp: int = 1  # tensor-parallel ranks per sequence shard: --nproc = cp x tp
-    save_kv: str | None = None  # save the prompt's KV cache here (engine/kvstore.py)
+    save_kv: str | None = None  # save the prompt's KV cache here (storage/kvstore.py)
     load_kv: str | None = None  # continue a saved KV cache with the prompt
     cache_dir: str | None = None  # documents kept and found again by their tokens (serve: every document)
     quiet: bool = False  # no stats line on stderr

@@ -15,7 +15,7 @@ import torch
 from ..parallel.mesh import check_tp
 from ..engine.sampling import Sampling
 from ..engine.job import EngineJob, plan_devices
-from ..engine.model import shapes
+from ..model.load import shapes
 from ..verify.family import probe_model
 from .options import GenerateOptions, check_flags
 
@@ -91,7 +91,7 @@ class Run:
     context: int | None  # the model's context, tokens
     shapes: dict
     dtype: str  # the run's dtype name, as a saved cache records it
-    kv_dtype: str  # how the KV cache is stored (engine/kvquant.storage): a dtype name or fp8_e4m3fn(uz)
+    kv_dtype: str  # how the KV cache is stored (storage/kvquant.storage): a dtype name or fp8_e4m3fn(uz)
     plan: tuple  # (scheme, groups, inner, outer) of the merge, over a cp group
     reference: bool  # the fast kernels failed their self-check: the reference path
     tp_plan: dict | None = None  # with --tp: None (the model's own plan) or ours
@@ -137,7 +137,7 @@ class Run:
     def kv_bytes_per_token(self, tp: int) -> int:
         """Bytes of KV one token takes on all ranks together (tp peers that attend with every
         head each hold a copy), scales included."""
-        from ..engine.kvdtypes import token_bytes
+        from ..storage.kvdtypes import token_bytes
 
         sh = self.shapes
         return token_bytes(self.kv_dtype, sh["num_layers"], sh["kv_heads"], sh["head_dim"]) * (
@@ -145,14 +145,14 @@ class Run:
         )
 
     def identity(self) -> dict:
-        from ..engine.kvstore import model_identity
+        from ..storage.kvstore import model_identity
 
         return model_identity(self.model_dir)
 
     def load_kv(self, path: str, note: bool = True) -> dict:
         """The validated manifest of a saved cache for this run (KVError: exit 2); ``note``: one
         line on stderr when its KV storage is converted to this run's ``--kv-dtype``."""
-        from ..engine.kvstore import conversion, validate
+        from ..storage.kvstore import conversion, validate
 
         sh = self.shapes
         m = validate(
@@ -171,7 +171,7 @@ class Run:
         import secrets
         from pathlib import Path
 
-        from ..engine.kvstore import MANIFEST, KVError
+        from ..storage.kvstore import MANIFEST, KVError
 
         p = Path(path)
         if p.exists() and not (p / MANIFEST).exists():
@@ -185,7 +185,7 @@ class Run:
         (exit 2); what the manifests of the documents saved there record."""
         from pathlib import Path
 
-        from ..engine.kvstore import KVError
+        from ..storage.kvstore import KVError
 
         p = Path(path)
         if p.exists() and not p.is_dir():
@@ -208,12 +208,12 @@ class Run:
 
 def prepare_run(o: GenerateOptions) -> Run:
     """Flags, devices, model, tokenizer, the mesh's validity, the merge plan, the kernel verdict."""
-    from ..engine import model as M
+    from ..model import load as M
 
     check_flags(o)
     kind, be, n, devices = plan_devices(o.device, o.backend, o.nproc)
     dtype = M.pick_dtype(o.dtype, torch.device(devices[0]))
-    from ..engine.kvquant import storage
+    from ..storage.kvquant import storage
 
     model_dir = M.resolve(o.model, allow_pickle=o.allow_pickle)  # None: the embedded demo model
     config = M.load_config(model_dir, o.trust_remote_code)
@@ -252,7 +252,7 @@ def prepare_run(o: GenerateOptions) -> Run:
 
 def _fidelity_note(model_dir, kv_name: str) -> str | None:
     """A line when no fidelity check of this lossy KV storage is recorded for this model."""
-    from ..engine.kvstore import model_identity
+    from ..storage.kvstore import model_identity
     from ..verify.fidelity import recorded
 
     if recorded(model_identity(model_dir), kv_name) is None:
@@ -267,7 +267,7 @@ def _tp_plan(config, tp: int, trust_remote_code: bool):
     """With ``--tp T > 1``: ``(plan, heads split)`` — None for the model's own plan, or ours for a
     model without one; whether each tp rank attends with 1/T of the heads. One line (exit 2)
     when transformers' loader cannot take our sub-mesh or the model cannot be split."""
-    from ..engine import tp as TP
+    from ..model import tp as TP
 
     if tp == 1:
         return None, True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import invariance
+from ..model import invariance
 from .attention import AttentionContext
 
 P2P_CAPTURE_TORCH = "2.7"  # blocking send/recv inside a CUDA graph capture (pytorch#148462)

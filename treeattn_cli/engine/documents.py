@@ -43,8 +43,8 @@ from .paged_shard import PagedShard
 from . import block_reuse
 from .pool import BlockPool
 from .pool_sizing import make_pool
-from .host_tier import HostTier, default_budget
-from . import copies
+from ..storage.host_tier import HostTier, default_budget
+from ..storage import copies
 
 # Tokens per rank of a document's prefill segment when the request names none: the longest
 # pause a new document puts between the tokens of answers under way is one segment (on the
@@ -234,7 +234,7 @@ class Documents:
         logits of its last token, once prefilled: a question with no tokens of its own answers
         from them, ``generate``)): resident, or pending
         (:meth:`advance` prefills it)."""
-        from . import kvstore
+        from ..storage import kvstore
 
         key, ids = ref["key"], list(ref["ids"])
         if ref.get("dir") and ref.get("save_meta"):

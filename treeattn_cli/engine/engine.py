@@ -54,18 +54,27 @@ import torch
 from treeattn_kernels import use_reference
 
 from ..parallel import comm as C
-from .attention import AttentionContext
+from .attention import AttentionContext, register
 from .decode import Decoder
 from .documents import PIECE, Document, Documents
-from .kvquant import storage
+from ..storage.kvquant import storage
 from .pool import KVFormat
 from ..parallel.mesh import Mesh, check_tp_within_nodes
 from ..topology.layout import cp_layout
-from .model import load_model, load_tokenizer, pick_dtype, shapes
+from ..model.load import load_model, load_tokenizer, pick_dtype, shapes
 from .own_tokens import OwnTokens
 from .record import run_record
 from .requests import document_key, generate_requests, single_requests
-from .saving import Saver
+from ..storage.saving import Saver
+
+
+# what a batch request sets for its questions (``requests.Ask.read``), and for their documents
+# (``documents.Documents.get``), where a question does not set its own
+ANSWER_DEFAULTS = ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs", "digest", "cite")
+DOCUMENT_DEFAULTS = (
+    "budget", "dir", "save_meta", "piece", "save", "pool", "pool_blocks", "pool_for", "tails", "tail_slots",
+    "grow", "page", "host_memory",
+)  # fmt: skip
 
 
 def inbox():
@@ -116,6 +125,7 @@ class Engine(OwnTokens):
                 job.model_dir,
                 dtype,
                 device,
+                attention=register(),
                 trust_remote_code=job.trust_remote_code,
                 allow_pickle=job.allow_pickle,
                 tp_mesh=tp_mesh,
@@ -254,7 +264,7 @@ class Engine(OwnTokens):
         prompt = list(job.prompt_ids)
         kept = {}  # (--cache-dir: the request's cache directory, written through)
         if job.load_kv:
-            from .kvstore import load_ids
+            from ..storage.kvstore import load_ids
 
             doc_ids, question = load_ids(Path(job.load_kv)), prompt
             doc = {"load_from": job.load_kv, "manifest": job.load_manifest}
@@ -311,76 +321,12 @@ class Engine(OwnTokens):
         saved). With ``"open": True`` more questions may join while the batch runs
         (``comm.post_join``) and any may be cancelled (``comm.post_cancel``); the batch ends when
         every question it took is answered, and ``batch_done`` says how many joins it took."""
-        from .batch import Question
-        from .requests import Ask
-
-        defaults = {
-            k: req.get(k)
-            for k in ("max_new_tokens", "sampling", "stop", "eos_ids", "speculate", "logprobs", "digest", "cite")
-        }
-        doc_defaults = {
-            k: req[k]
-            for k in (
-                "budget",
-                "dir",
-                "save_meta",
-                "piece",
-                "save",
-                "pool",
-                "pool_blocks",
-                "pool_for",
-                "tails",
-                "tail_slots",
-                "grow",
-                "page",
-                "host_memory",
-            )
-            if req.get(k) is not None
-        }
+        defaults = {k: req.get(k) for k in ANSWER_DEFAULTS}
+        doc_defaults = {k: req[k] for k in DOCUMENT_DEFAULTS if req.get(k) is not None}
         kept_docs: set = set()  # documents a question of this batch keeps into
 
-        def question(q) -> Question:
-            ask = Ask.read(q, defaults)
-            ids = ask.ids
-            stop_check = None
-            if self.lead:
-                if self._tok is None and ask.stop:
-                    self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
-                stop_check = _stop_check(self._tok, ask.stop, set(ask.eos_ids))
-            source, doc_ref = "memory", None
-            if ask.doc is not None and ask.doc.action:  # the documents API: evict, drop (now)
-                source = self.documents.act({**doc_defaults, **ask.doc.wire()})
-                doc = Document(None, [], None)  # nothing to answer over
-            elif ask.doc is not None:
-                doc_ref = {**doc_defaults, **ask.doc.wire()}
-                doc = self.documents.get(doc_ref)
-                source = doc.source
-            else:  # it continues the engine's own tokens
-                doc = self._prefix()
-            self.documents.use(doc)
-            keep = ask.keep if doc_ref is not None else False  # (into a named document)
-            if keep:
-                # a kept turn continues the document as the previous turn left it: a second one in
-                # the same batch would be answered without the first and fed its pending token too
-                if doc.key in kept_docs:
-                    raise ValueError(f"a batch keeps at most one question per document; two keep {doc.key!r}")
-                kept_docs.add(doc.key)
-            if keep is True and doc.pending is not None and not ask.drop_pending:
-                ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
-            return Question(
-                ids,
-                ask.max_new_tokens,
-                ask.sampling,
-                ask.speculate or "off",
-                stop_check,
-                ask.logprobs,
-                doc=doc,
-                source=source,
-                doc_ref=doc_ref,
-                cite=ask.cite,
-                keep=keep,
-                digest=ask.digest,
-            )
+        def question(q):
+            return self._question(q, defaults, doc_defaults, kept_docs)
 
         qs = [question(q) for q in req["questions"]]
         seq = req.get("seq", 0)
@@ -392,25 +338,6 @@ class Engine(OwnTokens):
             max([len(q.ids) + q.max_new_tokens for q in qs] or [64]),
         )
         t0 = time.perf_counter()
-
-        def on_doc(qi, q):
-            ch = self.documents.take_changes()
-            if any(ch.values()):
-                self.ctx.send("docs", ch)
-            self.ctx.send(
-                "bdoc",
-                (
-                    qi,
-                    {
-                        "source": q.source,
-                        "tokens": q.doc.tokens,
-                        "seconds": q.doc.seconds,
-                        "reused": q.doc.reused,
-                        "loaded": q.doc.loaded,
-                        "pools": q.pools,
-                    },
-                ),
-            )
 
         last: dict = {}
 
@@ -424,7 +351,7 @@ class Engine(OwnTokens):
             citation=self.citation,
             make_question=question,
             documents=self.documents,
-            on_doc=on_doc if self.lead else None,
+            on_doc=self._doc_began if self.lead else None,
             interrupted=(lambda: C.interrupted(seq)) if req.get("interruptible") else None,
             feed=(lambda: (feed.joins(), feed.cancels())) if feed else None,
             news_flag=C.news if self.lead and (feed or req.get("interruptible")) else None,
@@ -443,6 +370,32 @@ class Engine(OwnTokens):
         changes = self.documents.take_changes()
         if self.lead and any(changes.values()):
             self.ctx.send("docs", changes)
+        self._batch_done(bd, done, feed, time.perf_counter() - t0)
+
+    def _doc_began(self, qi: int, q):
+        """(rank 0) Question ``qi`` starts over its document: what left memory or was saved
+        meanwhile (``docs``), then where its document came from (``bdoc``)."""
+        ch = self.documents.take_changes()
+        if any(ch.values()):
+            self.ctx.send("docs", ch)
+        self.ctx.send(
+            "bdoc",
+            (
+                qi,
+                {
+                    "source": q.source,
+                    "tokens": q.doc.tokens,
+                    "seconds": q.doc.seconds,
+                    "reused": q.doc.reused,
+                    "loaded": q.doc.loaded,
+                    "pools": q.pools,
+                },
+            ),
+        )
+
+    def _batch_done(self, bd, done: list, feed, seconds: float):
+        """The batch's end: its CUDA graphs added to the engine's totals, and (rank 0) the
+        ``batch_done`` record: its pools, answers, steps' counters and joins."""
         pools = self.documents.pools()  # every rank's (the pool is made on every rank at the same document)
         graphs = bd.graph_counts()
         for k in ("graph_captures", "graph_replays", "verify_graph_replays"):
@@ -455,7 +408,7 @@ class Engine(OwnTokens):
                     "pools": pools,
                     "answers": len(done),
                     "new_tokens": sum(a["new_tokens"] for a in done),
-                    "seconds": time.perf_counter() - t0,
+                    "seconds": seconds,
                     "slots": bd.slots,
                     "documents_per_step": bd.documents_per_step,
                     "segments_while_decoding": bd.segments_while_decoding,
@@ -470,6 +423,56 @@ class Engine(OwnTokens):
                     **graphs,
                 },
             )
+
+    def _question(self, q, defaults: dict, doc_defaults: dict, kept_docs: set):
+        """A ``batch.Question`` from one question of a batch request (``requests.Ask.read`` with
+        the request's ``defaults``): its document found, made resident or acted on (with
+        ``doc_defaults``), its stop check on rank 0; ``kept_docs``: the documents a question of
+        this batch keeps into already (at most one each)."""
+        from .batch import Question
+        from .requests import Ask
+
+        ask = Ask.read(q, defaults)
+        ids = ask.ids
+        stop_check = None
+        if self.lead:
+            if self._tok is None and ask.stop:
+                self._tok = load_tokenizer(self.job.model_dir, self.job.trust_remote_code)
+            stop_check = _stop_check(self._tok, ask.stop, set(ask.eos_ids))
+        source, doc_ref = "memory", None
+        if ask.doc is not None and ask.doc.action:  # the documents API: evict, drop (now)
+            source = self.documents.act({**doc_defaults, **ask.doc.wire()})
+            doc = Document(None, [], None)  # nothing to answer over
+        elif ask.doc is not None:
+            doc_ref = {**doc_defaults, **ask.doc.wire()}
+            doc = self.documents.get(doc_ref)
+            source = doc.source
+        else:  # it continues the engine's own tokens
+            doc = self._prefix()
+        self.documents.use(doc)
+        keep = ask.keep if doc_ref is not None else False  # (into a named document)
+        if keep:
+            # a kept turn continues the document as the previous turn left it: a second one in
+            # the same batch would be answered without the first and fed its pending token too
+            if doc.key in kept_docs:
+                raise ValueError(f"a batch keeps at most one question per document; two keep {doc.key!r}")
+            kept_docs.add(doc.key)
+        if keep is True and doc.pending is not None and not ask.drop_pending:
+            ids = [doc.pending] + ids  # the last kept answer's last token: fed now (as an append would)
+        return Question(
+            ids,
+            ask.max_new_tokens,
+            ask.sampling,
+            ask.speculate or "off",
+            stop_check,
+            ask.logprobs,
+            doc=doc,
+            source=source,
+            doc_ref=doc_ref,
+            cite=ask.cite,
+            keep=keep,
+            digest=ask.digest,
+        )
 
     def _batch_decoder(self, slots: int, capacity: int):
         """The engine's batch decoder, kept from one batch to the next while the slots stay (a

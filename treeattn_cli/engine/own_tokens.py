@@ -125,7 +125,7 @@ class OwnTokens:
 
     def _op_load(self, req):
         """The engine's own tokens from a saved cache (``kvstore.py``; re-sharded to these ranks)."""
-        from . import kvstore
+        from ..storage import kvstore
 
         t0 = time.perf_counter()
         doc = self._prefix()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import weight_bytes
+from ..model.load import weight_bytes
 
 
 def run_record(eng) -> dict | None:
@@ -48,7 +48,7 @@ def run_record(eng) -> dict | None:
             **({"kv_pool": pools} if pools is not None else {}),
             "kernels": "reference (the fast kernels failed their self-check)" if eng.job.reference else "fast",
             "rows": eng.model.treeattn_rows.describe(),  # how a row's matmuls stay its own (issue 49)
-            # modules each run as one operation (one launch on a GPU): engine/fused.py (issue 51)
+            # modules each run as one operation (one launch on a GPU): model/fused.py (issue 51)
             "fused": dict(getattr(eng.model, "treeattn_fused", {})),
             "peak_rss_bytes": [int(x) for x in mem[:, 0].tolist()],
             "prefill_segments": [

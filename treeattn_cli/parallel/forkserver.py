@@ -32,7 +32,7 @@ RANK_IMPORTS = (
 
 
 # A launcher that will start ranks many times (``treeattn check``, the test suite) has its fork
-# server do the first model load's once-per-process work too (``engine/preload.py``): ~0.25 s a rank
+# server do the first model load's once-per-process work too (``model/preload.py``): ~0.25 s a rank
 # each launch, against ~0.5 s more before the first (a command that launches once would lose).
 MANY_LAUNCHES = {"on": False}
 
@@ -55,7 +55,7 @@ def context():
         [
             "treeattn_cli.parallel.forkserver_init",
             *RANK_IMPORTS,
-            *(["treeattn_cli.engine.preload"] if MANY_LAUNCHES["on"] else []),
+            *(["treeattn_cli.model.preload"] if MANY_LAUNCHES["on"] else []),
         ]
     )
     return ctx

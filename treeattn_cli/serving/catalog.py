@@ -54,7 +54,7 @@ class Catalog:
         ``read_manifest(dir)`` refuses another model's (``kvstore.KVError``, ``ValueError``).
         Returns how many were found and how many refused (another model's, or damaged: left
         as they are; a request that names one finds it refused again, and replaces it)."""
-        from ..engine.kvstore import KVError, load_ids
+        from ..storage.kvstore import KVError, load_ids
 
         refused = 0
         if self.dir is None or not self.dir.is_dir():
@@ -75,7 +75,7 @@ class Catalog:
     def conversions(self, kv_name: str) -> list[str]:
         """One line per KV storage among the saved documents that is not ``kv_name`` (they are
         converted as they load: ``kvstore.conversion``)."""
-        from ..engine.kvstore import conversion
+        from ..storage.kvstore import conversion
 
         by: dict[str, list[str]] = {}
         for key, e in self.entries.items():

@@ -223,7 +223,7 @@ def run_probe(config, trust_remote_code: bool = False) -> dict:
     from treeattn_kernels import reference_only, use_reference
 
     from ..engine import attention as A
-    from ..engine.model import made_ready
+    from ..model.load import made_ready
 
     cfg = small_config(config)
     mtype = getattr(config, "model_type", "?")

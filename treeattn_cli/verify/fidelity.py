@@ -70,17 +70,19 @@ def measure(
     on_progress=None,
 ) -> dict:
     """The fidelity record of storing ``ids``' KV as ``kv_dtype`` against the model's ``dtype``."""
-    from ..engine.attention import AttentionContext
+    from ..engine.attention import AttentionContext, register
     from ..engine.decode import Decoder
-    from ..engine.kvquant import storage
-    from ..engine.model import load_model, shapes
+    from ..storage.kvquant import storage
+    from ..model.load import load_model, shapes
     from ..engine.paged_shard import PagedShard
     from ..engine.pool import BlockPool
     from ..parallel.comm import Comm
 
     t0 = time.perf_counter()
     device = torch.device(device)
-    model = load_model(model_dir, dtype, device, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    model = load_model(
+        model_dir, dtype, device, attention=register(), trust_remote_code=trust_remote_code, allow_pickle=allow_pickle
+    )
     sh = shapes(model.config)
     vocab = model.get_output_embeddings().weight.shape[0]
     n = len(ids)

@@ -11,7 +11,7 @@ each runs where the user will run it, against its reference:
   of 5 and 17 rows, the cascade's document rows of a batch (a padded row among them), and an
   fp8 cache (head dims 64/96/128, groups 1/4/8, ragged; where the device stores fp8);
 * ``merge/fused`` (CUDA): the fused pack/finish of the allreduce merge vs the torch merge;
-* ``layer/fused`` (CUDA): the layer's small kernels (the RMS norm, SiLU × up; ``engine/fused.py``)
+* ``layer/fused`` (CUDA): the layer's small kernels (the RMS norm, SiLU × up; ``model/fused.py``)
   vs their torch references, transformers' own operations;
 * ``compile/<target>`` (GPU): every Triton kernel configuration compiled for the local target,
   no spills, shared memory within the limit (``treeattn_kernels.offline_compile``).
@@ -161,7 +161,7 @@ def _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen):
             kw[key] = extra[key]
     kw = {k_: t.to(device) if torch.is_tensor(t) else t for k_, t in kw.items()}
     if extra.get("fp8"):
-        from ..engine.kvquant import KVQuant
+        from ..storage.kvquant import KVQuant
 
         quant = KVQuant(d, device)
         k, ks = quant.quantize((k * 2.0).to(device))
@@ -189,7 +189,7 @@ def _impls(device, G: int, Q: int) -> list[str]:
 
 def _fp8_refusal(device) -> str | None:
     """Why this device stores no fp8 KV cache (the runtime refuses it there), or None."""
-    from ..engine.kvquant import fp8_dtype
+    from ..storage.kvquant import fp8_dtype
 
     try:
         fp8_dtype(device)

@@ -1,4 +1,4 @@
-"""Transformers' norms and MLPs as one operation each (``engine/fused.py``, issue 51): which
+"""Transformers' norms and MLPs as one operation each (``model/fused.py``, issue 51): which
 modules are replaced, that a replaced model's logits keep their bits on a CPU, that a module of
 another formula keeps its own, and that the engine's step dispatches one operation a norm."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeattn_cli.engine import fused
+from treeattn_cli.model import fused
 from treeattn_cli.verify import tiny as tiny_models
 
 LAYERS = 2
@@ -132,7 +132,7 @@ def test_a_cpu_keeps_its_projections_apart_and_the_gpu_branches_fuse_them(tmp_pa
 def test_a_tensor_parallel_model_keeps_its_projections(tmp_path, monkeypatch):
     """Under --tp the projections' plan hooks split and gather their inputs and outputs: a
     tensor-parallel model is never concatenated, on the GPU's branches too."""
-    from treeattn_cli.engine.model import made_ready
+    from treeattn_cli.model.load import made_ready
 
     monkeypatch.setenv("TREEATTN_KERNEL", "triton")
     path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=LAYERS)

@@ -1,6 +1,6 @@
 """Issue 49: every answer bit for bit the one it gets alone. A row's numbers must not depend on the
 rows beside it: in a batch, among a verify's drafts, in the decode step after them, with the keys
-that later tokens add. The parts: row-invariant linear layers (``engine/invariance.py``), the
+that later tokens add. The parts: row-invariant linear layers (``model/invariance.py``), the
 reference's and the Triton kernel's key splits fixed by key index (``kernels/``), sums over ranks
 in rank order (``Comm.sum_in_rank_order``). The combination test holds every configuration's
 answers to the same request alone by the digests of their logits; here, the parts on their own,
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from treeattn_cli.engine import invariance
+from treeattn_cli.model import invariance
 from treeattn_cli.parallel.launch import run_local
 from treeattn_kernels import partial_attention_ref
 
@@ -43,15 +43,16 @@ def test_the_check_catches_a_matmul_that_sees_its_batch():
 def test_a_cpu_model_in_fp32_keeps_its_rows_through_the_library(tiny):
     """On this CPU MKL's strict mode makes every row's matmul its own: the model's layers run at
     their natural size (no padding), and the check of every kind of layer passed."""
-    from treeattn_cli.engine.model import load_model
+    from treeattn_cli.engine.attention import register
+    from treeattn_cli.model.load import load_model
 
     assert os.environ.get("MKL_CBWR") == "AUTO,STRICT"
     path = tiny("llama", seed=3)
-    model = load_model(path, torch.float32, torch.device("cpu"))
+    model = load_model(path, torch.float32, torch.device("cpu"), attention=register())
     assert model.treeattn_rows == invariance.RowPolicy("library", None, True), model.treeattn_rows
     where = invariance._verdict_file(model, [m for _, m in invariance._linears(model)])
     assert json.loads(where.read_text()) == {"how": "library", "chunk": None, "checked": True}  # remembered
-    bf16 = load_model(path, torch.bfloat16, torch.device("cpu"))
+    bf16 = load_model(path, torch.bfloat16, torch.device("cpu"), attention=register())
     assert bf16.treeattn_rows.checked, bf16.treeattn_rows  # (library or fixed chunks: checked either way)
 
 
@@ -131,7 +132,7 @@ def test_answers_on_the_embedded_model_with_fp8_are_the_ones_alone():
     from importlib.resources import files
 
     from treeattn_cli.engine.job import EngineJob
-    from treeattn_cli.engine.model import ModelError, load_tokenizer, resolve
+    from treeattn_cli.model.load import ModelError, load_tokenizer, resolve
 
     try:
         model = resolve(None)

@@ -9,7 +9,7 @@ import contextlib
 
 from transformers.models.auto import configuration_auto, modeling_auto
 
-from .model import KNOWN_FAMILIES
+from .load import KNOWN_FAMILIES
 
 with contextlib.suppress(Exception):
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping

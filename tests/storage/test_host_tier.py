@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treeattn_cli.engine.host_tier import HostTier, copy_in
+from treeattn_cli.storage.host_tier import HostTier, copy_in
 from treeattn_cli.engine.job import EngineJob
 from treeattn_cli.engine.paged_shard import PagedShard
 from treeattn_cli.engine.pool import BlockPool
@@ -112,7 +112,7 @@ def restore_in_parts(ctx, job, small, big, q, new):
     over ``big`` (resident) and one over ``small`` (in host memory), with a restore of one layer
     per round. Rank 0 returns the batch's answers, how each document was made resident, the
     restore's rounds and the document rounds run while an answer was under way."""
-    from treeattn_cli.engine import host_tier
+    from treeattn_cli.storage import host_tier
     from treeattn_cli.engine.engine import Engine
 
     host_tier.RESTORE_BYTES_PER_ROUND = 1  # one layer a round (the least a round copies)
@@ -150,9 +150,9 @@ def evicted_mid_restore(ctx, job, small, big, q, new, root):
     (``root``). Rank 0 returns what the restore had copied, whether the tier holds the same
     copy again (whole), what ``root`` holds, and then the answer over ``small`` asked again,
     with how it came."""
-    from treeattn_cli.engine import host_tier
+    from treeattn_cli.storage import host_tier
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.storage.kvstore import model_identity
 
     host_tier.RESTORE_BYTES_PER_ROUND = 1  # one layer a round
     base = small_pool(new, slots=1)

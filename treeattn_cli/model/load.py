@@ -231,12 +231,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     *,
+    attention: str,
     trust_remote_code=False,
     allow_pickle=False,
     tp_mesh=None,
     tp_plan: dict | None = None,
 ):
-    """The causal LM with our attention registered and selected, in eval mode on ``device``.
+    """The causal LM with ``attention`` selected (a name registered with transformers: the
+    engine's is ``engine.attention.register()``), in eval mode on ``device``.
 
     ``tp_mesh`` (``comm.grid_mesh``): shard it over this rank's tensor-parallel group as the
     model's own ``base_model_tp_plan`` says (or ``tp_plan``, for a model without one), loading
@@ -244,9 +246,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     from . import tp
-    from .attention import register
 
-    name = register()
     kw = {}
     if tp_mesh is not None:
         from transformers.distributed import DistributedConfig
@@ -257,7 +257,7 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(
                 path,
                 dtype=dtype,
-                attn_implementation=name,
+                attn_implementation=attention,
                 trust_remote_code=trust_remote_code,
                 use_safetensors=None if allow_pickle else True,
                 **kw,

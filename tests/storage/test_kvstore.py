@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import peak_anon_growth
-from treeattn_cli.engine import kvstore
+from treeattn_cli.storage import kvstore
 from treeattn_cli.engine.paged_shard import PagedShard
 from treeattn_cli.engine.pool import BlockPool
 

@@ -31,7 +31,7 @@ DEFAULT_CAP = {"cpu": 512 << 20, "cuda": 64 << 30}
 def default_budget(device: torch.device, ranks: int) -> int:
     """``--host-memory`` when not given: a quarter of the host's available memory over
     ``ranks``, capped by :data:`DEFAULT_CAP` of the device."""
-    from .pool_sizing import free_memory
+    from ..memory import free_memory
 
     return min(DEFAULT_CAP.get(device.type, DEFAULT_CAP["cuda"]), free_memory(torch.device("cpu"), ranks) // 4)
 

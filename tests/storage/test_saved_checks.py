@@ -41,7 +41,7 @@ def damage(path: Path, how: str) -> None:
 def written_through(job, new, root) -> dict:
     """A batch of one slot, 16-token blocks, no host tier, every document saved to ``root`` as
     it is made."""
-    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.storage.kvstore import model_identity
 
     save_meta = {"identity": model_identity(job.model_dir), "composition": {}}
     return greedy_batch(new, page=16, host_memory=0, dir=str(root), save=True, save_meta=save_meta)
@@ -112,9 +112,9 @@ def full_disk(ctx, job, docs, q, new, root):
     the engine's reports and what it said on stderr."""
     import errno
 
-    from treeattn_cli.engine import kvstore
+    from treeattn_cli.storage import kvstore
     from treeattn_cli.engine.engine import Engine
-    from treeattn_cli.engine.kvstore import model_identity
+    from treeattn_cli.storage.kvstore import model_identity
     from treeattn_cli.engine.requests import document_key
 
     if ctx.rank == 1:

@@ -14,8 +14,8 @@ import ranks
 from helpers import assert_usage_error, attention_f64, cli, copying_question
 from treeattn_cli.engine.pool import BlockPool
 from treeattn_cli.engine.job import EngineJob
-from treeattn_cli.engine.kvdtypes import token_bytes
-from treeattn_cli.engine.kvquant import KVQuant, rotation
+from treeattn_cli.storage.kvdtypes import token_bytes
+from treeattn_cli.storage.kvquant import KVQuant, rotation
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
 from treeattn_cli.verify import tiny as tiny_models
@@ -143,13 +143,14 @@ def test_one_rank_logits_are_transformers_on_rounded_kv(models, kind, kv):
     rows. Every step's whole distribution is compared (``logprobs`` of the whole vocabulary)."""
     from treeattn_cli.engine.engine import Engine
     from treeattn_cli.engine.job import EngineJob
-    from treeattn_cli.engine.kvquant import storage
-    from treeattn_cli.engine.model import load_model, shapes
+    from treeattn_cli.storage.kvquant import storage
+    from treeattn_cli.engine.attention import register
+    from treeattn_cli.model.load import load_model, shapes
     from treeattn_cli.engine.sampling import Sampling
     from treeattn_cli.parallel.launch import RankContext
 
     model_dir = models[kind]
-    sh = shapes(load_model(model_dir, torch.float32, torch.device("cpu")).config)
+    sh = shapes(load_model(model_dir, torch.float32, torch.device("cpu"), attention=register()).config)
     _, quant, _ = storage(kv, torch.float32, "cpu", sh["head_dim"])
     got = {}
     ctx = RankContext(
@@ -292,7 +293,7 @@ def test_saved_fp8_cache_reshards_and_converts(models, doc, tmp_path, monkeypatc
     rows keep their fp8 values; the question's are full precision). A layout this version does
     not know is refused in one line."""
     from treeattn_cli.cli import prompt as P
-    from treeattn_cli.engine.model import load_tokenizer
+    from treeattn_cli.model.load import load_tokenizer
 
     monkeypatch.setenv("TREEATTN_CACHE", str(tmp_path / "cache"))
     m = models["llama"]

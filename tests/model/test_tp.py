@@ -17,7 +17,7 @@ import ranks
 from treeattn_cli.verify import tiny as tiny_models
 from treeattn_cli.engine.sampling import Sampling
 from treeattn_cli.parallel.launch import run_local
-from treeattn_cli.engine.model import load_tokenizer
+from treeattn_cli.model.load import load_tokenizer
 from treeattn_cli.engine.job import EngineJob
 from helpers import assert_usage_error, cli
 import os
@@ -135,7 +135,7 @@ def test_tp_hook_is_feature_tested_and_a_missing_one_refuses_only_tp(models, mon
 
     import transformers.distributed.mixin as mixin
 
-    from treeattn_cli.engine import tp
+    from treeattn_cli.model import tp
 
     assert tp.hook_problem() is None
     monkeypatch.setattr(mixin, "initialize_distributed_mesh", lambda distributed_config, extra=None: None)
@@ -383,12 +383,13 @@ def tp_load_memory(ctx, model_dir, tp):
     from helpers import peak_anon_growth
     from treeattn_cli.parallel import comm as C
     from treeattn_cli.parallel.mesh import Mesh
-    from treeattn_cli.engine.model import load_model, weight_bytes
+    from treeattn_cli.engine.attention import register
+    from treeattn_cli.model.load import load_model, weight_bytes
 
     mesh = Mesh(ctx.world, tp, ctx.rank)
     tp_mesh, _ = C.grid_mesh("cpu", mesh.cp, tp)
     model, grown = peak_anon_growth(
-        lambda: load_model(model_dir, torch.float32, torch.device("cpu"), tp_mesh=tp_mesh),
+        lambda: load_model(model_dir, torch.float32, torch.device("cpu"), attention=register(), tp_mesh=tp_mesh),
         probes=[(torch.nn.Module, "register_parameter")],
     )
     return grown, weight_bytes(model)
