@@ -17,6 +17,7 @@ import torch
 from .fused_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from .paged_ref import gather_pages, partial_attention_paged_ref
 from .partial_ref import add_sink, dequantize, partial_attention_ref
+from .write_ref import quantize_ref, write_kv_ref
 
 __all__ = [
     "partial_attention",
@@ -34,6 +35,9 @@ __all__ = [
     "gpu_branches",
     "add_sink",
     "dequantize",
+    "quantize_ref",
+    "write_kv",
+    "write_kv_ref",
     "triton_available",
     "gpu_route",
     "triton_problem",
@@ -145,6 +149,19 @@ def _small_impl(x, impl: str) -> str:
     if impl not in ("triton", "torch"):
         raise ValueError(f"unknown impl {impl!r} (expected auto, triton or torch)")
     return impl
+
+
+def write_kv(k_store, v_store, slots, k, v, ks_store=None, vs_store=None, rotation=None, *, impl: str = "auto"):
+    """Keys and values ``k, v [n, H_kv, d]`` into a block pool's layer at flat ``slots [n]``
+    (:func:`write_ref.write_kv_ref`; fp8 with ``ks_store, vs_store`` and ``rotation``): one Triton
+    launch on CUDA where the shapes allow (``write_triton.writable``), else the torch reference
+    (a CPU's bits are its bits)."""
+    if _small_impl(k_store, impl) == "triton":
+        from .write_triton import writable, write_kv_triton
+
+        if writable(k_store, k, ks_store, rotation):
+            return write_kv_triton(k_store, v_store, slots, k, v, ks_store, vs_store, rotation)
+    return write_kv_ref(k_store, v_store, slots, k, v, ks_store, vs_store, rotation)
 
 
 def rms_norm(x, weight, eps: float, *, impl: str = "auto"):

@@ -511,6 +511,16 @@ def step_report(target: Target) -> list[dict]:
 NORM_WIDTHS = (128, 896, 2048, 4096, 8192)
 
 
+def write_calls(target: Target):
+    """A step's keys and values into the pool (``write_triton``): each dtype's plain store, and,
+    where the target stores fp8 (:data:`FP8_KV`), the fp8 write from bf16 rows; head dims 64-256."""
+    for d in (64, 128, 256):
+        for dt in DTYPES:
+            yield f"write_kv d={d} {NAMES[dt]}", d, dt, None
+        if target.name in FP8_KV:
+            yield f"write_kv d={d} {NAMES[FP8_KV[target.name]]}", d, torch.bfloat16, FP8_KV[target.name]
+
+
 def fused_calls():
     """The layer's small kernels (``fused_triton``: the RMS norm per width and dtype, SiLU × up per
     dtype), at a decode step's rows."""
@@ -807,6 +817,18 @@ def launches(target: Target, calls=None):
                 silu_mul_triton(_meta(4, 14336, dtype=dt), _meta(4, 14336, dtype=dt))
 
         yield label, layer
+    from .write_triton import write_kv_triton
+
+    for label, d, dt, fp8 in write_calls(target):
+
+        def write(d=d, dt=dt, fp8=fp8):
+            store = _meta(64, 8, 64, d, dtype=fp8 or dt)
+            scales = (_meta(64, 8, 64, d // 32, dtype=torch.bfloat16),) * 2 if fp8 else (None, None)
+            rows = _meta(4, 8, d, dtype=dt)
+            rotation = _meta(d, d, dtype=torch.float32) if fp8 else None
+            write_kv_triton(store, store, _meta(4, dtype=torch.int64), rows, rows, *scales, rotation)
+
+        yield label, write
     for label, d, dt in merge_calls():
 
         def merge(d=d, dt=dt):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .interpreted import quicken
+from .interpreted import quicken, round_as_gpus_do
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,11 @@ def launch(kernel, grid, *args, **kw):
         ck = kernel.warmup(*args, grid=grid, **kw)
         _state["compiled"].append((kernel.fn.__name__, ck, tuple(grid)))
         return ck
-    if _state["interpreted"] is None:  # under Triton's interpreter, its helpers' calls made cheaper
-        _state["interpreted"] = os.environ.get("TRITON_INTERPRET", "0") == "1" and quicken()
+    if _state["interpreted"] is None:  # under Triton's interpreter: its helpers' calls made cheaper,
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"  # its conversions a GPU's
+        _state["interpreted"] = interpreting and quicken()
+        if interpreting:
+            round_as_gpus_do()
     if _state["counted"] is not None:  # a census of launches (bench/census.py): one, whatever it runs
         _state["counted"].append(kernel.fn.__name__)
         from torch.utils._python_dispatch import _disable_current_modes

@@ -43,3 +43,33 @@ def test_a_launch_patches_once_and_the_numbers_are_the_shipped_interpreters(tmp_
     assert launches >= 2 and len(quick["calls"]) == launches, quick["calls"]  # a patch a launch, no more
     assert len(shipped["calls"]) > 10 * launches  # (the premise: as shipped, every helper's call patches)
     assert torch.equal(quick["o"], shipped["o"]) and torch.equal(quick["lse"], shipped["lse"])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # (numpy's fp16 cast of values past 65504: inf)
+def test_the_interpreter_narrows_floats_as_a_gpu_does():
+    """fp32 to bf16, fp16 and fp8 in an interpreted kernel round to nearest even, as torch and a GPU
+    (fp8 saturated to its largest finite value, as ``cvt.rn.satfinite``): ties, subnormals and
+    values past the largest included. As shipped (3.9) the interpreter drops bf16's extra bits."""
+    import triton
+    import triton.language as tl
+    from treeattn_kernels.interpreted import round_as_gpus_do
+    from treeattn_kernels.targets import launch
+
+    @triton.jit
+    def narrow(X, Y, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(Y + i, tl.load(X + i).to(Y.dtype.element_ty))
+
+    g = torch.Generator().manual_seed(11)
+    n = 4096
+    x = torch.randn(n, generator=g) * torch.logspace(-45, 6, n)[torch.randperm(n, generator=g)]
+    ties = torch.arange(1, 257, dtype=torch.float32) * 2**-8 + 2**-9  # bf16: halfway between neighbours
+    x[: ties.numel()] = ties
+    launch(narrow, (1,), x[:8], torch.empty(8, dtype=torch.bfloat16), N=8)  # (the first launch installs it)
+    assert round_as_gpus_do()
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2):
+        y = torch.empty(n, dtype=dtype)
+        launch(narrow, (1,), x, y, N=n)
+        want = (x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max) if dtype.itemsize == 1 else x).to(dtype)
+        bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
+        assert torch.equal(y.view(bits), want.view(bits)), dtype

@@ -106,11 +106,14 @@ def census_rank(ctx, jobs: list, doc: list[int], new: int, gpu: bool = False):
     return out
 
 
-def census(shape_name: str, root: Path | None = None, head_dim: int | None = None, gpu: bool = True) -> dict:
+def census(
+    shape_name: str, root: Path | None = None, head_dim: int | None = None, gpu: bool = True, kv_dtype: str = "auto"
+) -> dict:
     """The census record of ``shape_name`` (``projection.MODEL_SHAPES``). ``head_dim``: narrower
     heads than the shape's (the test's: the same operations on smaller tensors, measured equal).
     ``gpu`` (the default): the step on the GPU's branches, its Triton kernels interpreted and each
-    launch counted once (what a GPU launches); else the CPU's own step (its torch attention)."""
+    launch counted once (what a GPU launches); else the CPU's own step (its torch attention).
+    ``kv_dtype``: the cache's storage (``--kv-dtype``: fp8's writes and rotations count too)."""
     from ..engine.job import EngineJob
     from ..parallel.launch import run_local
     from ..verify.tiny import make_model
@@ -136,7 +139,9 @@ def census(shape_name: str, root: Path | None = None, head_dim: int | None = Non
                 head_dim=d,
                 max_position_embeddings=4096,
             )
-        jobs.append(EngineJob(str(path), [], dtype="bfloat16", max_new_tokens=NEW))  # (a GPU's step dtype)
+        jobs.append(
+            EngineJob(str(path), [], dtype="bfloat16", kv_dtype=kv_dtype, max_new_tokens=NEW)
+        )  # (a GPU's dtype)
     doc = [(13 * i + 5) % (VOCAB - 20) + 10 for i in range(DOC)]
     import os
 
@@ -157,6 +162,7 @@ def census(shape_name: str, root: Path | None = None, head_dim: int | None = Non
     return {
         "model_shape": shape_name,
         "head_dim": d,
+        "kv_dtype": kv_dtype,
         "layers": shape.layers,
         "kernels_per_layer": per_layer,
         "kernels_per_step": model_level + shape.layers * per_layer,
@@ -164,9 +170,9 @@ def census(shape_name: str, root: Path | None = None, head_dim: int | None = Non
         "layer_ops": {k: v for k, v in sorted(layer_ops.items(), key=lambda kv: -kv[1]) if v},
         "triton_per_layer": sum(v for k, v in layer_ops.items() if k.startswith("triton:")),
         "counted_on": (
-            "the GPU's branches on a CPU (Triton interpreted, a launch one operation), bf16: one rank, "
+            f"the GPU's branches on a CPU (Triton interpreted, a launch one operation), bf16, KV {kv_dtype}: one rank, "
             "a batched decode step (BatchDecoder._step)"
             if gpu
-            else "cpu, bf16: one rank, a batched decode step (BatchDecoder._step), the engine's torch attention"
+            else f"cpu, bf16, KV {kv_dtype}: one rank, a batched decode step (BatchDecoder._step), the engine's torch attention"
         ),
     }

@@ -45,6 +45,15 @@ class BenchOptions:
     census: bool = False  # the decode step's operations per layer and per step (--model-shape), counted here
 
 
+def _kv_dtype(name: str) -> str:
+    """``--kv-dtype``, checked: one of ``kvdtypes.KV_DTYPES``."""
+    from ..storage.kvdtypes import KV_DTYPES
+
+    if name not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
+    return name
+
+
 def parse_ints(flag: str, text: str) -> list[int]:
     try:
         vals = [int(float(x)) if "e" in x.lower() else int(x) for x in _expand_k(text)]
@@ -138,11 +147,8 @@ def bench_command(o: BenchOptions, on_progress=None) -> list[dict]:
     if o.census:
         from .census import census
 
-        return [census(o.model_shape or "llama-3.1-8b")]
-    from ..storage.kvdtypes import KV_DTYPES
-
-    if o.kv_dtype not in KV_DTYPES:
-        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {o.kv_dtype!r}")
+        return [census(o.model_shape or "llama-3.1-8b", kv_dtype=_kv_dtype(o.kv_dtype))]
+    _kv_dtype(o.kv_dtype)
     if o.max_context:
         from .projection import max_context
 

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from treeattn_kernels import write_kv
 
 
 class PoolFull(RuntimeError):
@@ -281,15 +282,8 @@ class BlockPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values ``k, v [n, H_kv, d]`` of ``n`` tokens into flat ``slots [n]``
         (``block * page + offset``): cast to the storage dtype, or rounded to fp8 with scales."""
-        b, o = slots // self.page, slots % self.page
-        if self.quant is None:
-            self.k[layer][b, :, o] = k.to(self.dtype)
-            self.v[layer][b, :, o] = v.to(self.dtype)
-            return
-        k8, ks = self.quant.quantize(k)
-        v8, vs = self.quant.quantize(v)
-        self.k[layer][b, :, o], self.ks[layer][b, :, o] = k8, ks
-        self.v[layer][b, :, o], self.vs[layer][b, :, o] = v8, vs
+        scales = (self.ks[layer], self.vs[layer], self.quant.r) if self.quant is not None else ()
+        write_kv(self.k[layer], self.v[layer], slots, k, v, *scales)  # (one launch on a GPU)
 
     def place(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Record the global positions of the tokens at ``slots`` (every layer shares them)."""

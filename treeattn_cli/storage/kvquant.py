@@ -25,22 +25,9 @@ import math
 
 import torch
 
-from treeattn_kernels import dequantize
+from treeattn_kernels import dequantize, quantize_ref
 
 from .kvdtypes import scale_groups
-
-# A group's scale is the smallest bf16 at or above amax / max, so its largest element lands within
-# one bf16 step (2^-7) below the format's largest value and rounds onto it: quantizing what the cache
-# holds gives back the same rows and scales (a prefill attends its own keys as stored, then stores
-# them). _SHRINK keeps the rotation's fp32 round-off (~1e-7) from pushing a scale one step up.
-_SHRINK = 1 - 2**-12
-
-
-def _ceil_bf16(x: torch.Tensor) -> torch.Tensor:
-    """The smallest bfloat16 >= ``x`` (positive, finite)."""
-    y = x.to(torch.bfloat16)
-    below = (y.float() < x).to(torch.int16)
-    return (y.view(torch.int16) + below).view(torch.bfloat16)  # the next bf16 up: one step of its bits
 
 
 def fp8_dtype(device) -> torch.dtype:
@@ -111,11 +98,8 @@ class KVQuant:
 
     def quantize(self, x: torch.Tensor):
         """``x [..., d]`` -> ``(x8 [..., d] fp8, scale [..., groups] bf16)`` of ``x R``: each
-        group's largest magnitude lands on the format's largest value (see ``_ceil_bf16``)."""
-        xr = (x.float() @ self.r).unflatten(-1, (self.groups, -1))  # [..., G, d / G]
-        scale = _ceil_bf16((xr.abs().amax(dim=-1) * (_SHRINK / self.max)).clamp(min=1e-30))
-        x8 = (xr / scale.float()[..., None]).clamp(-self.max, self.max).to(self.dtype)
-        return x8.flatten(-2), scale
+        group's largest magnitude lands on the format's largest value (``treeattn_kernels.write_ref``)."""
+        return quantize_ref(x, self.r, self.dtype, self.groups)
 
     def restore(self, x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Stored fp8 rows back in the model's basis, fp32 (a saved cache converted as it loads)."""
