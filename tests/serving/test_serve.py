@@ -859,6 +859,10 @@ def test_the_documents_api_posts_pins_lists_and_deletes(server):
         r = httpx.post(f"{url}/v1/documents", headers=AUTH, json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == why, (bad, r.text)
     assert httpx.get(f"{url}/v1/documents/nope", headers=AUTH).status_code == 404
+    for escape, code in (("%2E%2E", "document_not_found"), ("..%2F..%2Fetc%2Fpasswd", "not_found")):
+        for verb in (httpx.get, httpx.delete):  # ids are keys, never paths: unknown (or no such route)
+            r = verb(f"{url}/v1/documents/{escape}", headers=AUTH)
+            assert r.status_code == 404 and r.json()["error"]["code"] == code, (escape, r.text)
     assert httpx.get(f"{url}/v1/documents", headers={}).status_code == 401
     short = httpx.post(
         f"{url}/v1/documents", headers=AUTH, timeout=120, json={"text": _doc("documents api, ttl"), "ttl_s": 0.5}

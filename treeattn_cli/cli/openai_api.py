@@ -189,6 +189,17 @@ class _Text:
 def build_app(srv) -> FastAPI:
     app = FastAPI(title="treeattn", docs_url=None, redoc_url=None, openapi_url=None)
 
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, exc: HTTPException):  # (an unknown path or method: OpenAI's error body)
+        what = "no such endpoint" if exc.status_code == 404 else str(exc.detail)
+        return _error(
+            exc.status_code,
+            f"{request.method} {request.url.path}: {what}",
+            code="not_found" if exc.status_code == 404 else None,
+        )
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
         if srv.o.api_key and request.url.path.startswith("/v1/"):
