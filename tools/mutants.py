@@ -99,6 +99,14 @@ MUTANTS = [
         ("tests/kernel/test_write_kernel.py",),
     ),
     Mutant(
+        "fixed-rows-stale-buffer",
+        "a short chunk of the fixed row policy reads the buffer without its rows copied in",
+        "treeattn_cli/model/invariance.py",
+        "    buf[: part.shape[0]].copy_(part)\n    return buf",
+        "    return buf",
+        ("tests/model/test_invariance.py::test_the_check_catches_a_matmul_that_sees_its_batch",),
+    ),
+    Mutant(
         "fused-norm-without-eps",
         "the GPU's fused RMS norm leaves eps out",
         "kernels/fused_triton.py",

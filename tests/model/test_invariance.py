@@ -38,6 +38,13 @@ def test_the_check_catches_a_matmul_that_sees_its_batch():
         # a variant matmul in fixed chunks of 8 rows (the GPU's way) is invariant again
         fixed = invariance.fixed_linear(seen, 8)
         assert invariance.rows_invariant(fixed, 64, "cpu", torch.float32)
+        # a short chunk goes through the buffer kept for its shape (one copy, no fresh zeros), its
+        # rows always this call's: 11 rows, then 3 others (rows 3..7 of the buffer hold older ones)
+        plain = invariance.fixed_linear(lambda x: F.linear(x, w), 8)
+        for n in (11, 3):
+            x = torch.randn(n, 64)
+            assert torch.equal(plain(x), F.linear(x, w))
+        assert (torch.device("cpu"), torch.float32, 64, 8) in invariance._PADS
 
 
 def test_a_cpu_model_in_fp32_keeps_its_rows_through_the_library(tiny):

@@ -99,13 +99,33 @@ def fixed_linear(forward, chunk: int | None):
         outs = []
         for i in range(0, n, chunk):
             part = rows[i : i + chunk]
-            if part.shape[0] < chunk:  # (the same shape always: zeros below)
-                part = torch.cat([part, part.new_zeros(chunk - part.shape[0], width)])
+            if part.shape[0] < chunk:  # (the same shape always)
+                part = _padded(part, chunk)
             outs.append(forward(part.contiguous(), *args, **kwargs)[: min(chunk, n - i)])
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.reshape(*lead, out.shape[-1])
 
     return run
+
+
+_PADS: dict = {}  # (device, dtype, width, chunk) -> the rows a short chunk is copied into
+
+
+def _padded(part: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``part`` (fewer than ``chunk`` rows) as the first rows of a buffer of ``chunk`` rows kept for
+    its shape: one copy, where a fresh zero-padded chunk took two launches (zeros, cat). The rows
+    below hold whatever an earlier call left there: a row's numbers do not depend on its
+    neighbours (what the policy is, checked by :func:`prepare`), and their outputs are dropped.
+    Calls share a buffer in stream order (each layer's matmul reads it before the next layer's
+    copy), CUDA graphs included; one is made outside a capture, never inside one."""
+    key = (part.device, part.dtype, part.shape[1], chunk)
+    buf = _PADS.get(key)
+    if buf is None:
+        if part.is_cuda and torch.cuda.is_current_stream_capturing():
+            return torch.cat([part, part.new_zeros(chunk - part.shape[0], part.shape[1])])
+        buf = _PADS[key] = part.new_zeros(chunk, part.shape[1])
+    buf[: part.shape[0]].copy_(part)
+    return buf
 
 
 def rows_invariant(f, width: int, device, dtype, seed: int = 0) -> bool:
