@@ -37,6 +37,7 @@ __all__ = [
     "dequantize",
     "quantize_ref",
     "write_kv",
+    "takes_triton",
     "write_kv_ref",
     "triton_available",
     "gpu_route",
@@ -149,6 +150,12 @@ def _small_impl(x, impl: str) -> str:
     if impl not in ("triton", "torch"):
         raise ValueError(f"unknown impl {impl!r} (expected auto, triton or torch)")
     return impl
+
+
+def takes_triton(x) -> bool:
+    """Whether a small operation on ``x`` runs its Triton kernel (``auto``): on the GPU's branches,
+    where Triton runs and the kernels passed their self-check; else its torch reference."""
+    return _small_impl(x, "auto") == "triton"
 
 
 def write_kv(k_store, v_store, slots, k, v, ks_store=None, vs_store=None, rotation=None, *, impl: str = "auto"):

@@ -9,6 +9,9 @@ Oracles with the same meaning: ``merge.weigh`` and ``merge.unweigh``.
 The allgather scheme (one collective: what a step that is not captured in a CUDA graph uses,
 ``comm.Comm.eager_scheme``) gathers every rank's packed ``[o, lse]`` and merges them where it
 stands: one launch, :func:`merge_gathered_fused` (oracle: ``merge.merge_partials``).
+
+A decode step's two partials on a rank (the documents' rows and the tail's) merge in one launch
+too, :func:`merge_pair_fused` (oracle: ``merge.merge_pair``), where torch takes ~16.
 """
 
 from __future__ import annotations
@@ -18,6 +21,24 @@ import triton
 import triton.language as tl
 
 from .targets import launch
+
+
+@triton.jit
+def _merge_pair_kernel(OA, LA, OB, LB, O, L, soa, sob, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # one (b, h, q) row
+    dd = tl.arange(0, BLOCK_D)
+    ok = dd < D
+    la = tl.load(LA + r).to(tl.float32)
+    lb = tl.load(LB + r).to(tl.float32)
+    m = tl.maximum(la, lb)
+    m = tl.where(m == float("-inf"), 0.0, m)  # (a row empty on both sides: weights 0, not NaN)
+    wa = tl.exp(la - m)
+    wb = tl.exp(lb - m)
+    den = wa + wb
+    oa = tl.load(OA + r * soa + dd, mask=ok, other=0.0).to(tl.float32)
+    ob = tl.load(OB + r * sob + dd, mask=ok, other=0.0).to(tl.float32)
+    tl.store(O + r * D + dd, (oa * wa + ob * wb) / tl.where(den > 0, den, 1.0), mask=ok)
+    tl.store(L + r, m + tl.log(den))
 
 
 @triton.jit
@@ -119,6 +140,34 @@ def merge_gathered_fused(every, *, out=None, dtype=torch.float32):
         num_warps=1,
     )
     return out, lse
+
+
+def merge_pair_fused(o_a, lse_a, o_b, lse_b):
+    """Two partials of disjoint key sets, ``o [..., d]`` and ``lse [...]`` each, merged in one
+    launch (``merge.merge_pair``): ``(o [..., d] fp32, lse [...] fp32)``."""
+    d = o_a.shape[-1]
+    lead = o_a.shape[:-1]
+    rows_a, rows_b = (x.reshape(-1, d) for x in (o_a, o_b))
+    rows_a, rows_b = (x if x.stride(-1) == 1 else x.contiguous() for x in (rows_a, rows_b))
+    o = torch.empty(rows_a.shape, dtype=torch.float32, device=o_a.device)
+    lse = torch.empty(rows_a.shape[0], dtype=torch.float32, device=o_a.device)
+    if rows_a.shape[0]:
+        launch(
+            _merge_pair_kernel,
+            (rows_a.shape[0],),
+            rows_a,
+            lse_a.reshape(-1),
+            rows_b,
+            lse_b.reshape(-1),
+            o,
+            lse,
+            rows_a.stride(0),
+            rows_b.stride(0),
+            D=d,
+            BLOCK_D=triton.next_power_of_2(d),
+            num_warps=1,
+        )
+    return o.reshape(*lead, d), lse.reshape(lead)
 
 
 def weigh_fused(o, lse, m):

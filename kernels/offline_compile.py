@@ -791,7 +791,7 @@ def decode_growth(target: Target, tokens: int = 8192, d: int = 128, dtype=torch.
 def launches(target: Target, calls=None):
     """``(label, thunk)`` of every configuration :func:`compile_all` compiles for ``target``, in
     its order (``calls``: these ``(label, kwargs of partial_attention_triton)`` instead)."""
-    from .merge_triton import merge_gathered_fused, unweigh_fused, weigh_fused
+    from .merge_triton import merge_gathered_fused, merge_pair_fused, unweigh_fused, weigh_fused
     from .partial_triton import partial_attention_triton, partial_attention_triton_paged
 
     for label, kw in itertools.chain(
@@ -835,6 +835,7 @@ def launches(target: Target, calls=None):
             o, lse = _meta(1, 32, 1, d, dtype=torch.float32), _meta(1, 32, 1, dtype=torch.float32)
             packed = weigh_fused(o, lse, lse)
             unweigh_fused(packed, lse, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
+            merge_pair_fused(o, lse, o, lse)  # a step's documents' and tail's partials
             every = _meta(8, 1, 32, 1, d + 1, dtype=torch.float32)  # an all-gather of 8 ranks' [o, lse]
             merge_gathered_fused(every, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
 

@@ -107,6 +107,14 @@ MUTANTS = [
         ("tests/model/test_invariance.py::test_the_check_catches_a_matmul_that_sees_its_batch",),
     ),
     Mutant(
+        "merge-pair-fused-weights-swapped",
+        "the GPU's one-launch merge of a step's two partials weighs each with the other's weight",
+        "kernels/merge_triton.py",
+        "(oa * wa + ob * wb) / tl.where(den > 0, den, 1.0)",
+        "(oa * wb + ob * wa) / tl.where(den > 0, den, 1.0)",
+        ("tests/parallel/test_merge.py::test_fused_pair_merge_matches_merge_pair",),
+    ),
+    Mutant(
         "fused-norm-without-eps",
         "the GPU's fused RMS norm leaves eps out",
         "kernels/fused_triton.py",

@@ -163,6 +163,29 @@ def test_fused_weigh_unweigh_match_merge_py(dtype):
     assert torch.equal(layer_out[0, 0, 0], torch.zeros(d, dtype=dtype)) and torch.isneginf(lse[0, 0, 0])
 
 
+def test_fused_pair_merge_matches_merge_pair():
+    """A step's two partials (the documents' rows, the tail's) merged in one launch (interpreted
+    here) equal merge.merge_pair: strided inputs, a side empty for some rows (lse = -inf), a row
+    empty on both (o = 0, lse = -inf, no NaN), the larger weight on either side."""
+    pytest.importorskip("triton")
+    from treeattn_kernels.merge_triton import merge_pair_fused
+
+    B, H, Q, d = 3, 4, 2, 40  # d not a power of two: the tile is padded
+    o_a = torch.randn(B, Q, H, d).transpose(1, 2)  # strided, as a layer's view
+    o_b = torch.randn(B, H, Q, d)
+    l_a, l_b = torch.randn(B, H, Q) * 20, torch.randn(B, H, Q) * 20
+    l_a[0, 1] = -math.inf
+    l_b[1, 2] = -math.inf
+    l_a[2, 0, 0] = l_b[2, 0, 0] = -math.inf
+    o, lse = merge_pair_fused(o_a, l_a, o_b, l_b)
+    o_ref, lse_ref = merge_pair(o_a, l_a, o_b, l_b)
+    assert o.shape == o_ref.shape and lse.shape == lse_ref.shape and not torch.isnan(o).any()
+    assert_close(o, o_ref, torch.float32, "o")
+    assert_close(lse, lse_ref, torch.float32, "lse")
+    assert torch.equal(o[2, 0, 0], torch.zeros(d)) and torch.isneginf(lse[2, 0, 0])
+    assert torch.equal(o[0, 1], o_b[0, 1]) and torch.equal(lse[0, 1], l_b[0, 1])  # one side empty: the other
+
+
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16), (8, torch.float32)])
 def test_fused_gathered_merge_matches_merge_partials(world, dtype):
     """The one-launch merge of an all-gather's ``[world, B, H, Q, d + 1]`` (interpreted here)

@@ -21,6 +21,7 @@ from treeattn_kernels import (
     partial_attention,
     partial_attention_paged,
     reference_only,
+    takes_triton,
     triton_available,
 )
 
@@ -271,7 +272,12 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
         o_t, l_t = _tail_paged(ctx, layer, q, k_new, v_new, scale, window, softcap)  # blocks, one launch
     else:
         o_t, l_t = _tail_dense(ctx, layer, q, k_new, v_new, scale, window, softcap)
-    o, lse = merge_pair(o_d, l_d, o_t, l_t)
+    if takes_triton(q):  # (one launch on a GPU)
+        from treeattn_kernels.merge_triton import merge_pair_fused
+
+        o, lse = merge_pair_fused(o_d, l_d, o_t, l_t)
+    else:
+        o, lse = merge_pair(o_d, l_d, o_t, l_t)
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
         o, lse = add_sink(o, lse, sink)
     out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
