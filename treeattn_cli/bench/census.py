@@ -47,6 +47,9 @@ def census_rank(ctx, jobs: list, doc: list[int], new: int, gpu: bool = False):
 
     if gpu:
         os.environ["TREEATTN_KERNEL"] = "triton"
+        from treeattn_kernels import partial_triton
+
+        partial_triton.ONE_SPLIT_COPY["on"] = False  # the reduce a GPU launches, not the interpreter's copies
 
     from ..engine.batch import BatchDecoder
     from ..engine.engine import Engine

@@ -415,11 +415,16 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
     pool = shards[0].pool
     idxs = [torch.arange(R, device=q.device) if idx is None else idx for _, idx, _ in groups]
     width = max(len(i) for i in idxs) * T
-    qq = q.new_zeros(len(groups), H, width, d)
-    qp = torch.full((len(groups), width), -1, dtype=torch.int64, device=q.device)
-    for g, idx in enumerate(idxs):
-        qq[g, :, : len(idx) * T] = q[idx].transpose(0, 1).reshape(H, len(idx) * T, d)
-        qp[g, : len(idx) * T] = pos[idx].reshape(-1)
+    whole = len(groups) == 1 and groups[0][1] is None  # every row over one document: no gather, no scatter
+    if whole:
+        qq = q.transpose(0, 1).reshape(1, H, width, d)  # [1, H, R·T, d]
+        qp = pos.reshape(1, width).to(torch.int64)
+    else:
+        qq = q.new_zeros(len(groups), H, width, d)
+        qp = torch.full((len(groups), width), -1, dtype=torch.int64, device=q.device)
+        for g, idx in enumerate(idxs):
+            qq[g, :, : len(idx) * T] = q[idx].transpose(0, 1).reshape(H, len(idx) * T, d)
+            qp[g, : len(idx) * T] = pos[idx].reshape(-1)
     if ctx.paged is not None:  # sent once for the forward (batch.BatchDecoder._forward)
         tables, kv_len = ctx.paged
     else:
@@ -435,8 +440,11 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
                     want[g, j * T : (j + 1) * T] = True
         kw.update(_blocks(qq, tables.shape[1] * pool.page, want.to(q.device)))
     o, lse = _pooled(pool, layer, qq, tables, kv_len, scale=scale, softcap=softcap, impl=shared_impl(q), **kw)
-    o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
-    l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
+    if whole:  # (views of the call's rows: [R, H, T, d], [R, H, T])
+        o_d, l_d = o[0].view(H, R, T, d).transpose(0, 1), lse[0].view(H, R, T).transpose(0, 1)
+    else:
+        o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
+        l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
     for g, idx in enumerate(idxs):
         for j, i in enumerate(groups[g][2]):
             if i in asking[g]:  # the document's keys in table order: their positions through its table
@@ -450,9 +458,10 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
                         lambda table=table: gather_pages(pool.pos, table)[0],
                     )
                 )
-        n = len(idx)
-        o_d[idx] = o[g, :, : n * T].reshape(H, n, T, d).transpose(0, 1).to(o_d.dtype)
-        l_d[idx] = lse[g, :, : n * T].reshape(H, n, T).transpose(0, 1)
+        if not whole:
+            n = len(idx)
+            o_d[idx] = o[g, :, : n * T].reshape(H, n, T, d).transpose(0, 1).to(o_d.dtype)
+            l_d[idx] = lse[g, :, : n * T].reshape(H, n, T).transpose(0, 1)
     return o_d, l_d
 
 

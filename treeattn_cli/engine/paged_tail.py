@@ -112,6 +112,7 @@ class PagedTail:
         self.step_positions = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self._store = torch.zeros(slots, dtype=torch.int64, device=self.device)  # 1: kept here
         self._slot = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self._step_slots = torch.zeros(slots, 1, dtype=torch.int64, device=self.device)  # their pool slots
         self._kv_len = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self._view_len = 0
         self._ext_added = torch.zeros(slots, dtype=torch.int64)  # tokens of the extension under way
@@ -237,7 +238,8 @@ class PagedTail:
         torch.add(self.length, self._store, out=self._kv_len)
         self.pos[self._rows, self._slot] = self.step_positions  # masks of this step need them
         self._store_host = store
-        self._place(self._rows, self._slot)
+        torch.gather(self._flat, 1, self._slot[:, None], out=self._step_slots)  # once, for every layer
+        self.pool.pos.view(-1)[self._step_slots[:, 0]] = self.step_positions
 
     def end_step(self) -> None:
         """Advance lengths after the last layer of the step."""
@@ -407,7 +409,7 @@ class PagedTail:
     # -- reads gathered into dense views ----------------------------------------------------
     def write_step(self, layer: int, k_new, v_new) -> None:
         """A step's K/V ``[B, H_kv, 1, d]`` at each slot's next token here, or the write-off slot."""
-        self._put(layer, (self._rows, slice(None), self._slot), k_new[:, :, 0], v_new[:, :, 0])
+        self.pool.write(layer, self._step_slots[:, 0], k_new[:, :, 0], v_new[:, :, 0])
 
     def update(self, layer: int, k_new, v_new):
         self.write_step(layer, k_new, v_new)
