@@ -115,6 +115,14 @@ MUTANTS = [
         ("tests/parallel/test_merge.py::test_fused_pair_merge_matches_merge_pair",),
     ),
     Mutant(
+        "fp8-merged-output-left-rotated",
+        "an fp8 pool's step on the GPU's path leaves its merged output in the rotated basis",
+        "treeattn_cli/engine/attention.py",
+        "        o, lse = merge_pair(o_d, l_d, o_t, l_t)\n    if quant is not None:\n        o = quant.unrotate(o)",
+        "        o, lse = merge_pair(o_d, l_d, o_t, l_t)\n    if False:\n        o = quant.unrotate(o)",
+        ("tests/kernel/test_triton_end_to_end.py",),
+    ),
+    Mutant(
         "fused-norm-without-eps",
         "the GPU's fused RMS norm leaves eps out",
         "kernels/fused_triton.py",
@@ -339,8 +347,8 @@ MUTANTS = [
         "probe-softcap-paged-tail",
         "a pooled tail on the GPU's branch: its logits not soft-capped",
         "treeattn_cli/engine/attention.py",
-        "    return _pooled(pool, layer, q, tables, kv_len, scale=scale, softcap=softcap, **_tail_kernel(q), **kw)",
-        "    return _pooled(pool, layer, q, tables, kv_len, scale=scale, softcap=None, **_tail_kernel(q), **kw)",
+        "    return _pooled(pool, layer, q, tables, kv_len, rotated, scale=scale, softcap=softcap, **_tail_kernel(q), **kw)",
+        "    return _pooled(pool, layer, q, tables, kv_len, rotated, scale=scale, softcap=None, **_tail_kernel(q), **kw)",
         ("tests/verify/test_families.py::test_probe_passes_every_family_and_refuses_a_dropped_sink",),
     ),
     Mutant(
@@ -597,8 +605,8 @@ MUTANTS = [
         "tail-gathered-on-gpu",
         "on the GPU's path a pooled tail is still gathered into dense views every layer",
         "treeattn_cli/engine/attention.py",
-        'if gpu_path(q) and getattr(tail, "pool", None) is not None:',
-        'if False:',
+        'tail_paged = gpu_path(q) and getattr(tail, "pool", None) is not None',
+        "tail_paged = False",
         (
             "tests/kernel/test_triton_end_to_end.py::test_documents_in_the_pool_through_the_paged_kernel_equal_transformers",
         ),

@@ -228,8 +228,14 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     cites = [c if c is not None and c.wants(layer) else None for c in ctx.cites] if ctx.cites else []
     cited = []  # (citation, row, block_lse [H, T, N] of its document's shard, the shard, its keys' positions)
     o_d = l_d = None
-    if gpu_path(q) and pooled_documents([doc for doc, _, _ in groups]):  # the GPU's path: one launch through
-        o_d, l_d = _documents_paged(ctx, groups, layer, q, pos, scale, window, softcap, cites, cited)  # the tables
+    docs_paged = gpu_path(q) and pooled_documents([doc for doc, _, _ in groups])
+    tail_paged = gpu_path(q) and getattr(tail, "pool", None) is not None
+    # an fp8 pool on the GPU's path: q turns into its rotated basis once for both partials, and
+    # their merge turns back once (a merge is linear in o), where each partial turned both ways
+    quant = tail.pool.quant if tail_paged and docs_paged and groups[0][0].pool is tail.pool else None
+    qa = quant.rotate(q) if quant is not None else q
+    if docs_paged:  # the GPU's path: one launch through the tables
+        o_d, l_d = _documents_paged(ctx, groups, layer, qa, pos, scale, window, softcap, cites, cited, quant)
         groups = []
     for doc, idx, members in groups:
         qg, pg = (q, pos) if idx is None else (q[idx], pos[idx])
@@ -268,8 +274,8 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
             o_d = torch.zeros(R, H, T, d, dtype=o.dtype, device=o.device)
             l_d = torch.full((R, H, T), float("-inf"), dtype=lse.dtype, device=lse.device)
         o_d[idx], l_d[idx] = o, lse
-    if gpu_path(q) and getattr(tail, "pool", None) is not None:  # the GPU's path: each row's tail through its
-        o_t, l_t = _tail_paged(ctx, layer, q, k_new, v_new, scale, window, softcap)  # blocks, one launch
+    if tail_paged:  # the GPU's path: each row's tail through its blocks, one launch
+        o_t, l_t = _tail_paged(ctx, layer, qa, k_new, v_new, scale, window, softcap, quant)
     else:
         o_t, l_t = _tail_dense(ctx, layer, q, k_new, v_new, scale, window, softcap)
     if takes_triton(q):  # (one launch on a GPU)
@@ -278,6 +284,8 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
         o, lse = merge_pair_fused(o_d, l_d, o_t, l_t)
     else:
         o, lse = merge_pair(o_d, l_d, o_t, l_t)
+    if quant is not None:
+        o = quant.unrotate(o)
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
         o, lse = add_sink(o, lse, sink)
     out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
@@ -363,11 +371,11 @@ def _tail_kernel(q) -> dict:
     return dict(impl=shared_impl(q) if gpu_path(q) else "torch", fixed_splits=True)
 
 
-def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap):
+def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, rotated=None):
     """:func:`_tail_dense` read where the tail lies: a pooled tail (``paged_tail.PagedTail``)
     hands each row's blocks as a table, and one paged call reads every row's own tokens from
     the pool (nothing gathered; the positions for masks and windows are the pool's). Same
-    return."""
+    return (``rotated``: :func:`_pooled`'s)."""
     tail, pos = ctx.tail, ctx.positions
     pool = tail.pool
     if ctx.step:
@@ -380,19 +388,22 @@ def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
         tail.extend(layer, k_new, v_new)
         tables, kv_len = tail.rows_tables(ctx.rows, extended=True)
     kw = dict(q_pos=pos, pos_pool=pool.pos, window=window) if (q.shape[2] > 1 or window is not None) else {}
-    return _pooled(pool, layer, q, tables, kv_len, scale=scale, softcap=softcap, **_tail_kernel(q), **kw)
+    return _pooled(pool, layer, q, tables, kv_len, rotated, scale=scale, softcap=softcap, **_tail_kernel(q), **kw)
 
 
-def _pooled(pool, layer: int, q, tables, kv_len, **kw):
+def _pooled(pool, layer: int, q, tables, kv_len, rotated=None, **kw):
     """``partial_attention_paged`` over ``pool``'s layer as stored (:func:`_stored`'s twin for
     block tables): an fp8 pool's queries turn into its rotated basis, its per-block scales come
-    along, and the output turns back. Returns ``(o fp32, lse)``."""
+    along, and the output turns back; ``rotated`` (the pool's ``KVQuant``): ``q`` is in that
+    basis already and the output stays in it. Returns ``(o fp32, lse)``."""
     quant = pool.quant
     if quant is not None:
         kw.update(k_scale=pool.ks[layer], v_scale=pool.vs[layer])
-        q = quant.rotate(q)
-    o, lse = partial_attention_paged(q, pool.k[layer], pool.v[layer], tables, kv_len, out_dtype=torch.float32, **kw)
-    return (quant.unrotate(o) if quant is not None else o), lse
+    turn = quant is not None and rotated is None
+    o, lse = partial_attention_paged(
+        quant.rotate(q) if turn else q, pool.k[layer], pool.v[layer], tables, kv_len, out_dtype=torch.float32, **kw
+    )
+    return (quant.unrotate(o) if turn else o), lse
 
 
 def pooled_documents(shards) -> bool:
@@ -401,13 +412,13 @@ def pooled_documents(shards) -> bool:
     return len(pools) == 1 and getattr(shards[0], "pool", None) is not None
 
 
-def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, cites, cited):
+def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, cites, cited, rotated=None):
     """The documents' partials of a cascade in one paged call (``q [R, H, T, d]``, ``pos [R, T]``):
     each document is a row of the call, its sequences' T-token rows its query rows (padded to
     the longest group; padding at position -1), read through its block table. Returns
     ``(o [R, H, T, d] fp32, lse [R, H, T])``. ``cites``: each row's citation (or none); the rows
     that cite get their per-key log-sum-exp over their document's blocks, appended to
-    ``cited`` as :func:`_cascade` reads them."""
+    ``cited`` as :func:`_cascade` reads them; ``rotated``: :func:`_pooled`'s."""
     from .pool import tables_tensor
 
     R, H, T, d = q.shape
@@ -439,7 +450,7 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
                 if i in asking[g]:
                     want[g, j * T : (j + 1) * T] = True
         kw.update(_blocks(qq, tables.shape[1] * pool.page, want.to(q.device)))
-    o, lse = _pooled(pool, layer, qq, tables, kv_len, scale=scale, softcap=softcap, impl=shared_impl(q), **kw)
+    o, lse = _pooled(pool, layer, qq, tables, kv_len, rotated, scale=scale, softcap=softcap, impl=shared_impl(q), **kw)
     if whole:  # (views of the call's rows: [R, H, T, d], [R, H, T])
         o_d, l_d = o[0].view(H, R, T, d).transpose(0, 1), lse[0].view(H, R, T).transpose(0, 1)
     else:
