@@ -424,7 +424,7 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
     R, H, T, d = q.shape
     shards = [doc for doc, _, _ in groups]
     pool = shards[0].pool
-    idxs = [torch.arange(R, device=q.device) if idx is None else idx for _, idx, _ in groups]
+    idxs = [range(R) if idx is None else idx for _, idx, _ in groups]  # (None: one group of every row)
     width = max(len(i) for i in idxs) * T
     whole = len(groups) == 1 and groups[0][1] is None  # every row over one document: no gather, no scatter
     if whole:
