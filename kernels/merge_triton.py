@@ -24,8 +24,8 @@ from .targets import launch
 
 
 @triton.jit
-def _merge_pair_kernel(OA, LA, OB, LB, O, L, soa, sob, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)  # one (b, h, q) row
+def _merge_pair_kernel(OA, LA, OB, LB, O, L, soa, sob, s0, s1, s2, H, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # one (b, h, t) row
     dd = tl.arange(0, BLOCK_D)
     ok = dd < D
     la = tl.load(LA + r).to(tl.float32)
@@ -37,7 +37,9 @@ def _merge_pair_kernel(OA, LA, OB, LB, O, L, soa, sob, D: tl.constexpr, BLOCK_D:
     den = wa + wb
     oa = tl.load(OA + r * soa + dd, mask=ok, other=0.0).to(tl.float32)
     ob = tl.load(OB + r * sob + dd, mask=ok, other=0.0).to(tl.float32)
-    tl.store(O + r * D + dd, (oa * wa + ob * wb) / tl.where(den > 0, den, 1.0), mask=ok)
+    o = (oa * wa + ob * wb) / tl.where(den > 0, den, 1.0)
+    at = (r // (H * T)) * s0 + (r // T % H) * s1 + (r % T) * s2  # (b, h, t)'s row of the output
+    tl.store(O + at + dd, o.to(O.dtype.element_ty), mask=ok)
     tl.store(L + r, m + tl.log(den))
 
 
@@ -142,15 +144,17 @@ def merge_gathered_fused(every, *, out=None, dtype=torch.float32):
     return out, lse
 
 
-def merge_pair_fused(o_a, lse_a, o_b, lse_b):
-    """Two partials of disjoint key sets, ``o [..., d]`` and ``lse [...]`` each, merged in one
-    launch (``merge.merge_pair``): ``(o [..., d] fp32, lse [...] fp32)``."""
-    d = o_a.shape[-1]
-    lead = o_a.shape[:-1]
+def merge_pair_fused(o_a, lse_a, o_b, lse_b, *, out=None):
+    """Two partials of disjoint key sets, ``o [B, H, T, d]`` and ``lse [B, H, T]`` each, merged in
+    one launch (``merge.merge_pair``): ``(o [B, H, T, d] fp32, lse [B, H, T] fp32)``; with ``out``
+    (any strides along B, H, T and any dtype: the layer's ``[B, T, H, d]`` output seen as ``[B,
+    H, T, d]``) the merged ``o`` is written there, rounded to its dtype, and ``out`` returned."""
+    B, H, T, d = o_a.shape
     rows_a, rows_b = (x.reshape(-1, d) for x in (o_a, o_b))
     rows_a, rows_b = (x if x.stride(-1) == 1 else x.contiguous() for x in (rows_a, rows_b))
-    o = torch.empty(rows_a.shape, dtype=torch.float32, device=o_a.device)
-    lse = torch.empty(rows_a.shape[0], dtype=torch.float32, device=o_a.device)
+    o = out if out is not None else torch.empty(B, H, T, d, dtype=torch.float32, device=o_a.device)
+    assert o.shape == o_a.shape and o.stride(-1) == 1
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=o_a.device)
     if rows_a.shape[0]:
         launch(
             _merge_pair_kernel,
@@ -163,11 +167,16 @@ def merge_pair_fused(o_a, lse_a, o_b, lse_b):
             lse,
             rows_a.stride(0),
             rows_b.stride(0),
+            o.stride(0),
+            o.stride(1),
+            o.stride(2),
+            H,
+            T,
             D=d,
             BLOCK_D=triton.next_power_of_2(d),
             num_warps=1,
         )
-    return o.reshape(*lead, d), lse.reshape(lead)
+    return o, lse
 
 
 def weigh_fused(o, lse, m):

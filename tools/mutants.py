@@ -123,6 +123,26 @@ MUTANTS = [
         ("tests/kernel/test_triton_end_to_end.py",),
     ),
     Mutant(
+        "one-rank-merge-writes-nothing",
+        "alone (one rank), a step's merged attention is never written into the layer's output",
+        "treeattn_cli/engine/attention.py",
+        "out=out.transpose(1, 2) if last else None)",
+        "out=None)",
+        (
+            "tests/kernel/test_triton_end_to_end.py::test_documents_in_the_pool_through_the_paged_kernel_equal_transformers",
+        ),
+    ),
+    Mutant(
+        "one-document-rows-misread",
+        "every row over one document: its partials read back in the wrong order (heads for rows)",
+        "treeattn_cli/engine/attention.py",
+        "o_d, l_d = o[0].view(H, R, T, d).transpose(0, 1), lse[0].view(H, R, T).transpose(0, 1)",
+        "o_d, l_d = o[0].view(R, H, T, d), lse[0].view(R, H, T)",
+        (
+            "tests/kernel/test_triton_end_to_end.py::test_documents_in_the_pool_through_the_paged_kernel_equal_transformers",
+        ),
+    ),
+    Mutant(
         "fused-norm-without-eps",
         "the GPU's fused RMS norm leaves eps out",
         "kernels/fused_triton.py",
@@ -356,8 +376,8 @@ MUTANTS = [
         "a batch's step (the cascade over pooled documents): the sinks left out",
         "treeattn_cli/engine/attention.py",
         "    if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once\n"
-        "        o, lse = add_sink(o, lse, sink)\n    out = torch.empty(R, T, H, d",
-        "    if False:\n        o, lse = add_sink(o, lse, sink)\n    out = torch.empty(R, T, H, d",
+        "        o, lse = add_sink(o, lse, sink)\n    if not last:",
+        "    if False:\n        o, lse = add_sink(o, lse, sink)\n    if not last:",
         ("tests/verify/test_families.py::test_probe_passes_every_family_and_refuses_a_dropped_sink",),
     ),
     Mutant(

@@ -101,6 +101,12 @@ def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny)
         # kernel ran twice per forward (the documents' rows, then every row's tail)
         assert all(r["gathered"] == 0 and r["tables"] >= new for _, _, r in per_rank), per_rank
         assert all(n >= 2 * r["tables"] for _, n, r in per_rank), per_rank
+    # one rank: the merge of a step's two partials writes the layer's output itself (nothing to
+    # merge with across ranks); one document: its rows attend as views of the step's rows
+    job = EngineJob(str(llama), [], max_new_tokens=new, dtype="float32")
+    for ds, asked in ((docs, qs), (docs[:1], [(0, QS[0]), (0, QS[1])])):
+        (got, _), _, _ = run_local(triton_mixed, 1, job, ds, asked, 3, new, timeout_s=600)[0]
+        assert got == [tiny_models.hf_greedy(llama, ds[d] + q, new) for d, q in asked], len(ds)
 
 
 # -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)

@@ -184,6 +184,10 @@ def test_fused_pair_merge_matches_merge_pair():
     assert_close(lse, lse_ref, torch.float32, "lse")
     assert torch.equal(o[2, 0, 0], torch.zeros(d)) and torch.isneginf(lse[2, 0, 0])
     assert torch.equal(o[0, 1], o_b[0, 1]) and torch.equal(lse[0, 1], l_b[0, 1])  # one side empty: the other
+    layer_out = torch.full((B, Q, H, d), math.nan, dtype=torch.bfloat16)  # [B, Q, H, d], the layer's layout
+    got, lse2 = merge_pair_fused(o_a, l_a, o_b, l_b, out=layer_out.transpose(1, 2))
+    assert got.data_ptr() == layer_out.data_ptr() and torch.equal(lse2, lse)
+    assert torch.equal(layer_out.transpose(1, 2), o.to(torch.bfloat16))  # the same numbers, rounded once
 
 
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16), (8, torch.float32)])

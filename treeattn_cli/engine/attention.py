@@ -278,18 +278,21 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
         o_t, l_t = _tail_paged(ctx, layer, qa, k_new, v_new, scale, window, softcap, quant)
     else:
         o_t, l_t = _tail_dense(ctx, layer, q, k_new, v_new, scale, window, softcap)
-    if takes_triton(q):  # (one launch on a GPU)
+    out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
+    if takes_triton(q):  # (one launch on a GPU; alone, into the layer's output: nothing to merge with)
         from treeattn_kernels.merge_triton import merge_pair_fused
 
-        o, lse = merge_pair_fused(o_d, l_d, o_t, l_t)
+        last = comm.world == 1 and quant is None and sink is None
+        o, lse = merge_pair_fused(o_d, l_d, o_t, l_t, out=out.transpose(1, 2) if last else None)
     else:
+        last = False
         o, lse = merge_pair(o_d, l_d, o_t, l_t)
     if quant is not None:
         o = quant.unrotate(o)
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
         o, lse = add_sink(o, lse, sink)
-    out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
-    _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)  # a batch's step may be captured
+    if not last:
+        _, lse = comm.merge(o, lse, out=out.transpose(1, 2), eager=ctx.eager)  # a batch's step may be captured
     for cite, i, bl, doc, positions in cited:  # each row's share of its merged attention, per key
         cite.add(layer, bl, lse[i], cite.bins_of(doc, bl.shape[-1], positions))
     return out
