@@ -203,6 +203,30 @@ def test_triton_launches_pass_and_a_wrong_one_is_caught(monkeypatch):
     assert verdict_of(torch.device("cpu"), recs)["failed"] == ["partial/triton"]
 
 
+def test_the_gpus_write_and_pair_merge_checks_pass_and_a_wrong_write_is_caught(monkeypatch):
+    """The GPU's self-checks of the pool's one-launch write (bf16, fp8) and of the merge of a
+    step's two partials, run here through the interpreter: they pass, and a write that stores
+    the keys one step off fails its cases. The verdict's key names the kernels' sources."""
+    import treeattn_kernels.write_triton as wt
+
+    from treeattn_cli.verify import kernels as K
+
+    gen = torch.Generator().manual_seed(5)
+    recs = K._fused_merge_checks(torch.device("cpu"), gen) + K._write_checks(torch.device("cpu"), gen)
+    cases = {r["case"] for r in recs}
+    assert {"pair d=64 fp32", "pair d=128 bf16", "write_kv d=128 bf16", "write_kv d=128 fp8_e4m3fn"} <= cases
+    assert all(r["verdict"] == "pass" for r in recs), [r for r in recs if r["verdict"] != "pass"]
+    real = wt.write_kv_triton
+
+    def one_off(k_store, v_store, slots, k, v, *rest):
+        return real(k_store, v_store, slots, k * 1.03, v, *rest)
+
+    monkeypatch.setattr(wt, "write_kv_triton", one_off)
+    recs = K._write_checks(torch.device("cpu"), gen)
+    assert [r["verdict"] for r in recs] == ["FAIL", "FAIL"], recs
+    assert len(K.machine_key(torch.device("cpu"))["kernels"]) == 16
+
+
 def test_the_verdict_survives_stray_lines_on_stdout(monkeypatch):
     """The GPU verdict comes from a child's stdout: a library's line before or after the records
     neither fails a passed check nor hides a failed one."""

@@ -11,8 +11,10 @@ each runs where the user will run it, against its reference:
   of 5 and 17 rows, the cascade's document rows of a batch (a padded row among them), and an
   fp8 cache (head dims 64/96/128, groups 1/4/8, ragged; where the device stores fp8);
 * ``merge/fused`` (CUDA): the fused pack/finish of the allreduce merge vs the torch merge;
-* ``layer/fused`` (CUDA): the layer's small kernels (the RMS norm, SiLU × up; ``model/fused.py``)
-  vs their torch references, transformers' own operations;
+* ``merge/fused`` also covers the one-launch merge of a step's two partials;
+* ``layer/fused`` (CUDA): the layer's small kernels (the RMS norm, SiLU × up, the rotary
+  embedding; ``model/fused.py``) vs their torch references, transformers' own operations, and the
+  write of a step's keys and values into the pool (bf16; fp8 where the device stores it);
 * ``compile/<target>`` (GPU): every Triton kernel configuration compiled for the local target,
   no spills, shared memory within the limit (``treeattn_kernels.offline_compile``).
 
@@ -292,6 +294,23 @@ def _fused_merge_checks(device, gen) -> list[dict]:
         except Exception as e:
             err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
         out.append(_record("merge/fused", f"d={d} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note))
+    from treeattn_kernels.merge_triton import merge_pair_fused
+
+    from ..parallel.merge import merge_pair
+
+    for d, dt in ((64, torch.float32), (128, torch.bfloat16)):  # a step's two partials, into the layer's layout
+        o_a, o_b = (torch.randn(2, 8, 3, d, generator=gen).to(device) for _ in range(2))
+        l_a, l_b = (torch.randn(2, 8, 3, generator=gen).to(device) * 10 for _ in range(2))
+        l_a[0, 1] = -math.inf  # (a row with one side empty)
+        layer_out = torch.empty(2, 3, 8, d, dtype=dt, device=device)
+        t0 = time.perf_counter()
+        try:
+            po, pl = merge_pair_fused(o_a, l_a, o_b, l_b, out=layer_out.transpose(1, 2))
+            ro, rl = merge_pair(o_a, l_a, o_b, l_b)
+            err, note = max(rel_err(po, ro.to(dt)), rel_err(pl, rl)), ""
+        except Exception as e:
+            err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
+        out.append(_record("merge/fused", f"pair d={d} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note))
     return out
 
 
@@ -335,6 +354,50 @@ def _fused_layer_checks(device, gen) -> list[dict]:
         except Exception as e:
             err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
         out.append(_record("layer/fused", f"rope d={d} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note))
+    out += _write_checks(device, gen)
+    return out
+
+
+def _write_checks(device, gen) -> list[dict]:
+    """A step's keys and values into a block pool (``write_triton``) against the torch write
+    (``write_ref``): a bf16 pool, and an fp8 one where the device stores fp8 (its rows compared
+    as they read back: dequantized, in the model's basis)."""
+    from treeattn_kernels import dequantize
+    from treeattn_kernels.write_ref import write_kv_ref
+    from treeattn_kernels.write_triton import write_kv_triton
+
+    from ..storage.kvquant import KVQuant
+
+    out = []
+    n, H, d, blocks, page = 5, 8, 128, 4, 16
+    k, v = (torch.randn(n, H, d, generator=gen).to(device, torch.bfloat16) * 3 for _ in range(2))
+    slots = torch.randperm(blocks * page, generator=gen)[:n].to(device)
+    kinds = [("bf16", torch.bfloat16, None)]
+    if _fp8_refusal(device) is None:
+        quant = KVQuant(d, device)
+        kinds.append((quant.name, quant.dtype, quant))
+    for name, dt, quant in kinds:
+        t0 = time.perf_counter()
+        try:
+            pools = []
+            for write in (write_kv_triton, write_kv_ref):
+                stores = [torch.zeros(blocks, H, page, d, dtype=dt, device=device) for _ in range(2)]
+                if quant is not None:
+                    stores += [
+                        torch.zeros(blocks, H, page, quant.groups, dtype=torch.bfloat16, device=device)
+                        for _ in range(2)
+                    ]
+                    write(*stores[:2], slots, k, v, *stores[2:], quant.r)
+                    stores = [dequantize(stores[i], stores[i + 2], torch.float32) for i in range(2)]
+                else:
+                    write(*stores, slots, k, v)
+                pools.append(stores)
+            err, note = max(rel_err(a.float(), b.float()) for a, b in zip(*pools)), ""
+        except Exception as e:
+            err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
+        out.append(
+            _record("layer/fused", f"write_kv d={d} {name}", err, TOL[torch.bfloat16], time.perf_counter() - t0, note)
+        )
     return out
 
 
@@ -375,11 +438,22 @@ def _compile_check(device) -> dict:
 # ---------------------------------------------------------------- the verdict cache
 
 
+def _kernels_digest() -> str:
+    """A digest of the kernels' sources (``treeattn_kernels``, every ``.py``)."""
+    import treeattn_kernels
+
+    h = hashlib.sha256()
+    for f in sorted(Path(treeattn_kernels.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def machine_key(device) -> dict:
     """What a kernel verdict depends on: the device, its driver, torch, triton, treeattn, and
     which paths the checks cover (a verdict from before a path was checked is not reused)."""
     device = torch.device(device)
     key = {"device": device.type, "torch": torch.__version__, "treeattn": __version__, "checks": list(KERNEL_PATHS)}
+    key["kernels"] = _kernels_digest()  # (a kernel changed within a version is checked again)
     if device.type == "cuda":
         key["name"] = torch.cuda.get_device_name(device)
         key["runtime"] = torch.version.hip or torch.version.cuda
