@@ -57,6 +57,8 @@ def test_every_configuration_compiles(compiled, target):
         "_gathered_kernel",
         "_rms_norm_kernel",  # the layer's fused norm and SiLU × up (issue 51)
         "_silu_mul_kernel",
+        "_write_kernel",  # a step's keys and values into the pool, and the merge of its two partials
+        "_merge_pair_kernel",
     }
 
 
