@@ -35,6 +35,7 @@ __all__ = [
     "gpu_branches",
     "add_sink",
     "dequantize",
+    "quantize",
     "quantize_ref",
     "write_kv",
     "takes_triton",
@@ -152,6 +153,18 @@ def _small_impl(x, impl: str) -> str:
     return impl
 
 
+def quantize(x, rotation, dtype, groups: int, *, impl: str = "auto"):
+    """Rows ``x [..., d]`` rotated and rounded to fp8 with their bf16 scales
+    (:func:`write_ref.quantize_ref`): on the GPU's branches by the pool write's own kernel
+    (``write_triton.quantize_triton``: the bits a write stores), else the torch reference."""
+    if _small_impl(x, impl) == "triton":
+        from .write_triton import quantizable, quantize_triton
+
+        if quantizable(x.shape[-1], groups, rotation):
+            return quantize_triton(x, rotation, dtype, groups)
+    return quantize_ref(x, rotation, dtype, groups)
+
+
 def takes_triton(x) -> bool:
     """Whether a small operation on ``x`` runs its Triton kernel (``auto``): on the GPU's branches,
     where Triton runs and the kernels passed their self-check; else its torch reference."""
@@ -166,7 +179,7 @@ def write_kv(k_store, v_store, slots, k, v, ks_store=None, vs_store=None, rotati
     if _small_impl(k_store, impl) == "triton":
         from .write_triton import writable, write_kv_triton
 
-        if writable(k_store, k, ks_store, rotation):
+        if writable(k_store, k, ks_store, rotation, v_store, v, vs_store):
             return write_kv_triton(k_store, v_store, slots, k, v, ks_store, vs_store, rotation)
     return write_kv_ref(k_store, v_store, slots, k, v, ks_store, vs_store, rotation)
 

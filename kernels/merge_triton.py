@@ -24,22 +24,23 @@ from .targets import launch
 
 
 @triton.jit
-def _merge_pair_kernel(OA, LA, OB, LB, O, L, soa, sob, s0, s1, s2, H, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_pair_kernel(OA, LA, OB, LB, O, L, sa, sb, sla, slb, so, H, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    # sa, sb, so: (b, h, t) strides of the o's (unit stride along d); sla, slb: of the lse's
     r = tl.program_id(0).to(tl.int64)  # one (b, h, t) row
+    b, h, t = r // (H * T), r // T % H, r % T
     dd = tl.arange(0, BLOCK_D)
     ok = dd < D
-    la = tl.load(LA + r).to(tl.float32)
-    lb = tl.load(LB + r).to(tl.float32)
+    la = tl.load(LA + b * sla[0] + h * sla[1] + t * sla[2]).to(tl.float32)
+    lb = tl.load(LB + b * slb[0] + h * slb[1] + t * slb[2]).to(tl.float32)
     m = tl.maximum(la, lb)
     m = tl.where(m == float("-inf"), 0.0, m)  # (a row empty on both sides: weights 0, not NaN)
     wa = tl.exp(la - m)
     wb = tl.exp(lb - m)
     den = wa + wb
-    oa = tl.load(OA + r * soa + dd, mask=ok, other=0.0).to(tl.float32)
-    ob = tl.load(OB + r * sob + dd, mask=ok, other=0.0).to(tl.float32)
+    oa = tl.load(OA + b * sa[0] + h * sa[1] + t * sa[2] + dd, mask=ok, other=0.0).to(tl.float32)
+    ob = tl.load(OB + b * sb[0] + h * sb[1] + t * sb[2] + dd, mask=ok, other=0.0).to(tl.float32)
     o = (oa * wa + ob * wb) / tl.where(den > 0, den, 1.0)
-    at = (r // (H * T)) * s0 + (r // T % H) * s1 + (r % T) * s2  # (b, h, t)'s row of the output
-    tl.store(O + at + dd, o.to(O.dtype.element_ty), mask=ok)
+    tl.store(O + b * so[0] + h * so[1] + t * so[2] + dd, o.to(O.dtype.element_ty), mask=ok)
     tl.store(L + r, m + tl.log(den))
 
 
@@ -145,31 +146,32 @@ def merge_gathered_fused(every, *, out=None, dtype=torch.float32):
 
 
 def merge_pair_fused(o_a, lse_a, o_b, lse_b, *, out=None):
-    """Two partials of disjoint key sets, ``o [B, H, T, d]`` and ``lse [B, H, T]`` each, merged in
-    one launch (``merge.merge_pair``): ``(o [B, H, T, d] fp32, lse [B, H, T] fp32)``; with ``out``
-    (any strides along B, H, T and any dtype: the layer's ``[B, T, H, d]`` output seen as ``[B,
-    H, T, d]``) the merged ``o`` is written there, rounded to its dtype, and ``out`` returned."""
+    """Two partials of disjoint key sets, ``o [B, H, T, d]`` and ``lse [B, H, T]`` each (any
+    strides but along d: views of a step's rows are read where they lie), merged in one launch
+    (``merge.merge_pair``): ``(o [B, H, T, d] fp32, lse [B, H, T] fp32)``; with ``out`` (any
+    strides along B, H, T and any dtype: the layer's ``[B, T, H, d]`` output seen as ``[B, H,
+    T, d]``) the merged ``o`` is written there, rounded to its dtype, and ``out`` returned."""
     B, H, T, d = o_a.shape
-    rows_a, rows_b = (x.reshape(-1, d) for x in (o_a, o_b))
-    rows_a, rows_b = (x if x.stride(-1) == 1 else x.contiguous() for x in (rows_a, rows_b))
+    assert o_b.shape == o_a.shape and lse_a.shape == lse_b.shape == (B, H, T), (o_a.shape, o_b.shape, lse_a.shape)
+    o_a, o_b = (x if x.stride(-1) == 1 else x.contiguous() for x in (o_a, o_b))
     o = out if out is not None else torch.empty(B, H, T, d, dtype=torch.float32, device=o_a.device)
     assert o.shape == o_a.shape and o.stride(-1) == 1
     lse = torch.empty(B, H, T, dtype=torch.float32, device=o_a.device)
-    if rows_a.shape[0]:
+    if o.numel():
         launch(
             _merge_pair_kernel,
-            (rows_a.shape[0],),
-            rows_a,
-            lse_a.reshape(-1),
-            rows_b,
-            lse_b.reshape(-1),
+            (B * H * T,),
+            o_a,
+            lse_a,
+            o_b,
+            lse_b,
             o,
             lse,
-            rows_a.stride(0),
-            rows_b.stride(0),
-            o.stride(0),
-            o.stride(1),
-            o.stride(2),
+            o_a.stride()[:3],
+            o_b.stride()[:3],
+            lse_a.stride(),
+            lse_b.stride(),
+            o.stride()[:3],
             H,
             T,
             D=d,

@@ -835,7 +835,8 @@ def launches(target: Target, calls=None):
             o, lse = _meta(1, 32, 1, d, dtype=torch.float32), _meta(1, 32, 1, dtype=torch.float32)
             packed = weigh_fused(o, lse, lse)
             unweigh_fused(packed, lse, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
-            merge_pair_fused(o, lse, o, lse)  # a step's documents' and tail's partials
+            merge_pair_fused(o, lse, o, lse)  # a step's documents' and tail's partials, and alone
+            merge_pair_fused(o, lse, o, lse, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2))  # (into the layer)
             every = _meta(8, 1, 32, 1, d + 1, dtype=torch.float32)  # an all-gather of 8 ranks' [o, lse]
             merge_gathered_fused(every, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
 

@@ -74,7 +74,7 @@ def _write_kernel(
     slot = tl.load(SLOTS + i).to(tl.int64)
     blk = slot // PAGE
     off = slot % PAGE
-    hh = tl.arange(0, BLOCK_H)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (fp8: heads in tiles of 16, one product shape)
     dd = tl.arange(0, D)
     h_ok = (hh < H)[:, None]
     k = tl.load(K + i * skn + hh[:, None] * skh + dd[None, :], mask=h_ok, other=0.0)  # (BLOCK_H, D)
@@ -89,16 +89,54 @@ def _write_kernel(
         tl.store(VST + row + dd[None, :], v.to(VST.dtype.element_ty), mask=h_ok)
 
 
-def writable(k_store, k, ks_store=None, rotation=None) -> bool:
-    """Whether :func:`write_kv_triton` takes this write: a power-of-two head dim (and scale
-    groups), stores of unit stride along ``d`` (and the groups), the same layout for K and V."""
+def quantizable(d: int, groups: int, rotation) -> bool:
+    """Whether the kernel rounds rows of ``d`` channels in ``groups`` scale groups: powers of
+    two, groups of at least 16 channels (a product's smallest width), a ``[d, d]`` rotation."""
+    return (
+        d >= 16
+        and d & (d - 1) == 0
+        and groups & (groups - 1) == 0
+        and d // groups >= 16
+        and rotation is not None
+        and tuple(rotation.shape) == (d, d)
+    )
+
+
+def writable(k_store, k, ks_store=None, rotation=None, v_store=None, v=None, vs_store=None) -> bool:
+    """Whether :func:`write_kv_triton` takes this write: a power-of-two head dim (fp8:
+    :func:`quantizable`), rows and stores of unit stride along ``d`` (and the groups), the same
+    layout for K's and V's stores."""
     d = k.shape[-1]
-    if d & (d - 1) or d < 16 or k_store.stride(-1) != 1:
+    if d & (d - 1) or d < 16 or k_store.stride(-1) != 1 or k.stride(-1) != 1:
+        return False
+    if v is not None and v.stride(-1) != 1 or v_store is not None and v_store.stride() != k_store.stride():
         return False
     if ks_store is None:
         return True
-    g = ks_store.shape[-1]
-    return rotation is not None and tuple(rotation.shape) == (d, d) and g & (g - 1) == 0 and ks_store.stride(-1) == 1
+    return (
+        quantizable(d, ks_store.shape[-1], rotation)
+        and ks_store.stride(-1) == 1
+        and (vs_store is None or vs_store.stride() == ks_store.stride())
+    )
+
+
+def quantize_triton(x: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype, groups: int):
+    """:func:`write_ref.quantize_ref` by the write's own kernel: ``x [..., d]`` -> ``(x8 [..., d],
+    scale [..., groups] bf16)``, the bits :func:`write_kv_triton` stores for the same rows (its
+    rows in tiles of 16 through the same compiled kernel; a row's numbers are its own). A
+    prefill attends its fresh keys as stored (``pool.as_stored``): on a GPU, these."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    n = rows.shape[0]
+    tiles = -(-n // 16)
+    pad = torch.zeros(tiles * 16, d, dtype=x.dtype, device=x.device)
+    pad[:n] = rows
+    pad = pad.view(tiles, 16, d)
+    x8 = torch.empty(tiles, 16, 1, d, dtype=dtype, device=x.device)
+    scale = torch.empty(tiles, 16, 1, groups, dtype=torch.bfloat16, device=x.device)
+    slots = torch.arange(tiles, device=x.device)
+    write_kv_triton(x8, x8, slots, pad, pad, scale, scale, rotation)  # (K and V alike: written twice)
+    return x8.view(-1, d)[:n].reshape(x.shape), scale.view(-1, groups)[:n].reshape(*x.shape[:-1], groups)
 
 
 def write_kv_triton(k_store, v_store, slots, k, v, ks_store=None, vs_store=None, rotation=None) -> None:
@@ -107,6 +145,7 @@ def write_kv_triton(k_store, v_store, slots, k, v, ks_store=None, vs_store=None,
     if n == 0:
         return
     assert k_store.stride() == v_store.stride() and k.stride(-1) == 1 and v.stride(-1) == 1
+    slots = slots.contiguous()
     fp8 = ks_store is not None
     if fp8:
         assert ks_store.stride() == vs_store.stride() and rotation.dtype == torch.float32
@@ -116,9 +155,10 @@ def write_kv_triton(k_store, v_store, slots, k, v, ks_store=None, vs_store=None,
     else:
         r, big = k_store, 0.0  # (unused)
         scales = (k_store, v_store, 0, 0, 0)
+    block_h = 16 if fp8 else triton.next_power_of_2(H)  # fp8: every write's products (BLOCK_H, d) x (d, d / G)
     launch(
         _write_kernel,
-        (n,),
+        (n, triton.cdiv(H, block_h)),
         k,
         v,
         k_store,
@@ -140,7 +180,7 @@ def write_kv_triton(k_store, v_store, slots, k, v, ks_store=None, vs_store=None,
         SHRINK / big if fp8 else 0.0,
         PAGE=k_store.shape[2],
         D=d,
-        BLOCK_H=max(16 if fp8 else 1, triton.next_power_of_2(H)),  # (a product's rows: 16 at least)
+        BLOCK_H=block_h,
         G=ks_store.shape[-1] if fp8 else 1,
         FP8=fp8,
         num_warps=4 if fp8 or H * d >= 2048 else 1,

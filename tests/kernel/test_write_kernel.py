@@ -83,6 +83,29 @@ def test_a_tokens_bytes_are_its_own_in_any_batch():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("H", [8, 20])  # one tile of heads, and two (16 + 4)
+def test_a_prefill_attends_the_bits_the_write_stores(H):
+    """On the GPU's branches ``KVQuant.quantize`` (what ``pool.as_stored`` rounds a prefill's
+    fresh keys with) runs the write's own kernel: for the same rows, the bits the pool holds."""
+    from treeattn_kernels import quantize
+
+    from treeattn_cli.storage.kvquant import rotation
+
+    d = 128
+    k, v = _rows(7, H, d, H)
+    slots = torch.arange(7) * 5 + 2
+    stores = [torch.zeros(BLOCKS * 4, H, PAGE, d, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    scales = [torch.zeros(BLOCKS * 4, H, PAGE, d // 32, dtype=torch.bfloat16) for _ in range(2)]
+    write_kv(*stores, slots, k, v, *scales, rotation(d), impl="triton")
+    for x, store, scale in ((k, stores[0], scales[0]), (v, stores[1], scales[1])):
+        x8, s = quantize(x, rotation(d), torch.float8_e4m3fn, d // 32, impl="triton")
+        b, o = slots // PAGE, slots % PAGE
+        assert torch.equal(_bits(x8), _bits(store[b, :, o])) and torch.equal(_bits(s), _bits(scale[b, :, o]))
+    x8, s = quantize(k, torch.eye(d), torch.float8_e4m3fn, d // 32, impl="triton")  # unrotated: the reference's
+    r8, rs = quantize(k, torch.eye(d), torch.float8_e4m3fn, d // 32, impl="torch")
+    assert torch.equal(_bits(x8), _bits(r8)) and torch.equal(_bits(s), _bits(rs))
+
+
 def test_shapes_the_kernel_does_not_take_go_to_the_reference():
     k = torch.zeros(3, 2, 96)
     assert not writable(torch.zeros(BLOCKS, 2, PAGE, 96), k)  # d = 96: not a power of two
@@ -93,6 +116,11 @@ def test_shapes_the_kernel_does_not_take_go_to_the_reference():
     stores = _stores(2, 96, torch.bfloat16, False)
     write_kv_ref(*stores[:2], slots, *rows)
     assert torch.equal(got[0], stores[0].view(torch.int16))
+    strided = torch.randn(4, 2, 128)[..., ::2]  # rows of stride 2 along d: the reference takes them
+    assert not writable(torch.zeros(BLOCKS, 2, PAGE, 64), strided)
+    stores = _stores(2, 64, torch.bfloat16, False)
+    write_kv(*stores[:2], slots, strided, strided, impl="triton")
+    assert torch.equal(stores[0][slots // PAGE, :, slots % PAGE], strided.to(torch.bfloat16))
 
 
 def test_an_fp8_pool_write_is_one_launch_on_the_gpus_branches(monkeypatch):

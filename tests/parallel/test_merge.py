@@ -173,7 +173,7 @@ def test_fused_pair_merge_matches_merge_pair():
     B, H, Q, d = 3, 4, 2, 40  # d not a power of two: the tile is padded
     o_a = torch.randn(B, Q, H, d).transpose(1, 2)  # strided, as a layer's view
     o_b = torch.randn(B, H, Q, d)
-    l_a, l_b = torch.randn(B, H, Q) * 20, torch.randn(B, H, Q) * 20
+    l_a, l_b = (torch.randn(B, Q, H) * 20).transpose(1, 2), torch.randn(B, H, Q) * 20  # (one strided)
     l_a[0, 1] = -math.inf
     l_b[1, 2] = -math.inf
     l_a[2, 0, 0] = l_b[2, 0, 0] = -math.inf

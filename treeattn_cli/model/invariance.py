@@ -123,7 +123,8 @@ def _padded(part: torch.Tensor, chunk: int) -> torch.Tensor:
     if buf is None:
         if part.is_cuda and torch.cuda.is_current_stream_capturing():
             return torch.cat([part, part.new_zeros(chunk - part.shape[0], part.shape[1])])
-        buf = _PADS[key] = part.new_zeros(chunk, part.shape[1])
+        with torch.inference_mode(False):  # (a plain tensor: written in and out of inference mode)
+            buf = _PADS[key] = part.new_zeros(chunk, part.shape[1])
     buf[: part.shape[0]].copy_(part)
     return buf
 

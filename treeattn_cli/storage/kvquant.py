@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from treeattn_kernels import dequantize, quantize_ref
+from treeattn_kernels import dequantize, quantize
 
 from .kvdtypes import scale_groups
 
@@ -99,7 +99,7 @@ class KVQuant:
     def quantize(self, x: torch.Tensor):
         """``x [..., d]`` -> ``(x8 [..., d] fp8, scale [..., groups] bf16)`` of ``x R``: each
         group's largest magnitude lands on the format's largest value (``treeattn_kernels.write_ref``)."""
-        return quantize_ref(x, self.r, self.dtype, self.groups)
+        return quantize(x, self.r, self.dtype, self.groups)  # (on a GPU: the pool write's own bits)
 
     def restore(self, x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Stored fp8 rows back in the model's basis, fp32 (a saved cache converted as it loads)."""
