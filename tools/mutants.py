@@ -143,6 +143,14 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "prefill-quantizes-apart",
+        "on the GPU's branches a prefill's fresh fp8 keys are rounded by torch while the pool's write rounds them in Triton",
+        "treeattn_cli/storage/kvquant.py",
+        "return quantize(x, self.r, self.dtype, self.groups)",
+        'return quantize(x, self.r, self.dtype, self.groups, impl="torch")',
+        ("tests/kernel/test_write_kernel.py",),
+    ),
+    Mutant(
         "fused-norm-without-eps",
         "the GPU's fused RMS norm leaves eps out",
         "kernels/fused_triton.py",

@@ -84,12 +84,12 @@ def test_a_tokens_bytes_are_its_own_in_any_batch():
 
 
 @pytest.mark.parametrize("H", [8, 20])  # one tile of heads, and two (16 + 4)
-def test_a_prefill_attends_the_bits_the_write_stores(H):
+def test_a_prefill_attends_the_bits_the_write_stores(H, monkeypatch):
     """On the GPU's branches ``KVQuant.quantize`` (what ``pool.as_stored`` rounds a prefill's
     fresh keys with) runs the write's own kernel: for the same rows, the bits the pool holds."""
     from treeattn_kernels import quantize
 
-    from treeattn_cli.storage.kvquant import rotation
+    from treeattn_cli.storage.kvquant import KVQuant, rotation
 
     d = 128
     k, v = _rows(7, H, d, H)
@@ -97,8 +97,18 @@ def test_a_prefill_attends_the_bits_the_write_stores(H):
     stores = [torch.zeros(BLOCKS * 4, H, PAGE, d, dtype=torch.float8_e4m3fn) for _ in range(2)]
     scales = [torch.zeros(BLOCKS * 4, H, PAGE, d // 32, dtype=torch.bfloat16) for _ in range(2)]
     write_kv(*stores, slots, k, v, *scales, rotation(d), impl="triton")
+    from treeattn_kernels import targets
+
+    monkeypatch.setenv("TREEATTN_KERNEL", "triton")  # (the GPU's branches)
     for x, store, scale in ((k, stores[0], scales[0]), (v, stores[1], scales[1])):
-        x8, s = quantize(x, rotation(d), torch.float8_e4m3fn, d // 32, impl="triton")
+        targets._state["counted"] = []
+        try:
+            x8, s = KVQuant(d, "cpu").quantize(x)
+            launched = targets._state["counted"]
+        finally:
+            targets._state["counted"] = None
+        assert launched == ["_write_kernel"], launched  # the write's kernel rounded them (the interpreter's
+        # sums may agree with torch's: which path ran is what a GPU's bits depend on)
         b, o = slots // PAGE, slots % PAGE
         assert torch.equal(_bits(x8), _bits(store[b, :, o])) and torch.equal(_bits(s), _bits(scale[b, :, o]))
     x8, s = quantize(k, torch.eye(d), torch.float8_e4m3fn, d // 32, impl="triton")  # unrotated: the reference's
