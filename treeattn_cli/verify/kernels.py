@@ -26,6 +26,7 @@ failed. The checks across ranks and end to end are in ``ranks.py``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -163,11 +164,14 @@ def _case_inputs(kind, B, G, H_kv, Q, N, d, dt, extra, device, gen):
             kw[key] = extra[key]
     kw = {k_: t.to(device) if torch.is_tensor(t) else t for k_, t in kw.items()}
     if extra.get("fp8"):
+        from treeattn_kernels import quantize
+
         from ..storage.kvquant import KVQuant
 
         quant = KVQuant(d, device)
-        k, ks = quant.quantize((k * 2.0).to(device))
-        v, vs = quant.quantize(v.to(device))
+        quant_rows = functools.partial(quantize, rotation=quant.r, dtype=quant.dtype, groups=quant.groups, impl="torch")
+        k, ks = quant_rows((k * 2.0).to(device))  # (a case's cache: any rounding of it will do;
+        v, vs = quant_rows(v.to(device))  # torch's costs nothing under the interpreter)
         q = quant.rotate(q.to(device, dt))  # attention in the cache's basis, as the engine calls it
         kw.update(k_scale=ks, v_scale=vs)
         return q, k, v, kw, fast
