@@ -101,10 +101,16 @@ def round_as_gpus_do() -> bool:
     rtz = getattr(getattr(interp, "_ir", None), "ROUNDING_MODE", None)
     rtz = getattr(rtz, "RTZ", object())
 
+    from torch.utils._python_dispatch import _disable_current_modes
+
     def convert_float(input, input_dtype, output_dtype, rounding_mode):
         src, dst = torch_of.get(input_dtype), torch_of.get(output_dtype)
         if src is None or dst is None or rounding_mode == rtz:
             return original(input, input_dtype, output_dtype, rounding_mode)
+        with _disable_current_modes():  # (the interpreter's own work: no census, no graph capture sees it)
+            return narrowed(input, input_dtype, output_dtype, src, dst)
+
+    def narrowed(input, input_dtype, output_dtype, src, dst):
         a = np.ascontiguousarray(input).reshape(-1)
         np_in, t_in = bits[input_dtype.primitive_bitwidth]
         np_out, t_out = bits[output_dtype.primitive_bitwidth]

@@ -151,6 +151,14 @@ MUTANTS = [
         ("tests/kernel/test_write_kernel.py",),
     ),
     Mutant(
+        "interpreter-conversions-seen",
+        "the interpreter's float conversions run under the step's dispatch modes (a captured step's replay 'differs')",
+        "kernels/interpreted.py",
+        "        with _disable_current_modes():  # (the interpreter's own work: no census, no graph capture sees it)",
+        "        with threading.Lock():",
+        ("tests/kernel/test_interpreted.py",),
+    ),
+    Mutant(
         "fused-norm-without-eps",
         "the GPU's fused RMS norm leaves eps out",
         "kernels/fused_triton.py",
