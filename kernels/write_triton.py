@@ -4,9 +4,10 @@ signature; issue 51 item 2).
 A decode step writes every layer's new keys and values into the pool. In torch that is two
 indexed copies a layer, and with an fp8 cache ~34 launches (the rotation, the groups' largest
 magnitudes, the scales, the division, the cast: for K and for V, then four indexed copies). Here
-a program takes one token: its K and V rows of every KV head, rotated by ``(H_kv, d) x (d, d /
-G)`` fp32 products, one per scale group (IEEE, not TF32), scaled and rounded as the reference rounds (a correctly
-rounded division, the scale the smallest bf16 at or above its bound), stored with their scales.
+a program takes one token's K and V rows, of every KV head (fp8: of 16 heads, one product shape
+for every write), rotated by ``(16, d) x (d, d / G)`` fp32 products, one per scale group (IEEE,
+not TF32), scaled and rounded as the reference rounds (a correctly rounded division, the scale
+the smallest bf16 at or above its bound), stored with their scales.
 A token's numbers depend on that token alone, in any batch (issue 49)."""
 
 from __future__ import annotations

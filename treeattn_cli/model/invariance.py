@@ -17,8 +17,8 @@ places and compares the bits):
   threads: measured, every row equal at any M. No padding (a layer's rows are only made
   contiguous); a one-row GEMV then runs as a GEMM row (BENCHMARKS.md, "what bit-for-bit answers
   cost").
-* ``fixed``: every call has exactly ``chunk`` rows (the rows cut in chunks, the last padded with
-  zeros): one shape, one kernel, a row's numbers independent of its place in the chunk and of
+* ``fixed``: every call has exactly ``chunk`` rows (the rows cut in chunks, the last one's rows
+  copied into a buffer of ``chunk`` rows: :func:`_padded`): one shape, one kernel, a row's numbers independent of its place in the chunk and of
   its neighbours (measured on the CPU without strict mode at 8 rows; on GPUs cuBLAS chooses its
   kernel by the shape, so one shape is one kernel).
 

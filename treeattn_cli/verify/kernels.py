@@ -395,9 +395,10 @@ def _write_checks(device, gen) -> list[dict]:
     from ..storage.kvquant import KVQuant
 
     out = []
-    n, H, d, blocks, page = 5, 8, 128, 4, 16
+    H, d, blocks, page = 8, 128, 4, 16
+    n = blocks * page  # every slot written, in a shuffled order (a share of differing codes is one of written ones)
     k, v = (torch.randn(n, H, d, generator=gen).to(device, torch.bfloat16) * 3 for _ in range(2))
-    slots = torch.randperm(blocks * page, generator=gen)[:n].to(device)
+    slots = torch.randperm(n, generator=gen).to(device)
     kinds = [("bf16", torch.bfloat16, None)]
     if _fp8_refusal(device) is None:
         quant = KVQuant(d, device)
@@ -462,8 +463,9 @@ def _compile_check(device) -> dict:
 # ---------------------------------------------------------------- the verdict cache
 
 
+@functools.lru_cache(maxsize=1)
 def _kernels_digest() -> str:
-    """A digest of the kernels' sources (``treeattn_kernels``, every ``.py``)."""
+    """A digest of the kernels' sources (``treeattn_kernels``, every ``.py``; read once a process)."""
     import treeattn_kernels
 
     h = hashlib.sha256()
