@@ -184,24 +184,24 @@ def write_kv(k_store, v_store, slots, k, v, ks_store=None, vs_store=None, rotati
     return write_kv_ref(k_store, v_store, slots, k, v, ks_store, vs_store, rotation)
 
 
-def rms_norm(x, weight, eps: float, *, impl: str = "auto"):
+def rms_norm(x, weight, eps: float, *, impl: str = "auto", empty=torch.empty):
     """The RMS norm of Llama-style models (:func:`fused_ref.rms_norm_ref`): one Triton launch on
-    CUDA (``fused_triton``), else the torch reference, transformers' own operations (a CPU's
-    bits are its bits)."""
+    CUDA (``fused_triton``; ``empty`` makes its output), else the torch reference, transformers'
+    own operations (a CPU's bits are its bits)."""
     if _small_impl(x, impl) == "triton":
         from .fused_triton import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, empty)
     return rms_norm_ref(x, weight, eps)
 
 
-def silu_mul(gate, up, *, impl: str = "auto"):
+def silu_mul(gate, up, *, impl: str = "auto", empty=torch.empty):
     """``silu(gate) * up`` of a Llama-style MLP (:func:`fused_ref.silu_mul_ref`): one Triton
-    launch on CUDA, else the torch reference."""
+    launch on CUDA (``empty`` makes its output), else the torch reference."""
     if _small_impl(gate, impl) == "triton":
         from .fused_triton import silu_mul_triton
 
-        return silu_mul_triton(gate, up)
+        return silu_mul_triton(gate, up, empty)
     return silu_mul_ref(gate, up)
 
 

@@ -33,14 +33,15 @@ def _rms_norm_kernel(X, W, Y, sx, sy, N, eps, BLOCK: tl.constexpr):
     tl.store(Y + row * sy + cols, (w.to(tl.float32) * h.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, empty=torch.empty) -> torch.Tensor:
     """:func:`fused_ref.rms_norm_ref` in one launch: ``x [..., n]`` (rows of unit stride),
-    ``weight [n]``."""
+    ``weight [n]``. ``empty(shape, dtype=, device=)`` makes the output (a caller's rows padded for
+    the linear layer they feed)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out = empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     block = triton.next_power_of_2(n)
     warps = 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
     if rows.shape[0]:
@@ -71,16 +72,17 @@ def _silu_mul_kernel(G, U, Y, n, sg, su, BLOCK: tl.constexpr):
     tl.store(Y + row * n + cols, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
 
 
-def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, empty=torch.empty) -> torch.Tensor:
     """:func:`fused_ref.silu_mul_ref` in one launch (``gate`` and ``up`` of one shape and dtype;
-    rows of any stride, as the columns of a fused gate-and-up product are)."""
+    rows of any stride, as the columns of a fused gate-and-up product are); ``empty`` makes the
+    output (:func:`rms_norm_triton`)."""
     n = up.shape[-1]
     g, u = gate.reshape(-1, n), up.reshape(-1, n)
     if g.stride(-1) != 1:
         g = g.contiguous()
     if u.stride(-1) != 1:
         u = u.contiguous()
-    out = torch.empty(u.shape, dtype=up.dtype, device=up.device)
+    out = empty(u.shape, dtype=up.dtype, device=up.device)
     if out.numel():
         block = 1024
         launch(

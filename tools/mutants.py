@@ -107,6 +107,24 @@ MUTANTS = [
         ("tests/model/test_invariance.py::test_the_check_catches_a_matmul_that_sees_its_batch",),
     ),
     Mutant(
+        "rows-in-place-from-the-storage-start",
+        "a short chunk taken in place reads its storage's first rows, not the rows after its own start",
+        "treeattn_cli/model/invariance.py",
+        "    return part.as_strided((chunk, width), (width, 1))",
+        "    return part.as_strided((chunk, width), (width, 1), 0)",
+        ("tests/model/test_invariance.py::test_rows_made_for_a_linear_layer_are_taken_where_they_lie",),
+    ),
+    Mutant(
+        "attention-output-rows-unpadded",
+        "the attention's output is a plain tensor: the fixed row policy copies o_proj's rows again",
+        "treeattn_cli/engine/attention.py",
+        "    out = invariance.empty_rows((R, T, H, d), q.dtype, q.device, width=H * d)",
+        "    out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)",
+        (
+            "tests/kernel/test_triton_end_to_end.py::test_documents_in_the_pool_through_the_paged_kernel_equal_transformers",
+        ),
+    ),
+    Mutant(
         "merge-pair-fused-weights-swapped",
         "the GPU's one-launch merge of a step's two partials weighs each with the other's weight",
         "kernels/merge_triton.py",

@@ -107,6 +107,12 @@ def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny)
     for ds, asked in ((docs, qs), (docs[:1], [(0, QS[0]), (0, QS[1])])):
         (got, _), _, _ = run_local(triton_mixed, 1, job, ds, asked, 3, new, timeout_s=600)[0]
         assert got == [tiny_models.hf_greedy(llama, ds[d] + q, new) for d, q in asked], len(ds)
+    # the fixed row policy a GPU runs (chunks of 8 here): every linear layer of a step takes its
+    # short chunk where its producer left it (the norms, silu x up, the attention's output, the
+    # final norm for the LM head), none copied into the policy's buffer, and the answers hold
+    (got, _), steps, rows = run_local(triton_fixed_rows, 1, job, docs, qs, 3, new, timeout_s=600)[0]
+    assert got == [tiny_models.hf_greedy(llama, docs[d] + q, new) for d, q in qs]
+    assert steps >= new - 1 and rows == {"in_place": steps * (4 + 1), "copied": 0}, (steps, rows)
 
 
 # -- rank functions (each rank runs them under launch.run_local; the tests above check what they return)
@@ -158,3 +164,47 @@ def triton_mixed(ctx, job, docs, questions, slots, new):
         for name, f in real.items():
             setattr(PagedTail, name, f)
     return got, calls[0], reads
+
+
+def triton_fixed_rows(ctx, job, docs, questions, slots, new):
+    """:func:`triton_mixed` under the fixed row policy (what every GPU runs; a CPU's MKL needs
+    none): returns rank 0's batch result, the decode steps run and how their linear layers got
+    their short chunks (``{"in_place": n, "copied": n}``)."""
+    from treeattn_cli.engine.batch import BatchDecoder
+    from treeattn_cli.model import invariance
+
+    rows, steps = {"in_place": 0, "copied": 0}, [0]
+    in_step = [False]
+    real = {n: getattr(invariance, n) for n in ("_check", "_verdict_file", "_in_place", "_padded")}
+    checks = []
+    step = BatchDecoder._step
+
+    def stepped(self, *a, **kw):
+        in_step[0] = True
+        steps[0] += 1
+        try:
+            return step(self, *a, **kw)
+        finally:
+            in_step[0] = False
+
+    def in_place(part, chunk):
+        got = real["_in_place"](part, chunk)
+        rows["in_place"] += in_step[0] and got is not None
+        return got
+
+    def padded(part, chunk):
+        rows["copied"] += in_step[0]
+        return real["_padded"](part, chunk)
+
+    invariance._check = lambda model: bool(checks.append(1) or len(checks) > 1 and real["_check"](model))  # fixed
+    invariance._verdict_file = lambda model, linears: None
+    invariance._in_place, invariance._padded = in_place, padded
+    BatchDecoder._step = stepped
+    try:
+        got = triton_mixed(ctx, job, docs, questions, slots, new)[0]
+    finally:
+        for n, f in real.items():
+            setattr(invariance, n, f)
+        BatchDecoder._step = step
+        invariance._PAD["chunk"] = None
+    return got, steps[0], rows

@@ -47,6 +47,37 @@ def test_the_check_catches_a_matmul_that_sees_its_batch():
         assert (torch.device("cpu"), torch.float32, 64, 8) in invariance._PADS
 
 
+def test_rows_made_for_a_linear_layer_are_taken_where_they_lie(monkeypatch):
+    """Issue 51: under a fixed policy (chunks of 8 here), rows a producer made with ``empty_rows``
+    reach the matmul in place, the rows after them in their storage filling the chunk (NaN here:
+    their outputs are dropped and touch no other row), where a short chunk was copied into the
+    policy's buffer; rows whose storage ends sooner (or strided ones) are copied as before, and
+    outside shared rows nothing is padded."""
+    monkeypatch.setitem(invariance._PAD, "chunk", 8)
+    copied = []
+    real = invariance._padded
+    monkeypatch.setattr(invariance, "_padded", lambda part, chunk: copied.append(part.shape[0]) or real(part, chunk))
+    w = torch.randn(32, 64)
+    plain = invariance.fixed_linear(lambda x: F.linear(x, w), 8)
+    with invariance.shared_rows():
+        for shape in ((3, 1, 64), (11, 64), (8, 64)):
+            x = invariance.empty_rows(shape, torch.float32)
+            rows = x.numel() // 64
+            assert x.untyped_storage().nbytes() == -(-rows // 8) * 8 * 64 * 4, shape  # whole chunks of 8
+            x.as_strided((x.untyped_storage().nbytes() // 256, 64), (64, 1)).fill_(float("nan"))
+            x.copy_(torch.randn(shape))
+            got = plain(x)
+            assert torch.equal(got, F.linear(x, w)) and not got.isnan().any(), shape
+        assert copied == [], copied  # every short chunk taken where it lay
+        attention = invariance.empty_rows((3, 1, 4, 16), torch.float32, width=64)  # the layer's [R, T, H, d]
+        assert attention.untyped_storage().nbytes() == 8 * 64 * 4
+        y = torch.randn(3, 64)  # a plain tensor: its storage ends with its rows
+        assert torch.equal(plain(y), F.linear(y, w)) and copied == [3]
+        z = torch.randn(3, 5, 64)[:, -1]  # strided rows: copied
+        assert torch.equal(plain(z), F.linear(z.contiguous(), w)) and copied == [3, 3]
+    assert invariance.empty_rows((3, 64)).untyped_storage().nbytes() == 3 * 64 * 4  # (no shared rows)
+
+
 def test_a_cpu_model_in_fp32_keeps_its_rows_through_the_library(tiny):
     """On this CPU MKL's strict mode makes every row's matmul its own: the model's layers run at
     their natural size (no padding), and the check of every kind of layer passed."""

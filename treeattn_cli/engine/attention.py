@@ -25,6 +25,7 @@ from treeattn_kernels import (
     triton_available,
 )
 
+from ..model import invariance
 from ..parallel.comm import Comm
 from ..parallel.merge import merge_pair
 from .prefill import flops, ring_pass_q, ring_prefill
@@ -278,7 +279,7 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
         o_t, l_t = _tail_paged(ctx, layer, qa, k_new, v_new, scale, window, softcap, quant)
     else:
         o_t, l_t = _tail_dense(ctx, layer, q, k_new, v_new, scale, window, softcap)
-    out = torch.empty(R, T, H, d, dtype=q.dtype, device=q.device)  # the layer's layout
+    out = invariance.empty_rows((R, T, H, d), q.dtype, q.device, width=H * d)  # the layer's layout, o_proj's rows
     if takes_triton(q):  # (one launch on a GPU; alone, into the layer's output: nothing to merge with)
         from treeattn_kernels.merge_triton import merge_pair_fused
 

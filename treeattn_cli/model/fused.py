@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fused_weights
+from . import fused_weights, invariance
 from .fused_weights import _plain
 
 
@@ -35,13 +35,13 @@ _LIB.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor
 def _rms_norm(x, weight, eps):
     from treeattn_kernels import rms_norm as kernel
 
-    return kernel(x, weight, eps)
+    return kernel(x, weight, eps, empty=invariance.empty_rows)  # (rows the next linear takes as they lie)
 
 
 def _silu_mul(gate, up):
     from treeattn_kernels import silu_mul as kernel
 
-    return kernel(gate, up)
+    return kernel(gate, up, empty=invariance.empty_rows)
 
 
 def _rope(q, k, cos, sin):

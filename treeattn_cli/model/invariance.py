@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from .. import __version__
 CHUNK = {"cpu": 8, "cuda": 64}  # rows per call where the library is not invariant by itself
 PROBE_ROWS = (1, 2, 3, 17, 64, 200)  # how many rows a checked row is computed among
 _SHARED = {"on": 0}  # > 0: the forward under way mixes requests' rows (shared_rows)
+_PAD = {"chunk": None}  # the rows empty_rows pads to: every fixed policy's chunk of this process
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ def fixed_linear(forward, chunk: int | None):
         for i in range(0, n, chunk):
             part = rows[i : i + chunk]
             if part.shape[0] < chunk:  # (the same shape always)
-                part = _padded(part, chunk)
+                full = _in_place(part, chunk)
+                part = full if full is not None else _padded(part, chunk)
             outs.append(forward(part.contiguous(), *args, **kwargs)[: min(chunk, n - i)])
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.reshape(*lead, out.shape[-1])
@@ -127,6 +130,35 @@ def _padded(part: torch.Tensor, chunk: int) -> torch.Tensor:
             buf = _PADS[key] = part.new_zeros(chunk, part.shape[1])
     buf[: part.shape[0]].copy_(part)
     return buf
+
+
+def empty_rows(shape, dtype=None, device=None, width: int | None = None) -> torch.Tensor:
+    """A new tensor of ``shape`` for rows a linear layer takes next (``numel / width`` rows of
+    ``width``, by default ``shape[-1]``): under a fixed policy, while :func:`shared_rows` is on, its
+    storage runs on to whole chunks of rows, which :func:`fixed_linear` then reads where they lie
+    (:func:`_in_place`) instead of copying the short chunk into its buffer: the producers of a
+    layer's rows (the fused norm and ``silu_mul`` on a GPU, the attention's output) allocate so, and
+    a decode step's four copies a layer go. Elsewhere a plain ``torch.empty``."""
+    chunk, width = _PAD["chunk"], width or shape[-1]
+    n = math.prod(shape)
+    if chunk is None or not _SHARED["on"] or n == 0 or n % width:
+        return torch.empty(shape, dtype=dtype, device=device)
+    rows = -(-(n // width) // chunk) * chunk
+    return torch.empty(rows * width, dtype=dtype, device=device)[:n].view(shape)
+
+
+def _in_place(part: torch.Tensor, chunk: int) -> torch.Tensor | None:
+    """``part`` (fewer than ``chunk`` rows of unit stride) and the rows after it in its storage,
+    ``chunk`` rows in all, when its storage holds them (:func:`empty_rows` made it so): the call's
+    shape without a copy. The rows past ``part`` hold whatever is there (another use of the
+    buffer, nothing at all): a row's numbers do not depend on its neighbours (the policy,
+    checked), and their outputs are dropped. None where the storage ends sooner."""
+    width = part.shape[1]
+    if part.stride(1) != 1 or (part.shape[0] > 1 and part.stride(0) != width):
+        return None
+    if (part.storage_offset() + chunk * width) * part.element_size() > part.untyped_storage().nbytes():
+        return None
+    return part.as_strided((chunk, width), (width, 1))
 
 
 def rows_invariant(f, width: int, device, dtype, seed: int = 0) -> bool:
@@ -244,4 +276,6 @@ def prepare(model) -> RowPolicy:
             for m, f in zip(linears, real):
                 m.forward = fixed_linear(f, policy.chunk)
     model.treeattn_rows = policy
+    if policy.chunk:  # (models of two chunks in one process: storage in whole chunks of both)
+        _PAD["chunk"] = math.lcm(_PAD["chunk"] or 1, policy.chunk)
     return policy
