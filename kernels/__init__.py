@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import torch
 
-from .fused_ref import rms_norm_ref, rope_ref, silu_mul_ref
+from .fused_ref import add_rms_norm_ref, rms_norm_ref, rope_ref, silu_mul_ref
 from .paged_ref import gather_pages, partial_attention_paged_ref
 from .partial_ref import add_sink, dequantize, partial_attention_ref
 from .write_ref import quantize_ref, write_kv_ref
@@ -22,10 +23,14 @@ from .write_ref import quantize_ref, write_kv_ref
 __all__ = [
     "partial_attention",
     "partial_attention_paged",
+    "Partials",
+    "merge_two",
     "partial_attention_ref",
     "partial_attention_paged_ref",
     "rms_norm",
     "rms_norm_ref",
+    "add_rms_norm",
+    "add_rms_norm_ref",
     "silu_mul",
     "silu_mul_ref",
     "rope",
@@ -50,6 +55,54 @@ __all__ = [
 
 _REFERENCE = {"on": False}
 _GPU_BRANCHES = {"on": False}
+
+
+class Partials(NamedTuple):
+    """A call's splits, not yet reduced (``partial_attention_paged(..., partials=True)`` where
+    the Triton split kernel runs): each split's ``o`` and natural-log lse, fp32. The call's
+    ``Q`` query rows run in slices of ``step`` (the kernel's tile), and slice ``i`` writes its
+    ``[B, H, q_i, S, d]`` (``q_i = min(step, Q - i·step)``) contiguous from ``i·B·H·step·S·d``
+    of ``op`` (and ``[B, H, q_i, S]`` of ``lp``): the split kernel's own layout, whose one more
+    argument spilled. ``rows``: how a merge's ``(r, h, t)`` row finds its ``(b, q)``, ``b = r·rows[0]``
+    and ``q = r·rows[1] + t`` (a step's tail: ``(1, 0)``; its documents' call, each row's T
+    tokens as query rows of one document: ``(0, T)``, :meth:`of_rows`). Two calls' merge as one
+    launch: :func:`merge_two`."""
+
+    op: torch.Tensor  # flat fp32
+    lp: torch.Tensor  # flat fp32
+    shape: tuple  # (B, H, Q, S, d)
+    step: int
+    rows: tuple = (1, 0)
+
+    def slice(self, i: int):
+        """Slice ``i``'s ``(op [B, H, q_i, S, d], lp [B, H, q_i, S])``: views to write."""
+        B, H, Q, S, d = self.shape
+        q = min(self.step, Q - i * self.step)
+        at = i * B * H * self.step * S
+        return (
+            self.op[at * d : (at + B * H * q * S) * d].view(B, H, q, S, d),
+            self.lp[at : at + B * H * q * S].view(B, H, q, S),
+        )
+
+    def of_rows(self, T: int) -> Partials:
+        """These splits merged as ``[R, H, T]`` rows where the call's query rows were each row's
+        ``T`` tokens in turn, of one document (``B = 1``)."""
+        return self._replace(rows=(0, T))
+
+
+def merge_two(a, b, *, out=None):
+    """Two partials of one query's disjoint keys merged, each ``(o, lse)`` or :class:`Partials`
+    (``o [B, H, T, d]``): both unreduced, one Triton launch (``merge_triton.reduce_pair``: each
+    call's splits reduced as its own reduce would, the pair merged as ``merge_pair_fused``, the
+    same bits); else each reduced, then ``merge_pair_fused``. ``(o fp32, lse)``, or ``o`` written
+    into ``out`` (any strides but along d, any dtype) and ``out`` returned. The GPU's branches
+    only (Triton, interpreted on a CPU)."""
+    from .merge_triton import merge_pair_fused, reduce_pair
+
+    if isinstance(a, Partials) and isinstance(b, Partials):
+        return reduce_pair(a, b, out=out)
+    (oa, la), (ob, lb) = (reduce_pair(p, None) if isinstance(p, Partials) else p for p in (a, b))
+    return merge_pair_fused(oa, la, ob, lb, out=out)
 
 
 def use_reference(on: bool = True) -> None:
@@ -195,6 +248,17 @@ def rms_norm(x, weight, eps: float, *, impl: str = "auto", empty=torch.empty):
     return rms_norm_ref(x, weight, eps)
 
 
+def add_rms_norm(x, residual, weight, eps: float, *, impl: str = "auto", empty=torch.empty):
+    """A layer's residual add and the RMS norm after it, ``(rms_norm(residual + x), residual +
+    x)`` (:func:`fused_ref.add_rms_norm_ref`): one Triton launch on CUDA (``empty`` makes the
+    normed output), else the torch reference (two operations, transformers' own)."""
+    if _small_impl(x, impl) == "triton":
+        from .fused_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, weight, eps, empty)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
 def silu_mul(gate, up, *, impl: str = "auto", empty=torch.empty):
     """``silu(gate) * up`` of a Llama-style MLP (:func:`fused_ref.silu_mul_ref`): one Triton
     launch on CUDA (``empty`` makes its output), else the torch reference."""
@@ -237,6 +301,7 @@ def partial_attention_paged(
     lse_rows=None,
     impl: str = "auto",
     fixed_splits: bool = False,
+    partials: bool = False,
 ):
     """Partial attention of ``q [B, H, Q, d]`` to the shards ``block_tables [B, nb]`` name in a
     layer's pool ``k_pool, v_pool [blocks, H_kv, page, d]`` (row b: the first ``kv_len[b]``
@@ -246,7 +311,8 @@ def partial_attention_paged(
     rows of every sequence; elsewhere, or past its rows, each row's blocks are gathered and
     :func:`partial_attention` runs on them. ``block_lse [B, H, Q, ceil(nb·page / lse_block)]``,
     ``lse_rows``: as :func:`partial_attention`, over each row's keys in table order;
-    ``fixed_splits`` too. Returns ``(o [B, H, Q, d], lse [B, H, Q])``."""
+    ``fixed_splits`` too. Returns ``(o [B, H, Q, d], lse [B, H, Q])``; with ``partials`` where the
+    Triton kernel runs, its splits unreduced (:class:`Partials`, for :func:`merge_two`)."""
     blocks = dict(block_lse=block_lse, lse_block=lse_block, lse_rows=lse_rows) if block_lse is not None else {}
     if impl == "auto" and _REFERENCE["on"]:
         impl = "torch"
@@ -271,6 +337,7 @@ def partial_attention_paged(
             v_scale=v_scale,
             out=out,
             fixed_splits=fixed_splits,
+            partials=partials,
             **blocks,
         )
     kw = dict(blocks)

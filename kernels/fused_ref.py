@@ -19,6 +19,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(dtype)
 
 
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(rms_norm_ref(residual + x), residual + x)``: a layer's residual add and the RMS norm
+    after it (the sum rounded to the inputs' dtype, as transformers' add)."""
+    total = residual + x
+    return rms_norm_ref(total, weight, eps), total
+
+
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, each rounded to the inputs' dtype as transformers' MLP does."""
     return torch.nn.functional.silu(gate) * up

@@ -4,6 +4,8 @@ their references, same signatures; issue 51):
 * :func:`rms_norm_triton`: a program per row, the row in registers, in fp32 as the reference,
   rounded to the input's dtype before the weight (transformers' order): one launch where the
   reference takes eight (two casts, pow, mean, add, rsqrt, two multiplies);
+* :func:`add_rms_norm_triton`: the residual's add and the next RMS norm in one launch (both
+  outputs: the norm for the next projection, the sum for the residual after it);
 * :func:`silu_mul_triton`: ``silu(gate) * up`` elementwise, rounded where the reference rounds:
   one launch for two;
 * :func:`rope_triton`: the rotary embedding of the queries and the keys, a program per row of
@@ -21,16 +23,35 @@ import triton.language as tl
 from .targets import launch
 
 
+@triton.jit
+def _normed(x, W, cols, ok, N, eps, XT: tl.constexpr, YT: tl.constexpr):
+    """A row ``x`` (fp32, of an ``XT`` tensor) RMS-normed and weighed, rounded to ``YT``."""
+    variance = tl.sum(x * x, axis=0) / N
+    h = (x * tl.rsqrt(variance + eps)).to(XT)  # (rounded to the input's dtype, as the reference)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    return (w.to(tl.float32) * h.to(tl.float32)).to(YT)
+
+
 @triton.jit(do_not_specialize=["eps"])
 def _rms_norm_kernel(X, W, Y, sx, sy, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(X + row * sx + cols, mask=ok, other=0.0).to(tl.float32)
-    variance = tl.sum(x * x, axis=0) / N
-    h = (x * tl.rsqrt(variance + eps)).to(X.dtype.element_ty)  # (rounded to the input's dtype, as the reference)
-    w = tl.load(W + cols, mask=ok, other=0.0)
-    tl.store(Y + row * sy + cols, (w.to(tl.float32) * h.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + row * sy + cols, _normed(x, W, cols, ok, N, eps, X.dtype.element_ty, Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _add_rms_norm_kernel(X, R, W, Y, S, sx, sr, sy, ss, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(X + row * sx + cols, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(R + row * sr + cols, mask=ok, other=0.0).to(tl.float32)
+    s = (r + x).to(S.dtype.element_ty)  # the residual's sum, rounded as torch's add rounds it
+    tl.store(S + row * ss + cols, s, mask=ok)
+    y = _normed(s.to(tl.float32), W, cols, ok, N, eps, S.dtype.element_ty, Y.dtype.element_ty)
+    tl.store(Y + row * sy + cols, y, mask=ok)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, empty=torch.empty) -> torch.Tensor:
@@ -59,6 +80,38 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, empty=tor
             num_warps=warps,
         )
     return out.reshape(*x.shape[:-1], n)
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, empty=torch.empty):
+    """:func:`fused_ref.add_rms_norm_ref` in one launch: ``(rms_norm(residual + x), residual +
+    x)`` of ``x, residual [..., n]`` (one shape and dtype; rows of unit stride); ``empty`` makes
+    the normed output (:func:`rms_norm_triton`)."""
+    n = x.shape[-1]
+    rows, res = x.reshape(-1, n), residual.reshape(-1, n)
+    rows, res = (t if t.stride(-1) == 1 else t.contiguous() for t in (rows, res))
+    out = empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    warps = 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+    if rows.shape[0]:
+        launch(
+            _add_rms_norm_kernel,
+            (rows.shape[0],),
+            rows,
+            res,
+            weight,
+            out,
+            total,
+            rows.stride(0),
+            res.stride(0),
+            out.stride(0),
+            total.stride(0),
+            n,
+            eps,
+            BLOCK=block,
+            num_warps=warps,
+        )
+    return out.reshape(*x.shape[:-1], n), total.reshape(x.shape)
 
 
 @triton.jit

@@ -20,7 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .partial_triton import REDUCE_BLOCK_S, _reduce_splits
 from .targets import launch
+
+
+@triton.jit
+def _merge_two(oa, la, ob, lb):
+    """Two partials of disjoint keys (``o`` fp32 rows, their lse) as one: ``(o, lse)``."""
+    m = tl.maximum(la, lb)
+    m = tl.where(m == float("-inf"), 0.0, m)  # (a row empty on both sides: weights 0, not NaN)
+    wa = tl.exp(la - m)
+    wb = tl.exp(lb - m)
+    den = wa + wb
+    return (oa * wa + ob * wb) / tl.where(den > 0, den, 1.0), m + tl.log(den)
 
 
 @triton.jit
@@ -32,16 +44,52 @@ def _merge_pair_kernel(OA, LA, OB, LB, O, L, sa, sb, sla, slb, so, H, T, D: tl.c
     ok = dd < D
     la = tl.load(LA + b * sla[0] + h * sla[1] + t * sla[2]).to(tl.float32)
     lb = tl.load(LB + b * slb[0] + h * slb[1] + t * slb[2]).to(tl.float32)
-    m = tl.maximum(la, lb)
-    m = tl.where(m == float("-inf"), 0.0, m)  # (a row empty on both sides: weights 0, not NaN)
-    wa = tl.exp(la - m)
-    wb = tl.exp(lb - m)
-    den = wa + wb
     oa = tl.load(OA + b * sa[0] + h * sa[1] + t * sa[2] + dd, mask=ok, other=0.0).to(tl.float32)
     ob = tl.load(OB + b * sb[0] + h * sb[1] + t * sb[2] + dd, mask=ok, other=0.0).to(tl.float32)
-    o = (oa * wa + ob * wb) / tl.where(den > 0, den, 1.0)
+    o, lse = _merge_two(oa, la, ob, lb)
     tl.store(O + b * so[0] + h * so[1] + t * so[2] + dd, o.to(O.dtype.element_ty), mask=ok)
-    tl.store(L + r, m + tl.log(den))
+    tl.store(L + r, lse)
+
+
+@triton.jit
+def _split_row(r, h, t, H, B, Q, S, step, cb, cq):
+    """Where the splits of merge row ``(r, h, t)`` start in a call's ``Partials`` (in splits):
+    its ``(b, q)`` by ``b = r·cb``, ``q = r·cq + t``, in slice ``q // step`` of ``[B, H, q_i, S]``."""
+    b = r * cb
+    q = r * cq + t
+    i = q // step
+    qn = tl.minimum(step, Q - i * step)  # the slice's rows
+    return i * (B * H * step * S) + ((b * H + h) * qn + (q - i * step)) * S
+
+
+@triton.jit
+def _reduce_pair_kernel(
+    OA,
+    LA,
+    OB,
+    LB,
+    O,
+    L,
+    so,
+    H,
+    T,
+    pa,
+    pb,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # pa, pb: (B, Q, S, step, cb, cq) of each call's Partials; so: (b, h, t) strides of the output
+    r = tl.program_id(0).to(tl.int64)  # one (r, h, t) row
+    b, h, t = r // (H * T), r // T % H, r % T
+    dd = tl.arange(0, BLOCK_D)
+    ra = _split_row(b, h, t, H, pa[0], pa[1], pa[2], pa[3], pa[4], pa[5])
+    rb = _split_row(b, h, t, H, pb[0], pb[1], pb[2], pb[3], pb[4], pb[5])
+    oa, la = _reduce_splits(OA, LA, ra, pa[2], 0.0, D, BLOCK_S, BLOCK_D, False)
+    ob, lb = _reduce_splits(OB, LB, rb, pb[2], 0.0, D, BLOCK_S, BLOCK_D, False)
+    o, lse = _merge_two(oa, la, ob, lb)
+    tl.store(O + b * so[0] + h * so[1] + t * so[2] + dd, o.to(O.dtype.element_ty), mask=dd < D)
+    tl.store(L + r, lse)
 
 
 @triton.jit
@@ -177,6 +225,48 @@ def merge_pair_fused(o_a, lse_a, o_b, lse_b, *, out=None):
             D=d,
             BLOCK_D=triton.next_power_of_2(d),
             num_warps=1,
+        )
+    return o, lse
+
+
+def reduce_pair(a, b, *, out=None):
+    """Two calls' unreduced splits (``Partials`` of ``partial_attention_triton*(...,
+    partials=True)``), as ``[R, H, T]`` rows by their ``rows``, each call's splits reduced as its
+    own reduce would and the two merged as :func:`merge_pair_fused` would: one launch where those
+    took three, the same ``(o [R, H, T, d] fp32, lse [R, H, T])``; ``out`` as
+    :func:`merge_pair_fused`'s. ``b`` None: ``a``'s alone (a merge with no splits is exact)."""
+    B, H, Q, S, d = a.shape
+    R, T = (B, Q) if a.rows[1] == 0 else (Q // a.rows[1], a.rows[1])
+    if b is None:  # (no splits: o = 0, lse = -inf, weighed 0)
+        b = type(a)(a.op[:0], a.lp[:0], (R, H, T, 0, d), max(T, 1))
+    sides = []
+    for p in (a, b):
+        pB, pH, pQ, pS, pd = p.shape
+        rows = (pB, pQ) if p.rows == (1, 0) else (pQ // T, T) if p.rows == (0, T) and pB == 1 else None
+        assert rows == (R, T) and (pH, pd) == (H, d) and p.lp.numel() >= pB * H * pQ * pS, (p.shape, p.rows, R, T)
+        sides.append((pB, pQ, pS, p.step, *p.rows))
+    o = out if out is not None else torch.empty(R, H, T, d, dtype=torch.float32, device=a.op.device)
+    assert o.shape == (R, H, T, d) and o.stride(-1) == 1, (o.shape, R, H, T, d)
+    lse = torch.empty(R, H, T, dtype=torch.float32, device=a.op.device)
+    if o.numel():
+        launch(
+            _reduce_pair_kernel,
+            (R * H * T,),
+            a.op,
+            a.lp,
+            b.op,
+            b.lp,
+            o,
+            lse,
+            o.stride()[:3],
+            H,
+            T,
+            sides[0],
+            sides[1],
+            D=d,
+            BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_S=REDUCE_BLOCK_S,
+            num_warps=4,
         )
     return o, lse
 

@@ -791,7 +791,8 @@ def decode_growth(target: Target, tokens: int = 8192, d: int = 128, dtype=torch.
 def launches(target: Target, calls=None):
     """``(label, thunk)`` of every configuration :func:`compile_all` compiles for ``target``, in
     its order (``calls``: these ``(label, kwargs of partial_attention_triton)`` instead)."""
-    from .merge_triton import merge_gathered_fused, merge_pair_fused, unweigh_fused, weigh_fused
+    from . import Partials
+    from .merge_triton import merge_gathered_fused, merge_pair_fused, reduce_pair, unweigh_fused, weigh_fused
     from .partial_triton import partial_attention_triton, partial_attention_triton_paged
 
     for label, kw in itertools.chain(
@@ -807,12 +808,13 @@ def launches(target: Target, calls=None):
         yield label, lambda kw=kw: partial_attention_triton_paged(**kw)
     for label, fn, kw in block_lse_calls(target):
         yield label, lambda fn=fn, kw=kw: fn(**kw)
-    from .fused_triton import rms_norm_triton, silu_mul_triton
+    from .fused_triton import add_rms_norm_triton, rms_norm_triton, silu_mul_triton
 
     for label, n, dt in fused_calls():
 
         def layer(n=n, dt=dt):
             rms_norm_triton(_meta(4, n, dtype=dt), _meta(n, dtype=dt), 1e-6)
+            add_rms_norm_triton(_meta(4, n, dtype=dt), _meta(4, n, dtype=dt), _meta(n, dtype=dt), 1e-6)
             if n == NORM_WIDTHS[-1]:  # (one block size for every width)
                 silu_mul_triton(_meta(4, 14336, dtype=dt), _meta(4, 14336, dtype=dt))
 
@@ -837,6 +839,11 @@ def launches(target: Target, calls=None):
             unweigh_fused(packed, lse, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
             merge_pair_fused(o, lse, o, lse)  # a step's documents' and tail's partials, and alone
             merge_pair_fused(o, lse, o, lse, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2))  # (into the layer)
+            # a step's two calls' splits, reduced and merged in one launch into the layer (8 rows)
+            f32 = torch.float32
+            docs = Partials(_meta(2 * 32 * 4 * 4 * d, dtype=f32), _meta(2 * 32 * 4 * 4, dtype=f32), (1, 32, 8, 4, d), 4)
+            tail = Partials(_meta(8 * 32 * 2 * d, dtype=f32), _meta(8 * 32 * 2, dtype=f32), (8, 32, 1, 2, d), 4)
+            reduce_pair(docs.of_rows(1), tail, out=_meta(8, 1, 32, d, dtype=dt).transpose(1, 2))
             every = _meta(8, 1, 32, 1, d + 1, dtype=torch.float32)  # an all-gather of 8 ranks' [o, lse]
             merge_gathered_fused(every, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
 

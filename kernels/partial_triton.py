@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _version_tuple
+from . import Partials, _version_tuple
 from .partial_ref import check_block_lse, check_inputs, dequantize
 from .targets import Target, launch, target_of
 
@@ -535,7 +535,8 @@ def _split_kernel(
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2_C, float("-inf"))
-    # partials: OP [B, H, NQ, NSPLIT, HEAD_D], LP [B, H, NQ, NSPLIT], contiguous fp32
+    # partials: OP [B, H, NQ, NSPLIT, HEAD_D], LP [B, H, NQ, NSPLIT], contiguous fp32 (measured:
+    # an argument more for other layouts spills at d = 256 in fp32 on sm_80 and sm_90)
     prow = ((b * (H_KV * G) + head) * NQ + qi) * NSPLIT + pid_s  # (BLOCK_M,) int64
     tl.store(OP + prow[:, None] * HEAD_D + dd[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LP + prow, lse, mask=row_ok)
@@ -567,6 +568,31 @@ def _reduce_kernel(
     b = r // (H * NQ)
     h = (r // NQ) % H
     qi = r % NQ
+    dd = tl.arange(0, BLOCK_D)
+    sink = 0.0
+    if HAS_SINK:  # a learned sink logit: one more term of the denominator, none of the numerator
+        sink = tl.load(SINK + h).to(tl.float32)
+    out, lse = _reduce_splits(OP, LP, r * NSPLIT, NSPLIT, sink, HEAD_D, BLOCK_S, BLOCK_D, HAS_SINK)
+    tl.store(O + b * sob + h * soh + qi * soq + dd * sod, out.to(O.dtype.element_ty), mask=dd < HEAD_D)
+    tl.store(LSE + b * slb + h * slh + qi * slq, lse)
+
+
+@triton.jit
+def _reduce_splits(
+    OP,
+    LP,
+    prow,
+    NSPLIT,
+    sink,
+    HEAD_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
+    """One query row's ``NSPLIT`` partials (``OP + (prow + s) * HEAD_D``, ``LP + prow + s``) merged
+    with the LSE math of docs/architecture.md §2: ``(o (BLOCK_D,) fp32, lse)`` (natural log;
+    ``sink``: one more term of the denominator where ``HAS_SINK``). The reduce's and
+    ``merge_triton.reduce_pair``'s: one formula, the same bits."""
     ss = tl.arange(0, BLOCK_S)
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < HEAD_D
@@ -574,19 +600,18 @@ def _reduce_kernel(
     # the max of their lse, then the weighted sum of their outputs
     mv = tl.full([BLOCK_S], float("-inf"), tl.float32)
     for s0 in range(0, NSPLIT, BLOCK_S):
-        mv = tl.maximum(mv, tl.load(LP + r * NSPLIT + s0 + ss, mask=s0 + ss < NSPLIT, other=float("-inf")))
+        mv = tl.maximum(mv, tl.load(LP + prow + s0 + ss, mask=s0 + ss < NSPLIT, other=float("-inf")))
     m = tl.max(mv, 0)
-    if HAS_SINK:  # a learned sink logit: one more term of the denominator, none of the numerator
-        sink = tl.load(SINK + h).to(tl.float32)
+    if HAS_SINK:
         m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     wv = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, NSPLIT, BLOCK_S):
         s_ok = s0 + ss < NSPLIT
-        w = tl.exp(tl.load(LP + r * NSPLIT + s0 + ss, mask=s_ok, other=float("-inf")) - m_safe)  # 0: empty
+        w = tl.exp(tl.load(LP + prow + s0 + ss, mask=s_ok, other=float("-inf")) - m_safe)  # 0: empty
         o = tl.load(
-            OP + (r * NSPLIT + s0 + ss[:, None]) * HEAD_D + dd[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+            OP + (prow + s0 + ss[:, None]) * HEAD_D + dd[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
         )  # (BLOCK_S, BLOCK_D)
         acc += tl.sum(o * w[:, None], 0)
         wv += w
@@ -594,11 +619,7 @@ def _reduce_kernel(
     if HAS_SINK:
         den += tl.exp(sink - m_safe)
     out = acc / tl.where(den > 0.0, den, 1.0)
-    tl.store(O + b * sob + h * soh + qi * soq + dd * sod, out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(
-        LSE + b * slb + h * slh + qi * slq,
-        tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf")),
-    )
+    return out, tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf"))
 
 
 def kv_tile(
@@ -810,6 +831,7 @@ def partial_attention_triton(
     lse_block: int = 1,
     lse_rows=None,
     fixed_splits: bool = False,
+    partials: bool = False,
 ):
     """Triton version of :func:`partial_attention_ref` (same arguments and outputs).
 
@@ -856,7 +878,7 @@ def partial_attention_triton(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o, lse, done = _outputs(q, N, out, lse_out, sink)
     if done:  # no rows, or no keys: block_lse has no entry
-        return o, lse
+        return _none_split(o, lse, sink) if partials else (o, lse)
     tuning = dict(
         num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fixed_splits=fixed_splits
     )
@@ -881,6 +903,28 @@ def partial_attention_triton(
         k_pos_sorted=k_pos_sorted,
         tuning=tuning,
         blocks=_blocks(block_lse, lse_block, lse_rows),
+        partials=_partials(partials, sink),
+    )
+
+
+def _partials(partials: bool, sink):
+    """``_attend``'s ``partials`` for a call asking for its splits unreduced (none with a sink:
+    its term joins a reduce)."""
+    if partials and sink is not None:
+        raise ValueError("partials=True takes no sink (the sink joins the merge of the partials)")
+    return True if partials else None
+
+
+def _none_split(o, lse, sink):
+    """The unreduced partials of a call with no rows or no keys: one split, empty (o = 0, lse =
+    -inf: what its reduce answers)."""
+    _partials(True, sink)
+    B, H, Q, d = o.shape
+    return Partials(
+        torch.zeros(B * H * Q * d, dtype=torch.float32, device=o.device),
+        torch.full((B * H * Q,), -math.inf, dtype=torch.float32, device=o.device),
+        (B, H, Q, 1, d),
+        max(Q, 1),
     )
 
 
@@ -939,13 +983,27 @@ def _attend(
     table=None,
     page=0,
     blocks=None,
+    partials=None,
 ):
     """The launches of a validated call (``table``, ``page``: a paged shard; ``blocks``:
-    ``(block_lse, lse_block, lse_rows)`` or None), query rows in slices the tile holds."""
+    ``(block_lse, lse_block, lse_rows)`` or None), query rows in slices the tile holds.
+    ``partials``: True (or, within, a slice's ``(op [B, H, q, S, d], lp [B, H, q, S])`` of its
+    buffers, :meth:`Partials.slice`): the split launches only, their splits returned unreduced
+    (:class:`Partials`; ``merge_triton.reduce_pair`` merges two calls')."""
     B, H, Q, d = q.shape
     G = H // H_kv
     dev = q.device
     step = max(1, tile_rows(G) // G)  # query positions the decode step's tile holds
+    if partials is True:  # one buffer for every slice's splits (each slice's plan has as many)
+        S = _plan(B, H_kv, G, min(Q, step), N, d, q.dtype, dev, k.dtype, groups, tuning, page, q_pos is not None)
+        S = S[1].splits
+        n = -(-Q // step) * B * H * step * S
+        partials = Partials(
+            torch.empty(n * d, dtype=torch.float32, device=dev),
+            torch.empty(n, dtype=torch.float32, device=dev),
+            (B, H, Q, S, d),
+            step,
+        )
     if Q > step:  # longer query blocks (a verify, a batch's rows of one document): slices of them
         for a in range(0, Q, step):
             b = min(Q, a + step)
@@ -977,24 +1035,18 @@ def _attend(
                 table=table,
                 page=page,
                 blocks=part,
+                partials=None if partials is None else partials.slice(a // step),
             )
-        return o, lse
+        return partials if partials is not None else (o, lse)
 
-    if page:  # a tile never straddles two blocks
-        bn = (
-            tuning.get("block_n")
-            or plan_split(B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups).block_n
-        )
-        if page % min(bn, page):
-            raise ValueError(f"a page of {page} keys is no multiple of the kernel's {bn}-key tile")
-        tuning = {**tuning, "block_n": min(bn, page)}
+    tuning, plan = _plan(B, H_kv, G, Q, N, d, q.dtype, dev, k.dtype, groups, tuning, page, q_pos is not None)
     has_pos = q_pos is not None
-    paged = bool(page) and not has_pos  # (rows through a table, no positions: two levels, plan_split)
-    plan = plan_split(
-        B, H_kv, G, Q, N, d, q.dtype, target_of(dev), kv_dtype=k.dtype, scale_groups=groups, paged=paged, **tuning
-    )
-    op = torch.empty(B, H, Q, plan.splits, d, dtype=torch.float32, device=dev)
-    lp = torch.empty(B, H, Q, plan.splits, dtype=torch.float32, device=dev)
+    if partials is not None:  # this slice's region of the call's buffers (Partials.slice)
+        op, lp = partials.slice(0) if isinstance(partials, Partials) else partials
+        assert op.shape == (B, H, Q, plan.splits, d), (op.shape, plan.splits)
+    else:
+        op = torch.empty(B, H, Q, plan.splits, d, dtype=torch.float32, device=dev)
+        lp = torch.empty(B, H, Q, plan.splits, dtype=torch.float32, device=dev)
     if has_pos:
         qp = q_pos.to(device=dev, dtype=torch.int64)
         kp = k_pos.to(device=dev, dtype=torch.int64)
@@ -1079,6 +1131,8 @@ def _attend(
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
+    if partials is not None:  # (the call's Partials; a slice's views: its caller returns them)
+        return partials if isinstance(partials, Partials) else None
     if (
         plan.splits == 1
         and sink is None
@@ -1141,6 +1195,7 @@ def partial_attention_triton_paged(
     lse_block: int = 1,
     lse_rows=None,
     fixed_splits: bool = False,
+    partials: bool = False,
 ):
     """Triton version of :func:`paged_ref.partial_attention_paged_ref` (same arguments and
     outputs; tuning as :func:`partial_attention_triton`): the split kernel reads each row's keys
@@ -1199,12 +1254,13 @@ def partial_attention_triton_paged(
                 lse_out=lse_out,
                 k_pos=None if pos_pool is None else gather_pages(pos_pool, block_tables),
                 fixed_splits=fixed_splits,
+                partials=partials,
                 **lse_kw,
             )
     dev = q.device
     o, lse, done = _outputs(q, N, out, lse_out, sink)
     if done:  # no rows, or no blocks: block_lse has no entry
-        return o, lse
+        return _none_split(o, lse, sink) if partials else (o, lse)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     tuning = dict(
         num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fixed_splits=fixed_splits
@@ -1232,7 +1288,26 @@ def partial_attention_triton_paged(
         table=block_tables.to(device=dev).contiguous(),
         page=page,
         blocks=_blocks(block_lse, lse_block, lse_rows),
+        partials=_partials(partials, sink),
     )
+
+
+def _plan(B, H_kv, G, Q, N, d, dtype, dev, kv_dtype, groups, tuning, page, has_pos):
+    """``(tuning, plan)`` of one launch of :func:`_attend`: a paged shard's tile never straddles
+    two blocks (``block_n`` at most the page)."""
+    if page:
+        bn = (
+            tuning.get("block_n")
+            or plan_split(B, H_kv, G, Q, N, d, dtype, target_of(dev), kv_dtype=kv_dtype, scale_groups=groups).block_n
+        )
+        if page % min(bn, page):
+            raise ValueError(f"a page of {page} keys is no multiple of the kernel's {bn}-key tile")
+        tuning = {**tuning, "block_n": min(bn, page)}
+    paged = bool(page) and not has_pos  # (rows through a table, no positions: two levels, plan_split)
+    plan = plan_split(
+        B, H_kv, G, Q, N, d, dtype, target_of(dev), kv_dtype=kv_dtype, scale_groups=groups, paged=paged, **tuning
+    )
+    return tuning, plan
 
 
 def _check_scales(k, v, k_scale, v_scale) -> int:

@@ -204,10 +204,11 @@ def test_triton_launches_pass_and_a_wrong_one_is_caught(monkeypatch):
 
 
 def test_the_gpus_write_and_pair_merge_checks_pass_and_a_wrong_write_is_caught(monkeypatch):
-    """The GPU's self-checks of the pool's one-launch write (bf16, fp8) and of the merge of a
-    step's two partials, run here through the interpreter: they pass, and a write that stores
-    the keys 10 % off fails its cases (fp8: codes more than one step off). The verdict's key
-    names the kernels' sources."""
+    """The GPU's self-checks of the pool's one-launch write (bf16, fp8), of the merge of a step's
+    two partials (and of its two calls' splits in one launch) and of the layer's small kernels,
+    run here through the interpreter: they pass; a merge that drops the tail's splits fails, and
+    a write that stores the keys 10 % off fails its cases (fp8: codes more than one step off).
+    The verdict's key names the kernels' sources."""
     import treeattn_kernels.write_triton as wt
 
     from treeattn_cli.verify import kernels as K
@@ -216,7 +217,22 @@ def test_the_gpus_write_and_pair_merge_checks_pass_and_a_wrong_write_is_caught(m
     recs = K._fused_merge_checks(torch.device("cpu"), gen) + K._write_checks(torch.device("cpu"), gen)
     cases = {r["case"] for r in recs}
     assert {"pair d=64 fp32", "pair d=128 bf16", "write_kv d=128 bf16", "write_kv d=128 fp8_e4m3fn"} <= cases
+    assert {"two calls d=64 fp32", "two calls d=128 bf16"} <= cases  # (a step's splits reduced in one launch)
     assert all(r["verdict"] == "pass" for r in recs), [r for r in recs if r["verdict"] != "pass"]
+    import treeattn_kernels.merge_triton as mt
+
+    real_pair = mt.reduce_pair
+
+    def one_call(a, b, *, out=None):  # the tail's splits dropped: wrong
+        return real_pair(a, None, out=out)
+
+    monkeypatch.setattr(mt, "reduce_pair", one_call)
+    bad = [r for r in K._fused_merge_checks(torch.device("cpu"), gen) if r["case"].startswith("two calls")]
+    assert [r["verdict"] for r in bad] == ["FAIL", "FAIL"], bad
+    monkeypatch.setattr(mt, "reduce_pair", real_pair)
+    layer = K._fused_layer_checks(torch.device("cpu"), gen)  # the norms (with a residual add), silu, rope
+    assert {"add_rms_norm n=4096 bf16", "rms_norm n=896 fp16"} <= {r["case"] for r in layer}
+    assert all(r["verdict"] == "pass" for r in layer), [r for r in layer if r["verdict"] != "pass"]
     real = wt.write_kv_triton
 
     def one_off(k_store, v_store, slots, k, v, *rest):  # the keys 10 % off: a write that is wrong

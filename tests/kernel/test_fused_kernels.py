@@ -37,6 +37,28 @@ def test_rms_norm_is_the_reference_and_a_row_is_its_own(dtype, n):
     assert torch.equal(ft.rms_norm_triton(x[None], w, 1e-6)[0], got)  # [1, T, n] as [T, n]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [100, 2048])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, n):
+    """The residual's add and the norm after it in one launch: the sum with the bits of torch's
+    add (it is the next residual), its norm the one-launch norm's of that sum, bit for bit (a
+    step may norm the same sum either way), and within rounding of the reference; a row alone as
+    among 7, and the sum's rows from strided inputs."""
+    from treeattn_kernels import add_rms_norm_ref
+
+    g = torch.Generator().manual_seed(n + 1)
+    x = (torch.randn(7, n + 8, generator=g) * 6).to(dtype)[:, :n]
+    r = (torch.randn(7, n, generator=g) * 6).to(dtype)
+    w = (torch.randn(n, generator=g) * 0.3 + 1).to(dtype)
+    normed, total = ft.add_rms_norm_triton(x, r, w, 1e-6)
+    ref_normed, ref_total = add_rms_norm_ref(x, r, w, 1e-6)
+    assert torch.equal(total, r + x) and torch.equal(ref_total, r + x)
+    assert torch.equal(normed, ft.rms_norm_triton(total, w, 1e-6))
+    _close(normed, ref_normed, dtype)
+    alone = ft.add_rms_norm_triton(x[3:4], r[3:4], w, 1e-6)
+    assert torch.equal(alone[0][0], normed[3]) and torch.equal(alone[1][0], total[3])
+
+
 def test_rms_norm_takes_eps_and_every_channel():
     """The planted mistakes a tolerance must see: eps left out (a row near zero), the weight's last
     channel dropped (a width not a power of two)."""

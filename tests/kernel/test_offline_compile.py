@@ -59,6 +59,8 @@ def test_every_configuration_compiles(compiled, target):
         "_silu_mul_kernel",
         "_write_kernel",  # a step's keys and values into the pool, and the merge of its two partials
         "_merge_pair_kernel",
+        "_reduce_pair_kernel",  # a step's two calls' splits in one launch, and a residual add with its norm
+        "_add_rms_norm_kernel",
     }
 
 

@@ -20,20 +20,21 @@ def _load(path, dtype):
 
 
 @pytest.mark.parametrize(
-    "family, norms, mlps, rope, gate_up",
+    "family, norms, mlps, rope, gate_up, blocks",
     [
-        ("llama", 2 * LAYERS + 1, LAYERS, 1, LAYERS),
-        ("mistral", 2 * LAYERS + 1, LAYERS, 1, LAYERS),
-        ("qwen2", 2 * LAYERS + 1, LAYERS, 1, LAYERS),  # (q, k and v with biases)
-        ("qwen3", 4 * LAYERS + 1, LAYERS, 1, LAYERS),  # and each layer's query and key norms
-        ("gemma2", 0, 0, 1, LAYERS),  # (1 + weight) norms, a tanh-GELU MLP: transformers' modules stay
-        ("gpt_oss", 2 * LAYERS + 1, 0, 0, 0),  # experts, and a rotary embedding of its own
+        ("llama", 2 * LAYERS + 1, LAYERS, 1, LAYERS, LAYERS),
+        ("mistral", 2 * LAYERS + 1, LAYERS, 1, LAYERS, LAYERS),
+        ("qwen2", 2 * LAYERS + 1, LAYERS, 1, LAYERS, LAYERS),  # (q, k and v with biases)
+        ("qwen3", 4 * LAYERS + 1, LAYERS, 1, LAYERS, LAYERS),  # and each layer's query and key norms
+        ("gemma2", 0, 0, 1, LAYERS, 0),  # (1 + weight) norms, a tanh-GELU MLP: transformers' modules stay
+        ("gpt_oss", 2 * LAYERS + 1, 0, 0, 0, 0),  # experts, and a rotary embedding of its own
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_replaced_modules_keep_the_logits_bits(tmp_path, family, norms, mlps, rope, gate_up, dtype):
+def test_replaced_modules_keep_the_logits_bits(tmp_path, family, norms, mlps, rope, gate_up, blocks, dtype):
     """The same logits, bit for bit, before and after: for a batch of two and a row alone (the
-    fused projections' product is taken once for q, k and v, and kept for no other input)."""
+    fused projections' product is taken once for q, k and v, and kept for no other input; each
+    layer's adds fused with the norms after them, the last one's with the model's final norm)."""
     path = tiny_models.make_model(family, tmp_path / family, seed=7, num_hidden_layers=LAYERS)
     model = _load(path, dtype)
     ids = torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -45,6 +46,7 @@ def test_replaced_modules_keep_the_logits_bits(tmp_path, family, norms, mlps, ro
         "rms_norm": norms,
         "silu_mul": mlps,
         "rope": rope,
+        "add_rms_norm": blocks,
         "treeattn_qkv": LAYERS,
         "treeattn_gate_up": gate_up,
     }
@@ -101,6 +103,52 @@ def test_a_module_of_another_formula_is_left_alone(tmp_path):
     assert not fused.is_silu_mlp(mlp)
 
 
+def test_a_norm_waits_on_its_own_sum_only(tmp_path):
+    """The norm a layer's last add computed for the next layer is taken by that layer's input
+    norm only for that very sum: handed another tensor (a hook, a caller running a layer alone),
+    the norm computes its own, and it is taken once."""
+    path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=LAYERS)
+    model = _load(path, torch.float32)
+    fused.install(model)
+    first, nxt = model.model.layers[0], model.model.layers[1].input_layernorm
+    x = torch.randn(1, 3, model.config.hidden_size)
+    with torch.inference_mode():
+        kw = dict(position_embeddings=model.model.rotary_emb(x, torch.arange(3)[None]))
+        total = first(x, **kw)  # (transformers' own attention: the eager module)
+        assert nxt.__dict__.get("treeattn_pending") is not None
+        other = torch.randn_like(total)  # (another tensor, other numbers)
+        want = fused.rms_norm(other, nxt.weight, nxt.variance_epsilon)
+        assert torch.equal(nxt(other), want)  # another tensor: its own norm
+        assert nxt.__dict__.get("treeattn_pending") is None  # (taken once, or dropped)
+        assert torch.equal(nxt(total), fused.rms_norm(total, nxt.weight, nxt.variance_epsilon))
+
+
+def test_a_layer_of_another_block_keeps_its_forward(tmp_path, monkeypatch):
+    """A decoder layer is replaced only where its forward is Llama's pre-norm block: one whose
+    residual is scaled (or whose norm comes after the add) keeps its own, and so do its adds."""
+    path = tiny_models.make_model("llama", tmp_path / "m", seed=7, num_hidden_layers=1)
+    model = _load(path, torch.float32)
+    fused.install(model)
+    layer = model.model.layers[0]
+    assert fused.is_prenorm_layer(layer)
+    real = type(layer).forward
+
+    def scaled(self, hidden_states, **kwargs):  # (Gemma-3-style: a residual multiplier)
+        return real(self, hidden_states, **kwargs) * 1.0001
+
+    def post_norm(self, hidden_states, **kwargs):  # the norm after the add (OLMo-2's order)
+        attn, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+        hidden_states = hidden_states + self.input_layernorm(attn)
+        return hidden_states + self.post_attention_layernorm(self.mlp(hidden_states))
+
+    for variant in (scaled, post_norm):
+        monkeypatch.setattr(type(layer), "forward", variant)
+        assert not fused.is_prenorm_layer(layer), variant.__name__
+        assert fused.install_layers(_load(path, torch.float32)) == 0  # (its norms not fused: nothing)
+        other = _load(path, torch.float32)
+        assert fused.install(other)["add_rms_norm"] == 0, variant.__name__
+
+
 def test_the_step_dispatches_one_operation_a_norm(tmp_path):
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -116,7 +164,10 @@ def test_the_step_dispatches_one_operation_a_norm(tmp_path):
 
     with torch.inference_mode(), Names():
         model(torch.tensor([[5, 6, 7]]))
-    assert seen.count("rms_norm") == 2 * LAYERS + 1 and seen.count("silu_mul") == LAYERS
+    # the first layer's input norm alone; each layer's two adds with the norms after them (the
+    # last one's with the model's final norm)
+    assert seen.count("rms_norm") == 1 and seen.count("add_rms_norm") == 2 * LAYERS
+    assert seen.count("silu_mul") == LAYERS
     assert seen.count("rope") == LAYERS
     assert seen.count("linear") == 4 * LAYERS + 1  # q, k and v in one; o; gate and up in one; down; the head
     assert "rsqrt" not in seen and "silu" not in seen and "neg" not in seen  # (the references' ran below them)

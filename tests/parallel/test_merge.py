@@ -190,6 +190,51 @@ def test_fused_pair_merge_matches_merge_pair():
     assert torch.equal(layer_out.transpose(1, 2), o.to(torch.bfloat16))  # the same numbers, rounded once
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+def test_two_calls_splits_reduce_and_merge_in_one_launch(monkeypatch, splits):
+    """Issue 51: a step's documents' call (the batch's rows as one document's query rows, in two
+    slices of the tile here) and its tail's call (each row its own table, one row with no keys)
+    hand back their splits unreduced, and ``merge_two`` reduces each call's splits and merges the
+    pair in one launch (interpreted here) with the bits of the three launches it replaces (each
+    call's reduce, then ``merge_pair_fused``): in fp32, and into a bf16 layer layout; one side
+    reduced already, the other not, the same."""
+    pytest.importorskip("triton")
+    from treeattn_kernels import Partials, merge_two, partial_triton, targets
+    from treeattn_kernels.merge_triton import merge_pair_fused
+
+    monkeypatch.setitem(partial_triton.ONE_SPLIT_COPY, "on", False)  # (the reduce a GPU launches)
+    g = torch.Generator().manual_seed(5)
+    H, H_kv, d, page, R = 8, 2, 32, 16, 6  # 4 query heads a KV head: 4 rows a tile, 6 rows in 2 slices
+    kp, vp = torch.randn(40, H_kv, page, d, generator=g), torch.randn(40, H_kv, page, d, generator=g)
+    q = torch.randn(R, H, 1, d, generator=g)
+    doc = (q.transpose(0, 1).reshape(1, H, R, d), torch.arange(10)[None], torch.tensor([150]))
+    tail = (
+        q,
+        torch.stack([torch.arange(10 + 3 * r, 13 + 3 * r) for r in range(R)]),
+        torch.tensor([5, 17, 0, 33, 48, 1]),
+    )
+    paged = partial_triton.partial_attention_triton_paged
+    (od, ld), (ot, lt) = (
+        paged(x, kp, vp, t, n, num_splits=splits, out=torch.empty(x.shape)) for x, t, n in (doc, tail)
+    )
+    od, ld = od[0].view(H, R, 1, d).transpose(0, 1), ld[0].view(H, R, 1).transpose(0, 1)
+    want = merge_pair_fused(od, ld, ot, lt)
+    pd, pt = (paged(x, kp, vp, t, n, num_splits=splits, partials=True) for x, t, n in (doc, tail))
+    assert isinstance(pd, Partials) and isinstance(pt, Partials) and pd.shape[:3] == (1, H, R) and pd.step == 4
+    launched = targets._state["counted"] = []
+    try:
+        got = merge_two(pd.of_rows(1), pt)
+    finally:
+        targets._state["counted"] = None
+    assert launched == ["_reduce_pair_kernel"], launched
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0][2], od[2]) and torch.equal(got[1][2], ld[2])  # row 2's tail is empty: the document's
+    assert torch.equal(merge_two((od, ld), pt)[0], want[0])  # one side reduced already
+    layer = torch.full((R, 1, H, d), math.nan, dtype=torch.bfloat16)  # the layer's [R, T, H, d]
+    merge_two(pd.of_rows(1), pt, out=layer.transpose(1, 2))
+    assert torch.equal(layer.transpose(1, 2), want[0].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16), (8, torch.float32)])
 def test_fused_gathered_merge_matches_merge_partials(world, dtype):
     """The one-launch merge of an all-gather's ``[world, B, H, Q, d + 1]`` (interpreted here)

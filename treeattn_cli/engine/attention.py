@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from treeattn_kernels import (
+    Partials,
     add_sink,
     dequantize,
     gather_pages,
     gpu_path,
+    merge_two,
     partial_attention,
     partial_attention_paged,
     reference_only,
@@ -235,8 +237,9 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     # their merge turns back once (a merge is linear in o), where each partial turned both ways
     quant = tail.pool.quant if tail_paged and docs_paged and groups[0][0].pool is tail.pool else None
     qa = quant.rotate(q) if quant is not None else q
+    fuse = takes_triton(q)  # the GPU's merge: the two calls' splits reduced and merged in one launch
     if docs_paged:  # the GPU's path: one launch through the tables
-        o_d, l_d = _documents_paged(ctx, groups, layer, qa, pos, scale, window, softcap, cites, cited, quant)
+        d_part = _documents_paged(ctx, groups, layer, qa, pos, scale, window, softcap, cites, cited, quant, fuse)
         groups = []
     for doc, idx, members in groups:
         qg, pg = (q, pos) if idx is None else (q[idx], pos[idx])
@@ -275,19 +278,19 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
             o_d = torch.zeros(R, H, T, d, dtype=o.dtype, device=o.device)
             l_d = torch.full((R, H, T), float("-inf"), dtype=lse.dtype, device=lse.device)
         o_d[idx], l_d[idx] = o, lse
+    if not docs_paged:
+        d_part = (o_d, l_d)
     if tail_paged:  # the GPU's path: each row's tail through its blocks, one launch
-        o_t, l_t = _tail_paged(ctx, layer, qa, k_new, v_new, scale, window, softcap, quant)
+        t_part = _tail_paged(ctx, layer, qa, k_new, v_new, scale, window, softcap, quant, fuse)
     else:
-        o_t, l_t = _tail_dense(ctx, layer, q, k_new, v_new, scale, window, softcap)
+        t_part = _tail_dense(ctx, layer, q, k_new, v_new, scale, window, softcap)
     out = invariance.empty_rows((R, T, H, d), q.dtype, q.device, width=H * d)  # the layer's layout, o_proj's rows
-    if takes_triton(q):  # (one launch on a GPU; alone, into the layer's output: nothing to merge with)
-        from treeattn_kernels.merge_triton import merge_pair_fused
-
+    if fuse:  # (one launch on a GPU; alone, into the layer's output: nothing to merge with)
         last = comm.world == 1 and quant is None and sink is None
-        o, lse = merge_pair_fused(o_d, l_d, o_t, l_t, out=out.transpose(1, 2) if last else None)
+        o, lse = merge_two(d_part, t_part, out=out.transpose(1, 2) if last else None)
     else:
         last = False
-        o, lse = merge_pair(o_d, l_d, o_t, l_t)
+        o, lse = merge_pair(*d_part, *t_part)
     if quant is not None:
         o = quant.unrotate(o)
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
@@ -375,11 +378,13 @@ def _tail_kernel(q) -> dict:
     return dict(impl=shared_impl(q) if gpu_path(q) else "torch", fixed_splits=True)
 
 
-def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, rotated=None):
+def _tail_paged(
+    ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, rotated=None, partials=False
+):
     """:func:`_tail_dense` read where the tail lies: a pooled tail (``paged_tail.PagedTail``)
     hands each row's blocks as a table, and one paged call reads every row's own tokens from
     the pool (nothing gathered; the positions for masks and windows are the pool's). Same
-    return (``rotated``: :func:`_pooled`'s)."""
+    return (``rotated``, ``partials``: :func:`_pooled`'s)."""
     tail, pos = ctx.tail, ctx.positions
     pool = tail.pool
     if ctx.step:
@@ -392,21 +397,34 @@ def _tail_paged(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, windo
         tail.extend(layer, k_new, v_new)
         tables, kv_len = tail.rows_tables(ctx.rows, extended=True)
     kw = dict(q_pos=pos, pos_pool=pool.pos, window=window) if (q.shape[2] > 1 or window is not None) else {}
-    return _pooled(pool, layer, q, tables, kv_len, rotated, scale=scale, softcap=softcap, **_tail_kernel(q), **kw)
+    return _pooled(
+        pool, layer, q, tables, kv_len, rotated, partials, scale=scale, softcap=softcap, **_tail_kernel(q), **kw
+    )
 
 
-def _pooled(pool, layer: int, q, tables, kv_len, rotated=None, **kw):
+def _pooled(pool, layer: int, q, tables, kv_len, rotated=None, partials=False, **kw):
     """``partial_attention_paged`` over ``pool``'s layer as stored (:func:`_stored`'s twin for
     block tables): an fp8 pool's queries turn into its rotated basis, its per-block scales come
     along, and the output turns back; ``rotated`` (the pool's ``KVQuant``): ``q`` is in that
-    basis already and the output stays in it. Returns ``(o fp32, lse)``."""
+    basis already and the output stays in it. Returns ``(o fp32, lse)``; with ``partials``, where
+    the Triton kernel runs and nothing turns back, its splits unreduced (``Partials``)."""
     quant = pool.quant
     if quant is not None:
         kw.update(k_scale=pool.ks[layer], v_scale=pool.vs[layer])
     turn = quant is not None and rotated is None
-    o, lse = partial_attention_paged(
-        quant.rotate(q) if turn else q, pool.k[layer], pool.v[layer], tables, kv_len, out_dtype=torch.float32, **kw
+    got = partial_attention_paged(
+        quant.rotate(q) if turn else q,
+        pool.k[layer],
+        pool.v[layer],
+        tables,
+        kv_len,
+        out_dtype=torch.float32,
+        partials=partials and not turn,
+        **kw,
     )
+    if isinstance(got, Partials):
+        return got
+    o, lse = got
     return (quant.unrotate(o) if turn else o), lse
 
 
@@ -416,13 +434,17 @@ def pooled_documents(shards) -> bool:
     return len(pools) == 1 and getattr(shards[0], "pool", None) is not None
 
 
-def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, cites, cited, rotated=None):
+def _documents_paged(
+    ctx, groups, layer: int, q, pos, scale, window, softcap, cites, cited, rotated=None, partials=False
+):
     """The documents' partials of a cascade in one paged call (``q [R, H, T, d]``, ``pos [R, T]``):
     each document is a row of the call, its sequences' T-token rows its query rows (padded to
     the longest group; padding at position -1), read through its block table. Returns
-    ``(o [R, H, T, d] fp32, lse [R, H, T])``. ``cites``: each row's citation (or none); the rows
-    that cite get their per-key log-sum-exp over their document's blocks, appended to
-    ``cited`` as :func:`_cascade` reads them; ``rotated``: :func:`_pooled`'s."""
+    ``(o [R, H, T, d] fp32, lse [R, H, T])``, or with ``partials``, where every row reads one
+    document, the call's splits unreduced as ``[R, H, T]`` rows (:func:`_pooled`). ``cites``:
+    each row's citation (or none); the rows that cite get their per-key log-sum-exp over their
+    document's blocks, appended to ``cited`` as :func:`_cascade` reads them; ``rotated``:
+    :func:`_pooled`'s."""
     from .pool import tables_tensor
 
     R, H, T, d = q.shape
@@ -454,10 +476,26 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
                 if i in asking[g]:
                     want[g, j * T : (j + 1) * T] = True
         kw.update(_blocks(qq, tables.shape[1] * pool.page, want.to(q.device)))
-    o, lse = _pooled(pool, layer, qq, tables, kv_len, rotated, scale=scale, softcap=softcap, impl=shared_impl(q), **kw)
-    if whole:  # (views of the call's rows: [R, H, T, d], [R, H, T])
+    got = _pooled(
+        pool,
+        layer,
+        qq,
+        tables,
+        kv_len,
+        rotated,
+        partials and whole,
+        scale=scale,
+        softcap=softcap,
+        impl=shared_impl(q),
+        **kw,
+    )
+    if isinstance(got, Partials):  # (views of the call's rows: [R, H, T], splits unreduced)
+        o_d = got.of_rows(T)
+    elif whole:  # (views of the call's rows: [R, H, T, d], [R, H, T])
+        o, lse = got
         o_d, l_d = o[0].view(H, R, T, d).transpose(0, 1), lse[0].view(H, R, T).transpose(0, 1)
     else:
+        o, lse = got
         o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
         l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
     for g, idx in enumerate(idxs):
@@ -477,7 +515,7 @@ def _documents_paged(ctx, groups, layer: int, q, pos, scale, window, softcap, ci
             n = len(idx)
             o_d[idx] = o[g, :, : n * T].reshape(H, n, T, d).transpose(0, 1).to(o_d.dtype)
             l_d[idx] = lse[g, :, : n * T].reshape(H, n, T).transpose(0, 1)
-    return o_d, l_d
+    return o_d if isinstance(got, Partials) else (o_d, l_d)
 
 
 def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):

@@ -4,6 +4,9 @@ module dispatched several (the census counts them as they run, ``bench/census.py
 
 * ``treeattn::rms_norm``: the RMS norm of Llama, Qwen2/3 and Mistral (eight launches a norm as
   transformers' module; two norms a layer, Qwen3's query and key norms two more);
+* ``treeattn::add_rms_norm``: a layer's residual add and the RMS norm after it (the post-attention
+  norm in the layer; the next layer's input norm, or the model's last, after the MLP), where
+  the layer is Llama's pre-norm block (:func:`install_layers`): two operations for one;
 * ``treeattn::silu_mul``: their MLP's ``silu(gate) * up`` (two launches);
 * ``treeattn::rope``: their attention's rotary embedding of the queries and keys (transformers'
   ``apply_rotary_pos_emb``, ten launches; replaced in the family's modeling module, as Liger
@@ -28,6 +31,7 @@ from .fused_weights import _plain
 # for meta tensors. (``torch.library.custom_op`` costs ~30 µs more a call on a CPU.)
 _LIB = torch.library.Library("treeattn", "FRAGMENT")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIB.define("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
 _LIB.define("silu_mul(Tensor gate, Tensor up) -> Tensor")
 _LIB.define("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
 
@@ -36,6 +40,12 @@ def _rms_norm(x, weight, eps):
     from treeattn_kernels import rms_norm as kernel
 
     return kernel(x, weight, eps, empty=invariance.empty_rows)  # (rows the next linear takes as they lie)
+
+
+def _add_rms_norm(x, residual, weight, eps):
+    from treeattn_kernels import add_rms_norm as kernel
+
+    return kernel(x, residual, weight, eps, empty=invariance.empty_rows)
 
 
 def _silu_mul(gate, up):
@@ -51,9 +61,15 @@ def _rope(q, k, cos, sin):
 
 
 _LIB.impl("rms_norm", _rms_norm, "CompositeExplicitAutograd")
+_LIB.impl("add_rms_norm", _add_rms_norm, "CompositeExplicitAutograd")
 _LIB.impl("silu_mul", _silu_mul, "CompositeExplicitAutograd")
 _LIB.impl("rope", _rope, "CompositeExplicitAutograd")
 _LIB.impl("rms_norm", lambda x, w, eps: x.new_empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype)), "Meta")
+_LIB.impl(
+    "add_rms_norm",
+    lambda x, r, w, eps: (x.new_empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype)), torch.empty_like(x)),
+    "Meta",
+)
 _LIB.impl("silu_mul", lambda gate, up: torch.empty_like(up), "Meta")
 _LIB.impl(
     "rope",
@@ -64,6 +80,7 @@ _LIB.impl(
     "Meta",
 )
 rms_norm = torch.ops.treeattn.rms_norm  # x [..., n], weight [n], eps -> [..., n] (fused_ref.rms_norm_ref)
+add_rms_norm = torch.ops.treeattn.add_rms_norm  # x, residual [..., n], weight, eps -> (normed sum, sum)
 silu_mul = torch.ops.treeattn.silu_mul  # gate, up [...] -> silu(gate) * up (fused_ref.silu_mul_ref)
 rope = torch.ops.treeattn.rope  # q [B, H, T, d], k [B, H_kv, T, d], cos, sin [B, T, d] -> (q, k) rotated
 
@@ -199,6 +216,7 @@ def install(model, weights: bool | None = None) -> dict:
             m.forward = _mlp_forward(m)
             done["silu_mul"] += 1
     done["rope"] = install_rope(model)
+    done["add_rms_norm"] = install_layers(model)
     if weights is None:
         weights = _gpu_branches(model)
     done.update(fused_weights.install(model) if weights else dict.fromkeys(fused_weights.GROUPS, 0))
@@ -219,9 +237,100 @@ def _gpu_branches(model) -> bool:
 
 def _norm_forward(m):
     def forward(hidden_states):
+        pending = m.__dict__.pop("treeattn_pending", None)  # (sum, its norm) the layer before computed
+        if pending is not None and pending[0] is hidden_states:
+            return pending[1]
         return rms_norm(hidden_states, m.weight, m.variance_epsilon)
 
+    forward.treeattn_norm = True
     return forward
+
+
+class _StandIn(torch.nn.Module):
+    """An attention for :func:`is_prenorm_layer`: its rows halved plus one, no weights."""
+
+    def forward(self, hidden_states=None, **kwargs):
+        return hidden_states * 0.5 + 1, None
+
+
+def _fused_norm(m) -> bool:
+    return getattr(getattr(m, "forward", None), "treeattn_norm", False)
+
+
+def is_prenorm_layer(layer, seed: int = 0) -> bool:
+    """Whether decoder layer ``layer`` is Llama's pre-norm block (``h + attn(norm1(h))``, then
+    ``+ mlp(norm2(.))``) with both norms fused: its own forward and :func:`_layer_forward`'s
+    give the same bits on random rows, its attention replaced by a stand-in for the check (the
+    block around it is what is replaced; an extra norm, scale or gate fails)."""
+    if not (_fused_norm(getattr(layer, "input_layernorm", None)) and _fused_norm(layer.post_attention_layernorm)):
+        return False
+    if not isinstance(getattr(layer, "self_attn", None), torch.nn.Module) or not hasattr(layer, "mlp"):
+        return False
+    w = layer.input_layernorm.weight
+    g = torch.Generator().manual_seed(seed)
+    real = layer.self_attn
+    layer.self_attn = _StandIn()
+    try:
+        with torch.inference_mode():
+            x = (torch.randn(2, 3, w.shape[0], generator=g) * 4).to(w.device, w.dtype)
+            return torch.equal(type(layer).forward(layer, x), _layer_forward(layer)(x))
+    except Exception:  # noqa: BLE001 - a layer of another signature: not ours to replace
+        return False
+    finally:
+        layer.self_attn = real
+
+
+def _layer_forward(layer):
+    """Llama's pre-norm block with each residual add fused with the norm after it: the
+    post-attention norm here, and the next layer's input norm (or the model's last norm,
+    ``layer.treeattn_next_norm``) after the MLP, whose output waits on that norm for it (keyed by
+    the sum it normed: a norm handed another tensor computes its own)."""
+
+    def forward(hidden_states, **kwargs):
+        normed = layer.input_layernorm(hidden_states)
+        attn, _ = layer.self_attn(hidden_states=normed, **kwargs)
+        post = layer.post_attention_layernorm
+        normed, hidden = add_rms_norm(attn, hidden_states, post.weight, post.variance_epsilon)
+        out = layer.mlp(normed)
+        nxt = layer.__dict__.get("treeattn_next_norm")
+        if nxt is None:
+            return hidden + out
+        normed, total = add_rms_norm(out, hidden, nxt.weight, nxt.variance_epsilon)
+        nxt.treeattn_pending = (total, normed)
+        return total
+
+    return forward
+
+
+def install_layers(model) -> int:
+    """Replace the forward of every decoder layer of ``model`` that is Llama's pre-norm block
+    (:func:`is_prenorm_layer`, checked once per class) by :func:`_layer_forward`, each layer's
+    last add fused with the next layer's input norm, the last layer's with the model's final
+    norm where that is fused too; returns how many layers."""
+    checked: dict = {}
+    done = 0
+    for stack in model.modules():
+        layers = getattr(stack, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            continue
+        ours = []
+        for layer in layers:
+            kind = type(layer)
+            if kind not in checked:
+                checked[kind] = is_prenorm_layer(layer)
+            ok = checked[kind] and _fused_norm(layer.input_layernorm) and _fused_norm(layer.post_attention_layernorm)
+            ours.append(ok)
+        final = getattr(stack, "norm", None)
+        for i, layer in enumerate(layers):
+            if not ours[i]:
+                continue
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) and ours[i + 1] else None
+            if i + 1 == len(layers) and final is not None and _fused_norm(final):
+                nxt = final
+            layer.__dict__["treeattn_next_norm"] = nxt  # (not a submodule: the next layer owns it)
+            layer.forward = _layer_forward(layer)
+            done += 1
+    return done
 
 
 def _mlp_forward(m, act_mul=None):

@@ -317,14 +317,49 @@ def _fused_merge_checks(device, gen) -> list[dict]:
         except Exception as e:
             err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
         out.append(_record("merge/fused", f"pair d={d} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note))
+    from treeattn_kernels import Partials, merge_two
+
+    from ..parallel.merge import merge_partials
+
+    def made(B, Q, S, d, step):  # random splits of a call, in its slices' layout
+        n = -(-Q // step) * B * 8 * step * S
+        o, lse = torch.randn(n * d, generator=gen), torch.randn(n, generator=gen) * 10
+        return Partials(o.to(device), lse.to(device), (B, 8, Q, S, d), step)
+
+    def dense(p):  # its splits as [B, 8, Q, S(, d)]
+        return (torch.cat(x, dim=2) for x in zip(*(p.slice(i) for i in range(-(-p.shape[2] // p.step)))))
+
+    for d, dt in ((64, torch.float32), (128, torch.bfloat16)):  # two calls' splits unreduced, into the layer
+        docs = made(1, 3, 5, d, 2)  # a step's 3 rows as one document's query rows, in 2 slices
+        tail = made(3, 1, 2, d, 4)  # each row's own tail
+        docs.slice(0)[1][0, :, 1, 2:] = -math.inf  # (empty splits, and a row empty on one side)
+        tail.slice(0)[1][2, 3] = -math.inf
+        (dop, dlp), (top, tlp) = dense(docs), dense(tail)
+        layer_out = torch.empty(3, 1, 8, d, dtype=dt, device=device)
+        t0 = time.perf_counter()
+        try:
+            po, pl = merge_two(docs.of_rows(1), tail, out=layer_out.transpose(1, 2))
+            ro, rl = merge_pair(
+                *merge_partials(dop[0].transpose(0, 1)[:, :, None], dlp[0].transpose(0, 1)[:, :, None], dim=3),
+                *merge_partials(top, tlp, dim=3),
+            )
+            err, note = max(rel_err(po, ro.to(dt)), rel_err(pl, rl)), ""
+        except Exception as e:
+            err, note = math.inf, f"{type(e).__name__}: {e}".splitlines()[0][:120]
+        out.append(
+            _record("merge/fused", f"two calls d={d} {_NAMES[dt]}", err, TOL[dt], time.perf_counter() - t0, note)
+        )
     return out
 
 
 def _fused_layer_checks(device, gen) -> list[dict]:
     """The layer's small kernels (issue 51: the RMS norm, SiLU × up) against their torch
     references, which are transformers' own operations."""
-    from treeattn_kernels.fused_ref import rms_norm_ref, rope_ref, silu_mul_ref
-    from treeattn_kernels.fused_triton import rms_norm_triton, rope_triton, silu_mul_triton
+    from treeattn_kernels.fused_ref import add_rms_norm_ref, rms_norm_ref, rope_ref, silu_mul_ref
+    from treeattn_kernels.fused_triton import add_rms_norm_triton, rms_norm_triton, rope_triton, silu_mul_triton
+
+    def both(pair):  # (the normed sum and the sum, as one tensor)
+        return torch.cat([t.float().flatten() for t in pair])
 
     out = []
     for n, dt in ((4096, torch.bfloat16), (896, torch.float16), (128, torch.float32)):
@@ -334,6 +369,11 @@ def _fused_layer_checks(device, gen) -> list[dict]:
         for what, fast, ref in (
             ("rms_norm", lambda: rms_norm_triton(x, w, 1e-6), lambda: rms_norm_ref(x, w, 1e-6)),
             ("silu_mul", lambda: silu_mul_triton(x, up), lambda: silu_mul_ref(x, up)),
+            (
+                "add_rms_norm",
+                lambda: both(add_rms_norm_triton(x, up, w, 1e-6)),
+                lambda: both(add_rms_norm_ref(x, up, w, 1e-6)),
+            ),
         ):
             t0 = time.perf_counter()
             try:
