@@ -90,19 +90,27 @@ class Partials(NamedTuple):
         return self._replace(rows=(0, T))
 
 
-def merge_two(a, b, *, out=None):
+def merge_two(a, b, *, out=None, rotation=None):
     """Two partials of one query's disjoint keys merged, each ``(o, lse)`` or :class:`Partials`
     (``o [B, H, T, d]``): both unreduced, one Triton launch (``merge_triton.reduce_pair``: each
     call's splits reduced as its own reduce would, the pair merged as ``merge_pair_fused``, the
     same bits); else each reduced, then ``merge_pair_fused``. ``(o fp32, lse)``, or ``o`` written
-    into ``out`` (any strides but along d, any dtype) and ``out`` returned. The GPU's branches
-    only (Triton, interpreted on a CPU)."""
+    into ``out`` (any strides but along d, any dtype) and ``out`` returned; ``rotation [d, d]``:
+    the merged ``o`` turned by it first (``o @ rotation``: an fp8 pool's output back from its
+    rotated basis, in the same launch where both are unreduced). The GPU's branches only (Triton,
+    interpreted on a CPU)."""
     from .merge_triton import merge_pair_fused, reduce_pair
 
     if isinstance(a, Partials) and isinstance(b, Partials):
-        return reduce_pair(a, b, out=out)
+        return reduce_pair(a, b, out=out, rotation=rotation)
     (oa, la), (ob, lb) = (reduce_pair(p, None) if isinstance(p, Partials) else p for p in (a, b))
-    return merge_pair_fused(oa, la, ob, lb, out=out)
+    if rotation is None:
+        return merge_pair_fused(oa, la, ob, lb, out=out)
+    o, lse = merge_pair_fused(oa, la, ob, lb)
+    o = o @ rotation.to(o.device, torch.float32)
+    if out is not None:
+        out.copy_(o)
+    return (o if out is None else out), lse
 
 
 def use_reference(on: bool = True) -> None:

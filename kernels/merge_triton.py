@@ -75,11 +75,14 @@ def _reduce_pair_kernel(
     T,
     pa,
     pb,
+    RT,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
-    # pa, pb: (B, Q, S, step, cb, cq) of each call's Partials; so: (b, h, t) strides of the output
+    # pa, pb: (B, Q, S, step, cb, cq) of each call's Partials; so: (b, h, t) strides of the output;
+    # BLOCK_C > 0: the merged row turned by RT [D, D] fp32 (o @ RT), BLOCK_C output channels at a time
     r = tl.program_id(0).to(tl.int64)  # one (r, h, t) row
     b, h, t = r // (H * T), r // T % H, r % T
     dd = tl.arange(0, BLOCK_D)
@@ -88,7 +91,14 @@ def _reduce_pair_kernel(
     oa, la = _reduce_splits(OA, LA, ra, pa[2], 0.0, D, BLOCK_S, BLOCK_D, False)
     ob, lb = _reduce_splits(OB, LB, rb, pb[2], 0.0, D, BLOCK_S, BLOCK_D, False)
     o, lse = _merge_two(oa, la, ob, lb)
-    tl.store(O + b * so[0] + h * so[1] + t * so[2] + dd, o.to(O.dtype.element_ty), mask=dd < D)
+    row = O + b * so[0] + h * so[1] + t * so[2]
+    if BLOCK_C > 0:
+        for c0 in tl.static_range(0, BLOCK_D, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            rt = tl.load(RT + dd[:, None] * D + cc[None, :], mask=(dd < D)[:, None] & (cc < D)[None, :], other=0.0)
+            tl.store(row + cc, tl.sum(o[:, None] * rt, 0).to(O.dtype.element_ty), mask=cc < D)
+    else:
+        tl.store(row + dd, o.to(O.dtype.element_ty), mask=dd < D)
     tl.store(L + r, lse)
 
 
@@ -229,12 +239,15 @@ def merge_pair_fused(o_a, lse_a, o_b, lse_b, *, out=None):
     return o, lse
 
 
-def reduce_pair(a, b, *, out=None):
+def reduce_pair(a, b, *, out=None, rotation=None):
     """Two calls' unreduced splits (``Partials`` of ``partial_attention_triton*(...,
     partials=True)``), as ``[R, H, T]`` rows by their ``rows``, each call's splits reduced as its
     own reduce would and the two merged as :func:`merge_pair_fused` would: one launch where those
     took three, the same ``(o [R, H, T, d] fp32, lse [R, H, T])``; ``out`` as
-    :func:`merge_pair_fused`'s. ``b`` None: ``a``'s alone (a merge with no splits is exact)."""
+    :func:`merge_pair_fused`'s. ``b`` None: ``a``'s alone (a merge with no splits is exact).
+    ``rotation [d, d]`` (fp32): the merged ``o`` turned by it, ``o @ rotation``, before it is
+    written (an fp8 pool's unrotation: the merge is linear in ``o``; summed in the kernel's
+    order, not a GEMM's)."""
     B, H, Q, S, d = a.shape
     R, T = (B, Q) if a.rows[1] == 0 else (Q // a.rows[1], a.rows[1])
     if b is None:  # (no splits: o = 0, lse = -inf, weighed 0)
@@ -247,6 +260,9 @@ def reduce_pair(a, b, *, out=None):
         sides.append((pB, pQ, pS, p.step, *p.rows))
     o = out if out is not None else torch.empty(R, H, T, d, dtype=torch.float32, device=a.op.device)
     assert o.shape == (R, H, T, d) and o.stride(-1) == 1, (o.shape, R, H, T, d)
+    if rotation is not None:
+        rotation = rotation.to(device=o.device, dtype=torch.float32).contiguous()
+        assert rotation.shape == (d, d), rotation.shape
     lse = torch.empty(R, H, T, dtype=torch.float32, device=a.op.device)
     if o.numel():
         launch(
@@ -263,9 +279,11 @@ def reduce_pair(a, b, *, out=None):
             T,
             sides[0],
             sides[1],
+            rotation if rotation is not None else lse,  # (a placeholder: BLOCK_C = 0 compiles it out)
             D=d,
             BLOCK_D=triton.next_power_of_2(d),
             BLOCK_S=REDUCE_BLOCK_S,
+            BLOCK_C=0 if rotation is None else min(32, triton.next_power_of_2(d)),
             num_warps=4,
         )
     return o, lse

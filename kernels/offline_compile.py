@@ -844,6 +844,8 @@ def launches(target: Target, calls=None):
             docs = Partials(_meta(2 * 32 * 4 * 4 * d, dtype=f32), _meta(2 * 32 * 4 * 4, dtype=f32), (1, 32, 8, 4, d), 4)
             tail = Partials(_meta(8 * 32 * 2 * d, dtype=f32), _meta(8 * 32 * 2, dtype=f32), (8, 32, 1, 2, d), 4)
             reduce_pair(docs.of_rows(1), tail, out=_meta(8, 1, 32, d, dtype=dt).transpose(1, 2))
+            rotation = _meta(d, d, dtype=f32)  # (an fp8 pool's output turned back in the same launch)
+            reduce_pair(docs.of_rows(1), tail, out=_meta(8, 1, 32, d, dtype=dt).transpose(1, 2), rotation=rotation)
             every = _meta(8, 1, 32, 1, d + 1, dtype=torch.float32)  # an all-gather of 8 ranks' [o, lse]
             merge_gathered_fused(every, out=_meta(1, 1, 32, d, dtype=dt).transpose(1, 2), dtype=dt)
 

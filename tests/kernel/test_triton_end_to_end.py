@@ -107,11 +107,15 @@ def test_documents_in_the_pool_through_the_paged_kernel_equal_transformers(tiny)
     for ds, asked in ((docs, qs), (docs[:1], [(0, QS[0]), (0, QS[1])])):
         (got, _), _, _ = run_local(triton_mixed, 1, job, ds, asked, 3, new, timeout_s=600)[0]
         assert got == [tiny_models.hf_greedy(llama, ds[d] + q, new) for d, q in asked], len(ds)
-    # the fixed row policy a GPU runs (chunks of 8 here): every linear layer of a step takes its
-    # short chunk where its producer left it (the norms, silu x up, the attention's output, the
-    # final norm for the LM head), none copied into the policy's buffer, and the answers hold
-    (got, _), steps, rows = run_local(triton_fixed_rows, 1, job, docs, qs, 3, new, timeout_s=600)[0]
-    assert got == [tiny_models.hf_greedy(llama, docs[d] + q, new) for d, q in qs]
+    # one rank, an fp8 pool, one document, under the fixed row policy a GPU runs (chunks of 8
+    # here): the step's merge turns the output back from the pool's rotated basis and writes the
+    # layer's output in the same launch, and every linear layer of a step takes its short chunk
+    # where its producer left it (the norms, silu x up, the attention's output, the final norm for
+    # the LM head), none copied into the policy's buffer; the answers hold
+    job8 = EngineJob(str(llama), [], max_new_tokens=new, dtype="float32", kv_dtype="fp8")
+    asked = [(0, QS[0]), (0, QS[1])]
+    (got, _), steps, rows = run_local(triton_fixed_rows, 1, job8, docs[:1], asked, 3, new, timeout_s=600)[0]
+    assert got == [tiny_models.hf_greedy(llama, docs[0] + q, new, kv_round=rnd) for _, q in asked]
     assert steps >= new - 1 and rows == {"in_place": steps * (4 + 1), "copied": 0}, (steps, rows)
 
 

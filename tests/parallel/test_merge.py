@@ -233,6 +233,15 @@ def test_two_calls_splits_reduce_and_merge_in_one_launch(monkeypatch, splits):
     layer = torch.full((R, 1, H, d), math.nan, dtype=torch.bfloat16)  # the layer's [R, T, H, d]
     merge_two(pd.of_rows(1), pt, out=layer.transpose(1, 2))
     assert torch.equal(layer.transpose(1, 2), want[0].to(torch.bfloat16))
+    # an fp8 pool's output turned back from its rotated basis in the same launch (summed in the
+    # kernel's order: within fp32 rounding of the merged o times the rotation), and into the layer
+    rot = torch.linalg.qr(torch.randn(d, d, generator=g))[0]
+    turned, lse = merge_two(pd.of_rows(1), pt, rotation=rot)
+    torch.testing.assert_close(turned, want[0] @ rot, rtol=1e-6, atol=1e-6)
+    assert torch.equal(lse, want[1])
+    merge_two(pd.of_rows(1), pt, out=layer.transpose(1, 2), rotation=rot)
+    torch.testing.assert_close(layer.transpose(1, 2).float(), turned, rtol=2**-8, atol=2**-8)
+    torch.testing.assert_close(merge_two((od, ld), pt, rotation=rot)[0], turned, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16), (8, torch.float32)])

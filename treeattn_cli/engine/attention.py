@@ -285,14 +285,15 @@ def _cascade(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, 
     else:
         t_part = _tail_dense(ctx, layer, q, k_new, v_new, scale, window, softcap)
     out = invariance.empty_rows((R, T, H, d), q.dtype, q.device, width=H * d)  # the layer's layout, o_proj's rows
-    if fuse:  # (one launch on a GPU; alone, into the layer's output: nothing to merge with)
-        last = comm.world == 1 and quant is None and sink is None
-        o, lse = merge_two(d_part, t_part, out=out.transpose(1, 2) if last else None)
+    if fuse:  # (one launch on a GPU, an fp8 pool's unrotation in it; alone, into the layer's output)
+        last = comm.world == 1 and sink is None
+        rotation = None if quant is None else quant.rt
+        o, lse = merge_two(d_part, t_part, out=out.transpose(1, 2) if last else None, rotation=rotation)
     else:
         last = False
         o, lse = merge_pair(*d_part, *t_part)
-    if quant is not None:
-        o = quant.unrotate(o)
+        if quant is not None:
+            o = quant.unrotate(o)
     if sink is not None and comm.rank == 0:  # the same queries on every rank: the sink joins once
         o, lse = add_sink(o, lse, sink)
     if not last:
