@@ -62,7 +62,11 @@ def _split_row(r, h, t, H, B, Q, S, step, cb, cq):
     return i * (B * H * step * S) + ((b * H + h) * qn + (q - i * step)) * S
 
 
-@triton.jit
+_SIDE = ("B", "Q", "S", "step", "cb", "cq")
+_SIDES = [f"{x}_a" for x in _SIDE] + [f"{x}_b" for x in _SIDE]
+
+
+@triton.jit(do_not_specialize=["sor", "soh", "sot", "H", "T"] + _SIDES)
 def _reduce_pair_kernel(
     OA,
     LA,
@@ -70,28 +74,41 @@ def _reduce_pair_kernel(
     LB,
     O,
     L,
-    so,
+    RT,
+    sor,
+    soh,
+    sot,
     H,
     T,
-    pa,
-    pb,
-    RT,
+    B_a,
+    Q_a,
+    S_a,
+    step_a,
+    cb_a,
+    cq_a,
+    B_b,
+    Q_b,
+    S_b,
+    step_b,
+    cb_b,
+    cq_b,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    # pa, pb: (B, Q, S, step, cb, cq) of each call's Partials; so: (b, h, t) strides of the output;
-    # BLOCK_C > 0: the merged row turned by RT [D, D] fp32 (o @ RT), BLOCK_C output channels at a time
+    # *_a, *_b: each call's Partials (B, Q, S, step, rows); so*: (r, h, t) strides of the output;
+    # BLOCK_C > 0: the merged row turned by RT [D, D] fp32 (o @ RT), BLOCK_C output channels at a
+    # time. Runtime integers are not specialized: one kernel for every batch, length and split count
     r = tl.program_id(0).to(tl.int64)  # one (r, h, t) row
     b, h, t = r // (H * T), r // T % H, r % T
     dd = tl.arange(0, BLOCK_D)
-    ra = _split_row(b, h, t, H, pa[0], pa[1], pa[2], pa[3], pa[4], pa[5])
-    rb = _split_row(b, h, t, H, pb[0], pb[1], pb[2], pb[3], pb[4], pb[5])
-    oa, la = _reduce_splits(OA, LA, ra, pa[2], 0.0, D, BLOCK_S, BLOCK_D, False)
-    ob, lb = _reduce_splits(OB, LB, rb, pb[2], 0.0, D, BLOCK_S, BLOCK_D, False)
+    ra = _split_row(b, h, t, H, B_a, Q_a, S_a, step_a, cb_a, cq_a)
+    rb = _split_row(b, h, t, H, B_b, Q_b, S_b, step_b, cb_b, cq_b)
+    oa, la = _reduce_splits(OA, LA, ra, S_a, 0.0, D, BLOCK_S, BLOCK_D, False)
+    ob, lb = _reduce_splits(OB, LB, rb, S_b, 0.0, D, BLOCK_S, BLOCK_D, False)
     o, lse = _merge_two(oa, la, ob, lb)
-    row = O + b * so[0] + h * so[1] + t * so[2]
+    row = O + b * sor + h * soh + t * sot
     if BLOCK_C > 0:
         for c0 in tl.static_range(0, BLOCK_D, BLOCK_C):
             cc = c0 + tl.arange(0, BLOCK_C)
@@ -274,12 +291,12 @@ def reduce_pair(a, b, *, out=None, rotation=None):
             b.lp,
             o,
             lse,
-            o.stride()[:3],
+            rotation if rotation is not None else lse,  # (a placeholder: BLOCK_C = 0 compiles it out)
+            *o.stride()[:3],
             H,
             T,
-            sides[0],
-            sides[1],
-            rotation if rotation is not None else lse,  # (a placeholder: BLOCK_C = 0 compiles it out)
+            *sides[0],
+            *sides[1],
             D=d,
             BLOCK_D=triton.next_power_of_2(d),
             BLOCK_S=REDUCE_BLOCK_S,

@@ -52,6 +52,7 @@ _LN2_C = tl.constexpr(LN2)
 
 MAX_ROWS = 128  # query rows (G * Q) per program tile
 REDUCE_BLOCK_S = 16  # splits merged per iteration of the reduce kernel
+PARTIALS_CAP = 64 << 20  # bytes: a call's unreduced splits kept for one merge (else reduced per slice)
 ONE_SPLIT_COPY = {"on": True}  # the interpreter's copy for a reduce of one split (_attend; tests turn it off)
 LAST_LAUNCH: dict = {}  # the last compiled split kernel (its resource report, for tuning)
 
@@ -997,7 +998,10 @@ def _attend(
     if partials is True:  # one buffer for every slice's splits (each slice's plan has as many)
         S = _plan(B, H_kv, G, min(Q, step), N, d, q.dtype, dev, k.dtype, groups, tuning, page, q_pos is not None)
         S = S[1].splits
-        n = -(-Q // step) * B * H * step * S
+        n = B * H * Q * S  # (every slice but the last holds step rows: slice i starts at i·B·H·step·S)
+        if n * d * 4 > PARTIALS_CAP:  # (a big batch over a long document: reduced a slice at a time)
+            partials = None
+    if partials is True:
         partials = Partials(
             torch.empty(n * d, dtype=torch.float32, device=dev),
             torch.empty(n, dtype=torch.float32, device=dev),

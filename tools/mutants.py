@@ -152,8 +152,8 @@ MUTANTS = [
         "reduce-pair-split-counts-swapped",
         "the one-launch reduce of two calls reads the first call's splits by the second's count",
         "kernels/merge_triton.py",
-        "    oa, la = _reduce_splits(OA, LA, ra, pa[2],",
-        "    oa, la = _reduce_splits(OA, LA, ra, pb[2],",
+        "    oa, la = _reduce_splits(OA, LA, ra, S_a,",
+        "    oa, la = _reduce_splits(OA, LA, ra, S_b,",
         ("tests/parallel/test_merge.py::test_two_calls_splits_reduce_and_merge_in_one_launch",),
     ),
     Mutant(

@@ -242,6 +242,14 @@ def test_two_calls_splits_reduce_and_merge_in_one_launch(monkeypatch, splits):
     merge_two(pd.of_rows(1), pt, out=layer.transpose(1, 2), rotation=rot)
     torch.testing.assert_close(layer.transpose(1, 2).float(), turned, rtol=2**-8, atol=2**-8)
     torch.testing.assert_close(merge_two((od, ld), pt, rotation=rot)[0], turned, rtol=1e-6, atol=1e-6)
+    # a call whose splits would take more than the cap is reduced as before (a big batch over a
+    # long document keeps one slice's splits alive at a time), and merges the same
+    monkeypatch.setattr(partial_triton, "PARTIALS_CAP", 1024)
+    x, t, n = doc
+    big = paged(x, kp, vp, t, n, num_splits=splits, partials=True, out=torch.empty(x.shape))
+    assert not isinstance(big, Partials)
+    big = (big[0][0].view(H, R, 1, d).transpose(0, 1), big[1][0].view(H, R, 1).transpose(0, 1))
+    assert torch.equal(merge_two(big, pt)[0], want[0])
 
 
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16), (8, torch.float32)])

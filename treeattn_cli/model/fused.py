@@ -319,7 +319,8 @@ def install_layers(model) -> int:
             if kind not in checked:
                 checked[kind] = is_prenorm_layer(layer)
             ok = checked[kind] and _fused_norm(layer.input_layernorm) and _fused_norm(layer.post_attention_layernorm)
-            ours.append(ok)
+            # (each layer's own parts too: a hybrid class may hold another attention in some layers)
+            ours.append(ok and isinstance(getattr(layer, "self_attn", None), torch.nn.Module) and hasattr(layer, "mlp"))
         final = getattr(stack, "norm", None)
         for i, layer in enumerate(layers):
             if not ours[i]:
