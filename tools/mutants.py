@@ -184,8 +184,8 @@ MUTANTS = [
         "one-rank-merge-writes-nothing",
         "alone (one rank), a step's merged attention is never written into the layer's output",
         "treeattn_cli/engine/attention.py",
-        "out=out.transpose(1, 2) if last else None)",
-        "out=None)",
+        "out=out.transpose(1, 2) if last else None, rotation",
+        "out=None, rotation",
         (
             "tests/kernel/test_triton_end_to_end.py::test_documents_in_the_pool_through_the_paged_kernel_equal_transformers",
         ),
