@@ -84,6 +84,15 @@ class Partials(NamedTuple):
             self.lp[at : at + B * H * q * S].view(B, H, q, S),
         )
 
+    def dense(self):
+        """``(op [B, H, Q, S, d], lp [B, H, Q, S])``: the slices side by side (a copy where
+        there are several)."""
+        B, H, Q, S, d = self.shape
+        parts = [self.slice(i) for i in range(-(-Q // self.step))]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+
     def of_rows(self, T: int) -> Partials:
         """These splits merged as ``[R, H, T]`` rows where the call's query rows were each row's
         ``T`` tokens in turn, of one document (``B = 1``)."""
