@@ -54,6 +54,12 @@ def _add_rms_norm_kernel(X, R, W, Y, S, sx, sr, sy, ss, N, eps, BLOCK: tl.conste
     tl.store(Y + row * sy + cols, y, mask=ok)
 
 
+def _row_tile(n: int) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` of a norm's program: the row of ``n`` in registers."""
+    block = triton.next_power_of_2(n)
+    return block, 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, empty=torch.empty) -> torch.Tensor:
     """:func:`fused_ref.rms_norm_ref` in one launch: ``x [..., n]`` (rows of unit stride),
     ``weight [n]``. ``empty(shape, dtype=, device=)`` makes the output (a caller's rows padded for
@@ -63,8 +69,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, empty=tor
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    block = triton.next_power_of_2(n)
-    warps = 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+    block, warps = _row_tile(n)
     if rows.shape[0]:
         launch(
             _rms_norm_kernel,
@@ -91,8 +96,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     rows, res = (t if t.stride(-1) == 1 else t.contiguous() for t in (rows, res))
     out = empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    block = triton.next_power_of_2(n)
-    warps = 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+    block, warps = _row_tile(n)
     if rows.shape[0]:
         launch(
             _add_rms_norm_kernel,
