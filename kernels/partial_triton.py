@@ -25,6 +25,9 @@ Two launches:
      score tiles as they pass (``LSE_BLOCK``; 0: compiled out, the kernel as without it).
   2. ``_reduce_kernel``: one program per (batch, head, query row) merges the splits with the
      LSE math of docs/architecture.md §2 and writes ``o`` in q's dtype and ``lse`` (natural log, fp32).
+     Asked for (``partials=True``), a call skips it and hands back its splits (``Partials``):
+     a decode step's two calls are reduced and merged in one launch, ``merge_triton.reduce_pair``,
+     with this reduce's own formula (``_reduce_splits``).
 
 The torch reference with the same signature is ``partial_ref.partial_attention_ref``.
 """

@@ -490,12 +490,11 @@ def _documents_paged(
         impl=shared_impl(q),
         **kw,
     )
-    if isinstance(got, Partials):  # (views of the call's rows: [R, H, T], splits unreduced)
-        o_d = got.of_rows(T)
-    elif whole:  # (views of the call's rows: [R, H, T, d], [R, H, T])
+    unreduced = isinstance(got, Partials)  # (every row over one document: returned as [R, H, T] rows)
+    if whole and not unreduced:  # (views of the call's rows: [R, H, T, d], [R, H, T])
         o, lse = got
         o_d, l_d = o[0].view(H, R, T, d).transpose(0, 1), lse[0].view(H, R, T).transpose(0, 1)
-    else:
+    elif not whole:
         o, lse = got
         o_d = torch.zeros(R, H, T, d, dtype=torch.float32, device=q.device)
         l_d = torch.full((R, H, T), float("-inf"), dtype=torch.float32, device=q.device)
@@ -516,7 +515,7 @@ def _documents_paged(
             n = len(idx)
             o_d[idx] = o[g, :, : n * T].reshape(H, n, T, d).transpose(0, 1).to(o_d.dtype)
             l_d[idx] = lse[g, :, : n * T].reshape(H, n, T).transpose(0, 1)
-    return o_d if isinstance(got, Partials) else (o_d, l_d)
+    return got.of_rows(T) if unreduced else (o_d, l_d)
 
 
 def _replicated(ctx: AttentionContext, layer: int, q, k_new, v_new, scale, window, softcap, sink):
